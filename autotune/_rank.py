@@ -1,0 +1,48 @@
+"""Entry point of one rank started by :func:`autotune.launch.run_ranks` (``python -m autotune._rank DIR RANK``)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+
+def main(tmpdir: str, rank_str: str) -> int:
+    rank = int(rank_str)
+    spec = pickle.loads((Path(tmpdir) / "spec.pkl").read_bytes())
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec["num_threads"]))
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_runtime.errors import AutotuneError
+    from autotune.launch import EXIT_USER_ERROR
+
+    torch.set_num_threads(spec["num_threads"])
+    world_size = spec["world_size"]
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], world_size + 1, is_master=False, timeout=timedelta(seconds=spec["pg_timeout_s"]))
+    dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=spec["pg_timeout_s"]))
+    module_name, fn_name = spec["target"].split(":")
+    fn = getattr(importlib.import_module(module_name), fn_name)
+    try:
+        result = fn(rank, world_size, **spec["kwargs"])
+    except AutotuneError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(EXIT_USER_ERROR)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        # Skip interpreter teardown: a peer may be blocked in a collective with us.
+        os._exit(1)
+    tmp = Path(tmpdir) / f".result_{rank}.pkl"
+    tmp.write_bytes(pickle.dumps(result))
+    tmp.replace(Path(tmpdir) / f"result_{rank}.pkl")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

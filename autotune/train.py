@@ -1,0 +1,109 @@
+"""The training workload that trials and multi-rank tests run on every rank.
+
+Data is synthetic and deterministic: microbatch ``m`` of step ``s`` on data-parallel rank
+``r`` is drawn from a generator seeded by ``(seed, s, m, r)``, so a single-process
+reference can rebuild the exact global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_runtime import AppliedFsdp, GradAccumulator, apply_fsdp, config_from_dict
+from profiles import ModelProfile, build_model, load_model_profile
+
+LEARNING_RATE = 1e-3
+
+
+def make_microbatch(profile: ModelProfile, *, seed: int, step: int, microbatch: int, dp_rank: int) -> torch.Tensor:
+    """Token ids ``(batch_size, seq_len + 1)``: inputs are ``[:, :-1]``, targets ``[:, 1:]``."""
+    key = ((seed * 1_000_003 + step) * 1_000_003 + microbatch) * 1_000_003 + dp_rank
+    gen = torch.Generator().manual_seed(key % (2**62))
+    return torch.randint(0, profile.shape.vocab_size, (profile.batch_size, profile.seq_len + 1), generator=gen)
+
+
+def compute_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+@dataclass(kw_only=True)
+class Training:
+    """A sharded model, its optimizer and accumulation driver, ready to step."""
+
+    profile: ModelProfile
+    applied: AppliedFsdp
+    optimizer: torch.optim.Optimizer
+    accumulator: GradAccumulator
+    seed: int
+    dp_rank: int
+
+    @property
+    def model(self) -> nn.Module:
+        return self.applied.model
+
+    def step(self, step: int) -> float:
+        """One optimizer step over all microbatches; returns this rank's loss (sum of microbatch losses)."""
+        total = torch.zeros(())
+        num = self.accumulator.num_microbatches
+        for m in range(num):
+            tokens = make_microbatch(self.profile, seed=self.seed, step=step, microbatch=m, dp_rank=self.dp_rank)
+            with self.accumulator.microbatch(m):
+                loss = compute_loss(self.model, tokens) / num
+                loss.backward()
+            total += loss.detach()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total.item()
+
+
+def resolve_profile(model: str | dict[str, Any]) -> ModelProfile:
+    """A profile name/path, or ``{"name": ..., **overrides}`` for a resized proxy."""
+    if isinstance(model, str):
+        return load_model_profile(model)
+    overrides = dict(model)
+    return load_model_profile(overrides.pop("name")).with_overrides(**overrides)
+
+
+def build_training(rank: int, world_size: int, *, model: str | dict[str, Any], config: dict[str, Any], seed: int = 0) -> Training:
+    profile = resolve_profile(model)
+    runtime_config = config_from_dict(config)
+    torch.manual_seed(seed)
+    module = build_model(profile, seed=seed)
+    applied = apply_fsdp(module, runtime_config)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+    return Training(profile=profile, applied=applied, optimizer=optimizer, accumulator=GradAccumulator(applied), seed=seed, dp_rank=rank)
+
+
+def train_losses(rank: int, world_size: int, *, model: str | dict[str, Any], config: dict[str, Any], num_steps: int, seed: int = 0) -> list[float]:
+    """Rank program: train ``num_steps`` steps and return this rank's per-step losses."""
+    training = build_training(rank, world_size, model=model, config=config, seed=seed)
+    return [training.step(s) for s in range(num_steps)]
+
+
+def reference_losses(*, model: str | dict[str, Any], world_size: int, num_microbatches: int, num_steps: int, seed: int = 0) -> list[list[float]]:
+    """Single-process, non-FSDP run on the combined batch; per-step losses as each rank would see them."""
+    profile = resolve_profile(model)
+    torch.manual_seed(seed)
+    module = build_model(profile, seed=seed)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+    per_rank: list[list[float]] = [[] for _ in range(world_size)]
+    for s in range(num_steps):
+        totals = [0.0] * world_size
+        for m in range(num_microbatches):
+            batches = [make_microbatch(profile, seed=seed, step=s, microbatch=m, dp_rank=r) for r in range(world_size)]
+            losses = [compute_loss(module, b) / num_microbatches for b in batches]
+            # FSDP averages gradients over ranks: the global loss is the mean of rank losses.
+            (torch.stack(losses).mean()).backward()
+            for r, loss in enumerate(losses):
+                totals[r] += loss.item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for r in range(world_size):
+            per_rank[r].append(totals[r])
+    return per_rank

@@ -1,0 +1,55 @@
+"""fsdp_runtime: apply a tuned FSDP2 runtime config to a model. Depends on torch only.
+
+    from fsdp_runtime import load_config, apply_fsdp, GradAccumulator
+    applied = apply_fsdp(model, load_config("best.toml"))
+"""
+
+from fsdp_runtime.accumulation import GradAccumulator
+from fsdp_runtime.apply import AppliedFsdp, apply_fsdp, find_block_names, resolve_units
+from fsdp_runtime.config import (
+    ROOT_UNIT,
+    SCHEMA_VERSION,
+    CheckpointConfig,
+    MeshConfig,
+    MixedPrecisionConfig,
+    Provenance,
+    RuntimeConfig,
+    UnitConfig,
+    config_from_dict,
+    config_to_dict,
+    default_config,
+    dumps_config,
+    load_config,
+    loads_config,
+    save_config,
+    validate_config,
+    validate_for_world,
+)
+from fsdp_runtime.errors import AutotuneError, ConfigError
+
+__all__ = [
+    "ROOT_UNIT",
+    "SCHEMA_VERSION",
+    "AppliedFsdp",
+    "AutotuneError",
+    "CheckpointConfig",
+    "ConfigError",
+    "GradAccumulator",
+    "MeshConfig",
+    "MixedPrecisionConfig",
+    "Provenance",
+    "RuntimeConfig",
+    "UnitConfig",
+    "apply_fsdp",
+    "config_from_dict",
+    "config_to_dict",
+    "default_config",
+    "dumps_config",
+    "find_block_names",
+    "load_config",
+    "loads_config",
+    "resolve_units",
+    "save_config",
+    "validate_config",
+    "validate_for_world",
+]

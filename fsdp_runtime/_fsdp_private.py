@@ -1,0 +1,129 @@
+"""Every use of FSDP2 internals lives here, so a torch upgrade breaks one file.
+
+[Note: async unshard on CPU]
+On CUDA, FSDP2 overlaps all-gathers with compute by issuing them on a separate stream.
+On CPU the "streams" are dummies, so an all-gather issued with ``async_op=False`` blocks
+the training thread until it completes, and explicit prefetch only *reorders* blocking
+calls. ``FSDPModule._set_unshard_async_op(True)`` (private in torch 2.6-2.13) issues the
+all-gather with ``async_op=True``; the wait moves into ``FSDP::all_gather_copy_out`` when
+the unit is actually needed. That is what makes prefetch real on CPU/gloo (measured in
+shared/FINDINGS.md: with a waiting "accelerator", async + prefetch 1 cut step time
+3175 -> 2683 ms). On GPU it has a different meaning (all-gather allocations on the
+default stream) and is left off by default.
+
+[Note: concat deferral]
+fairscale #1180 (FSDP1): every parameter of a unit is a view of one flat parameter, so
+autograd's ``SplitWithSizesBackward`` *concatenated* the per-parameter gradients into a
+fresh flat gradient on every microbatch and added it to ``flat_param.grad``; the PR
+deferred that cat() to the last microbatch, accumulating per-parameter gradients until
+then (+15% e2e in the seed).
+
+FSDP2 has no flat parameter. Per unit and microbatch it does:
+  1. autograd accumulates each parameter's gradient into ``unsharded_param.grad``
+     (in place after the first microbatch);
+  2. with a reduce dtype wider than the param dtype, up-casts it into an fp32
+     accumulation buffer (``to_accumulated_grad_if_needed`` /
+     ``accumulate_unsharded_grad_if_needed``) every microbatch;
+  3. on a microbatch that reduces, packs all gradients into one reduce-scatter input
+     (``chunk_cat``: the FSDP2 concat) and reduce-scatters it.
+So on a microbatch that does *not* reduce (``sync = "last"``), FSDP2 already defers the
+concat: step 3 happens once, at the sync microbatch. That is ``defer_concat = True``.
+
+``defer_concat = False`` reproduces FSDP1's eager behaviour as a per-unit knob: on every
+non-sync microbatch, right after the unit's post-backward, the unit's gradients are
+concatenated into a flat accumulator (``flat += cat(grads)``, one new flat tensor per
+microbatch, per-parameter grads freed), and on the sync microbatch the last gradients are
+added from the flat accumulator before FSDP packs and reduces. Each element receives the
+same additions in the same order ((g1 + g2) + g3 ...; IEEE addition is commutative),
+so losses are bitwise equal; only the copies differ. Step 2 (the up-cast) is not
+deferrable without changing the numerics (accumulating in bf16), so both modes keep it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+
+def set_unshard_async(module: FSDPModule, enabled: bool) -> None:
+    """Issue this unit's (and its FSDP children's) all-gathers with ``async_op``; see [Note: async unshard on CPU]."""
+    module._set_unshard_async_op(enabled)
+
+
+def get_param_groups(module: FSDPModule) -> list[Any]:
+    state = module._get_fsdp_state()
+    return list(state._fsdp_param_groups)
+
+
+def _grad_slots(param_group: Any) -> list[tuple[Any, torch.Tensor, str]]:
+    """The (fsdp_param, gradient, slot) triples holding this unit's unsharded grads."""
+    slots = []
+    for fsdp_param in param_group.fsdp_params:
+        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+            slots.append((fsdp_param, fsdp_param.unsharded_accumulated_grad, "accumulated"))
+        elif hasattr(fsdp_param, "_unsharded_param") and fsdp_param._unsharded_param.grad is not None:
+            slots.append((fsdp_param, fsdp_param._unsharded_param.grad, "grad"))
+    return slots
+
+
+class EagerConcat:
+    """FSDP1-style eager concat for one unit: see [Note: concat deferral]."""
+
+    def __init__(self, module: FSDPModule) -> None:
+        self.flat: torch.Tensor | None = None
+        self.num_eager_concats = 0
+        for group in get_param_groups(module):
+            group.post_backward = functools.partial(self._post_backward, group, group.post_backward)
+
+    def _post_backward(self, group: Any, original: Callable[..., Any], *args: Any) -> Any:
+        if group.reduce_grads:
+            self._restore(group)
+            return original(*args)
+        result = original(*args)
+        self._concat(group)
+        return result
+
+    def _concat(self, group: Any) -> None:
+        slots = _grad_slots(group)
+        if not slots:
+            return
+        flat = torch.cat([grad.reshape(-1) for _, grad, _ in slots])
+        if self.flat is None:
+            self.flat = flat
+        else:
+            self.flat += flat
+        self.num_eager_concats += 1
+        for fsdp_param, _, slot in slots:
+            if slot == "accumulated":
+                fsdp_param.unsharded_accumulated_grad = None
+            else:
+                fsdp_param._unsharded_param.grad = None
+
+    def _restore(self, group: Any) -> None:
+        if self.flat is None:
+            return
+        offset = 0
+        for fsdp_param, grad, _ in _grad_slots(group):
+            numel = grad.numel()
+            earlier = self.flat[offset : offset + numel].view(grad.shape)
+            offset += numel
+            if earlier.dtype == grad.dtype:
+                grad.add_(earlier)
+            else:
+                # Reduce dtype wider than the grads: accumulate in the wider dtype, as FSDP2 does.
+                fsdp_param.unsharded_accumulated_grad = earlier + grad
+                fsdp_param._unsharded_param.grad = None
+        if offset != self.flat.numel():
+            raise RuntimeError(
+                "eager concat: the sync microbatch produced gradients for a different set of "
+                "parameters than earlier microbatches; use defer_concat = true for this unit"
+            )
+        self.flat = None
+
+
+def iter_fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]

@@ -1,0 +1,404 @@
+"""The runtime config: one versioned schema for every FSDP2 knob fsdp-autotune tunes.
+
+A config is plain data. It is written by ``autotune search`` (or by hand), saved as
+TOML or JSON, and applied to a model with :func:`fsdp_runtime.apply_fsdp`. Every
+artifact the project writes (trial dirs, emitted configs, reports) embeds it with its
+``schema_version``.
+
+Structural checks happen in :func:`validate_config` (no model needed); checks that need
+the world size or the model happen in :func:`validate_for_world` and in ``apply_fsdp``.
+Every error names the exact field path, e.g. ``units[3].forward_prefetch[0]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fsdp_runtime import _toml
+from fsdp_runtime.errors import ConfigError
+
+SCHEMA_VERSION = 1
+ROOT_UNIT = "root"
+"""Name of the unit that is the model itself (``fully_shard(model)``)."""
+
+SyncLevel = Literal["every", "replica_last", "last"]
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass(kw_only=True, slots=True)
+class MeshConfig:
+    """The data-parallel device mesh."""
+
+    kind: Literal["fsdp", "hsdp"] = "fsdp"
+    """``fsdp``: 1-D mesh, shard over all ranks. ``hsdp``: 2-D ``(replicate, shard)`` mesh."""
+    replicate: int = 1
+    """Size of the replicate dimension (HSDP only; 1 for FSDP)."""
+    shard: int | None = None
+    """Size of the shard dimension; ``None`` means ``world_size // replicate``."""
+
+    def get_shape(self, world_size: int) -> tuple[int, int]:
+        shard = self.shard if self.shard is not None else world_size // self.replicate
+        return self.replicate, shard
+
+
+@dataclass(kw_only=True, slots=True)
+class UnitConfig:
+    """One ``fully_shard`` call and its runtime knobs."""
+
+    name: str
+    """Module FQN inside the model (``layers.3``), or ``root`` for the model itself."""
+    reshard_after_forward: bool | int | None = None
+    """Free the unsharded params after forward (True), keep them (False), or reshard to a
+    smaller group of this many ranks (int, a divisor of the shard size). ``None``: FSDP2's
+    default (True for inner units, False for the root)."""
+    forward_prefetch: list[str] | None = None
+    """Units whose all-gather this unit issues at the start of its forward. ``None``:
+    FSDP2's implicit prefetch; ``[]``: explicitly none."""
+    backward_prefetch: list[str] | None = None
+    """Units whose all-gather this unit issues at the start of its backward. ``None``:
+    FSDP2's default (the previous unit in reverse post-forward order)."""
+    sync: SyncLevel = "every"
+    """Gradient sync on non-final microbatches: ``every`` reduce-scatters every microbatch
+    (sharded accumulation, least memory); ``last`` reduces only on the last microbatch
+    (unsharded accumulation, least comm); ``replica_last`` (HSDP) reduce-scatters every
+    microbatch but all-reduces across replicas only on the last."""
+    reshard_after_backward: bool = True
+    """Reshard after backward on non-final microbatches (the final one always reshards).
+    False keeps params unsharded across microbatches: fewer all-gathers, more memory."""
+    defer_concat: bool = True
+    """With ``sync = "last"``: pack gradients into the reduce-scatter layout once, on the
+    sync microbatch (True, FSDP2's own behaviour), or every microbatch into a flat
+    accumulator (False, FSDP1's eager concat). See [Note: concat deferral]."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MixedPrecisionConfig:
+    """FSDP2 ``MixedPrecisionPolicy`` by dtype name (``float32``, ``bfloat16``, ...)."""
+
+    param_dtype: str | None = None
+    """Dtype of unsharded params in forward/backward; ``None`` keeps the param dtype."""
+    reduce_dtype: str | None = None
+    """Dtype of gradient reduction and accumulation; ``None`` uses ``param_dtype``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """How a full (consolidated) checkpoint is gathered onto rank 0."""
+
+    consolidation: Literal["all_gather", "broadcast", "dcp"] = "all_gather"
+    """``all_gather``: coalesced all-gathers; ``broadcast``: one broadcast per tensor
+    (baseline); ``dcp``: ``torch.distributed.checkpoint.state_dict`` full-state path."""
+    to_cpu: bool = True
+    """Place the consolidated tensors in CPU memory."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Provenance:
+    """Who produced this config and from what; filled by ``autotune``."""
+
+    produced_by: str = "user"
+    """``user`` (hand-written) or ``autotune <version> <command>``."""
+    model: str | None = None
+    """Model profile the config was tuned for (e.g. ``llama8b``)."""
+    proxy_model: str | None = None
+    """When trials ran on a scaled-down proxy: what actually ran (e.g. ``llama8b@dim256``)."""
+    world_size: int | None = None
+    """World size the config was tuned for."""
+    backend: str | None = None
+    """Process-group backend of the trials (``gloo``, ``nccl``)."""
+    torch_version: str | None = None
+    measured: bool = False
+    """True when the knobs were chosen from measured trials."""
+    created_at: str | None = None
+    """ISO-8601 UTC time of emission."""
+    notes: list[str] = field(default_factory=list)
+    """Free-form facts a reader must know (e.g. that times come from a proxy)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Headline measurements (e.g. ``speedup_vs_default``, ``step_ms``)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeConfig:
+    """Root of the schema: everything ``apply_fsdp`` and the accumulation driver need."""
+
+    schema_version: int = SCHEMA_VERSION
+    """Version of this schema; readers refuse newer versions."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    units: list[UnitConfig] = field(default_factory=list)
+    """The ``fully_shard`` units. Empty: one per transformer block plus ``root``, all at
+    FSDP2 defaults (resolved against the model by ``apply_fsdp``)."""
+    num_microbatches: int = 1
+    """Gradient-accumulation microbatches per optimizer step."""
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    unshard_async: Literal["auto", "on", "off"] = "auto"
+    """Issue all-gathers with ``async_op=True``. ``auto``: on for CPU devices, where it is
+    what makes prefetch overlap at all (see [Note: async unshard on CPU]); off on GPU."""
+    reduce_scatter_max_input_buffers: int | None = None
+    """Reduce-scatter input buffers in flight (FSDP2 experimental setter); ``None``: default."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    provenance: Provenance = field(default_factory=Provenance)
+
+    def get_unit(self, name: str) -> UnitConfig:
+        for unit in self.units:
+            if unit.name == name:
+                return unit
+        raise KeyError(name)
+
+    @property
+    def unit_names(self) -> list[str]:
+        return [u.name for u in self.units]
+
+
+def default_config(unit_names: list[str], **overrides: Any) -> RuntimeConfig:
+    """FSDP2 defaults as torchtitan uses them, with one explicit unit per name."""
+    units = [UnitConfig(name=n) for n in unit_names]
+    if ROOT_UNIT not in unit_names:
+        units.append(UnitConfig(name=ROOT_UNIT))
+    return RuntimeConfig(units=units, **overrides)
+
+
+# ---------------------------------------------------------------------------
+# Validation
+
+
+def validate_config(config: RuntimeConfig, *, source: str | None = None) -> RuntimeConfig:
+    """Structural checks that need neither the model nor the world size."""
+
+    def fail(path: str, problem: str, fix: str | None = None) -> typing.NoReturn:
+        raise ConfigError(path, problem, fix=fix, source=source)
+
+    if config.schema_version != SCHEMA_VERSION:
+        fail("schema_version", f"unsupported version {config.schema_version}", f"this fsdp-autotune reads version {SCHEMA_VERSION}")
+    mesh = config.mesh
+    if mesh.replicate < 1:
+        fail("mesh.replicate", f"must be >= 1, got {mesh.replicate}")
+    if mesh.shard is not None and mesh.shard < 1:
+        fail("mesh.shard", f"must be >= 1, got {mesh.shard}")
+    if mesh.kind == "fsdp" and mesh.replicate != 1:
+        fail("mesh.replicate", f"is {mesh.replicate} but mesh.kind is 'fsdp'", "set mesh.kind = 'hsdp' or mesh.replicate = 1")
+    if mesh.kind == "hsdp" and mesh.replicate < 2:
+        fail("mesh.replicate", "HSDP needs replicate >= 2", "use mesh.kind = 'fsdp' for a 1-D mesh")
+    if config.num_microbatches < 1:
+        fail("num_microbatches", f"must be >= 1, got {config.num_microbatches}")
+    if config.reduce_scatter_max_input_buffers is not None and config.reduce_scatter_max_input_buffers < 1:
+        fail("reduce_scatter_max_input_buffers", "must be >= 1 or unset")
+    for key in ("param_dtype", "reduce_dtype"):
+        value = getattr(config.mixed_precision, key)
+        if value is not None and value not in DTYPE_NAMES:
+            fail(f"mixed_precision.{key}", f"unknown dtype {value!r}", f"use one of {', '.join(DTYPE_NAMES)}")
+    names = config.unit_names
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if not name:
+            fail(f"units[{i}].name", "is empty", f"use a module FQN such as 'layers.0', or '{ROOT_UNIT}' for the model")
+        if name in seen:
+            fail(f"units[{i}].name", f"unit {name!r} is listed twice")
+        seen.add(name)
+    for i, unit in enumerate(config.units):
+        _validate_unit(unit, f"units[{i}]", seen, config, fail)
+    return config
+
+
+def _validate_unit(unit: UnitConfig, path: str, names: set[str], config: RuntimeConfig, fail) -> None:
+    raf = unit.reshard_after_forward
+    if isinstance(raf, int) and not isinstance(raf, bool) and raf < 2:
+        fail(f"{path}.reshard_after_forward", f"integer value must be >= 2 (a divisor of the shard size), got {raf}", "use true/false for full reshard/no reshard")
+    for key in ("forward_prefetch", "backward_prefetch"):
+        targets = getattr(unit, key)
+        for j, target in enumerate(targets or []):
+            if target not in names:
+                known = _summarize_names(sorted(names))
+                fail(f"{path}.{key}[{j}]", f"unit {target!r} does not exist", f"known units: {known}")
+            if target == unit.name:
+                fail(f"{path}.{key}[{j}]", f"unit {target!r} prefetches itself", "remove it from the list")
+            if target == ROOT_UNIT:
+                fail(f"{path}.{key}[{j}]", f"the root unit cannot be prefetched", "remove it from the list")
+        if targets is not None and len(set(targets)) != len(targets):
+            fail(f"{path}.{key}", "lists a unit twice")
+    if unit.sync == "replica_last" and config.mesh.kind != "hsdp":
+        fail(f"{path}.sync", "'replica_last' needs an HSDP mesh", "set mesh.kind = 'hsdp' or use sync = 'every' / 'last'")
+    if not unit.defer_concat and unit.sync != "last":
+        fail(f"{path}.defer_concat", f"false only applies with sync = 'last' (this unit syncs {unit.sync!r})", "set defer_concat = true")
+
+
+def _summarize_names(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 8 else ", ".join(names[:4] + ["..."] + names[-3:])
+
+
+def validate_for_world(config: RuntimeConfig, world_size: int, *, source: str | None = None) -> tuple[int, int]:
+    """Checks that need the world size; returns the mesh shape ``(replicate, shard)``."""
+    replicate, shard = config.mesh.get_shape(world_size)
+    if config.mesh.kind == "fsdp" and config.mesh.shard not in (None, world_size):
+        raise ConfigError("mesh.shard", f"is {config.mesh.shard} but the world size is {world_size}", fix="leave mesh.shard unset for FSDP", source=source)
+    if replicate * shard != world_size or world_size % config.mesh.replicate:
+        raise ConfigError(
+            "mesh",
+            f"replicate x shard = {config.mesh.replicate} x {config.mesh.shard if config.mesh.shard is not None else '?'} does not multiply to the world size {world_size}",
+            fix="choose factors whose product is the world size",
+            source=source,
+        )
+    for i, unit in enumerate(config.units):
+        raf = unit.reshard_after_forward
+        if isinstance(raf, int) and not isinstance(raf, bool) and (shard % raf or raf >= shard):
+            raise ConfigError(f"units[{i}].reshard_after_forward", f"{raf} is not a proper divisor of the shard size {shard}", fix="use true, false, or a divisor d with 1 < d < shard size", source=source)
+    return replicate, shard
+
+
+# ---------------------------------------------------------------------------
+# (De)serialization: strict, typed, with field paths in every error.
+
+
+def config_to_dict(config: RuntimeConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(data: Any, *, source: str | None = None) -> RuntimeConfig:
+    if not isinstance(data, dict):
+        raise ConfigError("", f"expected a table at the top level, got {type(data).__name__}", source=source)
+    if "schema_version" not in data:
+        raise ConfigError("schema_version", "is missing", fix=f"add schema_version = {SCHEMA_VERSION}", source=source)
+    version = data["schema_version"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ConfigError("schema_version", f"must be an integer, got {version!r}", source=source)
+    if version > SCHEMA_VERSION:
+        raise ConfigError("schema_version", f"{version} is newer than this fsdp-autotune understands ({SCHEMA_VERSION})", fix="upgrade fsdp-autotune", source=source)
+    config = _parse(RuntimeConfig, data, "", source)
+    return validate_config(config, source=source)
+
+
+def _parse(tp: Any, value: Any, path: str, source: str | None) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(path or "<top>", f"expected a table, got {type(value).__name__}", source=source)
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: f for f in dataclasses.fields(tp)}
+        for key in value:
+            if key not in fields:
+                raise ConfigError(_join(path, key), "unknown field", fix=f"known fields: {', '.join(fields)}", source=source)
+        kwargs = {}
+        for name, f in fields.items():
+            if name in value:
+                kwargs[name] = _parse(hints[name], value[name], _join(path, name), source)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(_join(path, name), "is required", source=source)
+        return tp(**kwargs)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        # bool is tried before int so that `true` stays a bool in `bool | int`.
+        ordered = sorted((a for a in args if a is not type(None)), key=lambda a: a is not bool)
+        errors = []
+        for arg in ordered:
+            try:
+                return _parse(arg, value, path, source)
+            except ConfigError as e:
+                errors.append(e.problem)
+        names = " or ".join(_type_name(a) for a in args)
+        raise ConfigError(path, f"expected {names}, got {value!r}", source=source)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(path, f"{value!r} is not one of {', '.join(repr(a) for a in args)}", source=source)
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(path, f"expected a list, got {type(value).__name__}", source=source)
+        return [_parse(args[0], v, f"{path}[{i}]", source) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a table, got {type(value).__name__}", source=source)
+        return {str(k): _parse(args[1], v, _join(path, str(k)), source) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true/false, got {value!r}", source=source)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an integer, got {value!r}", source=source)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected a number, got {value!r}", source=source)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {value!r}", source=source)
+        return value
+    raise TypeError(f"unsupported schema type {tp!r} at {path}")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "nothing"
+    if typing.get_origin(tp) is list:
+        return "a list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def dumps_config(config: RuntimeConfig, fmt: Literal["toml", "json"]) -> str:
+    validate_config(config)
+    data = config_to_dict(config)
+    if fmt == "json":
+        return json.dumps(data, indent=2) + "\n"
+    # TOML has no null: unset optional fields are omitted and read back as None.
+    return _toml.dumps(_drop_none(data))
+
+
+def loads_config(text: str, fmt: Literal["toml", "json"], *, source: str | None = None) -> RuntimeConfig:
+    try:
+        data = json.loads(text) if fmt == "json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError("", f"not valid {fmt.upper()}: {e}", source=source) from None
+    return config_from_dict(data, source=source)
+
+
+def _format_of(path: Path) -> Literal["toml", "json"]:
+    suffix = path.suffix.lower()
+    if suffix == ".toml":
+        return "toml"
+    if suffix == ".json":
+        return "json"
+    raise ConfigError("", f"unknown config format {suffix!r}", fix="use a .toml or .json file", source=str(path))
+
+
+def load_config(path: str | Path) -> RuntimeConfig:
+    """Read a ``.toml`` or ``.json`` runtime config, strictly validated."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError("", f"cannot read config: {e.strerror}", source=str(path)) from None
+    return loads_config(text, _format_of(path), source=str(path))
+
+
+def save_config(config: RuntimeConfig, path: str | Path) -> Path:
+    """Write atomically (temp file + rename): a failure never leaves a half-written config."""
+    path = Path(path)
+    text = dumps_config(config, _format_of(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,152 @@
+"""Model and cluster profiles: data files plus small loaders.
+
+A model profile is a TOML file in ``profiles/models/`` (or any path given by the user)
+with a Llama 3 :class:`~profiles.llama.LlamaShape` and the per-rank training shape
+(``seq_len``, ``batch_size``). A cluster profile in ``profiles/clusters/`` names the
+backend, device, ranks per node and the link classes used by link emulation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdp_runtime.errors import ConfigError
+from profiles.llama import Llama, LlamaShape
+
+__all__ = [
+    "ClusterProfile",
+    "LinkClass",
+    "Llama",
+    "LlamaShape",
+    "ModelProfile",
+    "build_model",
+    "list_cluster_profiles",
+    "list_model_profiles",
+    "load_cluster_profile",
+    "load_model_profile",
+]
+
+_HERE = Path(__file__).parent
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ModelProfile:
+    """A model architecture plus the per-rank training shape used by trials."""
+
+    name: str
+    description: str
+    shape: LlamaShape
+    seq_len: int
+    """Tokens per sequence in a trial."""
+    batch_size: int
+    """Sequences per rank per microbatch in a trial."""
+    source: str = ""
+
+    @property
+    def unit_names(self) -> list[str]:
+        """The default FSDP units: one per block, then the root."""
+        return [f"layers.{i}" for i in range(self.shape.num_layers)] + ["root"]
+
+    def with_overrides(self, **changes: Any) -> "ModelProfile":
+        shape_changes = {k: changes.pop(k) for k in list(changes) if k in {f.name for f in dataclasses.fields(LlamaShape)}}
+        shape = dataclasses.replace(self.shape, **shape_changes) if shape_changes else self.shape
+        return dataclasses.replace(self, shape=shape, **changes)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LinkClass:
+    """A link's cost model: time = latency + bytes / bandwidth (0 bandwidth: not emulated)."""
+
+    latency_us: float = 0.0
+    bandwidth_gbps: float = 0.0
+
+    @property
+    def emulated(self) -> bool:
+        return self.bandwidth_gbps > 0 or self.latency_us > 0
+
+    def get_seconds(self, num_bytes: int) -> float:
+        transfer = num_bytes / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps > 0 else 0.0
+        return self.latency_us * 1e-6 + transfer
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ClusterProfile:
+    name: str
+    description: str
+    backend: str
+    device: str
+    ranks_per_node: int
+    memory_per_rank_gib: float
+    links: dict[str, LinkClass] = field(default_factory=dict)
+    source: str = ""
+
+
+def _read_toml(path: Path, kind: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError("", f"cannot read {kind} profile: {e.strerror}", source=str(path)) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("", f"not valid TOML: {e}", source=str(path)) from None
+
+
+def _resolve(name_or_path: str, folder: str, kind: str) -> Path:
+    candidate = Path(name_or_path)
+    if candidate.suffix == ".toml" and candidate.exists():
+        return candidate
+    builtin = _HERE / folder / f"{name_or_path}.toml"
+    if builtin.exists():
+        return builtin
+    known = ", ".join(sorted(p.stem for p in (_HERE / folder).glob("*.toml")))
+    raise ConfigError("", f"unknown {kind} profile {name_or_path!r}", fix=f"use one of: {known}, or a path to a .toml file")
+
+
+def _build(cls: type, data: dict[str, Any], path: str, source: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{path}{key}", "unknown field", fix=f"known fields: {', '.join(sorted(names))}", source=source)
+    try:
+        return cls(**data)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(path.rstrip(".") or "<top>", str(e), source=source) from None
+
+
+def load_model_profile(name_or_path: str) -> ModelProfile:
+    """A built-in profile by name (``tiny``, ``small``, ``llama1b``, ``llama8b``, ``llama70b``) or a TOML path."""
+    path = _resolve(name_or_path, "models", "model")
+    data = _read_toml(path, "model")
+    shape = _build(LlamaShape, data.pop("shape", {}), "shape.", str(path))
+    data.setdefault("description", "")
+    return _build(ModelProfile, {**data, "shape": shape, "source": str(path)}, "", str(path))
+
+
+def load_cluster_profile(name_or_path: str) -> ClusterProfile:
+    path = _resolve(name_or_path, "clusters", "cluster")
+    data = _read_toml(path, "cluster")
+    links = {k: _build(LinkClass, v, f"links.{k}.", str(path)) for k, v in data.pop("links", {}).items()}
+    data.setdefault("description", "")
+    return _build(ClusterProfile, {**data, "links": links, "source": str(path)}, "", str(path))
+
+
+def list_model_profiles() -> list[str]:
+    return sorted(p.stem for p in (_HERE / "models").glob("*.toml"))
+
+
+def list_cluster_profiles() -> list[str]:
+    return sorted(p.stem for p in (_HERE / "clusters").glob("*.toml"))
+
+
+def build_model(profile: ModelProfile, *, device: str = "cpu", seed: int = 0) -> Llama:
+    """Build the profile's model; on ``meta`` nothing is allocated (use for counting/planning)."""
+    import torch
+
+    with torch.device(device):
+        model = Llama(profile.shape)
+    if device != "meta":
+        model.init_weights(seed)
+    return model
