@@ -7,6 +7,9 @@ reference can rebuild the exact global batch.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,3 +110,55 @@ def reference_losses(*, model: str | dict[str, Any], world_size: int, num_microb
         for r in range(world_size):
             per_rank[r].append(totals[r])
     return per_rank
+
+
+_COLLECTIVES = {
+    "all_gather": ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"),
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"),
+    "all_reduce": ("all_reduce",),
+}
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[dict[str, int]]:
+    """Count calls of the ``torch.distributed`` collectives FSDP2 issues (by kind) while active."""
+    import torch.distributed as dist
+
+    counts = {kind: 0 for kind in _COLLECTIVES}
+    originals: dict[str, Any] = {}
+
+    def wrap(kind: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts[kind] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for kind, names in _COLLECTIVES.items():
+        for name in names:
+            if hasattr(dist, name):
+                originals[name] = getattr(dist, name)
+                setattr(dist, name, wrap(kind, originals[name]))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def train_configs(rank: int, world_size: int, *, model: str | dict[str, Any], configs: list[dict[str, Any]], num_steps: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Rank program: train each config from the same init in turn (one launch, many configs).
+
+    Returns per config this rank's losses, the collectives it issued, and how many eager
+    concats ran (diagnostics that prove a knob did something).
+    """
+    results = []
+    for config in configs:
+        with count_collectives() as counts:
+            training = build_training(rank, world_size, model=model, config=config, seed=seed)
+            losses = [training.step(s) for s in range(num_steps)]
+        eager = sum(e.num_eager_concats for e in training.applied.eager_concat.values())
+        results.append({"losses": losses, "collectives": dict(counts), "eager_concats": eager})
+        del training
+    return results

@@ -386,11 +386,12 @@ def _format_of(path: Path) -> Literal["toml", "json"]:
 def load_config(path: str | Path) -> RuntimeConfig:
     """Read a ``.toml`` or ``.json`` runtime config, strictly validated."""
     path = Path(path)
+    fmt = _format_of(path)
     try:
         text = path.read_text()
     except OSError as e:
         raise ConfigError("", f"cannot read config: {e.strerror}", source=str(path)) from None
-    return loads_config(text, _format_of(path), source=str(path))
+    return loads_config(text, fmt, source=str(path))
 
 
 def save_config(config: RuntimeConfig, path: str | Path) -> Path:

@@ -1,0 +1,134 @@
+"""apply_fsdp on a single-rank gloo group: unit resolution, knob wiring, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_runtime import ConfigError, RuntimeConfig, UnitConfig, apply_fsdp, default_config, find_block_names
+from fsdp_runtime._fsdp_private import get_param_groups
+from profiles import build_model, load_model_profile
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_rank_group():
+    if not dist.is_initialized():
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _tiny():
+    return build_model(load_model_profile("tiny"), seed=0)
+
+
+class _HFBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Linear(8, 8)
+
+
+class _HFInner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(10, 8)
+        self.layers = nn.ModuleList(_HFBlock() for _ in range(3))
+
+
+class _HFCausalLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = _HFInner()
+        self.lm_head = nn.Linear(8, 10)
+
+
+class _GPT2(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.h = nn.ModuleList(_HFBlock() for _ in range(2))
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stack = nn.ModuleList(_HFBlock() for _ in range(5))
+        self.misc = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])
+
+
+def test_find_block_names_common_shapes():
+    assert find_block_names(_tiny()) == [f"layers.{i}" for i in range(4)]
+    assert find_block_names(_HFCausalLM()) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert find_block_names(_GPT2()) == ["transformer.h.0", "transformer.h.1"]
+    assert find_block_names(_Custom()) == [f"stack.{i}" for i in range(5)]
+    with pytest.raises(ConfigError, match="no transformer blocks found"):
+        find_block_names(nn.Linear(2, 2))
+
+
+def test_default_units_one_per_block_plus_root():
+    applied = apply_fsdp(_tiny(), RuntimeConfig())
+    assert applied.config.unit_names == [f"layers.{i}" for i in range(4)] + ["root"]
+    assert all(isinstance(m, FSDPModule) for m in applied.units.values())
+    assert applied.units["root"] is applied.model
+
+
+def test_prefetch_lists_async_unshard_and_eager_concat_are_wired():
+    config = default_config([f"layers.{i}" for i in range(4)], num_microbatches=2)
+    units = []
+    for u in config.units:
+        if u.name == "layers.0":
+            u = dataclasses.replace(u, forward_prefetch=["layers.1", "layers.2"], sync="last", defer_concat=False)
+        if u.name == "layers.3":
+            u = dataclasses.replace(u, backward_prefetch=["layers.2"])
+        units.append(u)
+    applied = apply_fsdp(_tiny(), dataclasses.replace(config, units=units))
+    state = {name: module._get_fsdp_state() for name, module in applied.units.items()}
+    assert state["layers.0"]._states_to_forward_prefetch == [state["layers.1"], state["layers.2"]]
+    assert state["layers.3"]._states_to_backward_prefetch == [state["layers.2"]]
+    assert state["layers.1"]._states_to_forward_prefetch == []
+    # CPU device + unshard_async "auto": all-gathers are asynchronous.
+    assert all(g.unshard_async_op for g in get_param_groups(applied.units["layers.1"]))
+    assert set(applied.eager_concat) == {"layers.0"}
+
+
+def test_unshard_async_off():
+    applied = apply_fsdp(_tiny(), dataclasses.replace(RuntimeConfig(), unshard_async="off"))
+    assert not any(g.unshard_async_op for g in get_param_groups(applied.units["layers.0"]))
+
+
+def test_unknown_unit_names_the_field():
+    config = RuntimeConfig(units=[UnitConfig(name="layers.9"), UnitConfig(name="root")])
+    with pytest.raises(ConfigError, match=r"units\[0\]\.name: module 'layers.9' not found in Llama .*layers.0..layers.3"):
+        apply_fsdp(_tiny(), config)
+
+
+def test_mesh_must_match_world_size():
+    config = RuntimeConfig(mesh=dataclasses.replace(RuntimeConfig().mesh, kind="hsdp", replicate=2, shard=2))
+    with pytest.raises(ConfigError, match=r"mesh: replicate x shard = 2 x 2 does not multiply to the world size 1"):
+        apply_fsdp(_tiny(), config)
+
+
+def test_fsdp_runtime_imports_with_torch_only():
+    # A training script needs torch alone: no optuna, HTA, rich or typer in fsdp_runtime.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'optuna', 'hta', 'rich', 'typer', 'plotly', 'pandas', 'autotune'}:\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import fsdp_runtime\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ}, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

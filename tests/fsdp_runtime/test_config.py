@@ -1,0 +1,139 @@
+"""Config schema: lossless TOML/JSON round trips, old-version fixtures, precise errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_runtime import (
+    SCHEMA_VERSION,
+    ConfigError,
+    MeshConfig,
+    MixedPrecisionConfig,
+    Provenance,
+    RuntimeConfig,
+    UnitConfig,
+    config_to_dict,
+    default_config,
+    dumps_config,
+    load_config,
+    loads_config,
+    save_config,
+    validate_for_world,
+)
+
+DATA = Path(__file__).parents[1] / "data" / "configs"
+BLOCKS = [f"layers.{i}" for i in range(4)]
+
+
+def _rich_config() -> RuntimeConfig:
+    """Every field away from its default, including None vs [] and bool vs int."""
+    config = default_config(BLOCKS, num_microbatches=4)
+    units = [
+        dataclasses.replace(config.units[0], reshard_after_forward=2, forward_prefetch=["layers.1", "layers.2"], backward_prefetch=[]),
+        dataclasses.replace(config.units[1], reshard_after_forward=False, sync="replica_last"),
+        dataclasses.replace(config.units[2], sync="last", defer_concat=False, reshard_after_backward=False),
+        dataclasses.replace(config.units[3], reshard_after_forward=True, backward_prefetch=["layers.2"]),
+        config.units[4],
+    ]
+    return dataclasses.replace(
+        config,
+        units=units,
+        mesh=MeshConfig(kind="hsdp", replicate=2, shard=4),
+        mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32"),
+        unshard_async="on",
+        reduce_scatter_max_input_buffers=2,
+        provenance=Provenance(produced_by="autotune 0.1.0 search", model="llama8b", proxy_model="llama8b@dim256", world_size=8, measured=True, notes=['times are the proxy\'s "not" llama8b'], metrics={"speedup_vs_default": 1.25}),
+    )
+
+
+@pytest.mark.parametrize("fmt", ["toml", "json"])
+def test_round_trip_is_lossless(fmt, tmp_path):
+    config = _rich_config()
+    assert loads_config(dumps_config(config, fmt), fmt) == config
+    path = save_config(config, tmp_path / f"cfg.{fmt}")
+    loaded = load_config(path)
+    assert loaded == config
+    assert loaded.units[0].reshard_after_forward == 2 and loaded.units[3].reshard_after_forward is True
+    assert loaded.units[0].backward_prefetch == [] and loaded.units[1].forward_prefetch is None
+
+
+def test_toml_and_json_agree(tmp_path):
+    config = _rich_config()
+    assert load_config(save_config(config, tmp_path / "a.toml")) == load_config(save_config(config, tmp_path / "a.json"))
+
+
+def test_version_1_fixtures_still_load():
+    """Configs written by released versions stay readable (see tests/data/configs)."""
+    toml_v1 = load_config(DATA / "v1_example.toml")
+    json_v1 = load_config(DATA / "v1_example.json")
+    assert toml_v1 == json_v1
+    assert toml_v1.schema_version == 1
+    assert toml_v1.get_unit("layers.0").forward_prefetch == ["layers.1"]
+    assert toml_v1.get_unit("layers.1").sync == "last"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d["units"][0].update(forward_prefetch=["layers.9"]), r"units\[0\]\.forward_prefetch\[0\]: unit 'layers.9' does not exist \(known units: layers.0, layers.1, layers.2, layers.3, root\)"),
+        (lambda d: d["units"][1].update(backward_prefetch=["layers.1"]), r"units\[1\]\.backward_prefetch\[0\]: unit 'layers.1' prefetches itself"),
+        (lambda d: d["units"][1].update(backward_prefetch=["root"]), r"units\[1\]\.backward_prefetch\[0\]: the root unit cannot be prefetched"),
+        (lambda d: d["units"][2].update(sync="replica_last"), r"units\[2\]\.sync: 'replica_last' needs an HSDP mesh \(set mesh.kind = 'hsdp'"),
+        (lambda d: d["units"][2].update(sync="sometimes"), r"units\[2\]\.sync: 'sometimes' is not one of 'every', 'replica_last', 'last'"),
+        (lambda d: d["units"][0].update(defer_concat=False), r"units\[0\]\.defer_concat: false only applies with sync = 'last'"),
+        (lambda d: d["units"][0].update(reshard_after_forward=1), r"units\[0\]\.reshard_after_forward: integer value must be >= 2"),
+        (lambda d: d["units"][0].update(reshard_after_forward="yes"), r"units\[0\]\.reshard_after_forward: expected bool or int or nothing, got 'yes'"),
+        (lambda d: d["units"][0].update(forwad_prefetch=[]), r"units\[0\]\.forwad_prefetch: unknown field \(known fields: name, reshard_after_forward, forward_prefetch"),
+        (lambda d: d["units"].append({"name": "layers.0"}), r"units\[5\]\.name: unit 'layers.0' is listed twice"),
+        (lambda d: d["units"].append({"sync": "every"}), r"units\[5\]\.name: is required"),
+        (lambda d: d["mesh"].update(replicate=2), r"mesh\.replicate: is 2 but mesh.kind is 'fsdp'"),
+        (lambda d: d.update(num_microbatches=0), r"num_microbatches: must be >= 1, got 0"),
+        (lambda d: d.update(num_microbatches=True), r"num_microbatches: expected an integer, got True"),
+        (lambda d: d["mixed_precision"].update(param_dtype="fp8"), r"mixed_precision\.param_dtype: unknown dtype 'fp8'"),
+        (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), r"schema_version: 2 is newer than this fsdp-autotune understands"),
+        (lambda d: d.pop("schema_version"), r"schema_version: is missing \(add schema_version = 1\)"),
+    ],
+)
+def test_invalid_configs_name_the_field(mutate, message):
+    data = config_to_dict(default_config(BLOCKS))
+    mutate(data)
+    with pytest.raises(ConfigError, match=message):
+        loads_config(json.dumps(data), "json", source="cfg.json")
+
+
+def test_errors_carry_the_source_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("schema_version = 1\nnum_microbatches = -1\n")
+    with pytest.raises(ConfigError, match=r"^.*bad\.toml: num_microbatches: must be >= 1, got -1$"):
+        load_config(path)
+    path.write_text("schema_version = [\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml: not valid TOML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"unknown config format '\.yaml'"):
+        load_config(tmp_path / "x.yaml")
+    with pytest.raises(ConfigError, match=r"cannot read config"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_world_size_checks():
+    config = RuntimeConfig(mesh=MeshConfig(kind="hsdp", replicate=2, shard=2))
+    assert validate_for_world(config, 4) == (2, 2)
+    with pytest.raises(ConfigError, match=r"mesh: replicate x shard = 2 x 2 does not multiply to the world size 8"):
+        validate_for_world(config, 8)
+    assert validate_for_world(RuntimeConfig(mesh=MeshConfig(kind="hsdp", replicate=2)), 8) == (2, 4)
+    with pytest.raises(ConfigError, match=r"units\[0\]\.reshard_after_forward: 3 is not a proper divisor of the shard size 4"):
+        validate_for_world(RuntimeConfig(units=[UnitConfig(name="layers.0", reshard_after_forward=3)]), 4)
+
+
+def test_save_is_atomic_and_refuses_invalid(tmp_path):
+    path = save_config(default_config(BLOCKS), tmp_path / "best.toml")
+    before = path.read_text()
+    bad = dataclasses.replace(default_config(BLOCKS), num_microbatches=0)
+    with pytest.raises(ConfigError):
+        save_config(bad, path)
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.toml"]
