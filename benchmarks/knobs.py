@@ -1,0 +1,114 @@
+"""Step-time ratio of each FSDP2 knob alone versus FSDP2 defaults, measured in one run.
+
+    .venv/bin/python benchmarks/knobs.py [--model small] [--world 2] [--microbatches 4] [--pairs 3]
+
+One launch of ranks; for each knob, A (baseline) and B (knob) are built and timed in
+alternation, ``--pairs`` times, each over ``--steps`` unprofiled steps after one warm-up
+step. Prints per knob the median step time of A and B and the median of the per-pair B/A
+ratios (< 1 means the knob is faster). The concat-deferral row compares eager concat
+against FSDP2's deferred concat, both with ``sync = "last"``. ``--cluster`` enables link
+emulation (if the project's link emulator is available) so overlap knobs can be judged as
+on a cluster whose links wait rather than compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.distributed as dist  # noqa: E402
+
+from autotune.launch import run_ranks  # noqa: E402
+from autotune.train import build_training  # noqa: E402
+from fsdp_runtime import RuntimeConfig, config_to_dict, default_config  # noqa: E402
+from profiles import load_model_profile  # noqa: E402
+
+
+def _units(config: RuntimeConfig, **changes) -> RuntimeConfig:
+    return dataclasses.replace(config, units=[dataclasses.replace(u, **changes) if u.name != "root" else u for u in config.units])
+
+
+def _prefetch(config: RuntimeConfig, depth: int) -> RuntimeConfig:
+    blocks = [u.name for u in config.units if u.name != "root"]
+    units = []
+    for u in config.units:
+        if u.name != "root":
+            i = blocks.index(u.name)
+            u = dataclasses.replace(u, forward_prefetch=blocks[i + 1 : i + 1 + depth], backward_prefetch=list(reversed(blocks[max(0, i - depth) : i])))
+        units.append(u)
+    return dataclasses.replace(config, units=units)
+
+
+def get_cases(blocks: list[str], num_microbatches: int) -> dict[str, tuple[RuntimeConfig, RuntimeConfig]]:
+    """Knob name -> (A baseline, B with the knob)."""
+    base = default_config(blocks, num_microbatches=num_microbatches)
+    last = _units(base, sync="last")
+    return {
+        "unshard_async off": (base, dataclasses.replace(base, unshard_async="off")),
+        "prefetch depth 1": (base, _prefetch(base, 1)),
+        "prefetch depth 2": (base, _prefetch(base, 2)),
+        "reshard_after_forward false": (base, _units(base, reshard_after_forward=False)),
+        "reshard_after_backward false": (base, _units(base, reshard_after_backward=False)),
+        "sync last": (base, last),
+        "sync last + no reshard_after_backward": (base, _units(last, reshard_after_backward=False)),
+        "eager concat (vs deferred, sync last)": (last, _units(last, defer_concat=False)),
+        "reduce_scatter buffers 2": (base, dataclasses.replace(base, reduce_scatter_max_input_buffers=2)),
+    }
+
+
+def time_config(rank: int, world_size: int, *, model: str, config: dict, num_steps: int) -> float:
+    """Median step seconds of ``config`` over ``num_steps`` steps after one warm-up step."""
+    training = build_training(rank, world_size, model=model, config=config)
+    training.step(0)
+    times = []
+    for s in range(1, num_steps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        training.step(s)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def rank_main(rank: int, world_size: int, *, model: str, cases: dict[str, tuple[dict, dict]], num_pairs: int, num_steps: int) -> dict:
+    results = {}
+    for name, (a, b) in cases.items():
+        times_a, times_b = [], []
+        for _ in range(num_pairs):
+            times_a.append(time_config(rank, world_size, model=model, config=a, num_steps=num_steps))
+            times_b.append(time_config(rank, world_size, model=model, config=b, num_steps=num_steps))
+        results[name] = (times_a, times_b)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", default=None, help="substring filter on knob names")
+    args = parser.parse_args()
+    profile = load_model_profile(args.model)
+    blocks = profile.unit_names[:-1]
+    cases = {k: (config_to_dict(a), config_to_dict(b)) for k, (a, b) in get_cases(blocks, args.microbatches).items() if not args.only or args.only in k}
+    run = run_ranks("knobs:rank_main", world_size=args.world, kwargs={"model": args.model, "cases": cases, "num_pairs": args.pairs, "num_steps": args.steps}, timeout_s=3600)
+    if not run.ok:
+        sys.exit(f"benchmark failed: {run.status}: {run.reason}")
+    results = run.results[0]
+    print(f"model={args.model} world={args.world} microbatches={args.microbatches} pairs={args.pairs} steps/measurement={args.steps}")
+    print(f"{'knob':40s} {'A ms':>9s} {'B ms':>9s} {'B/A':>7s}  per-pair B/A")
+    for name, (times_a, times_b) in results.items():
+        ratios = [b / a for a, b in zip(times_a, times_b)]
+        print(f"{name:40s} {statistics.median(times_a) * 1e3:9.1f} {statistics.median(times_b) * 1e3:9.1f} {statistics.median(ratios):7.3f}  {' '.join(f'{r:.3f}' for r in ratios)}")
+
+
+if __name__ == "__main__":
+    main()
