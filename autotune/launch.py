@@ -45,6 +45,8 @@ class RankRun:
     returncodes: list[int | None] = field(default_factory=list)
     stderr_tails: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    pids: list[int] = field(default_factory=list)
+    """Process ids of the ranks (each the leader of its own process group), for leak checks."""
 
     @property
     def ok(self) -> bool:
@@ -66,14 +68,27 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
-def _classify(returncodes: list[int | None], tails: list[str], timed_out: bool, timeout_s: float) -> tuple[Status, str]:
+def classify_failure(
+    returncodes: list[int | None], tails: list[str], *, timed_out: bool, timeout_s: float, exit_order: list[int] | None = None
+) -> tuple[Status, str]:
+    """Status and one-line reason of a failed run.
+
+    ``returncodes`` holds ``None`` for ranks the parent killed (they did not fail on their
+    own: a SIGKILL from us is not an out-of-memory kill). ``exit_order`` lists the ranks
+    in the order they exited: the first rank to fail is the cause, its peers usually
+    only report the broken connection.
+    """
     if timed_out:
         return "timeout", f"no result after {timeout_s:.0f}s (deadlock or too slow); all ranks killed"
-    for rank, (code, tail) in enumerate(zip(returncodes, tails)):
-        if code == EXIT_USER_ERROR:
+    order = [r for r in (exit_order or []) if 0 <= r < len(returncodes)]
+    order += [r for r in range(len(returncodes)) if r not in order]
+    for rank in order:
+        if returncodes[rank] == EXIT_USER_ERROR:
+            tail = tails[rank]
             last = tail.strip().splitlines()[-1] if tail.strip() else "invalid config"
             return "invalid_config", f"rank {rank}: {last}"
-    for rank, (code, tail) in enumerate(zip(returncodes, tails)):
+    for rank in order:
+        code, tail = returncodes[rank], tails[rank]
         if code not in (0, None):
             lowered = tail.lower()
             if code == -signal.SIGKILL or "out of memory" in lowered or "memoryerror" in lowered:
@@ -129,32 +144,39 @@ def run_ranks(
                         start_new_session=True,
                     )
                 )
-        timed_out = _wait_all(procs, start + timeout_s)
+        timed_out, exit_order = _wait_all(procs, start + timeout_s)
         for proc in procs:
             _kill_tree(proc)
             proc.wait()
-        codes = [p.returncode for p in procs]
+        # Ranks we killed report None: their SIGKILL is ours, not the OOM killer's.
+        codes = [p.returncode if r in exit_order else None for r, p in enumerate(procs)]
         tails = [_tail(tmpdir / f"stderr_{r}.txt") for r in range(world_size)]
         wall = time.monotonic() - start
+        pids = [p.pid for p in procs]
         if not timed_out and all(c == 0 for c in codes):
             results = [pickle.loads((tmpdir / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
-            return RankRun(status="ok", results=results, returncodes=codes, stderr_tails=tails, wall_s=wall)
-        status, reason = _classify(codes, tails, timed_out, timeout_s)
-        return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall)
+            return RankRun(status="ok", results=results, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
+        status, reason = classify_failure(codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order)
+        return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
 
 
-def _wait_all(procs: list[subprocess.Popen], deadline: float) -> bool:
-    """Wait for every rank; once one fails, give the rest a short grace. True if timed out."""
+def _wait_all(procs: list[subprocess.Popen], deadline: float) -> tuple[bool, list[int]]:
+    """Wait for every rank; once one fails, give the rest a short grace.
+
+    Returns (timed out, the ranks that exited on their own in exit order).
+    """
     failed_at: float | None = None
+    exit_order: list[int] = []
     while True:
         codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return False
+        exit_order += [r for r, c in enumerate(codes) if c is not None and r not in exit_order]
+        if len(exit_order) == len(procs):
+            return False, exit_order
         now = time.monotonic()
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = now
         if failed_at is not None and now - failed_at > _GRACE_S:
-            return False
+            return False, exit_order
         if now > deadline:
-            return True
+            return True, exit_order
         time.sleep(0.02)

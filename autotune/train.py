@@ -45,6 +45,7 @@ class Training:
     accumulator: GradAccumulator
     seed: int
     dp_rank: int
+    device: torch.device = torch.device("cpu")
 
     @property
     def model(self) -> nn.Module:
@@ -52,10 +53,10 @@ class Training:
 
     def step(self, step: int) -> float:
         """One optimizer step over all microbatches; returns this rank's loss (sum of microbatch losses)."""
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         num = self.accumulator.num_microbatches
         for m in range(num):
-            tokens = make_microbatch(self.profile, seed=self.seed, step=step, microbatch=m, dp_rank=self.dp_rank)
+            tokens = make_microbatch(self.profile, seed=self.seed, step=step, microbatch=m, dp_rank=self.dp_rank).to(self.device)
             with self.accumulator.microbatch(m):
                 loss = compute_loss(self.model, tokens) / num
                 loss.backward()
@@ -73,14 +74,19 @@ def resolve_profile(model: str | dict[str, Any]) -> ModelProfile:
     return load_model_profile(overrides.pop("name")).with_overrides(**overrides)
 
 
-def build_training(rank: int, world_size: int, *, model: str | dict[str, Any], config: dict[str, Any], seed: int = 0) -> Training:
+def build_training(
+    rank: int, world_size: int, *, model: str | dict[str, Any], config: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu"
+) -> Training:
+    """Build the profile's model on ``device``, shard it as ``config`` says, and add AdamW."""
     profile = resolve_profile(model)
     runtime_config = config_from_dict(config)
     torch.manual_seed(seed)
-    module = build_model(profile, seed=seed)
+    module = build_model(profile, device=str(device), seed=seed)
     applied = apply_fsdp(module, runtime_config)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
-    return Training(profile=profile, applied=applied, optimizer=optimizer, accumulator=GradAccumulator(applied), seed=seed, dp_rank=rank)
+    return Training(
+        profile=profile, applied=applied, optimizer=optimizer, accumulator=GradAccumulator(applied), seed=seed, dp_rank=rank, device=torch.device(device)
+    )
 
 
 def train_losses(rank: int, world_size: int, *, model: str | dict[str, Any], config: dict[str, Any], num_steps: int, seed: int = 0) -> list[float]:

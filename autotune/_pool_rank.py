@@ -1,0 +1,75 @@
+"""Entry point of one long-lived rank of a :class:`autotune.pool.RankPool` (``python -m autotune._pool_rank DIR RANK``).
+
+The rank joins the parent's store, initialises the default process group once, then runs
+jobs in order: it waits for key ``job/{n}``, calls the job's target as
+``fn(rank, world_size, **kwargs)`` and stores the pickled result under ``result/{n}/{rank}``.
+A job that raises ends the process (a peer may be blocked in a collective with it; the
+parent kills and restarts the whole pool). The rank also exits when the parent is gone (its store socket closes).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import pickle
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+EXIT_JOB = b"exit"
+_IDLE = timedelta(days=1)  # a blocking wait; the parent's death closes the socket and ends it
+
+
+def main(tmpdir: str, rank_str: str) -> int:
+    rank = int(rank_str)
+    spec = pickle.loads((Path(tmpdir) / "spec.pkl").read_bytes())
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec["num_threads"]))
+    import torch
+    import torch.distributed as dist
+
+    from autotune.launch import EXIT_USER_ERROR
+    from fsdp_runtime.errors import AutotuneError
+
+    torch.set_num_threads(spec["num_threads"])
+    world_size = spec["world_size"]
+    timeout = timedelta(seconds=spec["pg_timeout_s"])
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], world_size + 1, is_master=False, timeout=timeout)
+    dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # The pool's keys live apart from the process group's own store keys.
+    jobs = dist.PrefixStore("pool/", store)
+    for n in range(sys.maxsize):
+        key = f"job/{n}"
+        while True:
+            try:
+                jobs.wait([key], _IDLE)
+                break
+            except dist.DistStoreError as e:
+                if "timeout" not in str(e).lower():
+                    os._exit(0)  # the store went away: the parent is gone
+            except dist.DistError:
+                os._exit(0)  # connection closed: the parent is gone
+        job = jobs.get(key)
+        if job == EXIT_JOB:
+            break
+        job = pickle.loads(job)
+        module_name, fn_name = job["target"].split(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            result = fn(rank, world_size, **job["kwargs"])
+        except AutotuneError as e:
+            print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            os._exit(EXIT_USER_ERROR)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        jobs.set(f"result/{n}/{rank}", pickle.dumps(result))
+        gc.collect()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

@@ -1,0 +1,163 @@
+"""A persistent pool of local ranks: pay process start-up once, run many jobs.
+
+    with RankPool(2) as pool:
+        for cfg in configs:
+            run_trial(TrialSpec(..., world_size=2), pool=pool)
+
+[Note: rank pool]
+A fresh 2-rank trial costs ~4-6 s before its first step (import torch, spawn re-import,
+process-group set-up, exit; shared/FINDINGS.md); a search runs hundreds. The pool keeps
+N ranks alive between jobs, launched like :func:`autotune.launch.run_ranks` (never fork;
+each rank ``python -m autotune._pool_rank`` in its own session; the parent owns the
+``TCPStore`` on port 0). The ranks initialise the default process group once; every job
+builds its own device mesh (1-D or HSDP 2-D) and FSDP state on top of it, so different
+configs run back to back.
+
+Jobs travel through the store: the parent sets ``job/{n}`` (pickled target and kwargs),
+each rank sets ``result/{n}/{rank}``. The parent waits for all results, watching the
+processes and the clock. A job that fails ends its rank; any failure or timeout then
+kills every rank's process tree (SIGKILL to each session) and marks the pool broken; the
+next :meth:`RankPool.run` starts fresh ranks. A failure is returned as a
+:class:`~autotune.launch.RankRun` with the same statuses as ``run_ranks``, never raised.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from autotune.launch import RankRun, _kill_tree, _tail, classify_failure
+
+_FAIL_GRACE_S = 1.0  # after a rank dies, how long its peers may run on to report their own error
+_SHUTDOWN_S = 5.0
+
+
+class RankPool:
+    """``world_size`` long-lived ranks that run jobs ``fn(rank, world_size, **kwargs)``; see [Note: rank pool]."""
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", num_threads: int | None = None, pg_timeout_s: float = 600.0) -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self.num_threads = num_threads or max(1, (os.cpu_count() or 1) // world_size)
+        self.pg_timeout_s = pg_timeout_s
+        self.num_starts = 0
+        """How many times ranks were started (1 + restarts after failures)."""
+        self._procs: list[subprocess.Popen] = []
+        self._store: Any = None
+        self._jobs: Any = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._next_job = 0
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the live ranks (empty when none are running)."""
+        return [p.pid for p in self._procs]
+
+    def run(self, target: str, kwargs: dict[str, Any] | None = None, *, timeout_s: float = 120.0) -> RankRun:
+        """Run ``target`` (``"module:function"``) on every rank; returns within ``timeout_s`` (start-up included)."""
+        start = time.monotonic()
+        if not self._procs:
+            self._start()
+        n = self._next_job
+        self._next_job += 1
+        self._jobs.set(f"job/{n}", pickle.dumps({"target": target, "kwargs": kwargs or {}}))
+        keys = [f"result/{n}/{r}" for r in range(self.world_size)]
+        timed_out, exit_order = self._wait(keys, start + timeout_s)
+        pids = self.pids
+        if not timed_out and not exit_order:
+            results = [pickle.loads(self._jobs.get(k)) for k in keys]
+            for k in [f"job/{n}", *keys]:
+                self._jobs.delete_key(k)
+            return RankRun(status="ok", results=results, returncodes=[None] * self.world_size, wall_s=time.monotonic() - start, pids=pids)
+        codes, tails = self._stop_all(exit_order)
+        status, reason = classify_failure(codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order)
+        return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=time.monotonic() - start, pids=pids)
+
+    def close(self) -> None:
+        """Ask the ranks to exit, then kill whatever is left; the pool can be started again."""
+        if self._procs:
+            try:
+                self._jobs.set(f"job/{self._next_job}", b"exit")
+                deadline = time.monotonic() + _SHUTDOWN_S
+                while any(p.poll() is None for p in self._procs) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            finally:
+                self._stop_all([])
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    # -- internals ------------------------------------------------------------------
+
+    def _start(self) -> None:
+        from torch.distributed import PrefixStore, TCPStore
+
+        if self._tmp is not None:
+            self._tmp.cleanup()  # the previous ranks' stderr files
+        self._tmp = tempfile.TemporaryDirectory(prefix="autotune-pool-")
+        tmpdir = Path(self._tmp.name)
+        self._store = TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
+        self._jobs = PrefixStore("pool/", self._store)
+        self._next_job = 0
+        spec = {
+            "world_size": self.world_size,
+            "store_port": self._store.port,
+            "backend": self.backend,
+            "num_threads": self.num_threads,
+            "pg_timeout_s": self.pg_timeout_s,
+        }
+        (tmpdir / "spec.pkl").write_bytes(pickle.dumps(spec))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        for rank in range(self.world_size):
+            with open(tmpdir / f"stderr_{rank}.txt", "wb") as err:
+                self._procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "autotune._pool_rank", str(tmpdir), str(rank)],
+                        stdout=subprocess.DEVNULL,
+                        stderr=err,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
+        self.num_starts += 1
+
+    def _wait(self, keys: list[str], deadline: float) -> tuple[bool, list[int]]:
+        """Wait for every result key. Returns (timed out, ranks that exited, in exit order)."""
+        exit_order: list[int] = []
+        failed_at: float | None = None
+        while True:
+            if not exit_order and self._jobs.check(keys):
+                return False, []
+            exit_order += [r for r, p in enumerate(self._procs) if p.poll() is not None and r not in exit_order]
+            now = time.monotonic()
+            if exit_order and failed_at is None:
+                failed_at = now
+            if failed_at is not None and (now - failed_at > _FAIL_GRACE_S or len(exit_order) == self.world_size):
+                return False, exit_order
+            if now > deadline:
+                return True, exit_order
+            time.sleep(0.005)
+
+    def _stop_all(self, exit_order: list[int]) -> tuple[list[int | None], list[str]]:
+        """Kill every rank's process tree; returns their own exit codes (None if we killed them) and stderr tails."""
+        for proc in self._procs:
+            _kill_tree(proc)
+            proc.wait()
+        codes = [p.returncode if r in exit_order else None for r, p in enumerate(self._procs)]
+        tails = [_tail(Path(self._tmp.name) / f"stderr_{r}.txt") for r in range(len(self._procs))] if self._tmp else []
+        self._procs = []
+        self._store = None
+        self._jobs = None
+        return codes, tails

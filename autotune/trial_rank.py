@@ -1,0 +1,243 @@
+"""The program one rank runs in a trial, and the torchrun entry point for multi-node trials.
+
+Local trials call :func:`run_trial_rank` through :func:`autotune.launch.run_ranks` or a
+:class:`autotune.pool.RankPool`. Several nodes run the same program under torchrun::
+
+    autotune trial --model small --config cfg.toml --nproc 16 --out /shared/t0 --write-spec spec.json
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m autotune.trial_rank --spec spec.json
+
+Rank 0 gathers every rank's result and writes ``metrics.json`` and ``env.json``; each
+rank writes its own trace, so ``out_dir`` must be on a filesystem all nodes share (or
+collect the ``trace_rank*.json.gz`` files afterwards).
+
+[Note: what a trial measures]
+- *Step time* comes from unprofiled steps only (the profiler inflates CPU step time by
+  30-45%, shared/FINDINGS.md). Before each measured step all ranks meet at a barrier
+  (and synchronize the device on CUDA); each rank then times its own step with
+  ``perf_counter``. The trial's step time per step is the slowest rank's.
+- *Traces* come from a separate window after the measured steps: ``torch.profiler`` with
+  ``schedule(wait=0, warmup=1, active=num_profiled)``, CPU activity (+ CUDA on GPU), no
+  shapes or stacks (they add overhead), one gzipped chrome trace per rank.
+- *Peak memory*: on CUDA ``torch.cuda.max_memory_allocated`` over the steps. On CPU there
+  is no allocator counter for all of torch's memory and ``ru_maxrss`` is a
+  process-lifetime maximum (useless in a pool that ran a bigger trial before), so a
+  thread samples the resident set size from ``/proc/self/statm`` every 5 ms while the
+  model is built and stepped, and the metric is the peak *above* the RSS measured just
+  before the build (after ``gc.collect()`` and glibc ``malloc_trim``). Spikes shorter
+  than the sampling interval can be missed; the number is for comparing configs.
+- *Pruning*: with ``prune_if_slower_than_ms``, after the first ``PRUNE_AFTER`` measured
+  steps every rank votes (an all-reduce of "my median is above the limit") so all ranks
+  stop together; a pruned trial skips the profiled window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PRUNE_AFTER = 2
+"""Measured steps after which the ranks vote on pruning."""
+_SAMPLE_INTERVAL_S = 0.005
+
+
+class _RssSampler:
+    """Samples this process's resident set size in a background thread; see [Note: what a trial measures]."""
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="autotune-rss", daemon=True)
+        _release_free_memory()
+        self.baseline_bytes = self.read()
+        self.peak_bytes = self.baseline_bytes
+
+    def read(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _loop(self) -> None:
+        while not self._stop.wait(_SAMPLE_INTERVAL_S):
+            self.peak_bytes = max(self.peak_bytes, self.read())
+
+    def __enter__(self) -> "_RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self.read())
+
+
+def _release_free_memory() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the baseline just includes freed-but-kept memory
+
+
+def _get_device(backend: str, rank: int) -> torch.device:
+    if backend != "nccl":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _timed_step(training: Any, step: int, device: torch.device, emulator: Any) -> tuple[float, float]:
+    """(milliseconds, loss) of one step, started together on all ranks."""
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    with emulator if emulator is not None else nullcontext():
+        loss = training.step(step)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3, loss
+
+
+def _vote_prune(step_ms: list[float], limit_ms: float, device: torch.device) -> bool:
+    """True on every rank when any rank's median so far is above ``limit_ms``."""
+    slow = torch.tensor([1.0 if statistics.median(step_ms) > limit_ms else 0.0], device=device)
+    dist.all_reduce(slow, op=dist.ReduceOp.MAX)
+    return bool(slow.item() > 0)
+
+
+def _profiled_window(training: Any, first_step: int, num_active: int, device: torch.device, emulator: Any, trace_path: Path) -> tuple[list[float], list[float]]:
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    def export(prof: Any) -> None:
+        tmp = trace_path.with_name(f".tmp-{trace_path.name}")  # keeps the .gz suffix: export gzips
+        prof.export_chrome_trace(str(tmp))
+        tmp.replace(trace_path)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step_ms, losses = [], []
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=num_active, repeat=1), on_trace_ready=export) as prof:
+        for i in range(1 + num_active):
+            ms, loss = _timed_step(training, first_step + i, device, emulator)
+            losses.append(loss)
+            if i > 0:
+                step_ms.append(ms)
+            prof.step()
+    return step_ms, losses
+
+
+def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[str, Any]:
+    """Rank program of a trial (``spec`` is :meth:`autotune.trial.TrialSpec.to_dict`); returns this rank's measurements."""
+    from autotune.linkemu import LinkEmulator
+    from autotune.train import build_training
+    from profiles import load_cluster_profile
+
+    device = _get_device(spec["backend"], rank)
+    emulator = LinkEmulator.from_cluster(load_cluster_profile(spec["cluster"])) if spec["cluster"] else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with _RssSampler() as rss:
+        training = build_training(rank, world_size, model=spec["model"], config=spec["config"], seed=spec["seed"], device=device)
+        losses = [_timed_step(training, s, device, emulator)[1] for s in range(spec["num_warmup"])]
+        step = spec["num_warmup"]
+        step_ms: list[float] = []
+        pruned = False
+        for i in range(spec["num_measured"]):
+            ms, loss = _timed_step(training, step, device, emulator)
+            step_ms.append(ms)
+            losses.append(loss)
+            step += 1
+            limit = spec["prune_if_slower_than_ms"]
+            if limit is not None and i + 1 == PRUNE_AFTER and _vote_prune(step_ms, limit, device):
+                pruned = True
+                break
+        profiled_ms: list[float] = []
+        trace = None
+        if spec["profile"] and not pruned:
+            trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
+            profiled_ms, profiled_losses = _profiled_window(training, step, spec["num_profiled"], device, emulator, trace_path)
+            losses += profiled_losses
+            trace = trace_path.name
+    if device.type == "cuda":
+        memory = {"source": "cuda_max_allocated", "peak_bytes": torch.cuda.max_memory_allocated(device), "baseline_bytes": 0}
+    else:
+        memory = {"source": "rss_above_baseline", "peak_bytes": rss.peak_bytes - rss.baseline_bytes, "baseline_bytes": rss.baseline_bytes}
+    del training
+    _release_free_memory()
+    return {
+        "rank": rank,
+        "step_ms": step_ms,
+        "profiled_step_ms": profiled_ms,
+        "losses": losses,
+        "pruned": pruned,
+        "memory": memory,
+        "trace": trace,
+        "link_emulation": emulator.summary() if emulator is not None else None,
+        "env": _get_rank_env(device),
+    }
+
+
+def _get_rank_env(device: torch.device) -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "torch_version": torch.__version__,
+        "num_threads": torch.get_num_threads(),
+        "device": str(device),
+        "cuda_device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+
+
+# ---------------------------------------------------------------------------
+# torchrun entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m autotune.trial_rank --spec spec.json`` under torchrun (env:// rendezvous)."""
+    from autotune.launch import EXIT_USER_ERROR
+    from autotune.trial import TrialSpec, load_rank_program, write_trial_dir
+    from fsdp_runtime.errors import AutotuneError
+
+    parser = argparse.ArgumentParser(prog="python -m autotune.trial_rank", description="Run one trial rank under torchrun.")
+    parser.add_argument("--spec", required=True, type=Path, help="TrialSpec JSON written by `autotune trial --write-spec`.")
+    args = parser.parse_args(argv)
+    spec = TrialSpec.from_dict(json.loads(args.spec.read_text()))
+    dist.init_process_group(spec.backend)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    start = time.monotonic()
+    try:
+        if world_size != spec.world_size:
+            raise AutotuneError(f"{args.spec}: spec.world_size is {spec.world_size} but torchrun started {world_size} ranks (match --nnodes x --nproc-per-node)")
+        result = load_rank_program(spec.rank_program)(rank, world_size, spec=spec.to_dict())
+        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+    except BaseException as e:
+        traceback.print_exc()
+        status = "invalid_config" if isinstance(e, AutotuneError) else "crash"
+        if rank == 0:
+            write_trial_dir(spec, status=status, reason=f"rank 0: {type(e).__name__}: {e}"[:300], rank_results=[], wall_s=time.monotonic() - start)
+        sys.stderr.flush()
+        os._exit(EXIT_USER_ERROR if status == "invalid_config" else 1)
+    if rank == 0:
+        status = "pruned" if any(r["pruned"] for r in gathered) else "ok"
+        write_trial_dir(spec, status=status, reason="", rank_results=gathered, wall_s=time.monotonic() - start)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
