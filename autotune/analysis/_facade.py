@@ -1,0 +1,78 @@
+"""The facade: load a set of rank traces once, then ask it for each analysis."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from autotune.analysis._errors import TraceError
+from autotune.analysis._events import RankEvents, classify_events
+from autotune.analysis._hta_overlap import HtaOverlapAnalyzer
+from autotune.analysis._load import RankTrace, load_trace
+from autotune.analysis._step_analysis import StepAnalyzer
+from autotune.analysis._timeline_analysis import TimelineAnalyzer
+from autotune.analysis._unit_analysis import UnitAnalyzer
+
+
+class FsdpTraceAnalysis:
+    """Trace metrics of one trial: one torch.profiler chrome trace per rank.
+
+    Every quantity is defined once, in [Note: trace metrics] (``autotune.analysis``).
+    Times in the returned DataFrames are milliseconds; ratios are fractions in [0, 1]
+    (``overlap_ratio``) or >= 1 (``bound_ratio``); None where undefined (no comm).
+
+    Args:
+        trace_paths: ``.json`` or ``.json.gz`` chrome traces, one per rank (any order;
+            the rank comes from the trace's ``distributedInfo``, else ``rank<N>`` in the
+            file name, else the position in the list).
+
+    Raises:
+        TraceError: a file is missing, empty, truncated, not a chrome trace, has no
+            ``ProfilerStep#N`` spans, or two files claim the same rank.
+    """
+
+    def __init__(self, trace_paths: Sequence[str | Path]):
+        if not trace_paths:
+            raise TraceError("<trace list>", "no trace files given (expected one trace_rank<N>.json[.gz] per rank)")
+        self.traces: dict[int, RankTrace] = {}
+        for position, path in enumerate(trace_paths):
+            trace = load_trace(path, default_rank=position)
+            if trace.rank in self.traces:
+                raise TraceError(path, f"rank {trace.rank} already loaded from {self.traces[trace.rank].path}")
+            self.traces[trace.rank] = trace
+        self.traces = dict(sorted(self.traces.items()))
+        self.events: dict[int, RankEvents] = {rank: classify_events(t) for rank, t in self.traces.items()}
+
+    @property
+    def device(self) -> str:
+        """``gpu`` if any rank's trace has device kernels, else ``cpu``."""
+        return "gpu" if any(t.device == "gpu" for t in self.traces.values()) else "cpu"
+
+    @property
+    def num_bytes(self) -> int:
+        """Total size of the trace files as stored."""
+        return sum(t.num_bytes for t in self.traces.values())
+
+    def get_step_metrics(self) -> pd.DataFrame:
+        """One row per (rank, profiled step); columns ``_step_analysis.STEP_COLUMNS``."""
+        return pd.concat([StepAnalyzer.get_step_metrics(e) for e in self.events.values()], ignore_index=True)
+
+    def get_unit_metrics(self) -> pd.DataFrame:
+        """One row per (rank, profiled step, FSDP unit); columns ``_unit_analysis.UNIT_COLUMNS``."""
+        return pd.concat([UnitAnalyzer.get_unit_metrics(e) for e in self.events.values()], ignore_index=True)
+
+    def get_timeline(self) -> pd.DataFrame:
+        """Merged compute / per-kind comm / exposed intervals per (rank, step), ms from each rank's first step."""
+        return pd.concat([TimelineAnalyzer.get_timeline(e) for e in self.events.values()], ignore_index=True)
+
+    def get_hta_comm_comp_overlap(self) -> pd.DataFrame:
+        """HTA's ``get_comm_comp_overlap`` on the same files (meaningful for GPU traces only)."""
+        return HtaOverlapAnalyzer.get_comm_comp_overlap({rank: t.path for rank, t in self.traces.items()})
+
+    def summarize(self) -> dict:
+        """The JSON-able summary documented in ``autotune.analysis._summary``."""
+        from autotune.analysis._summary import build_summary
+
+        return build_summary(self)

@@ -1,0 +1,303 @@
+"""Trace metrics (autotune.analysis): golden numbers on committed fixtures and obvious synthetic cases.
+
+Golden numbers of ``cpu_tiny_2rank`` were produced by this analyzer from traces recorded with
+``python benchmarks/record_traces.py tests/data/cpu_tiny_2rank --model tiny --layers 2``;
+re-recording changes every timing, so regenerate them with the analyzer and re-check the
+invariants below (they are what makes the numbers plausible, not the numbers themselves).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from _fixtures import get_fixture_traces
+from _trace_builders import gloo, label, memory, span, step, trace, write
+
+from autotune.analysis import FsdpTraceAnalysis, TraceError, summarize_traces
+from autotune.analysis._events import get_collective_kind, get_label_unit
+from fsdp_runtime.errors import AutotuneError
+
+EXACT = 1e-9
+
+
+def metrics_of(path: Path, events: list[dict]) -> dict:
+    """The step-metrics rows of a one-rank synthetic trace, keyed by step number."""
+    write(path, trace(events))
+    rows = FsdpTraceAnalysis([path]).get_step_metrics().to_dict("records")
+    return {row["step"]: row for row in rows}
+
+
+# --- synthetic CPU traces: the right answer is obvious ---------------------------------
+
+
+def test_comm_hidden_under_compute_is_not_exposed(tmp_path):
+    rows = metrics_of(tmp_path / "t.json", [
+        step(1, 0, 1000),
+        span("c10d::_allgather_base_", 10, 20),
+        span("aten::mm", 100, 900), span("aten::addmm", 150, 250),  # nested: counted once
+        gloo("gloo:all_gather", 200, 700),
+    ])  # fmt: skip
+    row = rows[1]
+    assert row["step_ms"] == pytest.approx(1.0, abs=EXACT)
+    assert row["compute_ms"] == pytest.approx(0.8, abs=EXACT)
+    assert row["comm_ms"] == pytest.approx(0.5, abs=EXACT)
+    assert row["all_gather_ms"] == pytest.approx(0.5, abs=EXACT)
+    assert row["exposed_comm_ms"] == pytest.approx(0.0, abs=EXACT)
+    assert row["overlap_ratio"] == pytest.approx(1.0, abs=EXACT)
+    assert row["bound_ms"] == pytest.approx(0.8, abs=EXACT)
+    assert row["bound_ratio"] == pytest.approx(1.25, abs=EXACT)
+
+
+def test_comm_while_training_thread_idle_is_fully_exposed(tmp_path):
+    rows = metrics_of(tmp_path / "t.json", [
+        step(1, 0, 1000),
+        span("aten::mm", 0, 100),
+        span("c10d::_reduce_scatter_base_", 100, 150),  # enqueue: not compute
+        gloo("gloo:all_reduce", 160, 460),              # the thread waits, no op runs
+        span("aten::add", 500, 600),
+    ])  # fmt: skip
+    row = rows[1]
+    assert row["compute_ms"] == pytest.approx(0.2, abs=EXACT)
+    assert row["comm_ms"] == pytest.approx(0.3, abs=EXACT)
+    assert row["exposed_comm_ms"] == pytest.approx(0.3, abs=EXACT)
+    assert row["overlap_ratio"] == pytest.approx(0.0, abs=EXACT)
+    assert row["reduce_scatter_ms"] == pytest.approx(0.3, abs=EXACT)  # gloo ran it as an all-reduce
+    assert row["all_reduce_ms"] == pytest.approx(0.0, abs=EXACT)
+
+
+def test_partial_overlap_and_wait_ops_are_not_compute(tmp_path):
+    rows = metrics_of(tmp_path / "t.json", [
+        step(1, 0, 1000),
+        span("aten::mm", 0, 300),
+        span("c10d::allreduce_", 300, 320),
+        gloo("gloo:all_reduce", 200, 600),        # overlaps compute on [200, 300) only
+        span("aten::wait", 400, 500),             # a wait op is not compute
+    ])  # fmt: skip
+    row = rows[1]
+    assert row["compute_ms"] == pytest.approx(0.3, abs=EXACT)
+    assert row["exposed_comm_ms"] == pytest.approx(0.3, abs=EXACT)
+    assert row["overlap_ratio"] == pytest.approx(0.25, abs=EXACT)
+    assert row["bound_ms"] == pytest.approx(0.4, abs=EXACT)  # comm-bound step
+
+
+def test_gloo_spans_pair_with_their_enqueue_ops_in_order(tmp_path):
+    path = write(tmp_path / "t.json", trace([
+        step(1, 0, 1000),
+        gloo("gloo:all_reduce", 0, 50),                 # enqueued before the window: keeps its gloo kind
+        span("c10d::_reduce_scatter_base_", 100, 110),
+        span("c10d::allreduce_", 120, 130),
+        span("c10d::broadcast_", 140, 150),
+        gloo("gloo:all_reduce", 200, 300),              # first queued: the reduce-scatter
+        gloo("gloo:all_reduce", 300, 350),              # then the all-reduce
+        gloo("gloo:broadcast", 400, 420),
+    ]))  # fmt: skip
+    comm = FsdpTraceAnalysis([path]).events[0].comm
+    assert list(comm["kind"]) == ["all_reduce", "reduce_scatter", "all_reduce", "other"]
+    assert list(comm["issue_ts"] - comm["issue_ts"].iloc[0]) == [0.0, 100.0, 120.0, 140.0]
+
+
+def test_collectives_split_between_steps_by_issue_time(tmp_path):
+    rows = metrics_of(tmp_path / "t.json", [
+        step(1, 0, 1000), step(2, 1000, 2000),
+        span("c10d::_allgather_base_", 900, 950), gloo("gloo:all_gather", 990, 1100),
+        span("c10d::_allgather_base_", 1200, 1250), gloo("gloo:all_gather", 1300, 1350),
+    ])  # fmt: skip
+    assert rows[1]["num_collectives"] == 1 and rows[1]["comm_ms"] == pytest.approx(0.11, abs=EXACT)
+    assert rows[2]["num_collectives"] == 1 and rows[2]["comm_ms"] == pytest.approx(0.05, abs=EXACT)
+
+
+def test_units_from_fsdp_labels(tmp_path):
+    path = write(tmp_path / "t.json", trace([
+        step(1, 0, 1000),
+        label("FSDP::pre_forward", 0, 100), label("FSDP::all_gather", 10, 50), span("c10d::_allgather_base_", 20, 30),
+        label("FSDP::pre_backward (layers.1)", 200, 400),
+        label("FSDP::backward_prefetch for layers.0", 210, 260), span("c10d::_allgather_base_", 220, 230),
+        label("FSDP::post_backward_reduce (layers.1)", 500, 600), span("c10d::_reduce_scatter_base_", 510, 520),
+        span("c10d::allreduce_", 700, 710),             # outside any label: no unit
+        gloo("gloo:all_gather", 30, 90), gloo("gloo:all_gather", 230, 330),
+        gloo("gloo:all_reduce", 520, 620), gloo("gloo:all_reduce", 710, 800),
+    ]))  # fmt: skip
+    analysis = FsdpTraceAnalysis([path])
+    assert analysis.events[0].units == ["root", "layers.1", "layers.0"]
+    units = analysis.get_unit_metrics().set_index("unit")
+    assert units.loc["root", "all_gather_ms"] == pytest.approx(0.06, abs=EXACT)
+    assert units.loc["layers.0", "all_gather_ms"] == pytest.approx(0.1, abs=EXACT)
+    assert units.loc["layers.1", "reduce_scatter_ms"] == pytest.approx(0.1, abs=EXACT)
+    assert units.loc["layers.1", "hook_ms"] == pytest.approx(0.3, abs=EXACT)  # [200,400) + [500,600)
+    assert units["num_collectives"].sum() == 3  # the unlabelled all-reduce counts for the step only
+    assert analysis.get_step_metrics().loc[0, "num_collectives"] == 4
+
+
+def test_label_and_kind_parsing():
+    assert get_label_unit("FSDP::pre_forward (layers.0)") == ("pre_forward", "layers.0")
+    assert get_label_unit("FSDP::backward_prefetch for layers.3") == ("backward_prefetch", "layers.3")
+    assert get_label_unit("FSDP::post_backward_rs_wait ()") == ("post_backward_rs_wait", "root")
+    assert get_label_unit("FSDP::root_pre_forward") == ("root_pre_forward", "root")
+    assert get_label_unit("aten::mm") is None
+    assert get_collective_kind("c10d::_reduce_scatter_base_") == "reduce_scatter"
+    assert get_collective_kind("ncclDevKernel_AllGather_RING_LL") == "all_gather"
+    assert get_collective_kind("gloo:all_reduce") == "all_reduce"
+    assert get_collective_kind("c10d::broadcast_") == "other"
+
+
+def test_peak_memory_per_step(tmp_path):
+    rows = metrics_of(tmp_path / "t.json", [
+        step(1, 0, 1000), step(2, 1000, 2000),
+        memory(10, 500), memory(20, 900), memory(1500, 700),
+    ])  # fmt: skip
+    assert rows[1]["peak_memory_bytes"] == 900
+    assert rows[2]["peak_memory_bytes"] == 700
+    assert rows[1]["overlap_ratio"] is None  # no comm: undefined, not 0
+
+
+# --- errors: one line, naming the file and the problem ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"", "empty file"),
+        (gzip.compress(json.dumps(trace([step(1, 0, 10)])).encode())[:-20], "truncated or corrupt gzip"),
+        (json.dumps(trace([step(1, 0, 10)])).encode()[:-30], "truncated"),
+        (b"hello world", "not valid JSON"),
+        (b'{"foo": 1}', "no 'traceEvents' list"),
+        (json.dumps(trace([span("aten::mm", 0, 10)])).encode(), "no ProfilerStep#N spans"),
+        (b"\x89PNG\r\n\x1a\n\x00\xff", "binary content"),
+    ],
+)
+def test_unusable_files_raise_one_line_errors(tmp_path, content, problem):
+    path = tmp_path / "trace_rank0.json.gz"
+    path.write_bytes(content)
+    with pytest.raises(TraceError) as info:
+        summarize_traces([path])
+    message = str(info.value)
+    assert isinstance(info.value, AutotuneError)
+    assert message.startswith(str(path)) and problem in message and "\n" not in message
+
+
+def test_missing_file_and_duplicate_rank(tmp_path):
+    with pytest.raises(TraceError, match="no such file"):
+        summarize_traces([tmp_path / "nope.json"])
+    a = write(tmp_path / "a.json", trace([step(1, 0, 10)], rank=0))
+    b = write(tmp_path / "b.json", trace([step(1, 0, 10)], rank=0))
+    with pytest.raises(TraceError, match="rank 0 already loaded"):
+        summarize_traces([a, b])
+    with pytest.raises(TraceError, match="no trace files"):
+        summarize_traces([])
+
+
+# --- GPU-format fixture: our kernel-based numbers against HTA's -------------------------
+
+
+def test_gpu_fixture_golden_and_matches_hta():
+    analysis = FsdpTraceAnalysis(get_fixture_traces("gpu_nccl_2rank"))
+    assert analysis.device == "gpu"
+    steps = analysis.get_step_metrics().set_index(["rank", "step"])
+    # See _trace_builders.gpu_rank_trace: rank 0 AllGather [300, 600) vs compute [100,400)+[500,700).
+    assert steps.loc[(0, 1), "compute_ms"] == pytest.approx(0.5, abs=EXACT)  # the Memcpy is not compute
+    assert steps.loc[(0, 1), "exposed_comm_ms"] == pytest.approx(0.1, abs=EXACT)
+    assert steps.loc[(1, 1), "comm_ms"] == pytest.approx(0.5, abs=EXACT)
+    assert steps.loc[(1, 1), "exposed_comm_ms"] == pytest.approx(0.1, abs=EXACT)
+    assert steps.loc[(0, 2), "reduce_scatter_ms"] == pytest.approx(0.2, abs=EXACT)
+    assert steps.loc[(0, 2), "all_reduce_ms"] == pytest.approx(0.1, abs=EXACT)
+    assert steps.loc[(0, 2), "exposed_comm_ms"] == pytest.approx(0.2, abs=EXACT)
+
+    hta = analysis.get_hta_comm_comp_overlap().set_index("rank")["comp_comm_overlap_pctg"]
+    for rank, group in steps.groupby(level="rank"):
+        ours = 1.0 - group["exposed_comm_ms"].sum() / group["comm_ms"].sum()
+        assert round(100 * ours, 2) == pytest.approx(hta[rank], abs=EXACT)
+    assert list(hta) == [50.0, 62.5]
+
+
+# --- recorded CPU/gloo fixture: exact golden numbers ------------------------------------
+
+CPU_GOLDEN_STEPS = {
+    (0, 1): dict(step_ms=167.8633193359375, compute_ms=100.6637626953125, comm_ms=36.521337890625, all_gather_ms=27.565818359375, reduce_scatter_ms=8.95551953125, exposed_comm_ms=22.569521484375, overlap_ratio=0.38201821762481003, bound_ratio=1.667564522141136, num_collectives=8, peak_memory_bytes=1974300),
+    (0, 2): dict(step_ms=162.7226904296875, compute_ms=76.23315234375, comm_ms=54.68996484375, all_gather_ms=44.1629267578125, reduce_scatter_ms=18.55884765625, exposed_comm_ms=42.039021484375, overlap_ratio=0.23132110974141096, bound_ratio=2.134539703880268, num_collectives=8, peak_memory_bytes=2532124),
+    (1, 1): dict(step_ms=170.6218994140625, compute_ms=109.8611279296875, comm_ms=42.0098935546875, all_gather_ms=23.143466796875, reduce_scatter_ms=18.8664267578125, exposed_comm_ms=24.9340078125, overlap_ratio=0.4064729590413866, bound_ratio=1.5530688845945826, num_collectives=8, peak_memory_bytes=1875484),
+    (1, 2): dict(step_ms=162.0716806640625, compute_ms=99.5230146484375, comm_ms=49.7155263671875, all_gather_ms=34.5469580078125, reduce_scatter_ms=22.07612890625, exposed_comm_ms=22.4670361328125, overlap_ratio=0.5480881371570702, bound_ratio=1.6284844388664932, num_collectives=8, peak_memory_bytes=2400284),
+}  # fmt: skip
+CPU_GOLDEN_UNITS_RANK0_STEP2 = {
+    "root": dict(all_gather_ms=2.6394404296875, reduce_scatter_ms=3.9936298828125, exposed_comm_ms=6.6330703125, num_collectives=2, hook_ms=28.05594921875),
+    "layers.0": dict(all_gather_ms=34.062806640625, reduce_scatter_ms=2.93419921875, exposed_comm_ms=31.1599013671875, num_collectives=3, hook_ms=26.5479970703125),
+    "layers.1": dict(all_gather_ms=7.4606796875, reduce_scatter_ms=11.6310185546875, exposed_comm_ms=12.18096875, num_collectives=3, hook_ms=55.088068359375),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cpu_analysis() -> FsdpTraceAnalysis:
+    return FsdpTraceAnalysis(get_fixture_traces("cpu_tiny_2rank"))
+
+
+def test_cpu_fixture_golden_steps(cpu_analysis):
+    steps = cpu_analysis.get_step_metrics().set_index(["rank", "step"])
+    assert sorted(steps.index) == sorted(CPU_GOLDEN_STEPS)
+    for key, expected in CPU_GOLDEN_STEPS.items():
+        for column, value in expected.items():
+            assert steps.loc[key, column] == pytest.approx(value, abs=EXACT), (key, column)
+    assert (steps["all_reduce_ms"] == 0).all() and (steps["other_comm_ms"] == 0).all()
+
+
+def test_cpu_fixture_golden_units(cpu_analysis):
+    units = cpu_analysis.get_unit_metrics()
+    assert list(dict.fromkeys(units["unit"])) == ["root", "layers.0", "layers.1"]
+    rows = units[(units["rank"] == 0) & (units["step"] == 2)].set_index("unit")
+    for unit, expected in CPU_GOLDEN_UNITS_RANK0_STEP2.items():
+        for column, value in expected.items():
+            assert rows.loc[unit, column] == pytest.approx(value, abs=EXACT), (unit, column)
+
+
+def test_cpu_fixture_invariants(cpu_analysis):
+    steps = cpu_analysis.get_step_metrics()
+    kinds = steps[["all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "other_comm_ms"]].sum(axis=1)
+    assert (steps["comm_ms"] <= kinds + EXACT).all()
+    assert (steps["exposed_comm_ms"] <= steps["comm_ms"] + EXACT).all()
+    assert (steps["compute_ms"] < steps["step_ms"]).all() and (steps["bound_ratio"] >= 1).all()
+    # FSDP2, 2 blocks + root, no accumulation: 5 all-gathers (root once, blocks in forward and
+    # backward) and 3 reduce-scatters per step, all issued inside the units' FSDP labels.
+    comm = cpu_analysis.events[0].comm
+    assert comm["unit"].notna().all()
+    assert comm.groupby("kind").size().to_dict() == {"all_gather": 10, "reduce_scatter": 6}
+
+
+def _raw_union_ms(spans: list[tuple[float, float]]) -> float:
+    total, cursor = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > cursor:
+            total += end - max(start, cursor)
+            cursor = end
+    return total / 1000.0
+
+
+def test_cpu_fixture_comm_matches_raw_gloo_spans(cpu_analysis):
+    """Independent of the analyzer: union of the raw gloo spans that start inside each step."""
+    for rank, path in enumerate(get_fixture_traces("cpu_tiny_2rank")):
+        events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+        steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#")]
+        gloo_spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("gloo:")]
+        expected = {}
+        for s in steps:
+            inside = [(a, b) for a, b in gloo_spans if s["ts"] <= a < s["ts"] + s["dur"]]
+            expected[int(s["name"].split("#")[1])] = _raw_union_ms(inside)
+        for key, value in expected.items():
+            assert CPU_GOLDEN_STEPS[(rank, key)]["comm_ms"] == pytest.approx(value, abs=1e-6)
+
+
+def test_summary_schema_and_aggregate(cpu_analysis):
+    summary = cpu_analysis.summarize()
+    assert json.loads(json.dumps(summary)) == summary  # JSON-able, no NaN
+    assert (summary["schema_version"], summary["kind"], summary["device"], summary["num_ranks"]) == (1, "trace_metrics", "cpu", 2)
+    rank0 = summary["per_rank"][0]
+    assert rank0["trace"] == "trace_rank0.json.gz" and [s["step"] for s in rank0["steps"]] == [1, 2]
+    assert rank0["peak_memory_bytes"] == 2532124
+    assert [u["unit"] for u in rank0["per_unit"]] == ["root", "layers.0", "layers.1"]
+    assert rank0["per_unit"][0]["all_gather_ms"] == pytest.approx((7.638009765625 + 2.6394404296875) / 2, abs=EXACT)
+    aggregate = summary["aggregate"]
+    step_ms = sorted(v["step_ms"] for v in CPU_GOLDEN_STEPS.values())
+    assert aggregate["num_steps"] == 4
+    assert aggregate["step_ms"] == pytest.approx((step_ms[1] + step_ms[2]) / 2, abs=EXACT)
+    assert aggregate["peak_memory_bytes"] == 2532124
+    assert [u["unit"] for u in aggregate["per_unit"]] == ["root", "layers.0", "layers.1"]
