@@ -25,6 +25,12 @@ from fsdp_runtime.config import (
     validate_config,
     validate_for_world,
 )
+from fsdp_runtime.consolidate import (
+    CheckpointError,
+    consolidate_state,
+    load_consolidated_checkpoint,
+    save_consolidated_checkpoint,
+)
 from fsdp_runtime.errors import AutotuneError, ConfigError
 
 __all__ = [
@@ -33,6 +39,7 @@ __all__ = [
     "AppliedFsdp",
     "AutotuneError",
     "CheckpointConfig",
+    "CheckpointError",
     "ConfigError",
     "GradAccumulator",
     "MeshConfig",
@@ -43,13 +50,16 @@ __all__ = [
     "apply_fsdp",
     "config_from_dict",
     "config_to_dict",
+    "consolidate_state",
     "default_config",
     "dumps_config",
     "find_block_names",
     "load_config",
+    "load_consolidated_checkpoint",
     "loads_config",
     "resolve_units",
     "save_config",
+    "save_consolidated_checkpoint",
     "validate_config",
     "validate_for_world",
 ]

@@ -1,0 +1,527 @@
+"""Consolidate an FSDP2-sharded model and optimizer into one full state on rank 0.
+
+    from fsdp_runtime import consolidate_state, save_consolidated_checkpoint
+    model_sd, optim_sd = consolidate_state(model, optimizer, method="all_gather")
+    save_consolidated_checkpoint("ckpt/step100.pt", model, optimizer)
+
+The full state has the layout of ``torch.distributed.checkpoint.state_dict`` with
+``full_state_dict=True``: the model state dict maps FQNs to full tensors; the optimizer
+state dict is ``{"state": {fqn: {"step": ..., "exp_avg": ..., ...}}, "param_groups":
+[{..., "params": [fqn, ...]}]}``. Three methods produce it (``CheckpointConfig.consolidation``):
+
+- ``all_gather``: every sharded tensor is packed into a few flat buffers and gathered with
+  one ``all_gather_into_tensor`` per buffer. See [Note: all_gather consolidation].
+- ``broadcast``: the baseline; each rank broadcasts its shard of each tensor in turn.
+- ``dcp``: PyTorch's own ``get_model_state_dict`` / ``get_optimizer_state_dict``.
+
+Supported shardings are FSDP2's: ``Shard(0)`` on one mesh dimension, ``Replicate()`` on
+the others (1-D FSDP, 2-D HSDP), including uneven and empty shards.
+
+[Note: all_gather consolidation]
+The seed (fairscale #595) replaced per-rank broadcasts of optimizer state with
+all-gathers and measured 10x faster consolidation. Here the idea is pushed one step
+further: instead of one collective per tensor, each rank packs its local shards of many
+tensors into one flat buffer (a "bucket", ``bucket_bytes`` of gathered output at most)
+and the bucket is gathered with a single ``all_gather_into_tensor``.
+
+Packing. FSDP2 splits dim 0 like ``torch.chunk``: with ``n`` rows on ``W`` ranks every
+rank gets ``c = ceil(n / W)`` rows except the last ones, which get fewer or none. In the
+bucket each tensor gets a slot of ``c * row_numel`` elements on every rank at the same
+offset, so all ranks contribute equal-sized buffers (the collective's contract) and the
+gathered output is ``W`` copies of the bucket layout, rank-major. Rank 0 unpacks each
+tensor by copying rank ``r``'s first ``rows_r * row_numel`` elements of the slot into
+rows ``[r * c, r * c + rows_r)`` of the full tensor (dim-0 shards of a contiguous tensor
+are contiguous). Padding costs at most ``W - 1`` rows per tensor. Everything needed for
+the layout (global shape, mesh, placements) is known on every rank, so no metadata is
+exchanged. Tensors are bucketed by (process group, dtype, device) in a fixed order, so
+every rank issues the same collectives in the same order.
+
+Why it beats broadcast. Broadcast issues one collective per tensor *per source rank*
+(``T * W``; 117 * 4 for the 4-block "small" model at world 4), each paying a fixed cost
+(Python and c10d dispatch, a rendezvous of all ranks, gloo's per-op setup) whatever its
+size, and only one rank sends at a time. The packed all-gather issues
+``ceil(bytes / bucket_bytes)`` collectives, each large enough to run at link bandwidth,
+with every rank sending at once. The bytes received per rank are the same (every rank
+of a broadcast receives every shard too); the price of the all-gather is the bucket:
+``bucket_bytes`` of output plus ``bucket_bytes / W`` of input held by *every* rank of the
+group while one bucket is in flight, which ``bucket_bytes`` bounds.
+
+HSDP. Replicas hold identical shards, so the gather runs over the shard dimension's
+group only; with ``rank0_only`` the replica groups that do not contain rank 0 do no work.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_runtime.errors import AutotuneError, ConfigError
+
+Method = Literal["all_gather", "broadcast", "dcp"]
+METHODS: tuple[str, ...] = ("all_gather", "broadcast", "dcp")
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+CHECKPOINT_FORMAT = "fsdp_runtime.consolidated_checkpoint"
+CHECKPOINT_VERSION = 1
+# Module wrappers whose attribute name appears in named_parameters() but not in the
+# FQNs torch.distributed.checkpoint uses (activation checkpointing, torch.compile).
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
+
+StateDict = dict[str, Any]
+
+
+class CheckpointError(AutotuneError):
+    """A consolidated checkpoint could not be written or read; the message says why."""
+
+
+# ---------------------------------------------------------------------------
+# Public API
+
+
+def consolidate_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    method: Method = "all_gather",
+    to_cpu: bool = True,
+    rank0_only: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> tuple[StateDict, StateDict]:
+    """Gather the full model and optimizer state of a sharded ``model``; collective.
+
+    Every rank must call it. Returns ``(model_state_dict, optimizer_state_dict)`` with
+    full tensors on rank 0 (on every rank when ``rank0_only`` is False) and ``({}, {})``
+    elsewhere; the optimizer dict is ``{}`` when ``optimizer`` is None. ``to_cpu`` places
+    the result in CPU memory. ``bucket_bytes`` caps one all-gather's output
+    (``all_gather`` only). The returned tensors never alias the live model or optimizer.
+    """
+    check_method(method)
+    if bucket_bytes < 1:
+        raise ConfigError("bucket_bytes", f"must be >= 1, got {bucket_bytes}", fix=f"the default is {DEFAULT_BUCKET_BYTES} (256 MiB)")
+    if method == "dcp":
+        return _consolidate_with_dcp(model, optimizer, to_cpu=to_cpu, rank0_only=rank0_only)
+    model_sd = dict(model.state_dict())
+    optim_sd = get_optimizer_state_by_fqn(model, optimizer) if optimizer is not None else {}
+    leaves = _find_leaves(model_sd) + (_find_leaves(optim_sd["state"]) if optim_sd else [])
+    keep = not rank0_only or _get_rank() == 0
+    sharded = [leaf for leaf in leaves if leaf.layout is not None]
+    if method == "all_gather":
+        _gather_packed(sharded, keep=keep, rank0_only=rank0_only, to_cpu=to_cpu, bucket_bytes=bucket_bytes)
+    else:
+        _gather_by_broadcast(sharded, keep=keep, rank0_only=rank0_only, to_cpu=to_cpu)
+    if not keep:
+        return {}, {}
+    for leaf in leaves:
+        if leaf.layout is None:
+            leaf.container[leaf.key] = _copy_local(leaf.value, to_cpu=to_cpu)
+    return model_sd, optim_sd
+
+
+def save_consolidated_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    method: Method = "all_gather",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Consolidate onto rank 0 and write one file there, atomically; collective.
+
+    Rank 0 writes a hidden temporary file next to ``path`` and renames it to ``path``
+    only once it is complete, so a failure at any point (a rank dying mid-consolidation,
+    rank 0 dying mid-write, a full disk) never leaves a partial file at ``path``. All
+    ranks then agree on the outcome: if rank 0's write failed it re-raises its error and
+    every other rank raises :class:`CheckpointError`. ``metadata`` (plain data) is stored
+    alongside the state. Returns ``path``.
+    """
+    path = Path(path)
+    model_sd, optim_sd = consolidate_state(model, optimizer, method=method, to_cpu=True, rank0_only=True, bucket_bytes=bucket_bytes)
+    error: BaseException | None = None
+    if _get_rank() == 0:
+        payload = {
+            "format": CHECKPOINT_FORMAT,
+            "schema_version": CHECKPOINT_VERSION,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "metadata": dict(metadata or {}),
+            "model": model_sd,
+            "optimizer": optim_sd,
+        }
+        try:
+            _write_atomically(payload, path)
+        except Exception as e:  # re-raised below, after the other ranks were told
+            error = e
+    _agree_on_outcome(error, f"rank 0 failed to write the checkpoint {path}; nothing was written at that path")
+    return path
+
+
+def load_consolidated_checkpoint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    source: str | Path | tuple[StateDict, StateDict] | None,
+) -> None:
+    """Load a full state into a freshly sharded ``model`` (and ``optimizer``); collective.
+
+    ``source`` is a checkpoint path or a ``(model_sd, optim_sd)`` pair from
+    :func:`consolidate_state`; only rank 0's ``source`` is used (only rank 0 needs the
+    file), so other ranks may pass ``None``. Rank 0 broadcasts every tensor and each rank
+    keeps its shard. Build the model with :func:`~fsdp_runtime.apply_fsdp` and the
+    optimizer over its parameters first, exactly as for training.
+    """
+    model_sd: StateDict = {}
+    optim_sd: StateDict = {}
+    error: BaseException | None = None
+    if _get_rank() == 0:
+        try:
+            model_sd, optim_sd = _read_source(source)
+        except Exception as e:  # re-raised below, after the other ranks were told
+            error = e
+    _agree_on_outcome(error, "rank 0 could not read the checkpoint to load")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, model_sd, options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
+        _restore_param_group_options(optimizer, optim_sd)
+
+
+def _restore_param_group_options(optimizer: torch.optim.Optimizer, optim_sd: StateDict) -> None:
+    """Set each group's hyper-parameters to rank 0's, exactly (types included).
+
+    DCP's full-state load flattens the state dict and rebuilds it, which turns tuples
+    in ``param_groups`` into lists (AdamW's ``betas``).
+    """
+    options = [[{k: v for k, v in g.items() if k != "params"} for g in optim_sd.get("param_groups", [])]]
+    if dist.is_initialized():
+        dist.broadcast_object_list(options, src=0)
+    if len(options[0]) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint has {len(options[0])} optimizer param groups, the optimizer {len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, options[0]):
+        group.update(saved)
+
+
+def check_method(method: str) -> None:
+    """Raise a one-line :class:`ConfigError` unless ``method`` is a consolidation method."""
+    if method not in METHODS:
+        raise ConfigError("checkpoint.consolidation", f"unknown consolidation method {method!r}", fix=f"use one of {', '.join(METHODS)}")
+
+
+def get_optimizer_state_by_fqn(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateDict:
+    """The optimizer's state keyed by parameter FQN (still sharded; values are the live tensors).
+
+    Same layout as ``get_optimizer_state_dict(..., full_state_dict=True)``: parameter
+    groups keep every hyper-parameter and list their parameters by FQN.
+    """
+    fqn_of = {id(p): _clean_fqn(name) for name, p in model.named_parameters()}
+    state: StateDict = {}
+    groups = []
+    for group in optimizer.param_groups:
+        fqns = []
+        for param in group["params"]:
+            if id(param) not in fqn_of:
+                raise ConfigError("optimizer", "has a parameter that is not in the model", fix="build the optimizer over model.parameters()")
+            fqn = fqn_of[id(param)]
+            fqns.append(fqn)
+            if param in optimizer.state:
+                state[fqn] = dict(optimizer.state[param])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+    return {"state": state, "param_groups": groups}
+
+
+# ---------------------------------------------------------------------------
+# Sharding layout
+
+
+@dataclass(frozen=True, slots=True)
+class _ShardLayout:
+    """How a ``Shard(0)`` DTensor is split over its shard group (``torch.chunk`` rows)."""
+
+    group: dist.ProcessGroup
+    group_rank: int
+    num_rows: list[int]
+    """Rows held by each group rank (uneven or zero for the last ranks)."""
+    chunk_rows: int
+    """``ceil(rows / group size)``: the rows of every non-final shard, and the padded slot."""
+
+    @property
+    def group_size(self) -> int:
+        return len(self.num_rows)
+
+    def get_row_start(self, group_rank: int) -> int:
+        return group_rank * self.chunk_rows
+
+
+def get_shard_layout(tensor: DTensor) -> _ShardLayout | None:
+    """The dim-0 shard layout of an FSDP2 DTensor; None if it is replicated everywhere."""
+    shard_dims = []
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if type(placement) is Shard and placement.dim == 0:  # not _StridedShard (FSDP + TP)
+            shard_dims.append(mesh_dim)
+        elif not isinstance(placement, Replicate):
+            raise ConfigError("model", f"parameter placement {tensor.placements} is not supported by consolidation", fix="only FSDP2 shardings (Shard(0) on one mesh dim, Replicate() on the others) are; use method 'dcp'")
+    if not shard_dims:
+        return None
+    if len(shard_dims) > 1:
+        raise ConfigError("model", f"parameter placement {tensor.placements} shards dim 0 twice", fix="use method 'dcp'")
+    mesh, mesh_dim = tensor.device_mesh, shard_dims[0]
+    size = mesh.size(mesh_dim)
+    rows = tensor.shape[0]
+    chunk = math.ceil(rows / size)
+    num_rows = [max(0, min(chunk, rows - r * chunk)) for r in range(size)]
+    layout = _ShardLayout(group=mesh.get_group(mesh_dim), group_rank=mesh.get_local_rank(mesh_dim), num_rows=num_rows, chunk_rows=chunk)
+    local_rows = tensor.to_local().shape[0]
+    assert local_rows == num_rows[layout.group_rank], f"local shard has {local_rows} rows, expected {num_rows[layout.group_rank]} (torch.chunk layout)"
+    return layout
+
+
+@dataclass(slots=True)
+class _Leaf:
+    """One tensor (or other value) of the state, and where its consolidated value goes."""
+
+    container: dict[str, Any]
+    key: str
+    value: Any
+    layout: _ShardLayout | None
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.value.shape[1:])
+
+    @property
+    def slot_numel(self) -> int:
+        """Elements this tensor occupies in every rank's bucket buffer (padded shard)."""
+        return self.layout.chunk_rows * self.row_numel
+
+    def new_full(self, *, to_cpu: bool) -> torch.Tensor:
+        local = self.value.to_local()
+        return torch.empty(self.value.shape, dtype=local.dtype, device="cpu" if to_cpu else local.device)
+
+
+def _find_leaves(state: dict[str, Any]) -> list[_Leaf]:
+    """Every value in a (nested) state dict, in insertion order; DTensors get their layout."""
+    leaves = []
+    for key, value in state.items():
+        if isinstance(value, dict):
+            state[key] = value = dict(value)  # never write into the caller's dicts
+            leaves += _find_leaves(value)
+        elif isinstance(value, torch.Tensor):
+            layout = get_shard_layout(value) if isinstance(value, DTensor) else None
+            leaves.append(_Leaf(container=state, key=key, value=value, layout=layout))
+    return leaves
+
+
+def _copy_local(value: torch.Tensor, *, to_cpu: bool) -> torch.Tensor:
+    """A detached copy of a replicated tensor (step counters, buffers)."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.detach().to("cpu" if to_cpu else local.device, copy=True)
+
+
+def _joins(group: dist.ProcessGroup, rank0_only: bool) -> bool:
+    """Whether this rank's shard group must gather (with rank0_only: only rank 0's group)."""
+    return not rank0_only or 0 in dist.get_process_group_ranks(group)
+
+
+# ---------------------------------------------------------------------------
+# all_gather: packed buckets. See [Note: all_gather consolidation].
+
+
+@dataclass(slots=True)
+class _Bucket:
+    group: dist.ProcessGroup
+    leaves: list[_Leaf] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    numel_per_rank: int = 0
+
+
+def plan_buckets(leaves: list[_Leaf], bucket_bytes: int) -> list[_Bucket]:
+    """Group sharded tensors into buckets of at most ``bucket_bytes`` of gathered output.
+
+    A tensor larger than the cap gets a bucket of its own. Tensors are grouped by
+    (process group, dtype, device) and buckets are closed in a deterministic order.
+    """
+    open_buckets: dict[tuple, _Bucket] = {}
+    closed: list[_Bucket] = []
+    for leaf in leaves:
+        local = leaf.value.to_local()
+        key = (id(leaf.layout.group), local.dtype, local.device)
+        bucket = open_buckets.get(key)
+        added_bytes = leaf.slot_numel * leaf.layout.group_size * local.element_size()
+        used_bytes = bucket.numel_per_rank * leaf.layout.group_size * local.element_size() if bucket else 0
+        if bucket is not None and bucket.leaves and used_bytes + added_bytes > bucket_bytes:
+            closed.append(bucket)
+            bucket = None
+        if bucket is None:
+            bucket = open_buckets[key] = _Bucket(group=leaf.layout.group)
+        bucket.leaves.append(leaf)
+        bucket.offsets.append(bucket.numel_per_rank)
+        bucket.numel_per_rank += leaf.slot_numel
+    return closed + [b for b in open_buckets.values() if b.leaves]
+
+
+def _pack(bucket: _Bucket) -> torch.Tensor:
+    """This rank's input: each local shard, flattened, at its slot's offset (zero padding)."""
+    first = bucket.leaves[0].value.to_local()
+    flat = torch.zeros(bucket.numel_per_rank, dtype=first.dtype, device=first.device)
+    for leaf, offset in zip(bucket.leaves, bucket.offsets):
+        local = leaf.value.to_local()
+        flat[offset : offset + local.numel()].copy_(local.reshape(-1))
+    return flat
+
+
+def _unpack(bucket: _Bucket, gathered: torch.Tensor, *, to_cpu: bool) -> None:
+    """Assemble each full tensor from the ``(group size, numel_per_rank)`` gathered buffer."""
+    per_rank = gathered.view(-1, bucket.numel_per_rank)
+    for leaf, offset in zip(bucket.leaves, bucket.offsets):
+        full = leaf.new_full(to_cpu=to_cpu)
+        full_flat = full.view(-1)
+        layout = leaf.layout
+        for group_rank, rows in enumerate(layout.num_rows):
+            numel = rows * leaf.row_numel
+            start = layout.get_row_start(group_rank) * leaf.row_numel
+            full_flat[start : start + numel].copy_(per_rank[group_rank, offset : offset + numel])
+        leaf.container[leaf.key] = full
+
+
+def _gather_packed(leaves: list[_Leaf], *, keep: bool, rank0_only: bool, to_cpu: bool, bucket_bytes: int) -> None:
+    for bucket in plan_buckets(leaves, bucket_bytes):
+        if not _joins(bucket.group, rank0_only):
+            continue
+        packed = _pack(bucket)
+        gathered = packed.new_empty(packed.numel() * bucket.leaves[0].layout.group_size)
+        dist.all_gather_into_tensor(gathered, packed, group=bucket.group)
+        del packed
+        if keep:
+            _unpack(bucket, gathered, to_cpu=to_cpu)
+
+
+# ---------------------------------------------------------------------------
+# broadcast: the baseline, one collective per tensor per source rank.
+
+
+def _gather_by_broadcast(leaves: list[_Leaf], *, keep: bool, rank0_only: bool, to_cpu: bool) -> None:
+    for leaf in leaves:
+        layout = leaf.layout
+        if not _joins(layout.group, rank0_only):
+            continue
+        local = leaf.value.to_local()
+        full = leaf.new_full(to_cpu=to_cpu) if keep else None
+        for group_rank, rows in enumerate(layout.num_rows):
+            if rows == 0:
+                continue
+            is_source = group_rank == layout.group_rank
+            shard = local.contiguous() if is_source else local.new_empty((rows, *local.shape[1:]))
+            dist.broadcast(shard, group=layout.group, group_src=group_rank)
+            if full is not None:
+                start = layout.get_row_start(group_rank)
+                full[start : start + rows].copy_(shard)
+        if full is not None:
+            leaf.container[leaf.key] = full
+
+
+# ---------------------------------------------------------------------------
+# dcp: torch.distributed.checkpoint.state_dict, the reference.
+
+
+def _consolidate_with_dcp(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, to_cpu: bool, rank0_only: bool) -> tuple[StateDict, StateDict]:
+    # DCP's cpu_offload with full_state_dict already returns the state on rank 0 only.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=to_cpu and rank0_only)
+    model_sd = get_model_state_dict(model, options=options)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else {}
+    if rank0_only and _get_rank() != 0:
+        return {}, {}
+    # DCP returns unsharded tensors that are already on the target device as they are:
+    # e.g. AdamW's live ``step``, which the next optimizer.step() increments in place.
+    live = _get_live_storages(model, optimizer)
+    target = "cpu" if to_cpu else None
+
+    def copy_if_live(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(target) if target else t
+        return t.clone() if t.untyped_storage().data_ptr() in live else t
+
+    return _map_tensors(model_sd, copy_if_live), _map_tensors(optim_sd, copy_if_live)
+
+
+def _get_live_storages(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
+    tensors = list(model.parameters()) + list(model.buffers())
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    locals_ = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+    return {t.untyped_storage().data_ptr() for t in locals_}
+
+
+def _map_tensors(value: Any, fn) -> Any:
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    return fn(value) if isinstance(value, torch.Tensor) else value
+
+
+# ---------------------------------------------------------------------------
+# Files and agreement between ranks
+
+
+def _write_atomically(payload: dict[str, Any], path: Path) -> None:
+    """``torch.save`` to a hidden temporary name, fsync, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _read_source(source: str | Path | tuple[StateDict, StateDict] | None) -> tuple[StateDict, StateDict]:
+    if isinstance(source, tuple) and len(source) == 2:
+        return source
+    if not isinstance(source, (str, Path)):
+        raise CheckpointError(f"cannot load from {type(source).__name__} (pass a checkpoint path or a (model_sd, optim_sd) pair on rank 0)")
+    try:
+        payload = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise CheckpointError(f"{source}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{source}: not a consolidated checkpoint written by save_consolidated_checkpoint")
+    if payload.get("schema_version") != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{source}: checkpoint schema_version {payload.get('schema_version')} is not {CHECKPOINT_VERSION}")
+    return payload["model"], payload["optimizer"]
+
+
+def _agree_on_outcome(error: BaseException | None, message: str) -> None:
+    """Tell every rank whether rank 0 failed; rank 0 re-raises, the others raise CheckpointError."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
+    if outcome[0] is not None:
+        raise CheckpointError(f"{message} ({outcome[0]})")
+
+
+def _get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _clean_fqn(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)

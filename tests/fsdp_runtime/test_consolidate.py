@@ -1,0 +1,245 @@
+"""Full-state consolidation (fsdp_runtime.consolidate) on real gloo ranks.
+
+One launch per world size runs every check that does not kill a rank: the three methods
+(plus all_gather with a tiny bucket, so tensors span many buckets) give bitwise-identical
+model and optimizer state; a fresh model + optimizer loaded from the saved checkpoint
+continues training with bitwise-identical losses; a failed write or an unreadable file
+fails on every rank. Two more world-2 launches kill a rank mid-consolidation and rank 0
+mid-write and check that no file ever appears at the checkpoint path.
+
+The model is the tiny Llama resized so that no dim-0 size divides by 4 and the vocab
+and FFN sizes are odd: rows 101, 75, 30 and 6 (wk/wv), so shards are uneven at world 2
+and 4, and at world 4 rank 3's shard of wk/wv is empty (6 rows -> 2, 2, 2, 0).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from autotune.launch import run_ranks
+from autotune.train import build_training
+from fsdp_runtime import CheckpointError, ConfigError, consolidate_state, load_consolidated_checkpoint, save_consolidated_checkpoint
+from fsdp_runtime import consolidate as consolidate_module
+
+pytestmark = pytest.mark.multirank
+
+MODEL = {"name": "tiny", "dim": 30, "num_heads": 5, "num_kv_heads": 1, "ffn_hidden_dim": 75, "vocab_size": 101}
+FSDP = {"schema_version": 1}
+HSDP = {"schema_version": 1, "mesh": {"kind": "hsdp", "replicate": 2}}
+NUM_STEPS = 3
+"""Steps trained before consolidating (optimizer state is non-trivial)."""
+NUM_MORE_STEPS = 2
+"""Steps trained after the checkpoint, by the original and by the reloaded model."""
+TINY_BUCKET_BYTES = 4096
+METHODS = {
+    "all_gather": {"method": "all_gather"},
+    "all_gather_tiny_buckets": {"method": "all_gather", "bucket_bytes": TINY_BUCKET_BYTES},
+    "broadcast": {"method": "broadcast"},
+    "dcp": {"method": "dcp"},
+}
+_TARGET = f"{__name__}:{{}}"
+
+
+# ---------------------------------------------------------------------------
+# Rank programs (run in each rank's process by run_ranks)
+
+
+def _check_config(rank: int, world_size: int, *, config: dict, ckpt: Path) -> dict[str, Any]:
+    training = build_training(rank, world_size, model=MODEL, config=config)
+    for step in range(NUM_STEPS):
+        training.step(step)
+    states = {name: consolidate_state(training.model, training.optimizer, **kw) for name, kw in METHODS.items()}
+    everywhere = consolidate_state(training.model, training.optimizer, rank0_only=False, to_cpu=False)
+    save_consolidated_checkpoint(ckpt, training.model, training.optimizer, metadata={"step": NUM_STEPS})
+    continued = [training.step(s) for s in range(NUM_STEPS, NUM_STEPS + NUM_MORE_STEPS)]
+
+    fresh = build_training(rank, world_size, model=MODEL, config=config)
+    with torch.no_grad():
+        for param in fresh.model.parameters():
+            param.to_local().add_(1.0)  # so that a load that does nothing cannot pass
+    load_consolidated_checkpoint(fresh.model, fresh.optimizer, ckpt if rank == 0 else None)
+    reloaded = consolidate_state(fresh.model, fresh.optimizer)
+    resumed = [fresh.step(s) for s in range(NUM_STEPS, NUM_STEPS + NUM_MORE_STEPS)]
+    return {"states": states, "everywhere": everywhere, "reloaded": reloaded, "continued": continued, "resumed": resumed}
+
+
+def _check_failures(rank: int, world_size: int, *, config: dict, ckpt_dir: Path) -> dict[str, str]:
+    """A write that fails on rank 0, and an unreadable file: every rank must raise."""
+    training = build_training(rank, world_size, model=MODEL, config=config)
+    training.step(0)
+    errors = {}
+    real_save = torch.save
+    if rank == 0:
+        torch.save = _write_half_then(OSError, "disk full (simulated)")
+    try:
+        save_consolidated_checkpoint(ckpt_dir / "failed.pt", training.model, training.optimizer)
+    except Exception as e:
+        errors["save"] = f"{type(e).__name__}: {e}"
+    finally:
+        torch.save = real_save
+    if rank == 0:
+        (ckpt_dir / "garbage.pt").write_bytes(b"not a checkpoint")
+    try:
+        load_consolidated_checkpoint(training.model, training.optimizer, ckpt_dir / "garbage.pt")
+    except Exception as e:
+        errors["load"] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def _checks(rank: int, world_size: int, *, configs: dict[str, dict], ckpt_dir: str) -> dict[str, Any]:
+    results = {name: _check_config(rank, world_size, config=c, ckpt=Path(ckpt_dir) / f"{name}.pt") for name, c in configs.items()}
+    if world_size == 2:
+        results["failures"] = _check_failures(rank, world_size, config=FSDP, ckpt_dir=Path(ckpt_dir))
+    return results
+
+
+def _die_mid_consolidation(rank: int, world_size: int, *, ckpt: str) -> None:
+    """Rank 1 exits hard while packing its second bucket."""
+    training = build_training(rank, world_size, model=MODEL, config=FSDP)
+    training.step(0)
+    if rank == 1:
+        real_pack, calls = consolidate_module._pack, []
+
+        def pack_then_die(bucket):
+            calls.append(bucket)
+            if len(calls) == 2:
+                os._exit(1)
+            return real_pack(bucket)
+
+        consolidate_module._pack = pack_then_die
+    save_consolidated_checkpoint(ckpt, training.model, training.optimizer, bucket_bytes=TINY_BUCKET_BYTES)
+
+
+def _die_mid_write(rank: int, world_size: int, *, ckpt: str) -> None:
+    """Rank 0 exits hard after writing part of the file."""
+    training = build_training(rank, world_size, model=MODEL, config=FSDP)
+    training.step(0)
+    if rank == 0:
+        torch.save = _write_half_then(SystemExit, None)
+    save_consolidated_checkpoint(ckpt, training.model, training.optimizer)
+
+
+def _write_half_then(error: type[BaseException], message: str | None):
+    """A torch.save that writes a few bytes, then fails (raises, or exits the process)."""
+
+    def save(obj: Any, f: Any) -> None:
+        f.write(b"PK\x03\x04 partial checkpoint")
+        f.flush()
+        if error is SystemExit:
+            os._exit(1)
+        raise error(message)
+
+    return save
+
+
+# ---------------------------------------------------------------------------
+# Assertions
+
+
+def _assert_same_state(actual: tuple[dict, dict], expected: tuple[dict, dict], what: str) -> None:
+    (model_a, optim_a), (model_e, optim_e) = actual, expected
+    assert model_a.keys() == model_e.keys(), what
+    for fqn in model_e:
+        assert torch.equal(model_a[fqn], model_e[fqn]), f"{what}: model {fqn}"
+    assert optim_a["param_groups"] == optim_e["param_groups"], what
+    assert optim_a["state"].keys() == optim_e["state"].keys(), what
+    for fqn, entry in optim_e["state"].items():
+        assert optim_a["state"][fqn].keys() == entry.keys(), f"{what}: optimizer {fqn}"
+        for name, value in entry.items():
+            assert torch.equal(optim_a["state"][fqn][name], value), f"{what}: optimizer {fqn}.{name}"
+
+
+def _assert_config_ok(per_rank: list[dict[str, Any]], world_size: int, what: str) -> None:
+    rank0 = per_rank[0]
+    reference = rank0["states"]["dcp"]
+    model_sd, optim_sd = reference
+    shapes = {fqn: tuple(t.shape) for fqn, t in model_sd.items()}
+    assert shapes["tok_embeddings.weight"] == (101, 30) and shapes["layers.0.attention.wk.weight"] == (6, 30)
+    assert set(optim_sd["state"]) == set(model_sd) and optim_sd["param_groups"][0]["params"] == list(model_sd)
+    for entry in optim_sd["state"].values():
+        assert entry["step"].item() == NUM_STEPS and entry["exp_avg"].abs().sum() > 0 and entry["exp_avg_sq"].abs().sum() > 0
+    for name in METHODS:
+        _assert_same_state(rank0["states"][name], reference, f"{what}: {name} vs dcp")
+        for rank in range(1, world_size):
+            assert per_rank[rank]["states"][name] == ({}, {}), f"{what}: rank {rank} got state from {name}"
+    for rank in range(world_size):
+        _assert_same_state(per_rank[rank]["everywhere"], reference, f"{what}: rank0_only=False on rank {rank}")
+    _assert_same_state(rank0["reloaded"], rank0["states"]["all_gather"], f"{what}: reloaded vs saved")
+    for rank, result in enumerate(per_rank):
+        assert result["resumed"] == result["continued"], f"{what}: rank {rank} resumed {result['resumed']} != continued {result['continued']}"
+
+
+def _run_checks(world_size: int, configs: dict[str, dict], tmp_path: Path, timeout_s: float) -> list[dict]:
+    run = run_ranks(_TARGET.format("_checks"), world_size=world_size, kwargs={"configs": configs, "ckpt_dir": str(tmp_path)}, timeout_s=timeout_s)
+    assert run.ok, f"{run.status}: {run.reason}\n" + "\n".join(run.stderr_tails)
+    return run.results
+
+
+# ---------------------------------------------------------------------------
+# Tests
+
+
+def test_world2_fsdp_methods_agree_reload_resumes_and_failures_are_collective(tmp_path: Path) -> None:
+    results = _run_checks(2, {"fsdp": FSDP}, tmp_path, timeout_s=120)
+    _assert_config_ok([r["fsdp"] for r in results], 2, "world 2 fsdp")
+    assert (tmp_path / "fsdp.pt").exists()
+    assert results[0]["failures"]["save"] == "OSError: disk full (simulated)"
+    assert results[1]["failures"]["save"].startswith("CheckpointError: rank 0 failed to write")
+    assert not (tmp_path / "failed.pt").exists()
+    assert not [p for p in tmp_path.iterdir() if "tmp" in p.name], "a failed save left its temporary file"
+    for rank in range(2):
+        assert results[rank]["failures"]["load"].startswith("CheckpointError:"), results[rank]["failures"]
+
+
+def test_world4_fsdp_and_hsdp_methods_agree_and_reload_resumes(tmp_path: Path) -> None:
+    results = _run_checks(4, {"fsdp": FSDP, "hsdp": HSDP}, tmp_path, timeout_s=180)
+    for name in ("fsdp", "hsdp"):
+        _assert_config_ok([r[name] for r in results], 4, f"world 4 {name}")
+
+
+def test_rank_dying_mid_consolidation_leaves_no_file(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt.pt"
+    run = run_ranks(_TARGET.format("_die_mid_consolidation"), world_size=2, kwargs={"ckpt": str(ckpt)}, timeout_s=60)
+    assert run.status == "crash" and run.returncodes[1] == 1, f"{run.status}: {run.reason}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rank0_dying_mid_write_leaves_only_a_temporary_file(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt.pt"
+    run = run_ranks(_TARGET.format("_die_mid_write"), world_size=2, kwargs={"ckpt": str(ckpt)}, timeout_s=60)
+    assert run.status == "crash" and run.returncodes[0] == 1, f"{run.status}: {run.reason}"
+    leftovers = [p.name for p in tmp_path.iterdir()]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".ckpt.pt.tmp-"), leftovers
+    assert not ckpt.exists()
+
+
+def test_bad_input_raises_one_line_config_error(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2)
+    for kwargs, field in (({"method": "gather"}, "checkpoint.consolidation"), ({"bucket_bytes": 0}, "bucket_bytes")):
+        with pytest.raises(ConfigError) as info:
+            consolidate_state(model, **kwargs)
+        assert info.value.path == field and "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="unknown consolidation method 'gather'.*use one of all_gather, broadcast, dcp"):
+        save_consolidated_checkpoint(tmp_path / "x.pt", model, method="gather")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        load_consolidated_checkpoint(model, None, tmp_path / "missing.pt")
+
+
+def test_unsharded_model_copies_state_without_aliasing() -> None:
+    """Without a process group or DTensors, every method except dcp just copies the state."""
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    model_sd, optim_sd = consolidate_state(model, optimizer, method="broadcast")
+    assert torch.equal(model_sd["weight"], model.weight) and model_sd["weight"].data_ptr() != model.weight.data_ptr()
+    assert optim_sd["param_groups"][0]["params"] == ["weight", "bias"]
+    live_step = optimizer.state[model.weight]["step"]
+    assert torch.equal(optim_sd["state"]["weight"]["step"], live_step) and optim_sd["state"]["weight"]["step"] is not live_step
