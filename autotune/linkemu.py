@@ -37,6 +37,7 @@ barriers and its pruning vote are not training traffic) and always uninstall: ra
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,8 @@ class KindStats:
     """Sum of the link model's seconds (latency + bytes / bandwidth)."""
     held_s: float = 0.0
     """Seconds actually slept beyond the real collective's completion."""
+    count_by_link: dict[str, int] = field(default_factory=dict)
+    """How many of them ran on each link class (``intra_node``, ``inter_node``)."""
 
 
 def get_link_name(group_ranks: list[int], ranks_per_node: int) -> str:
@@ -118,7 +121,7 @@ class LinkEmulator:
     stats: dict[str, KindStats] = field(default_factory=dict)
     _originals: dict[str, Callable[..., Any]] = field(default_factory=dict, init=False, repr=False)
     _clocks: dict[int, _GroupClock] = field(default_factory=dict, init=False, repr=False)
-    _link_of_group: dict[int, LinkClass | None] = field(default_factory=dict, init=False, repr=False)
+    _link_of_group: dict[int, tuple[str, LinkClass | None]] = field(default_factory=dict, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _local: threading.local = field(default_factory=threading.local, init=False, repr=False)
 
@@ -153,9 +156,9 @@ class LinkEmulator:
             setattr(dist, name, original)
         self._originals.clear()
 
-    def summary(self) -> dict[str, dict[str, float]]:
-        """JSON-able per-kind totals (count, bytes, modelled and held seconds)."""
-        return {kind: vars(s).copy() for kind, s in sorted(self.stats.items())}
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """JSON-able per-kind totals (count, bytes, modelled and held seconds, count per link class)."""
+        return {kind: dataclasses.asdict(s) for kind, s in sorted(self.stats.items())}
 
     # -- the hook -------------------------------------------------------------------
 
@@ -165,7 +168,7 @@ class LinkEmulator:
                 return original(*args, **kwargs)  # an alias calling another: count once
             buffer = kwargs.get(arg_name, args[arg_pos] if len(args) > arg_pos else None)
             group = kwargs.get("group")
-            link = self._get_link(group)
+            link_name, link = self._get_link(group)
             if buffer is None or link is None:
                 return original(*args, **kwargs)
             issued = time.monotonic()
@@ -175,7 +178,7 @@ class LinkEmulator:
             finally:
                 self._local.active = False
             num_bytes = buffer.numel() * buffer.element_size()
-            release = self._schedule(kind, group, link, num_bytes, issued)
+            release = self._schedule(kind, group, link_name, link, num_bytes, issued)
             if kwargs.get("async_op", False) and isinstance(work, dist.Work):
                 return _HeldWork(work, release)
             release()
@@ -184,16 +187,17 @@ class LinkEmulator:
         hooked.__wrapped__ = original  # type: ignore[attr-defined]
         return hooked
 
-    def _get_link(self, group: Any) -> LinkClass | None:
+    def _get_link(self, group: Any) -> tuple[str, LinkClass | None]:
+        """The group's link class name, and its model (None when that class is not emulated)."""
         group = group if group is not None else dist.group.WORLD
         key = id(group)
         if key not in self._link_of_group:
-            ranks = dist.get_process_group_ranks(group)
-            link = self.links.get(get_link_name(ranks, self.ranks_per_node))
-            self._link_of_group[key] = link if link is not None and link.emulated else None
+            name = get_link_name(dist.get_process_group_ranks(group), self.ranks_per_node)
+            link = self.links.get(name)
+            self._link_of_group[key] = (name, link if link is not None and link.emulated else None)
         return self._link_of_group[key]
 
-    def _schedule(self, kind: str, group: Any, link: LinkClass, num_bytes: int, issued: float) -> Callable[[], None]:
+    def _schedule(self, kind: str, group: Any, link_name: str, link: LinkClass, num_bytes: int, issued: float) -> Callable[[], None]:
         modeled = link.get_seconds(num_bytes)
         with self._lock:
             clock = self._clocks.setdefault(id(group if group is not None else dist.group.WORLD), _GroupClock())
@@ -203,6 +207,7 @@ class LinkEmulator:
             stats.count += 1
             stats.num_bytes += num_bytes
             stats.modeled_s += modeled
+            stats.count_by_link[link_name] = stats.count_by_link.get(link_name, 0) + 1
 
         def release() -> None:
             remaining = end - time.monotonic()

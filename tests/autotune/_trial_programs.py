@@ -1,0 +1,55 @@
+"""Rank programs that misbehave on purpose, and a process-leak check, for the trial and pool tests.
+
+Ranks import this module by name (``_trial_programs:...``): pytest puts this folder on
+``sys.path`` and the launchers pass ``sys.path`` on to the ranks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+CRASH_MESSAGE = "injected failure on rank 1"
+
+
+def crash_on_rank1(rank: int, world_size: int, **kwargs) -> dict:
+    """Rank 1 raises at once; rank 0 enters a collective that rank 1 never joins."""
+    if rank == 1:
+        raise RuntimeError(CRASH_MESSAGE)
+    dist.all_reduce(torch.ones(1))
+    return {}
+
+
+def deadlock(rank: int, world_size: int, **kwargs) -> dict:
+    """Mismatched collectives: rank 0 all-reduces while rank 1 waits on a child process that sleeps.
+
+    The child (a grandchild of the launcher) proves that the whole process tree is killed.
+    """
+    if rank == 1:
+        subprocess.run(["sleep", "300"], check=False)
+    dist.all_reduce(torch.ones(1))
+    return {}
+
+
+def get_rank_pid(rank: int, world_size: int, **kwargs) -> int:
+    import os
+
+    return os.getpid()
+
+
+def get_survivors(pids: list[int]) -> list[int]:
+    """Live processes that are one of ``pids`` or in their process groups (each rank leads its own)."""
+    assert pids, "no pids to check: the launcher did not report its ranks"
+    survivors = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        pid, state, pgrp = int(stat.parent.name), fields[0], int(fields[2])
+        if state != "Z" and (pid in pids or pgrp in pids):
+            survivors.append(pid)
+    return survivors

@@ -1,0 +1,100 @@
+"""The persistent rank pool: different configs back to back, restarts after failures, clean shutdown."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from _trial_programs import CRASH_MESSAGE, get_survivors
+from autotune.pool import RankPool
+from autotune.trial import TrialSpec, run_trial
+from fsdp_runtime import MeshConfig, default_config
+from profiles import load_model_profile
+
+UNITS = load_model_profile("tiny").unit_names
+pytestmark = pytest.mark.multirank
+
+
+def _spec(tmp_path, name: str, config, *, world_size: int = 2, **overrides) -> TrialSpec:
+    base = dict(model="tiny", config=config, world_size=world_size, out_dir=tmp_path / name, num_warmup=1, num_measured=2, profile=False, timeout_s=90, backend="gloo")
+    return TrialSpec(**{**base, **overrides})
+
+
+def _with_units(config, **unit_overrides):
+    return dataclasses.replace(config, units=[dataclasses.replace(u, **unit_overrides) for u in config.units])
+
+
+def _prefetch_depth1(config):
+    blocks = [u.name for u in config.units if u.name != "root"]
+    units = [dataclasses.replace(u, forward_prefetch=blocks[i + 1 : i + 2]) if u.name != "root" else u for i, u in enumerate(config.units)]
+    return dataclasses.replace(config, units=units)
+
+
+def test_pool_runs_different_configs_back_to_back(pool2, tmp_path):
+    configs = {
+        "default": default_config(UNITS),
+        "accumulate": _with_units(default_config(UNITS, num_microbatches=2), sync="last"),
+        "prefetch_no_reshard": _prefetch_depth1(_with_units(default_config(UNITS), reshard_after_forward=False)),
+    }
+    pool2.run("_trial_programs:get_rank_pid", timeout_s=90)  # start (or restart) the ranks first
+    starts, pids = pool2.num_starts, pool2.pids
+    for i, (name, config) in enumerate(configs.items()):
+        result = run_trial(_spec(tmp_path, name, config, profile=i == 0, num_profiled=1), pool=pool2)
+        assert result.status == "ok", f"{name}: {result.reason}"
+        assert result.rank_pids == pids and len(result.metrics["ranks"]) == 2
+        assert all(ms > 0 for r in result.metrics["ranks"] for ms in r["step_ms"])
+    assert (tmp_path / "default" / "trace_rank1.json.gz").exists()
+    assert not (tmp_path / "accumulate" / "trace_rank0.json.gz").exists()
+    assert pool2.num_starts == starts, "the pool restarted although every trial succeeded"
+
+
+def test_pool_restarts_after_a_crash(pool2, tmp_path):
+    before = pool2.run("_trial_programs:get_rank_pid", timeout_s=90)
+    assert before.ok and before.results == pool2.pids
+    crashed = pool2.run("_trial_programs:crash_on_rank1", timeout_s=60)
+    assert crashed.status == "crash" and crashed.reason.startswith("rank 1 exited with 1:")
+    assert CRASH_MESSAGE in crashed.reason
+    assert pool2.pids == [] and get_survivors(before.results) == []
+    after = pool2.run("_trial_programs:get_rank_pid", timeout_s=90)
+    assert after.ok and set(after.results).isdisjoint(before.results)
+
+
+def test_pool_deadlock_times_out_then_recovers(pool2, tmp_path):
+    pool2.run("_trial_programs:get_rank_pid", timeout_s=90)
+    result = run_trial(_spec(tmp_path, "deadlock", default_config(UNITS), rank_program="_trial_programs:deadlock", timeout_s=4), pool=pool2)
+    assert result.status == "timeout"
+    assert get_survivors(result.rank_pids) == []  # includes rank 1's sleeping child
+    assert run_trial(_spec(tmp_path, "after", default_config(UNITS)), pool=pool2).status == "ok"
+
+
+def test_rank_side_config_error_is_invalid_config(pool2, tmp_path):
+    config = default_config([*UNITS, "layers.99"])
+    result = run_trial(_spec(tmp_path, "bad_unit", config), pool=pool2)
+    assert result.status == "invalid_config"
+    assert "layers.99" in result.reason and "ConfigError" in result.reason
+
+
+def test_slow_trial_is_pruned_after_two_steps(pool2, tmp_path):
+    result = run_trial(_spec(tmp_path, "pruned", default_config(UNITS), num_measured=5, profile=True, prune_if_slower_than_ms=1e-3), pool=pool2)
+    assert result.status == "pruned"
+    assert [len(r["step_ms"]) for r in result.metrics["ranks"]] == [2, 2]
+    assert result.metrics["traces"] == [] and not list((tmp_path / "pruned").glob("trace_*"))
+
+
+def test_world4_pool_runs_hsdp_then_fsdp_and_shuts_down_cleanly(tmp_path):
+    hsdp = dataclasses.replace(default_config(UNITS), mesh=MeshConfig(kind="hsdp", replicate=2))
+    with RankPool(4) as pool:
+        first = run_trial(_spec(tmp_path, "hsdp", hsdp, world_size=4, num_measured=1, cluster="cpu-emulated-ib"), pool=pool)
+        second = run_trial(_spec(tmp_path, "fsdp", default_config(UNITS), world_size=4, num_measured=1), pool=pool)
+        pids = pool.pids
+    assert first.status == "ok", first.reason
+    assert second.status == "ok", second.reason
+    assert first.rank_pids == second.rank_pids == pids and pool.num_starts == 1
+    # cpu-emulated-ib puts 2 ranks per node: shard groups {0,1},{2,3} stay inside a node,
+    # replicate groups {0,2},{1,3} cross nodes.
+    emulated = first.metrics["ranks"][0]["link_emulation"]
+    assert set(emulated["all_gather"]["count_by_link"]) == {"intra_node"}
+    assert set(emulated["reduce_scatter"]["count_by_link"]) == {"intra_node"}
+    assert set(emulated["all_reduce"]["count_by_link"]) == {"inter_node"}
+    assert get_survivors(pids) == []

@@ -1,0 +1,105 @@
+"""Trials on fresh ranks: the trial dir's contents, and failures recorded as data with nothing left running."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import math
+import statistics
+
+import pytest
+
+from _trial_programs import CRASH_MESSAGE, get_survivors
+from autotune.trial import TrialResult, TrialSpec, TrialSpecError, run_trial
+from fsdp_runtime import MeshConfig, default_config, load_config
+from profiles import load_model_profile
+
+UNITS = load_model_profile("tiny").unit_names
+pytestmark = pytest.mark.multirank
+
+
+def _spec(tmp_path, **overrides) -> TrialSpec:
+    base = dict(model="tiny", config=default_config(UNITS), world_size=2, out_dir=tmp_path / "trial", num_warmup=1, num_measured=3, num_profiled=1, timeout_s=90, backend="gloo")
+    return TrialSpec(**{**base, **overrides})
+
+
+def test_trial_writes_traces_metrics_config_and_env(tmp_path):
+    spec = _spec(tmp_path)
+    result = run_trial(spec)
+    assert result.status == "ok", result.reason
+    out = spec.out_dir
+
+    for rank in range(2):
+        with gzip.open(out / f"trace_rank{rank}.json.gz", "rt") as f:
+            trace = json.load(f)
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert trace["distributedInfo"]["rank"] == rank
+        assert any(n.startswith("FSDP::") for n in names), "FSDP2 record_function labels missing"
+        assert any(n.startswith("ProfilerStep#") for n in names)
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["schema_version"] == 1 and metrics["kind"] == "trial_metrics" and metrics["status"] == "ok"
+    assert [r["rank"] for r in metrics["ranks"]] == [0, 1]
+    for r in metrics["ranks"]:
+        assert len(r["step_ms"]) == 3 and all(ms > 0 for ms in r["step_ms"])
+        assert len(r["profiled_step_ms"]) == 1
+        assert len(r["losses"]) == 1 + 3 + 2 and all(math.isfinite(x) for x in r["losses"])
+        assert r["peak_memory_bytes"] > 0
+    slowest = [max(a, b) for a, b in zip(*(r["step_ms"] for r in metrics["ranks"]))]
+    assert metrics["step_ms_per_step"] == slowest
+    assert result.step_ms == metrics["step_ms"] == statistics.median(slowest)
+    assert result.peak_memory_bytes == max(r["peak_memory_bytes"] for r in metrics["ranks"])
+    assert metrics["memory_source"] == "rss_above_baseline"
+    assert metrics["traces"] == ["trace_rank0.json.gz", "trace_rank1.json.gz"]
+    # The analysis either summarized the traces or said why not.
+    assert (metrics["trace_metrics"] is None) != (metrics["analysis_error"] is None)
+
+    assert load_config(out / "config.toml") == spec.config
+    env = json.loads((out / "env.json").read_text())
+    assert env["backend"] == "gloo" and env["world_size"] == 2 and env["torch_version"].startswith("2.")
+    assert env["host"] and env["python"] and env["cpu_count"] >= 1 and env["link_emulation"] is None
+    assert not list(out.glob(".*")), "temporary files left behind"
+    assert TrialResult.load(out).metrics == result.metrics
+    assert get_survivors(result.rank_pids) == []
+
+
+def test_invalid_mesh_is_recorded_without_launching(tmp_path):
+    config = dataclasses.replace(default_config(UNITS), mesh=MeshConfig(kind="hsdp", replicate=3))
+    result = run_trial(_spec(tmp_path, config=config))
+    assert result.status == "invalid_config"
+    assert "mesh" in result.reason and "world size 2" in result.reason
+    assert result.rank_pids == []
+    metrics = json.loads((tmp_path / "trial" / "metrics.json").read_text())
+    assert metrics["status"] == "invalid_config" and metrics["reason"] == result.reason
+    assert metrics["step_ms"] is None and metrics["ranks"] == []
+
+
+def test_crashing_trial_is_recorded_with_the_last_stderr_line(tmp_path):
+    result = run_trial(_spec(tmp_path, rank_program="_trial_programs:crash_on_rank1", timeout_s=60))
+    assert result.status == "crash"
+    assert result.reason.startswith("rank 1 exited with 1:") and CRASH_MESSAGE in result.reason
+    assert json.loads((tmp_path / "trial" / "metrics.json").read_text())["status"] == "crash"
+    assert get_survivors(result.rank_pids) == []
+
+
+def test_deadlocking_trial_times_out_and_kills_the_process_tree(tmp_path):
+    result = run_trial(_spec(tmp_path, rank_program="_trial_programs:deadlock", timeout_s=12))
+    assert result.status == "timeout", result.reason
+    assert "12s" in result.reason
+    assert get_survivors(result.rank_pids) == []  # includes rank 1's sleeping child
+    metrics = json.loads((tmp_path / "trial" / "metrics.json").read_text())
+    assert metrics["status"] == "timeout" and metrics["wall_s"] >= 12
+
+
+def test_spec_rejects_counts_that_cannot_describe_a_trial(tmp_path):
+    with pytest.raises(TrialSpecError, match="num_measured must be >= 1"):
+        _spec(tmp_path, num_measured=0)
+    with pytest.raises(TrialSpecError, match="backend"):
+        _spec(tmp_path, backend="mpi")
+
+
+def test_spec_round_trips_through_json(tmp_path):
+    spec = _spec(tmp_path, model={"name": "tiny", "dim": 32}, cluster="cpu-emulated-ib", prune_if_slower_than_ms=5.0)
+    again = TrialSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again == spec
