@@ -41,6 +41,33 @@ def validate(
     console.print(f"{config}: ok (schema_version {cfg.schema_version}, {len(cfg.units) or 'default'} units)")
 
 
+@app.command()
+def report(
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="A trial dir (metrics.json + traces) or a search dir (trials/*/metrics.json).")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to write report.html and the PNGs [default: DIR/report].")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary JSON only (no tables, no files).")] = False,
+) -> None:
+    """Summarize a trial or a search: terminal tables, a self-contained HTML report and PNG plots."""
+    import json
+
+    from rich import box
+    from rich.table import Table
+
+    from autotune.report import load_report, write_report
+
+    result = load_report(directory)
+    if as_json:
+        print(json.dumps(result.to_json(), indent=2))
+        return
+    for table in result.get_tables():
+        rich_table = Table(*table.columns, title=table.title, title_justify="left", box=box.SIMPLE_HEAD)
+        for row in table.rows:
+            rich_table.add_row(*row)
+        console.print(rich_table)
+    for path in write_report(result, out if out is not None else directory / "report"):
+        console.print(f"wrote {path}")
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,45 @@
+"""DataFrames the report's plots draw (shared by the HTML and the PNG renderers)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+if TYPE_CHECKING:
+    from autotune.report import Report, TrialSummary
+
+LANE_COLORS = {
+    "compute": "#4c78a8", "all_gather": "#54a24b", "reduce_scatter": "#f58518",
+    "all_reduce": "#b279a2", "other": "#9d9d9d", "exposed": "#e45756",
+}  # fmt: skip
+"""One color per timeline lane; ``exposed`` (communication while not computing) stands out in red."""
+
+
+def get_lanes(timeline: pd.DataFrame) -> pd.DataFrame:
+    """Timeline rows with a ``y`` label per (rank, lane), lanes in :data:`LANE_COLORS` order."""
+    order = list(LANE_COLORS)
+    frame = timeline.assign(order=timeline["lane"].map(order.index)).sort_values(["rank", "order", "start_ms"], kind="stable")
+    return frame.assign(y=[f"rank {r} {lane}" for r, lane in zip(frame["rank"], frame["lane"])])
+
+
+def get_step_frame(trial: TrialSummary) -> pd.DataFrame:
+    """One row per (rank, profiled step) of the trace summary."""
+    rows = [{"rank": r["rank"], **s} for r in (trial.trace_metrics or {}).get("per_rank", []) for s in r["steps"]]
+    return pd.DataFrame(rows)
+
+
+def get_unit_frame(trial: TrialSummary) -> pd.DataFrame:
+    """The aggregate per-unit rows, with ``hidden_comm_ms`` = comm - exposed."""
+    frame = pd.DataFrame(((trial.trace_metrics or {}).get("aggregate") or {}).get("per_unit", []))
+    if not frame.empty:
+        frame["hidden_comm_ms"] = frame["comm_ms"] - frame["exposed_comm_ms"]
+    return frame
+
+
+def get_trials_frame(report: Report) -> pd.DataFrame:
+    """One row per trial of a search report: name, status, step_ms, overlap_ratio, best."""
+    return pd.DataFrame([
+        {"name": t.name, "status": t.status, "step_ms": t.step_ms, "overlap_ratio": t.get_aggregate("overlap_ratio"), "best": t is report.best}
+        for t in report.trials
+    ])  # fmt: skip

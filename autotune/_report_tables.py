@@ -1,0 +1,78 @@
+"""The report's terminal tables as plain rows (``cli.py`` renders them with rich)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autotune.report import ReportTable, TrialSummary
+
+STEP_TABLE = [  # (short column title, long title, summary field, format)
+    ("step", "step ms", "step_ms", "ms"), ("compute", "compute ms", "compute_ms", "ms"),
+    ("comm", "communication ms", "comm_ms", "ms"), ("AG", "all-gather ms", "all_gather_ms", "ms"),
+    ("RS", "reduce-scatter ms", "reduce_scatter_ms", "ms"), ("AR", "all-reduce ms", "all_reduce_ms", "ms"),
+    ("exposed", "exposed communication ms", "exposed_comm_ms", "ms"), ("overlap", "overlap", "overlap_ratio", "pct"),
+    ("bound", "bound max(compute, comm) ms", "bound_ms", "ms"), ("/bound", "step / bound", "bound_ratio", "x"),
+]  # fmt: skip
+UNIT_TABLE = [
+    ("AG", "all-gather ms", "all_gather_ms", "ms"), ("RS", "reduce-scatter ms", "reduce_scatter_ms", "ms"),
+    ("AR", "all-reduce ms", "all_reduce_ms", "ms"), ("comm", "communication ms", "comm_ms", "ms"),
+    ("exposed", "exposed communication ms", "exposed_comm_ms", "ms"), ("overlap", "overlap", "overlap_ratio", "pct"),
+    ("hooks", "time in the unit's FSDP hooks ms", "hook_ms", "ms"),
+]  # fmt: skip
+_LEGEND = "ms; AG/RS/AR: all-gather/reduce-scatter/all-reduce"
+_KIND_SHORT = ("AG", "RS", "AR")
+
+
+def fmt(value: Any, kind: str = "ms") -> str:
+    """``ms``: 12.34; ``pct``: 56.7%; ``x``: 1.23x; ``mb``: bytes as MB; None: ``-``."""
+    if value is None:
+        return "-"
+    match kind:
+        case "ms":
+            return f"{value:.1f}" if abs(value) >= 100 else f"{value:.2f}"
+        case "pct":
+            return f"{100 * value:.1f}%"
+        case "x":
+            return f"{value:.2f}x"
+        case "mb":
+            return f"{value / 2**20:.1f} MB"
+        case _:
+            return str(value)
+
+
+def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
+    from autotune.report import ReportTable
+
+    summary = ReportTable(title=f"Trial {trial.name}", columns=["metric", "value"])
+    summary.rows += [["status", trial.status + (f" ({trial.reason})" if trial.reason else "")],
+                     ["step ms (unprofiled, median)", fmt(trial.step_ms)],
+                     ["peak memory", fmt(trial.peak_memory_bytes, "mb")]]  # fmt: skip
+    metrics = trial.trace_metrics
+    if metrics is None:
+        summary.rows.append(["trace metrics", f"unavailable{': ' + trial.analysis_error if trial.analysis_error else ''}"])
+        return [summary]
+    aggregate = metrics["aggregate"]
+    summary.rows += [[f"profiled {title} (median)", fmt(aggregate[key], kind)] for _, title, key, kind in STEP_TABLE]
+    columns = [c for c in STEP_TABLE if c[0] not in _KIND_SHORT]  # per-kind split: summary and unit tables
+    steps = ReportTable(title="Per rank and profiled step (ms)", columns=["rank", "step#", *(t for t, _, _, _ in columns)])
+    for rank in metrics["per_rank"]:
+        for step in rank["steps"]:
+            steps.rows.append([str(rank["rank"]), str(step["step"]), *(fmt(step[k], kind) for _, _, k, kind in columns)])
+    units = ReportTable(title=f"Per FSDP unit, median over ranks and steps ({_LEGEND})", columns=["unit", *(t for t, _, _, _ in UNIT_TABLE)])
+    for unit in aggregate["per_unit"]:
+        units.rows.append([unit["unit"], *(fmt(unit[k], kind) for _, _, k, kind in UNIT_TABLE)])
+    return [summary, steps, units]
+
+
+def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None) -> list[ReportTable]:
+    from autotune.report import ReportTable
+
+    table = ReportTable(title=f"{len(trials)} trials" + (f", best: {best.name}" if best else ", no successful trial"),
+                        columns=["trial", "status", "step ms", "overlap", "exposed ms", "step/bound", "peak mem", "note"])  # fmt: skip
+    for t in sorted(trials, key=lambda t: (t.step_ms is None, t.step_ms or 0.0)):
+        note = "best" if t is best else t.reason or (t.analysis_error or "")
+        table.rows.append([t.name, t.status, fmt(t.step_ms), fmt(t.get_aggregate("overlap_ratio"), "pct"),
+                           fmt(t.get_aggregate("exposed_comm_ms")), fmt(t.get_aggregate("bound_ratio"), "x"),
+                           fmt(t.peak_memory_bytes, "mb"), note[:80]])  # fmt: skip
+    return [table]

@@ -1,0 +1,133 @@
+"""``autotune report``: trial and search reports from fixture dirs (no rank launches)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from _fixtures import get_fixture_traces
+from typer.testing import CliRunner
+
+from autotune.analysis import summarize_traces
+from autotune.report import ReportError, load_report, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_metrics(trial_dir: Path, *, status: str = "ok", step_ms: float | None = 150.0, trace_metrics: dict | None = None, reason: str = "") -> None:
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    metrics = {"schema_version": 1, "kind": "trial_metrics", "status": status, "reason": reason, "step_ms": step_ms,
+               "peak_memory_bytes": 3 * 2**20, "trace_metrics": trace_metrics}  # fmt: skip
+    (trial_dir / "metrics.json").write_text(json.dumps(metrics))
+
+
+@pytest.fixture(scope="module")
+def trial_dir(tmp_path_factory) -> Path:
+    """A trial dir as autotune.trial writes it: metrics.json with the trace summary, plus the traces."""
+    folder = tmp_path_factory.mktemp("trial")
+    traces = get_fixture_traces("cpu_tiny_2rank")
+    for trace in traces:
+        shutil.copy(trace, folder / trace.name)
+    write_metrics(folder, trace_metrics=summarize_traces(traces))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def search_dir(tmp_path_factory, trial_dir) -> Path:
+    folder = tmp_path_factory.mktemp("search")
+    summary = json.loads((trial_dir / "metrics.json").read_text())["trace_metrics"]
+    write_metrics(folder / "trials" / "t0", step_ms=150.0, trace_metrics=summary)
+    write_metrics(folder / "trials" / "t1", step_ms=120.0, trace_metrics=summary)
+    write_metrics(folder / "trials" / "t2", status="timeout", step_ms=None, reason="no result after 60s")
+    write_metrics(folder / "trials" / "t3", status="crash", step_ms=90.0, reason="rank 1 exited with 1")
+    return folder
+
+
+def test_trial_report_tables_and_json(trial_dir):
+    report = load_report(trial_dir)
+    assert report.kind == "trial" and report.best is report.trials[0]
+    summary, steps, units = report.get_tables()
+    assert dict(summary.rows)["status"] == "ok"
+    assert dict(summary.rows)["step ms (unprofiled, median)"] == "150.0"
+    assert dict(summary.rows)["profiled overlap (median)"] == "39.4%"
+    assert steps.columns[:4] == ["rank", "step#", "step", "compute"]
+    assert steps.rows[0][:4] == ["0", "1", "167.9", "100.7"]  # golden: test_analysis CPU_GOLDEN_STEPS
+    assert [row[0] for row in units.rows] == ["root", "layers.0", "layers.1"]
+    data = report.to_json()
+    assert data["kind"] == "trial_report" and data["status"] == "ok"
+    assert data["trace_metrics"]["aggregate"]["num_steps"] == 4
+    assert set(report.timeline["lane"]) >= {"compute", "all_gather", "reduce_scatter", "exposed"}
+
+
+def test_trial_dir_with_traces_only_is_analysed(tmp_path):
+    for trace in get_fixture_traces("cpu_tiny_2rank"):
+        shutil.copy(trace, tmp_path / trace.name)
+    report = load_report(tmp_path)
+    assert report.trials[0].status == "unknown"
+    assert report.trials[0].trace_metrics["num_ranks"] == 2
+
+
+def test_write_trial_report_html_and_pngs(trial_dir, tmp_path):
+    before = {p.name: p.read_bytes() for p in trial_dir.glob("trace_rank*")}
+    paths = write_report(load_report(trial_dir), tmp_path / "out")
+    assert sorted(p.name for p in paths) == ["report.html", "steps.png", "timeline.png", "units.png"]
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "<script src=" not in page and "Plotly.newPlot" in page  # plotly.js inline: opens offline
+    assert page.count("Plotly.newPlot") == 3 and "layers.1" in page
+    for png in paths[1:]:
+        assert png.read_bytes()[:8] == PNG_MAGIC
+    assert before == {p.name: p.read_bytes() for p in trial_dir.glob("trace_rank*")}  # traces untouched
+
+
+def test_search_report_lists_trials_and_best(search_dir, tmp_path):
+    report = load_report(search_dir)
+    assert report.kind == "search"
+    assert [t.name for t in report.trials] == ["t0", "t1", "t2", "t3"]
+    assert report.best.name == "t1"  # t3 is faster but crashed
+    (table,) = report.get_tables()
+    assert table.title == "4 trials, best: t1"
+    assert [row[0] for row in table.rows] == ["t3", "t1", "t0", "t2"]  # by step time, failures without one last
+    assert table.rows[1][-1] == "best" and table.rows[3][-1] == "no result after 60s"
+    assert report.to_json()["best"] == "t1"
+    paths = write_report(report, tmp_path)
+    assert [p.name for p in paths] == ["report.html", "trials.png"]
+
+
+@pytest.mark.parametrize("setup", ["missing", "empty", "bad_metrics", "wrong_kind"])
+def test_report_errors_are_one_line(tmp_path, setup):
+    target = tmp_path / "dir"
+    if setup != "missing":
+        target.mkdir()
+    if setup == "bad_metrics":
+        (target / "metrics.json").write_text("{not json")
+    if setup == "wrong_kind":
+        (target / "metrics.json").write_text('{"kind": "something_else"}')
+    with pytest.raises(ReportError) as info:
+        load_report(target)
+    assert str(info.value).startswith(str(target)) and "\n" not in str(info.value)
+
+
+def test_cli_report_json_is_pure_json(trial_dir):
+    from cli import app
+
+    result = CliRunner().invoke(app, ["report", str(trial_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["trace_metrics"]["num_ranks"] == 2
+    assert not (trial_dir / "report").exists()  # --json writes no files
+
+
+def test_cli_report_writes_files_and_maps_errors(search_dir, tmp_path, monkeypatch, capsys):
+    from cli import app, main
+
+    result = CliRunner().invoke(app, ["report", str(search_dir), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert "best: t1" in result.stdout and (tmp_path / "r" / "report.html").exists()
+    monkeypatch.setattr(sys, "argv", ["autotune", "report", str(tmp_path / "nope")])
+    monkeypatch.delenv("AUTOTUNE_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {tmp_path / 'nope'}: no such directory"]
