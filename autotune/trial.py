@@ -154,6 +154,16 @@ class TrialResult:
         return cls(status=metrics["status"], reason=metrics.get("reason", ""), out_dir=out_dir, metrics=metrics, wall_s=metrics.get("wall_s", 0.0))
 
 
+def load_trial_config(config_path: str | Path | None, model: str | dict[str, Any]) -> RuntimeConfig:
+    """The config file's runtime config, or FSDP2 defaults for the model's units when no file is given."""
+    from autotune.train import resolve_profile
+    from fsdp_runtime import default_config, load_config
+
+    if config_path is not None:
+        return load_config(config_path)
+    return default_config(resolve_profile(model).unit_names)
+
+
 def load_rank_program(target: str) -> Callable[..., dict[str, Any]]:
     module_name, fn_name = target.split(":")
     return getattr(importlib.import_module(module_name), fn_name)
@@ -162,12 +172,8 @@ def load_rank_program(target: str) -> Callable[..., dict[str, Any]]:
 def run_trial(spec: TrialSpec, *, pool: "RankPool | None" = None) -> TrialResult:
     """Run one trial (fresh ranks, or ``pool``'s) and write its trial dir; never raises for what a rank does."""
     start = time.monotonic()
-    out_dir = spec.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*_STALE_FILES, *(p.name for p in out_dir.glob("trace_rank*.json.gz"))]:
-        (out_dir / stale).unlink(missing_ok=True)
     try:
-        _prepare(spec)
+        prepare_trial_dir(spec)
     except AutotuneError as e:
         return write_trial_dir(spec, status="invalid_config", reason=str(e), rank_results=[], wall_s=time.monotonic() - start)
     kwargs = {"spec": spec.to_dict()}
@@ -188,8 +194,8 @@ def run_trial(spec: TrialSpec, *, pool: "RankPool | None" = None) -> TrialResult
     return result
 
 
-def _prepare(spec: TrialSpec) -> None:
-    """Parent-side checks (profile, mesh vs world size, cluster) and config.toml."""
+def check_trial_spec(spec: TrialSpec) -> None:
+    """Checks that need no ranks: the profile exists, the mesh fits the world size, the cluster loads."""
     from autotune.train import resolve_profile
     from profiles import load_cluster_profile
 
@@ -197,7 +203,17 @@ def _prepare(spec: TrialSpec) -> None:
     validate_for_world(spec.config, spec.world_size)
     if spec.cluster is not None:
         load_cluster_profile(spec.cluster)
-    save_config(spec.config, spec.out_dir / "config.toml")
+
+
+def prepare_trial_dir(spec: TrialSpec, *, check: bool = True) -> None:
+    """Create the trial dir, remove a previous trial's files, check the spec, write config.toml."""
+    out_dir = spec.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*_STALE_FILES, *(p.name for p in out_dir.glob("trace_rank*.json.gz"))]:
+        (out_dir / stale).unlink(missing_ok=True)
+    if check:
+        check_trial_spec(spec)
+    save_config(spec.config, out_dir / "config.toml")
 
 
 def write_trial_dir(spec: TrialSpec, *, status: TrialStatus, reason: str, rank_results: list[dict[str, Any]], wall_s: float) -> TrialResult:

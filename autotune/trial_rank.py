@@ -209,7 +209,7 @@ def _get_rank_env(device: torch.device) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """``python -m autotune.trial_rank --spec spec.json`` under torchrun (env:// rendezvous)."""
     from autotune.launch import EXIT_USER_ERROR
-    from autotune.trial import TrialSpec, load_rank_program, write_trial_dir
+    from autotune.trial import TrialSpec, check_trial_spec, load_rank_program, prepare_trial_dir, write_trial_dir
     from fsdp_runtime.errors import AutotuneError
 
     parser = argparse.ArgumentParser(prog="python -m autotune.trial_rank", description="Run one trial rank under torchrun.")
@@ -222,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if world_size != spec.world_size:
             raise AutotuneError(f"{args.spec}: spec.world_size is {spec.world_size} but torchrun started {world_size} ranks (match --nnodes x --nproc-per-node)")
+        check_trial_spec(spec)  # on every rank: all fail together, nobody waits at the barrier
+        if rank == 0:
+            prepare_trial_dir(spec, check=False)
+        dist.barrier()
+        spec.out_dir.mkdir(parents=True, exist_ok=True)  # another node's view of the dir
         result = load_rank_program(spec.rank_program)(rank, world_size, spec=spec.to_dict())
         gathered: list[Any] | None = [None] * world_size if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
@@ -229,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         status = "invalid_config" if isinstance(e, AutotuneError) else "crash"
         if rank == 0:
+            spec.out_dir.mkdir(parents=True, exist_ok=True)
             write_trial_dir(spec, status=status, reason=f"rank 0: {type(e).__name__}: {e}"[:300], rank_results=[], wall_s=time.monotonic() - start)
         sys.stderr.flush()
         os._exit(EXIT_USER_ERROR if status == "invalid_config" else 1)
