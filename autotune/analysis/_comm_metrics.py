@@ -24,11 +24,12 @@ def get_comm_figures(comm: pd.DataFrame, compute: np.ndarray) -> dict[str, float
 
     ``comm`` rows are collectives (``start``, ``end``, ``kind``); ``compute`` a merged set.
     """
-    spans = iv.union(comm[["start", "end"]].to_numpy())
+    raw = comm[["start", "end"]].to_numpy(dtype=float)
+    kinds = comm["kind"].to_numpy()
+    spans = iv.union(raw)
     figures: dict[str, float | int | None] = {"comm_ms": iv.total(spans) / US_PER_MS}
     for kind in COMM_KINDS:
-        of_kind = comm[comm["kind"] == kind]
-        figures[kind_column(kind)] = iv.total(iv.union(of_kind[["start", "end"]].to_numpy())) / US_PER_MS
+        figures[kind_column(kind)] = iv.total(iv.union(raw[kinds == kind])) / US_PER_MS
     exposed = iv.total(iv.subtract(spans, compute)) / US_PER_MS
     figures["exposed_comm_ms"] = exposed
     figures["overlap_ratio"] = 1.0 - exposed / figures["comm_ms"] if figures["comm_ms"] > 0 else None

@@ -93,8 +93,9 @@ def _to_frames(events: list[Any]) -> tuple[pd.DataFrame, pd.DataFrame, dict[tupl
         elif ph == "M" and e.get("name") == "thread_name":
             threads[(e.get("pid"), e.get("tid"))] = str((e.get("args") or {}).get("name", ""))
     frame = pd.DataFrame.from_records(rows, columns=EVENT_COLUMNS)
-    frame["name"] = frame["name"].astype(str)
-    frame["cat"] = frame["cat"].astype(str)
+    # Few distinct names: categoricals make the classifiers' string matching per name, not per event.
+    frame["name"] = frame["name"].astype(str).astype("category")
+    frame["cat"] = frame["cat"].astype(str).astype("category")
     return frame, pd.DataFrame.from_records(memory, columns=MEMORY_COLUMNS), threads
 
 

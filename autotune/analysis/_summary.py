@@ -69,7 +69,8 @@ def _median(series: pd.Series) -> float | None:
 
 
 def _unit_medians(units: pd.DataFrame, order: list[str]) -> list[dict[str, Any]]:
-    return [{"unit": unit, **{f: _median(units.loc[units["unit"] == unit, f]) for f in UNIT_FIELDS}} for unit in order]
+    groups = dict(tuple(units.groupby("unit", sort=False)))
+    return [{"unit": unit, **{f: _median(groups[unit][f]) for f in UNIT_FIELDS}} for unit in order]
 
 
 def _aggregate(steps: pd.DataFrame, units: pd.DataFrame, unit_order: list[str]) -> dict[str, Any]:

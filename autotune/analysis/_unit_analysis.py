@@ -20,12 +20,13 @@ class UnitAnalyzer:
     @classmethod
     def get_unit_metrics(cls, events: RankEvents) -> pd.DataFrame:
         rows = []
+        hooks = {unit: iv.union(spans[["start", "end"]].to_numpy()) for unit, spans in events.labels.groupby("unit", sort=False)}
         for step, start, end in events.steps.itertuples(index=False):
             compute = get_step_compute(events, start, end)
             comm = get_step_comm(events, start, end)
+            by_unit = dict(tuple(comm.groupby("unit", sort=False)))
             for unit in events.units:
-                labels = events.labels[events.labels["unit"] == unit]
-                hook_ms = iv.total(iv.clip(iv.union(labels[["start", "end"]].to_numpy()), start, end)) / US_PER_MS
-                figures = get_comm_figures(comm[comm["unit"] == unit], compute)
+                hook_ms = iv.total(iv.clip(hooks[unit], start, end)) / US_PER_MS
+                figures = get_comm_figures(by_unit.get(unit, comm.iloc[:0]), compute)
                 rows.append({"rank": events.rank, "step": step, "unit": unit, **figures, "hook_ms": hook_ms})
         return pd.DataFrame(rows, columns=UNIT_COLUMNS)
