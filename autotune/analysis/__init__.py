@@ -37,6 +37,11 @@ Times are interval unions: overlapping events are counted once.
   the op's kind wins. A span with no c10d op before it (enqueued before the profiled
   window) keeps the kind of its gloo name. Two process groups running the same gloo
   kind concurrently (HSDP) can swap the pairing; the totals are unaffected.
+- Barriers (``c10d::barrier`` / ``gloo:barrier``) move no data: they are kept out of the
+  communication figures and reported as ``barrier_ms`` (a harness that synchronizes the
+  ranks inside a profiled step would otherwise show up as exposed communication). On
+  GPU traces a barrier is an ordinary one-element NCCL all-reduce kernel and counts as
+  ``all_reduce``.
 - ``comm_ms``: union of the step's collectives; ``<kind>_ms``: union per kind
   (so ``comm_ms`` <= their sum).
 - ``exposed_comm_ms``: the part of the communication union during which the training

@@ -20,6 +20,8 @@ from fsdp_runtime.config import ROOT_UNIT
 
 COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "other")
 """Collective kinds, in the order every table lists them."""
+BARRIER = "barrier"
+"""Kind of a barrier: a synchronization that moves no data, kept out of the communication figures."""
 
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _LABEL_FOR = re.compile(r"^FSDP::(?P<phase>\w+) for (?P<unit>\S+)$")
@@ -28,12 +30,14 @@ _NOT_COMPUTE_OP = re.compile(r"^(?:c10d::|_?c10d_functional::|gloo:|nccl:|record
 _MEMORY_KERNEL = re.compile(r"^(hip)?(Memcpy|Memset)")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 # What gloo runs for each c10d collective kind (it runs reduce-scatter as an all-reduce).
-_GLOO_RUNS_AS = {"all_gather": "all_gather", "reduce_scatter": "all_reduce", "all_reduce": "all_reduce", "other": "other"}
+_GLOO_RUNS_AS = {"all_gather": "all_gather", "reduce_scatter": "all_reduce", "all_reduce": "all_reduce", "other": "other", BARRIER: BARRIER}
 
 
 def get_collective_kind(name: str) -> str:
-    """``all_gather``/``reduce_scatter``/``all_reduce``/``other`` from a c10d op, gloo span or NCCL kernel name."""
+    """``all_gather``/``reduce_scatter``/``all_reduce``/``other`` (or ``barrier``) from a c10d op, gloo span or NCCL kernel name."""
     flat = name.lower().replace("_", "")
+    if "barrier" in flat:
+        return BARRIER
     for kind in ("allgather", "reducescatter", "allreduce"):
         if kind in flat:
             return {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}[kind]
@@ -62,6 +66,8 @@ class RankEvents:
     comm: pd.DataFrame
     """``start, end, issue_ts, kind, unit``: one row per collective (gloo span or NCCL kernel);
     ``unit`` is None when no FSDP label encloses the point where it was issued."""
+    barriers: pd.DataFrame
+    """``start, end, issue_ts``: barriers, split off ``comm`` (CPU: ``gloo:barrier`` spans)."""
     labels: pd.DataFrame
     """``start, end, phase, unit``: the FSDP:: labels of the training thread."""
     memory: pd.DataFrame
@@ -162,7 +168,9 @@ def classify_events(trace: RankTrace) -> RankEvents:
         compute, comm = _gpu_kernels(events)
     else:
         compute, comm = _cpu_compute(main), _cpu_comm(events, main_mask)
-    comm = comm.sort_values("start", kind="stable").reset_index(drop=True)
+    is_barrier = comm["kind"] == BARRIER
+    barriers = comm[is_barrier][["start", "end", "issue_ts"]].reset_index(drop=True)
+    comm = comm[~is_barrier].sort_values("start", kind="stable").reset_index(drop=True)
     comm["unit"] = _assign_units(comm["issue_ts"].to_numpy(), labels)
     return RankEvents(
         rank=trace.rank,
@@ -171,6 +179,7 @@ def classify_events(trace: RankTrace) -> RankEvents:
         steps=_get_steps(main),
         compute=compute,
         comm=comm,
+        barriers=barriers,
         labels=labels,
         memory=trace.memory,
         units=list(dict.fromkeys(labels["unit"])),
@@ -190,7 +199,7 @@ def get_step_compute(events: RankEvents, start: float, end: float) -> np.ndarray
     return iv.union(issued[["start", "end"]].to_numpy())
 
 
-def get_step_comm(events: RankEvents, start: float, end: float) -> pd.DataFrame:
-    """The collectives issued during the step ``[start, end)`` (a collective belongs to the step that issued it)."""
-    comm = events.comm
+def get_step_comm(events: RankEvents, start: float, end: float, *, barriers: bool = False) -> pd.DataFrame:
+    """The collectives (or barriers) issued during the step ``[start, end)``: a collective belongs to the step that issued it."""
+    comm = events.barriers if barriers else events.comm
     return comm[(comm["issue_ts"] >= start) & (comm["issue_ts"] < end)]

@@ -10,7 +10,7 @@ from autotune.analysis._events import RankEvents, get_step_comm, get_step_comput
 
 STEP_COLUMNS = [
     "rank", "step", "step_ms", "compute_ms", "comm_ms", *KIND_COLUMNS, "exposed_comm_ms",
-    "overlap_ratio", "bound_ms", "bound_ratio", "num_collectives", "peak_memory_bytes",
+    "overlap_ratio", "bound_ms", "bound_ratio", "num_collectives", "barrier_ms", "peak_memory_bytes",
 ]  # fmt: skip
 
 
@@ -39,6 +39,7 @@ class StepAnalyzer:
         step_ms = (end - start) / US_PER_MS
         compute_ms = iv.total(compute) / US_PER_MS
         bound_ms = max(compute_ms, figures["comm_ms"])
+        barriers = get_step_comm(events, start, end, barriers=True)
         return {
             "rank": events.rank,
             "step": step,
@@ -47,5 +48,6 @@ class StepAnalyzer:
             **figures,
             "bound_ms": bound_ms,
             "bound_ratio": step_ms / bound_ms if bound_ms > 0 else None,
+            "barrier_ms": iv.total(iv.union(barriers[["start", "end"]].to_numpy())) / US_PER_MS,
             "peak_memory_bytes": get_peak_memory(events.memory, start, end),
         }

@@ -16,7 +16,7 @@ Schema (``schema_version`` 1; times in ms; quantities defined in [Note: trace me
               "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "other_comm_ms",
               "exposed_comm_ms", "overlap_ratio" (null without comm),
               "bound_ms", "bound_ratio" (null when bound_ms is 0),
-              "num_collectives": int, "peak_memory_bytes": int | null}],
+              "num_collectives": int, "barrier_ms", "peak_memory_bytes": int | null}],
           "per_unit": [{                     # one per FSDP unit, in order of first appearance;
               "unit": str,                   # values are medians over the rank's steps
               "comm_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms",

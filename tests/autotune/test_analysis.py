@@ -99,6 +99,18 @@ def test_gloo_spans_pair_with_their_enqueue_ops_in_order(tmp_path):
     assert list(comm["issue_ts"] - comm["issue_ts"].iloc[0]) == [0.0, 100.0, 120.0, 140.0]
 
 
+def test_barriers_are_not_communication(tmp_path):
+    rows = metrics_of(tmp_path / "t.json", [
+        step(1, 0, 1000),
+        span("c10d::barrier", 0, 10), gloo("gloo:barrier", 5, 300),   # a harness syncing the ranks
+        span("c10d::_allgather_base_", 400, 410), gloo("gloo:all_gather", 410, 500),
+    ])  # fmt: skip
+    row = rows[1]
+    assert row["barrier_ms"] == pytest.approx(0.295, abs=EXACT)
+    assert row["comm_ms"] == pytest.approx(0.09, abs=EXACT) and row["other_comm_ms"] == 0.0
+    assert row["exposed_comm_ms"] == pytest.approx(0.09, abs=EXACT) and row["num_collectives"] == 1
+
+
 def test_collectives_split_between_steps_by_issue_time(tmp_path):
     rows = metrics_of(tmp_path / "t.json", [
         step(1, 0, 1000), step(2, 1000, 2000),
@@ -141,6 +153,7 @@ def test_label_and_kind_parsing():
     assert get_collective_kind("ncclDevKernel_AllGather_RING_LL") == "all_gather"
     assert get_collective_kind("gloo:all_reduce") == "all_reduce"
     assert get_collective_kind("c10d::broadcast_") == "other"
+    assert get_collective_kind("gloo:barrier") == "barrier"
 
 
 def test_peak_memory_per_step(tmp_path):
