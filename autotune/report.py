@@ -8,8 +8,9 @@
 A *trial dir* holds ``metrics.json`` (``kind: trial_metrics``, with the trace summary
 under ``trace_metrics``) and ``trace_rank<N>.json[.gz]``; a dir with only traces works
 too. A *search dir* holds trial dirs under ``trials/``: the report is their summaries
-plus the best one (the ``ok`` trial with the lowest unprofiled ``step_ms``, unless the
-caller names it). The traces are only read, never rewritten: they stay openable in
+plus the best one: the trial named by ``search.json``'s ``best.trial_dir`` when the
+search wrote one (it knows about pruning and memory budgets), else the ``ok`` trial with
+the lowest unprofiled ``step_ms``. The traces are only read, never rewritten: they stay openable in
 Perfetto / chrome://tracing.
 """
 
@@ -134,6 +135,15 @@ def build_search_report(root: Path, trials: list[TrialSummary], *, best: str | N
     return Report(kind="search", root=root, trials=trials, best=chosen)
 
 
+def _get_search_best(root: Path) -> str | None:
+    """The best trial's dir name from ``search.json`` (``kind: search_summary``), if the search wrote one."""
+    try:
+        summary = json.loads((root / "search.json").read_text())
+        return Path(summary["best"]["trial_dir"]).name
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_report(path: str | Path) -> Report:
     """A trial report (``metrics.json`` or traces in ``path``) or a search report (``path/trials/*/metrics.json``)."""
     root = Path(path)
@@ -146,7 +156,7 @@ def load_report(path: str | Path) -> Report:
         return Report(kind="trial", root=root, trials=[trial], best=trial, timeline=timeline)
     trial_dirs = sorted(p.parent for p in root.glob("trials/*/metrics.json"))
     if trial_dirs:
-        return build_search_report(root, [load_trial(d, analyze_traces=False) for d in trial_dirs])
+        return build_search_report(root, [load_trial(d, analyze_traces=False) for d in trial_dirs], best=_get_search_best(root))
     raise ReportError(f"{root}: neither a trial dir (metrics.json or {TRACE_GLOB}) nor a search dir (trials/*/metrics.json)")
 
 

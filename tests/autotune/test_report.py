@@ -96,6 +96,13 @@ def test_search_report_lists_trials_and_best(search_dir, tmp_path):
     assert [p.name for p in paths] == ["report.html", "trials.png"]
 
 
+def test_search_report_takes_best_from_search_json(search_dir, tmp_path):
+    folder = tmp_path / "search"
+    shutil.copytree(search_dir, folder)
+    (folder / "search.json").write_text(json.dumps({"kind": "search_summary", "best": {"number": 0, "trial_dir": "trials/t0"}}))
+    assert load_report(folder).best.name == "t0"  # the search knows better (e.g. t1 broke a memory budget)
+
+
 @pytest.mark.parametrize("setup", ["missing", "empty", "bad_metrics", "wrong_kind"])
 def test_report_errors_are_one_line(tmp_path, setup):
     target = tmp_path / "dir"
