@@ -172,14 +172,14 @@ def load_rank_program(target: str) -> Callable[..., dict[str, Any]]:
 def run_trial(spec: TrialSpec, *, pool: "RankPool | None" = None) -> TrialResult:
     """Run one trial (fresh ranks, or ``pool``'s) and write its trial dir; never raises for what a rank does."""
     start = time.monotonic()
+    if pool is not None and (pool.world_size != spec.world_size or pool.backend != spec.backend):
+        raise TrialSpecError(f"trial spec: world {spec.world_size}/{spec.backend} does not match the pool's {pool.world_size}/{pool.backend}")
     try:
         prepare_trial_dir(spec)
     except AutotuneError as e:
         return write_trial_dir(spec, status="invalid_config", reason=str(e), rank_results=[], wall_s=time.monotonic() - start)
     kwargs = {"spec": spec.to_dict()}
     if pool is not None:
-        if pool.world_size != spec.world_size or pool.backend != spec.backend:
-            raise TrialSpecError(f"trial spec: world {spec.world_size}/{spec.backend} does not match the pool's {pool.world_size}/{pool.backend}")
         run = pool.run(spec.rank_program, kwargs, timeout_s=spec.timeout_s)
     else:
         from autotune.launch import run_ranks

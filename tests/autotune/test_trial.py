@@ -6,12 +6,16 @@ import dataclasses
 import gzip
 import json
 import math
+import os
+import signal
 import statistics
+import subprocess
+import sys
 
 import pytest
 
 from _trial_programs import CRASH_MESSAGE, get_survivors
-from autotune.trial import TrialResult, TrialSpec, TrialSpecError, run_trial
+from autotune.trial import TrialResult, TrialSpec, TrialSpecError, run_trial, write_json_atomic
 from fsdp_runtime import MeshConfig, default_config, load_config
 from profiles import load_model_profile
 
@@ -103,3 +107,23 @@ def test_spec_round_trips_through_json(tmp_path):
     spec = _spec(tmp_path, model={"name": "tiny", "dim": 32}, cluster="cpu-emulated-ib", prune_if_slower_than_ms=5.0)
     again = TrialSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
     assert again == spec
+
+
+def test_torchrun_entry_writes_the_same_trial_dir(tmp_path):
+    spec = _spec(tmp_path)
+    spec_path = tmp_path / "spec.json"
+    write_json_atomic(spec_path, spec.to_dict())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "autotune.trial_rank", "--spec", str(spec_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail("torchrun trial did not finish within 120 s")
+    assert proc.returncode == 0, output.decode(errors="replace")[-2000:]
+    result = TrialResult.load(spec.out_dir)
+    assert result.status == "ok" and len(result.metrics["ranks"]) == 2 and result.step_ms > 0
+    assert load_config(spec.out_dir / "config.toml") == spec.config
+    assert sorted(p.name for p in spec.out_dir.glob("trace_rank*.json.gz")) == ["trace_rank0.json.gz", "trace_rank1.json.gz"]
