@@ -105,7 +105,9 @@ def write_html(report: Report, path: Path) -> Path:
     parts += [_table_html(t) for t in report.get_tables()]
     for i, fig in enumerate(get_figures(report).values()):
         parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))
-    if report.kind == "trial" and report.timeline is not None:
+    if report.timeline_error:
+        parts.append(f"<p>Timeline unavailable: {html.escape(report.timeline_error)}</p>")
+    if report.kind == "trial" and report.trace_paths:
         parts.append("<p>Raw traces: open the trial dir's <code>trace_rank*.json.gz</code> files in "
                      "<a href='https://ui.perfetto.dev'>Perfetto</a> or chrome://tracing.</p>")  # fmt: skip
     doc = f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>fsdp-autotune report</title><style>{_STYLE}</style></head><body>{''.join(parts)}</body></html>"

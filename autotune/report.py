@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from autotune.analysis import FsdpTraceAnalysis, summarize_traces
+from autotune.analysis import FsdpTraceAnalysis, TraceError
 from fsdp_runtime.errors import AutotuneError
 
 REPORT_SCHEMA_VERSION = 1
@@ -68,8 +68,21 @@ class Report:
     root: Path
     trials: list[TrialSummary]
     best: TrialSummary | None = None
-    timeline: pd.DataFrame | None = None
-    """Trial reports with traces: ``FsdpTraceAnalysis.get_timeline()`` (ms from each rank's first step)."""
+    trace_paths: list[Path] = field(default_factory=list)
+    """A trial report's traces (empty for a search report)."""
+    timeline_error: str | None = None
+    """Why the timeline could not be built (an unusable trace), once :attr:`timeline` was asked for."""
+    _timeline: pd.DataFrame | None = field(default=None, repr=False)
+
+    @property
+    def timeline(self) -> pd.DataFrame | None:
+        """``FsdpTraceAnalysis.get_timeline()`` of a trial's traces (read on first use), else None."""
+        if self._timeline is None and self.trace_paths and self.timeline_error is None:
+            try:
+                self._timeline = FsdpTraceAnalysis(self.trace_paths).get_timeline()
+            except TraceError as e:
+                self.timeline_error = str(e)
+        return self._timeline
 
     def to_json(self) -> dict[str, Any]:
         """The report's summary as JSON-able data (what ``autotune report --json`` prints)."""
@@ -104,7 +117,10 @@ def _read_metrics(path: Path) -> dict[str, Any]:
 
 
 def load_trial(trial_dir: Path, *, analyze_traces: bool = True) -> TrialSummary:
-    """A trial dir's summary; traces are analysed when metrics.json has no trace summary."""
+    """A trial dir's summary; traces are analysed when metrics.json has no trace summary.
+
+    An unusable trace (e.g. a trial killed while writing it) becomes ``analysis_error``.
+    """
     metrics_path = trial_dir / "metrics.json"
     metrics = _read_metrics(metrics_path) if metrics_path.exists() else {"status": "unknown"}
     trial = TrialSummary(
@@ -119,7 +135,10 @@ def load_trial(trial_dir: Path, *, analyze_traces: bool = True) -> TrialSummary:
     )
     traces = sorted(trial_dir.glob(TRACE_GLOB))
     if trial.trace_metrics is None and traces and analyze_traces:
-        trial.trace_metrics = summarize_traces(traces)
+        try:
+            trial.trace_metrics = FsdpTraceAnalysis(traces).summarize()
+        except TraceError as e:
+            trial.analysis_error = str(e)
     return trial
 
 
@@ -151,9 +170,7 @@ def load_report(path: str | Path) -> Report:
         raise ReportError(f"{root}: no such directory")
     if (root / "metrics.json").exists() or any(root.glob(TRACE_GLOB)):
         trial = load_trial(root)
-        traces = sorted(root.glob(TRACE_GLOB))
-        timeline = FsdpTraceAnalysis(traces).get_timeline() if traces else None
-        return Report(kind="trial", root=root, trials=[trial], best=trial, timeline=timeline)
+        return Report(kind="trial", root=root, trials=[trial], best=trial, trace_paths=sorted(root.glob(TRACE_GLOB)))
     trial_dirs = sorted(p.parent for p in root.glob("trials/*/metrics.json"))
     if trial_dirs:
         return build_search_report(root, [load_trial(d, analyze_traces=False) for d in trial_dirs], best=_get_search_best(root))

@@ -46,8 +46,13 @@ def search_dir(tmp_path_factory, trial_dir) -> Path:
     return folder
 
 
-def test_trial_report_tables_and_json(trial_dir):
-    report = load_report(trial_dir)
+@pytest.fixture(scope="module")
+def trial_report(trial_dir):
+    return load_report(trial_dir)
+
+
+def test_trial_report_tables_and_json(trial_report):
+    report = trial_report
     assert report.kind == "trial" and report.best is report.trials[0]
     summary, steps, units = report.get_tables()
     assert dict(summary.rows)["status"] == "ok"
@@ -70,9 +75,9 @@ def test_trial_dir_with_traces_only_is_analysed(tmp_path):
     assert report.trials[0].trace_metrics["num_ranks"] == 2
 
 
-def test_write_trial_report_html_and_pngs(trial_dir, tmp_path):
+def test_write_trial_report_html_and_pngs(trial_dir, trial_report, tmp_path):
     before = {p.name: p.read_bytes() for p in trial_dir.glob("trace_rank*")}
-    paths = write_report(load_report(trial_dir), tmp_path / "out")
+    paths = write_report(trial_report, tmp_path / "out")
     assert sorted(p.name for p in paths) == ["report.html", "steps.png", "timeline.png", "units.png"]
     page = (tmp_path / "out" / "report.html").read_text()
     assert "<script src=" not in page and "Plotly.newPlot" in page  # plotly.js inline: opens offline
@@ -101,6 +106,18 @@ def test_search_report_takes_best_from_search_json(search_dir, tmp_path):
     shutil.copytree(search_dir, folder)
     (folder / "search.json").write_text(json.dumps({"kind": "search_summary", "best": {"number": 0, "trial_dir": "trials/t0"}}))
     assert load_report(folder).best.name == "t0"  # the search knows better (e.g. t1 broke a memory budget)
+
+
+def test_failed_trial_with_a_truncated_trace_still_reports(tmp_path):
+    write_metrics(tmp_path, status="timeout", step_ms=None, reason="no result after 60s (deadlock or too slow); all ranks killed")
+    (tmp_path / "trace_rank0.json.gz").write_bytes(get_fixture_traces("cpu_tiny_2rank")[0].read_bytes()[:5000])
+    report = load_report(tmp_path)
+    rows = dict(report.get_tables()[0].rows)
+    assert rows["status"].startswith("timeout (no result after 60s")
+    assert rows["trace metrics"].startswith("unavailable: ") and "truncated" in rows["trace metrics"]
+    paths = write_report(report, tmp_path / "out")
+    assert [p.name for p in paths] == ["report.html"]
+    assert "Timeline unavailable" in (tmp_path / "out" / "report.html").read_text()
 
 
 @pytest.mark.parametrize("setup", ["missing", "empty", "bad_metrics", "wrong_kind"])
