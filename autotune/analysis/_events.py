@@ -139,7 +139,8 @@ def _match_gloo_to_enqueue(spans: pd.DataFrame, enqueues: pd.DataFrame) -> tuple
 
 def _cpu_comm(events: pd.DataFrame, main_mask: pd.Series) -> pd.DataFrame:
     spans = events[events["name"].str.startswith("gloo:") & ~main_mask].sort_values("ts", kind="stable")
-    enqueues = events[events["name"].str.startswith("c10d::") & main_mask].sort_values("ts", kind="stable")
+    is_enqueue = events["name"].str.startswith("c10d::") & ~events["name"].str.contains("wait", case=False)
+    enqueues = events[is_enqueue & main_mask].sort_values("ts", kind="stable")
     kinds, issue = _match_gloo_to_enqueue(spans, enqueues)
     return pd.DataFrame({"start": spans["ts"].to_numpy(), "end": spans["end"].to_numpy(), "issue_ts": issue, "kind": kinds})
 
