@@ -68,6 +68,110 @@ def report(
         console.print(f"wrote {path}")
 
 
+class _RichSearchReporter:
+    """Live progress for ``autotune search``: trial n/N, current best, ETA."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[best]}"),
+            console=err_console, transient=False,
+        )
+        self.task = None
+
+    def on_start(self, plan, settings, num_existing: int) -> None:
+        if plan.is_proxy:
+            err_console.print(
+                f"[yellow]{plan.requested.name} does not fit this machine ({plan.reason}).[/] Trials run a scale proxy with the same "
+                f"{plan.run.shape.num_layers} blocks: [bold]{plan.proxy_name}[/]. Times below are the proxy's, not {plan.requested.name}'s.",
+                highlight=False,
+            )
+        err_console.print(f"study in {settings.get_storage()}" + (f" ({num_existing} trials already there)" if num_existing > 1 else ""), highlight=False)
+        self.progress.start()
+        self.task = self.progress.add_task("search", total=settings.num_trials, completed=max(0, num_existing - 1), best="")
+
+    def on_trial_start(self, number: int, total: int) -> None:
+        self.progress.update(self.task, completed=number)
+
+    def on_trial_end(self, row, best) -> None:
+        status = row["status"] if row["state"] != "COMPLETE" else f"{row['step_ms']:.1f} ms"
+        best_text = f"best {best['step_ms']:.1f} ms (trial {best['number']})" if best else "no best yet"
+        self.progress.console.print(f"trial {row['number']:>3}: {status}" + (f" - {row['reason'][:120]}" if row["reason"] else ""), highlight=False)
+        self.progress.update(self.task, advance=1, best=best_text)
+
+    def on_phase(self, message: str) -> None:
+        self.progress.stop()
+        err_console.print(message, highlight=False)
+
+
+@app.command()
+def search(
+    model: Annotated[str, typer.Option("--model", "-m", help="Model profile name (tiny, small, llama1b, llama8b, llama70b) or a TOML path.")] = "small",
+    nproc: Annotated[int, typer.Option("--nproc", "-n", help="Ranks (world size) of every trial.")] = 2,
+    trials: Annotated[int, typer.Option("--trials", "-t", help="Total trials in the study, the defaults trial included.")] = 16,
+    microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")] = 2,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (study, trials, best config, tables).")] = Path("runs/search"),
+    storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL shared by several workers [default: sqlite in --out].")] = None,
+    study_name: Annotated[Optional[str], typer.Option("--study-name", help="Study name [default: MODEL-wN-mbM].")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the study (or join it as another worker).")] = False,
+    sampler: Annotated[str, typer.Option("--sampler", help="tpe (seeded, default), random, cmaes or qmc.")] = "tpe",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    memory_budget_gib: Annotated[Optional[float], typer.Option("--memory-budget-gib", help="Peak memory per rank above this makes a trial infeasible.")] = None,
+    cluster: Annotated[Optional[str], typer.Option("--cluster", help="Cluster profile whose links are emulated (e.g. cpu-emulated-ib).")] = None,
+    mesh: Annotated[Optional[str], typer.Option("--mesh", help="Fix the mesh: fsdp or hsdp:RxS.")] = None,
+    patience: Annotated[int, typer.Option("--patience", help="Stop after this many trials without a 1% improvement (0: never).")] = 10,
+    confirm_pairs: Annotated[int, typer.Option("--confirm-pairs", help="Alternating best/default re-measurements at the end.")] = 3,
+    trial_timeout: Annotated[float, typer.Option("--trial-timeout", help="Seconds before a trial's ranks are killed.")] = 180.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout (no progress).")] = False,
+) -> None:
+    """Search the FSDP2 knobs with Optuna; write the best config, a results table and the report."""
+    import json
+
+    from autotune.search import SearchSettings, SilentReporter, run_search
+
+    settings = SearchSettings(
+        model=model, world_size=nproc, num_trials=trials, num_microbatches=microbatches, out_dir=out, storage=storage,
+        study_name=study_name, resume=resume, sampler=sampler, seed=seed,
+        memory_budget_bytes=int(memory_budget_gib * 2**30) if memory_budget_gib is not None else None,
+        cluster=cluster, fixed_mesh=mesh, patience=patience or None, num_confirm_pairs=confirm_pairs, trial_timeout_s=trial_timeout,
+    )
+    if not as_json:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    summary = run_search(settings, reporter=SilentReporter() if as_json else _RichSearchReporter())
+    if as_json:
+        print(json.dumps(summary.to_dict(), indent=2))
+        return
+    _print_search_summary(summary)
+
+
+def _print_search_summary(summary) -> None:
+    from rich import box
+    from rich.table import Column, Table
+
+    from autotune.space import describe_params
+
+    table = Table("trial", "status", "step ms", "peak MiB", "exposed ms", "overlap", Column("knobs", overflow="fold"), title="trials", title_justify="left")
+    for row in summary.rows:
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        mark = " *" if summary.best and row["number"] == summary.best["number"] else (" (defaults)" if row["is_default"] else "")
+        knobs = describe_params(row["params"])
+        table.add_row(f"{row['number']}{mark}", row["status"], fmt(row["step_ms"], ".1f"), fmt(row["peak_memory_bytes"] and row["peak_memory_bytes"] / 2**20, ".0f"), fmt(row["exposed_comm_ms"], ".1f"), fmt(row["overlap_ratio"], ".0%"), knobs)
+    console.print(table)
+    console.print(f"stopped: {summary.stopped_because}")
+    conf = summary.confirmation
+    if conf and conf["speedup_median"] is not None:
+        console.print(f"best vs defaults, {len(conf['speedups'])} alternating pairs: speedup {conf['speedup_median']:.3f}x (min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f})")
+    if summary.plan.is_proxy:
+        console.print(f"[yellow]measured on proxy {summary.plan.proxy_name}, not {summary.plan.requested.name}[/]", highlight=False)
+    if summary.best_config_path:
+        console.print(f"best config: [bold]{summary.best_config_path}[/] (and .json); results: {summary.out_dir / 'results.csv'}; report: autotune report {summary.out_dir}", highlight=False)
+    else:
+        console.print("[red]no trial succeeded; see results.csv for the reasons[/]")
+
+
 @app.command()
 def trial(
     model: Annotated[str, typer.Option("--model", "-m", help="Model profile name (tiny, small, llama1b, ...) or a TOML path.")],

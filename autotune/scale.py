@@ -1,0 +1,174 @@
+"""Decide whether trials can run the real model here, or a scale proxy of it.
+
+[Note: scale proxy]
+``autotune search --model llama8b`` on a 2-core, 24 GiB CPU box cannot run llama8b
+(8.03B params need ~128 GB for fp32 params, grads and AdamW state alone). The search
+then runs a proxy with the *same depth and unit structure* -- the same number of blocks,
+so every per-unit knob maps one-to-one onto llama8b's units -- and every width (model
+dim, FFN dim, vocabulary, heads) shrunk by one common factor, which keeps the ratio of
+the root unit (embeddings + head) to a block and the GQA ratio. The sequence is
+shortened only if the width alone does not fit the per-step time budget. The emitted
+config says so in its provenance; its measured times are the proxy's, never the
+model's. Relative effects (which knobs overlap better) transfer only approximately: the
+compute/communication ratio of a block changes with width, which is why link emulation
+(``--cluster``) exists.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from profiles import LlamaShape, ModelProfile
+
+BYTES_PER_PARAM_TRAINING = 16  # fp32 param + grad + AdamW exp_avg + exp_avg_sq
+MIN_DIM = 64
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelPlan:
+    """What trials will run: the profile itself or a proxy, and why."""
+
+    requested: ModelProfile
+    run: ModelProfile
+    is_proxy: bool
+    reason: str
+    estimated_memory_per_rank: int
+    estimated_step_s: float
+    overrides: dict[str, int] = field(default_factory=dict)
+    """Profile overrides that turn ``requested`` into ``run`` (passed to trials)."""
+
+    @property
+    def proxy_name(self) -> str | None:
+        if not self.is_proxy:
+            return None
+        return f"{self.requested.name}@" + ",".join(f"{k}={v}" for k, v in self.overrides.items())
+
+    @property
+    def trial_model(self) -> str | dict:
+        """The ``model`` argument for trials (a name, or a name plus overrides)."""
+        return {"name": self.requested.source or self.requested.name, **self.overrides} if self.is_proxy else (self.requested.source or self.requested.name)
+
+
+def estimate_memory_per_rank(profile: ModelProfile, world_size: int) -> int:
+    """Bytes per rank: sharded training state, unsharded grads under no-sync accumulation,
+    two unsharded blocks in flight, and fp32 activations kept for backward."""
+    s = profile.shape
+    params = s.get_num_params()
+    block = (params - s.vocab_size * s.dim * (1 if s.tie_embeddings else 2)) // max(1, s.num_layers)
+    tokens = profile.batch_size * profile.seq_len
+    per_layer_act = tokens * (14 * s.dim + 4 * s.ffn_hidden_dim) * 4 + profile.batch_size * s.num_heads * profile.seq_len**2 * 4
+    logits = tokens * s.vocab_size * 4 * 3
+    return BYTES_PER_PARAM_TRAINING * params // world_size + 4 * params // world_size + 2 * 4 * block + s.num_layers * per_layer_act + logits
+
+
+def estimate_step_seconds(profile: ModelProfile, flops_per_second: float) -> float:
+    """Forward + backward time of one microbatch per rank from 6 * params * tokens + attention."""
+    s = profile.shape
+    tokens = profile.batch_size * profile.seq_len
+    dense = 6 * s.get_num_params() * tokens
+    attention = 12 * s.num_layers * profile.batch_size * profile.seq_len**2 * s.dim
+    return (dense + attention) / flops_per_second
+
+
+def measure_cpu_flops(num_threads: int) -> float:
+    """Sustained fp32 matmul FLOP/s with ``num_threads`` threads (a ~0.2 s probe)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, num_threads))
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        a @ b
+        start, n = time.perf_counter(), 0
+        while time.perf_counter() - start < 0.2:
+            a @ b
+            n += 1
+        return 2 * 512**3 * n / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _shrink(profile: ModelProfile, factor: int, seq_len: int) -> tuple[ModelProfile, dict[str, int]]:
+    s = profile.shape
+    dim = max(MIN_DIM, s.dim // factor)
+    gqa = s.num_heads // s.num_kv_heads
+    heads = max(gqa, min(s.num_heads, dim // 32))
+    heads -= heads % gqa
+    while dim % heads:
+        heads -= gqa
+    overrides = {
+        "dim": dim,
+        "ffn_hidden_dim": max(8, round(s.ffn_hidden_dim * dim / s.dim / 8) * 8),
+        "vocab_size": max(256, s.vocab_size * dim // s.dim),
+        "num_heads": heads,
+        "num_kv_heads": heads // gqa,
+        "seq_len": seq_len,
+        "batch_size": 1 if factor > 1 or seq_len < profile.seq_len else profile.batch_size,
+    }
+    return profile.with_overrides(**overrides), overrides
+
+
+def plan_model(
+    profile: ModelProfile,
+    *,
+    world_size: int,
+    memory_per_rank: int,
+    flops_per_rank: float,
+    step_budget_s: float,
+) -> ModelPlan:
+    """The real model if it fits memory and the per-step time budget, else the largest proxy that does."""
+    mem = estimate_memory_per_rank(profile, world_size)
+    step = estimate_step_seconds(profile, flops_per_rank)
+    if mem <= memory_per_rank and step <= step_budget_s:
+        return ModelPlan(requested=profile, run=profile, is_proxy=False, reason="fits", estimated_memory_per_rank=mem, estimated_step_s=step)
+    why = []
+    if mem > memory_per_rank:
+        why.append(f"needs ~{mem / 2**30:.1f} GiB per rank, {memory_per_rank / 2**30:.1f} GiB available")
+    if step > step_budget_s:
+        why.append(f"~{step:.1f} s per microbatch step, budget {step_budget_s:.1f} s")
+    seq_choices = [s for s in (profile.seq_len, 512, 256, 128, 64) if s <= profile.seq_len]
+    factor = 2
+    while True:
+        for seq in seq_choices:
+            candidate, overrides = _shrink(profile, factor, seq)
+            cmem = estimate_memory_per_rank(candidate, world_size)
+            cstep = estimate_step_seconds(candidate, flops_per_rank)
+            smallest = overrides["dim"] == MIN_DIM and seq == seq_choices[-1]
+            if (cmem <= memory_per_rank and cstep <= step_budget_s) or smallest:
+                return ModelPlan(
+                    requested=profile,
+                    run=candidate,
+                    is_proxy=True,
+                    reason="; ".join(why),
+                    estimated_memory_per_rank=cmem,
+                    estimated_step_s=cstep,
+                    overrides=overrides,
+                )
+        factor *= 2
+
+
+def get_available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_for_this_machine(profile: ModelProfile, *, world_size: int, device_type: str, step_budget_s: float) -> ModelPlan:
+    """Plan against this machine: GPU memory per device, or a share of host memory."""
+    if device_type == "cuda":
+        import torch
+
+        memory = int(torch.cuda.get_device_properties(0).total_memory * 0.85)
+        flops = 200e12  # conservative dense bf16 throughput of a current datacenter GPU
+    else:
+        memory = int(get_available_memory_bytes() * 0.6) // world_size
+        flops = measure_cpu_flops(max(1, (os.cpu_count() or 1) // world_size))
+    return plan_model(profile, world_size=world_size, memory_per_rank=memory, flops_per_rank=flops, step_budget_s=step_budget_s)

@@ -1,0 +1,141 @@
+"""`autotune search` end to end on the tiny model with 2 real gloo ranks.
+
+Every trial has a hard wall-clock limit (trial_timeout_s), and every subprocess a
+``timeout=``; nothing here can hang CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from _search_programs import INJECTED
+from autotune.launch import run_ranks
+from autotune.search import SearchError, SearchSettings, run_search
+from fsdp_runtime import config_to_dict, load_config
+
+FAST = {"model": "tiny", "world_size": 2, "num_warmup": 1, "num_measured": 2, "num_profiled": 1, "trial_timeout_s": 90.0, "patience": None}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _settings(out: Path, **kw) -> SearchSettings:
+    return SearchSettings(out_dir=out, **{**FAST, **kw})
+
+
+@pytest.mark.multirank
+def test_search_emits_a_config_that_applies_and_trains(tmp_path):
+    summary = run_search(_settings(tmp_path, num_trials=4, num_confirm_pairs=1, memory_budget_bytes=2**40))
+    rows = summary.rows
+    assert [r["number"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["is_default"] and rows[0]["params"]["forward_prefetch"] == "implicit"
+    assert all(r["state"] == "COMPLETE" and r["step_ms"] > 0 for r in rows)
+    assert summary.best is not None and summary.best["step_ms"] == min(r["step_ms"] for r in rows)
+    if not summary.best["is_default"]:
+        assert len(summary.confirmation["pairs"]) == 1 and summary.confirmation["emitted"] in ("best", "defaults")
+    best = load_config(tmp_path / "best.toml")
+    assert best == load_config(tmp_path / "best.json")
+    assert best.provenance.measured and best.provenance.model == "tiny" and best.provenance.world_size == 2
+    assert [u.name for u in best.units] == [f"layers.{i}" for i in range(4)] + ["root"]
+    # Tables and trial dirs are on disk.
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["trials"]) == 4
+    assert (tmp_path / "results.csv").read_text().count("\n") == 5
+    assert all((tmp_path / r["trial_dir"] / "metrics.json").exists() for r in rows)
+    assert json.loads((tmp_path / "search.json").read_text())["best"]["number"] == summary.best["number"]
+    # The emitted config applies with fsdp_runtime unchanged and trains.
+    run = run_ranks("autotune.train:train_losses", world_size=2, kwargs={"model": "tiny", "config": config_to_dict(best), "num_steps": 2}, timeout_s=90)
+    assert run.ok, run.reason
+    assert all(len(losses) == 2 and all(0 < x < 20 for x in losses) for losses in run.results)
+
+
+@pytest.mark.multirank
+def test_failed_trials_are_recorded_and_do_not_stop_the_search(tmp_path):
+    summary = run_search(_settings(tmp_path, num_trials=4, num_confirm_pairs=0, sampler="random", seed=3, rank_program="_search_programs:crash_on_explicit_prefetch"))
+    states = [r["state"] for r in summary.rows]
+    assert len(states) == 4 and "FAIL" in states and "COMPLETE" in states
+    failed = [r for r in summary.rows if r["state"] == "FAIL"]
+    assert all(r["status"] == "crash" and INJECTED in r["reason"] for r in failed)
+    assert summary.best is not None and summary.best["state"] == "COMPLETE"
+
+
+def test_existing_study_needs_resume(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    optuna.create_study(study_name="s", storage=storage)
+    with pytest.raises(SearchError, match=r"study 's' already exists .* \(use --resume to continue it"):
+        run_search(_settings(tmp_path, num_trials=1, storage=storage, study_name="s"))
+    with pytest.raises(SearchError, match=r"--trials must be >= 1, got 0"):
+        _settings(tmp_path, num_trials=0)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-c", "import cli; cli.main()", "search", *args]
+
+
+def _wait_for_complete_trials(db: Path, study: str, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if db.exists():
+            try:
+                trials = optuna.load_study(study_name=study, storage=f"sqlite:///{db}").get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+                if len(trials) >= count:
+                    return
+            except Exception:  # the schema may be half-created by the worker right now
+                pass
+        time.sleep(0.5)
+    raise AssertionError(f"no {count} complete trials within {timeout_s}s")
+
+
+@pytest.mark.multirank
+def test_killed_search_resumes_without_losing_finished_trials(tmp_path):
+    args = ["--model", "tiny", "--trials", "3", "--out", str(tmp_path), "--confirm-pairs", "0", "--patience", "0", "--study-name", "r"]
+    proc = subprocess.Popen(_cli(*args), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for_complete_trials(tmp_path / "study.db", "r", 1, timeout_s=150)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    before = {t.number: t.value for t in optuna.load_study(study_name="r", storage=f"sqlite:///{tmp_path / 'study.db'}").get_trials() if t.state.is_finished() and t.value is not None}
+    assert before, "the first run finished at least one trial"
+    done = subprocess.run(_cli(*args, "--resume", "--json"), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert summary["num_trials"] >= 3
+    study = optuna.load_study(study_name="r", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    after = {t.number: t for t in study.get_trials()}
+    for number, value in before.items():
+        assert after[number].value == value, "a finished trial changed on resume"
+    assert all(t.state.is_finished() for t in after.values())
+    interrupted = [t for t in after.values() if t.user_attrs.get("status") == "interrupted"]
+    assert all(t.state == optuna.trial.TrialState.FAIL for t in interrupted)
+
+
+@pytest.mark.multirank
+def test_two_workers_share_one_study_without_duplicates(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    common = ["--model", "tiny", "--trials", "4", "--storage", storage, "--study-name", "shared", "--resume", "--confirm-pairs", "0", "--patience", "0", "--json"]
+    workers = [subprocess.Popen(_cli(*common, "--out", str(tmp_path / f"w{i}")), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) for i in range(2)]
+    try:
+        outputs = [w.communicate(timeout=400) for w in workers]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                os.killpg(w.pid, signal.SIGKILL)
+    assert all(w.returncode == 0 for w in workers), [o[1][-1500:] for o in outputs]
+    trials = optuna.load_study(study_name="shared", storage=storage).get_trials()
+    numbers = [t.number for t in trials]
+    # Each worker checks the count before asking, so the study may overshoot by one per extra worker.
+    assert 4 <= len(trials) <= 5 and sorted(numbers) == list(range(len(trials)))
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert sum(t.user_attrs.get("is_default", False) for t in trials) == 1
+    # Every trial ran exactly once, in exactly one worker's run dir.
+    dirs = [p.name for i in range(2) for p in (tmp_path / f"w{i}" / "trials").glob("trial_*")]
+    assert sorted(dirs) == [f"trial_{n:04d}" for n in sorted(numbers)]
+    assert len({t.user_attrs["worker"] for t in trials}) == 2
