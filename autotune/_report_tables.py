@@ -70,7 +70,7 @@ def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None) -> 
     from autotune.report import ReportTable
 
     table = ReportTable(title=f"{len(trials)} trials" + (f", best: {best.name}" if best else ", no successful trial"),
-                        columns=["trial", "status", "step ms", "overlap", "exposed ms", "step/bound", "peak mem", "note"])  # fmt: skip
+                        columns=["trial", "status", "step ms", "overlap", "exposed", "/bound", "peak", "note"])  # fmt: skip
     for t in sorted(trials, key=lambda t: (t.step_ms is None, t.step_ms or 0.0)):
         note = "best" if t is best else t.reason or (t.analysis_error or "")
         table.rows.append([t.name, t.status, fmt(t.step_ms), fmt(t.get_aggregate("overlap_ratio"), "pct"),
