@@ -191,11 +191,28 @@ def load_consolidated_checkpoint(
         except Exception as e:  # re-raised below, after the other ranks were told
             error = e
     _agree_on_outcome(error, "rank 0 could not read the checkpoint to load")
+    # DCP writes the sharded values into the dicts it is given: pass copies, so that the
+    # caller's state (e.g. straight from consolidate_state) stays full.
+    model_sd, optim_sd = _copy_containers(model_sd), _copy_containers(optim_sd)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, model_sd, options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
         _restore_param_group_options(optimizer, optim_sd)
+        _unshare_replicated_state(optimizer)
+
+
+def _unshare_replicated_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give the optimizer its own copy of every unsharded state tensor.
+
+    DCP hands rank 0's unsharded values (AdamW's ``step``) to the optimizer as they are,
+    so ``optimizer.step()`` would increment the caller's tensor (or the memory-mapped
+    file's pages) in place.
+    """
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                state[key] = value.clone()
 
 
 def _restore_param_group_options(optimizer: torch.optim.Optimizer, optim_sd: StateDict) -> None:
@@ -297,16 +314,20 @@ class _Leaf:
     layout: _ShardLayout | None
 
     @property
-    def row_numel(self) -> int:
-        return math.prod(self.value.shape[1:])
+    def local(self) -> torch.Tensor:
+        return self.value.to_local()
 
     @property
-    def slot_numel(self) -> int:
-        """Elements this tensor occupies in every rank's bucket buffer (padded shard)."""
-        return self.layout.chunk_rows * self.row_numel
+    def row_bytes(self) -> int:
+        return math.prod(self.value.shape[1:]) * self.local.element_size()
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes this tensor occupies in every rank's bucket buffer (its padded shard)."""
+        return self.layout.chunk_rows * self.row_bytes
 
     def new_full(self, *, to_cpu: bool) -> torch.Tensor:
-        local = self.value.to_local()
+        local = self.local
         return torch.empty(self.value.shape, dtype=local.dtype, device="cpu" if to_cpu else local.device)
 
 
@@ -334,6 +355,11 @@ def _joins(group: dist.ProcessGroup, rank0_only: bool) -> bool:
     return not rank0_only or 0 in dist.get_process_group_ranks(group)
 
 
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor (bit-exact for every dtype)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
 # ---------------------------------------------------------------------------
 # all_gather: packed buckets. See [Note: all_gather consolidation].
 
@@ -341,70 +367,94 @@ def _joins(group: dist.ProcessGroup, rank0_only: bool) -> bool:
 @dataclass(slots=True)
 class _Bucket:
     group: dist.ProcessGroup
+    device: torch.device
     leaves: list[_Leaf] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
-    numel_per_rank: int = 0
+    """Byte offset of each leaf's slot in every rank's buffer."""
+    bytes_per_rank: int = 0
+
+    @property
+    def group_size(self) -> int:
+        return self.leaves[0].layout.group_size
 
 
 def plan_buckets(leaves: list[_Leaf], bucket_bytes: int) -> list[_Bucket]:
     """Group sharded tensors into buckets of at most ``bucket_bytes`` of gathered output.
 
-    A tensor larger than the cap gets a bucket of its own. Tensors are grouped by
-    (process group, dtype, device) and buckets are closed in a deterministic order.
+    Shards are packed as bytes, so tensors of any dtype share a bucket; a tensor larger
+    than the cap gets a bucket of its own. Buckets are per (process group, device) and
+    closed in an order that is the same on every rank.
     """
-    open_buckets: dict[tuple, _Bucket] = {}
+    open_buckets: dict[tuple[int, torch.device], _Bucket] = {}
     closed: list[_Bucket] = []
     for leaf in leaves:
-        local = leaf.value.to_local()
-        key = (id(leaf.layout.group), local.dtype, local.device)
+        device = leaf.local.device
+        key = (id(leaf.layout.group), device)
         bucket = open_buckets.get(key)
-        added_bytes = leaf.slot_numel * leaf.layout.group_size * local.element_size()
-        used_bytes = bucket.numel_per_rank * leaf.layout.group_size * local.element_size() if bucket else 0
-        if bucket is not None and bucket.leaves and used_bytes + added_bytes > bucket_bytes:
+        if bucket is not None and (bucket.bytes_per_rank + leaf.slot_bytes) * leaf.layout.group_size > bucket_bytes:
             closed.append(bucket)
             bucket = None
         if bucket is None:
-            bucket = open_buckets[key] = _Bucket(group=leaf.layout.group)
+            bucket = open_buckets[key] = _Bucket(group=leaf.layout.group, device=device)
         bucket.leaves.append(leaf)
-        bucket.offsets.append(bucket.numel_per_rank)
-        bucket.numel_per_rank += leaf.slot_numel
-    return closed + [b for b in open_buckets.values() if b.leaves]
+        bucket.offsets.append(bucket.bytes_per_rank)
+        bucket.bytes_per_rank += leaf.slot_bytes
+    return closed + list(open_buckets.values())
 
 
-def _pack(bucket: _Bucket) -> torch.Tensor:
-    """This rank's input: each local shard, flattened, at its slot's offset (zero padding)."""
-    first = bucket.leaves[0].value.to_local()
-    flat = torch.zeros(bucket.numel_per_rank, dtype=first.dtype, device=first.device)
+def _pack(bucket: _Bucket, flat: torch.Tensor) -> torch.Tensor:
+    """Fill this rank's input: each local shard's bytes at its slot's offset."""
+    flat = flat[: bucket.bytes_per_rank]
     for leaf, offset in zip(bucket.leaves, bucket.offsets):
-        local = leaf.value.to_local()
-        flat[offset : offset + local.numel()].copy_(local.reshape(-1))
+        shard = _as_bytes(leaf.local.contiguous())
+        flat[offset : offset + shard.numel()].copy_(shard)
     return flat
 
 
 def _unpack(bucket: _Bucket, gathered: torch.Tensor, *, to_cpu: bool) -> None:
-    """Assemble each full tensor from the ``(group size, numel_per_rank)`` gathered buffer."""
-    per_rank = gathered.view(-1, bucket.numel_per_rank)
+    """Assemble each full tensor from the ``(group size, bytes_per_rank)`` gathered buffer."""
+    per_rank = gathered.view(bucket.group_size, bucket.bytes_per_rank)
     for leaf, offset in zip(bucket.leaves, bucket.offsets):
         full = leaf.new_full(to_cpu=to_cpu)
-        full_flat = full.view(-1)
-        layout = leaf.layout
+        full_bytes = _as_bytes(full)
+        layout, row_bytes = leaf.layout, leaf.row_bytes
         for group_rank, rows in enumerate(layout.num_rows):
-            numel = rows * leaf.row_numel
-            start = layout.get_row_start(group_rank) * leaf.row_numel
-            full_flat[start : start + numel].copy_(per_rank[group_rank, offset : offset + numel])
+            size = rows * row_bytes
+            start = layout.get_row_start(group_rank) * row_bytes
+            full_bytes[start : start + size].copy_(per_rank[group_rank, offset : offset + size])
         leaf.container[leaf.key] = full
 
 
 def _gather_packed(leaves: list[_Leaf], *, keep: bool, rank0_only: bool, to_cpu: bool, bucket_bytes: int) -> None:
-    for bucket in plan_buckets(leaves, bucket_bytes):
-        if not _joins(bucket.group, rank0_only):
-            continue
-        packed = _pack(bucket)
-        gathered = packed.new_empty(packed.numel() * bucket.leaves[0].layout.group_size)
-        dist.all_gather_into_tensor(gathered, packed, group=bucket.group)
-        del packed
+    buckets = [b for b in plan_buckets(leaves, bucket_bytes) if _joins(b.group, rank0_only)]
+    buffers = _allocate_buffers(buckets)
+    for bucket in buckets:
+        inputs, outputs = buffers[bucket.device]
+        packed = _pack(bucket, inputs)
+        gathered = outputs[: packed.numel() * bucket.group_size]
+        _all_gather_single(gathered, packed, group=bucket.group)
         if keep:
             _unpack(bucket, gathered, to_cpu=to_cpu)
+
+
+def _allocate_buffers(buckets: list[_Bucket]) -> dict[torch.device, tuple[torch.Tensor, torch.Tensor]]:
+    """One (input, output) byte buffer pair per device, sized for its largest bucket.
+
+    Reused by every bucket: fresh pages cost more than the copies into them (a page
+    fault per 4 KiB on CPU), and a collective that allocates internally (gloo's
+    all-gather does) then gets the same memory back from malloc for every bucket.
+    """
+    sizes: dict[torch.device, tuple[int, int]] = {}
+    for b in buckets:
+        num_in, num_out = sizes.get(b.device, (0, 0))
+        sizes[b.device] = (max(num_in, b.bytes_per_rank), max(num_out, b.bytes_per_rank * b.group_size))
+    return {d: (torch.zeros(i, dtype=torch.uint8, device=d), torch.empty(o, dtype=torch.uint8, device=d)) for d, (i, o) in sizes.items()}
+
+
+def _all_gather_single(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(output, input, group=group)
 
 
 # ---------------------------------------------------------------------------
@@ -416,17 +466,22 @@ def _gather_by_broadcast(leaves: list[_Leaf], *, keep: bool, rank0_only: bool, t
         layout = leaf.layout
         if not _joins(layout.group, rank0_only):
             continue
-        local = leaf.value.to_local()
+        local = leaf.local
         full = leaf.new_full(to_cpu=to_cpu) if keep else None
         for group_rank, rows in enumerate(layout.num_rows):
             if rows == 0:
                 continue
-            is_source = group_rank == layout.group_rank
-            shard = local.contiguous() if is_source else local.new_empty((rows, *local.shape[1:]))
+            start = layout.get_row_start(group_rank)
+            target = full[start : start + rows] if full is not None else None
+            if group_rank == layout.group_rank:
+                shard = local.contiguous()
+            elif target is not None and target.device == local.device:
+                shard = target  # receive in place: dim-0 rows of a contiguous tensor are contiguous
+            else:
+                shard = local.new_empty((rows, *local.shape[1:]))
             dist.broadcast(shard, group=layout.group, group_src=group_rank)
-            if full is not None:
-                start = layout.get_row_start(group_rank)
-                full[start : start + rows].copy_(shard)
+            if target is not None and shard is not target:
+                target.copy_(shard)
         if full is not None:
             leaf.container[leaf.key] = full
 
@@ -460,6 +515,15 @@ def _get_live_storages(model: nn.Module, optimizer: torch.optim.Optimizer | None
         tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     locals_ = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
     return {t.untyped_storage().data_ptr() for t in locals_}
+
+
+def _copy_containers(value: Any) -> Any:
+    """Copy the dicts and lists of a state dict; the tensors and other values are shared."""
+    if isinstance(value, dict):
+        return {k: _copy_containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_containers(v) for v in value]
+    return value
 
 
 def _map_tensors(value: Any, fn) -> Any:
