@@ -92,7 +92,7 @@ class SearchSettings:
     patience: int | None = 10
     """Stop after this many finished trials without a >= 1% improvement; None: never."""
     num_confirm_pairs: int = 3
-    step_budget_s: float = 0.35
+    step_budget_s: float = 1.0
     """Per-microbatch step-time budget used to size a proxy on this machine."""
     use_pool: bool = True
     rank_program: str | None = None
