@@ -38,6 +38,7 @@ barriers and its pruning vote are not training traffic) and always uninstall: ra
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,13 +48,13 @@ import torch.distributed as dist
 
 from profiles import ClusterProfile, LinkClass
 
-# torch.distributed function name -> (collective kind, name of the argument holding the full buffer, its position)
+# torch.distributed function name -> (collective kind, name of the argument holding the full buffer)
 _HOOKED = {
-    "all_gather_single": ("all_gather", "output_tensor", 0),
-    "all_gather_into_tensor": ("all_gather", "output_tensor", 0),
-    "reduce_scatter_single": ("reduce_scatter", "input", 1),
-    "reduce_scatter_tensor": ("reduce_scatter", "input", 1),
-    "all_reduce": ("all_reduce", "tensor", 0),
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "all_reduce": ("all_reduce", "tensor"),
 }
 
 
@@ -144,12 +145,12 @@ class LinkEmulator:
     def install(self) -> None:
         if self._originals:
             return
-        for name, (kind, arg_name, arg_pos) in _HOOKED.items():
+        for name, (kind, arg_name) in _HOOKED.items():
             original = getattr(dist, name, None)
             if original is None:
                 continue
             self._originals[name] = original
-            setattr(dist, name, self._wrap(original, kind, arg_name, arg_pos))
+            setattr(dist, name, self._wrap(original, kind, arg_name))
 
     def uninstall(self) -> None:
         for name, original in self._originals.items():
@@ -162,12 +163,14 @@ class LinkEmulator:
 
     # -- the hook -------------------------------------------------------------------
 
-    def _wrap(self, original: Callable[..., Any], kind: str, arg_name: str, arg_pos: int) -> Callable[..., Any]:
+    def _wrap(self, original: Callable[..., Any], kind: str, arg_name: str) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
         def hooked(*args: Any, **kwargs: Any) -> Any:
             if getattr(self._local, "active", False):
                 return original(*args, **kwargs)  # an alias calling another: count once
-            buffer = kwargs.get(arg_name, args[arg_pos] if len(args) > arg_pos else None)
-            group = kwargs.get("group")
+            call = signature.bind(*args, **kwargs).arguments
+            buffer, group = call.get(arg_name), call.get("group")
             link_name, link = self._get_link(group)
             if buffer is None or link is None:
                 return original(*args, **kwargs)
@@ -179,7 +182,7 @@ class LinkEmulator:
                 self._local.active = False
             num_bytes = buffer.numel() * buffer.element_size()
             release = self._schedule(kind, group, link_name, link, num_bytes, issued)
-            if kwargs.get("async_op", False) and isinstance(work, dist.Work):
+            if call.get("async_op", False) and isinstance(work, dist.Work):
                 return _HeldWork(work, release)
             release()
             return work

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -44,6 +45,10 @@ def test_pool_runs_different_configs_back_to_back(pool2, tmp_path):
         assert result.status == "ok", f"{name}: {result.reason}"
         assert result.rank_pids == pids and len(result.metrics["ranks"]) == 2
         assert all(ms > 0 for r in result.metrics["ranks"] for ms in r["step_ms"])
+    # The same spec again after other configs: bitwise-equal losses, so no state leaks between jobs.
+    again = run_trial(_spec(tmp_path, "default_again", configs["default"]), pool=pool2)
+    first = json.loads((tmp_path / "default" / "metrics.json").read_text())
+    assert [r["losses"] for r in again.metrics["ranks"]] == [r["losses"][:3] for r in first["ranks"]]
     assert (tmp_path / "default" / "trace_rank1.json.gz").exists()
     assert not (tmp_path / "accumulate" / "trace_rank0.json.gz").exists()
     assert pool2.num_starts == starts, "the pool restarted although every trial succeeded"
@@ -68,13 +73,6 @@ def test_pool_deadlock_times_out_then_recovers(pool2, tmp_path):
     assert run_trial(_spec(tmp_path, "after", default_config(UNITS)), pool=pool2).status == "ok"
 
 
-def test_rank_side_config_error_is_invalid_config(pool2, tmp_path):
-    config = default_config([*UNITS, "layers.99"])
-    result = run_trial(_spec(tmp_path, "bad_unit", config), pool=pool2)
-    assert result.status == "invalid_config"
-    assert "layers.99" in result.reason and "ConfigError" in result.reason
-
-
 def test_slow_trial_is_pruned_after_two_steps(pool2, tmp_path):
     result = run_trial(_spec(tmp_path, "pruned", default_config(UNITS), num_measured=5, profile=True, prune_if_slower_than_ms=1e-3), pool=pool2)
     assert result.status == "pruned"
@@ -82,11 +80,19 @@ def test_slow_trial_is_pruned_after_two_steps(pool2, tmp_path):
     assert result.metrics["traces"] == [] and not list((tmp_path / "pruned").glob("trace_*"))
 
 
+def test_rank_side_config_error_is_invalid_config(pool2, tmp_path):
+    # Last of the pool2 tests: it leaves the pool to restart, which nobody needs after it.
+    config = default_config([*UNITS, "layers.99"])
+    result = run_trial(_spec(tmp_path, "bad_unit", config), pool=pool2)
+    assert result.status == "invalid_config"
+    assert "layers.99" in result.reason and "ConfigError" in result.reason
+
+
 def test_world4_pool_runs_hsdp_then_fsdp_and_shuts_down_cleanly(tmp_path):
     hsdp = dataclasses.replace(default_config(UNITS), mesh=MeshConfig(kind="hsdp", replicate=2))
     with RankPool(4) as pool:
-        first = run_trial(_spec(tmp_path, "hsdp", hsdp, world_size=4, num_measured=1, cluster="cpu-emulated-ib"), pool=pool)
-        second = run_trial(_spec(tmp_path, "fsdp", default_config(UNITS), world_size=4, num_measured=1), pool=pool)
+        first = run_trial(_spec(tmp_path, "hsdp", hsdp, world_size=4, num_warmup=0, num_measured=1, cluster="cpu-emulated-ib"), pool=pool)
+        second = run_trial(_spec(tmp_path, "fsdp", default_config(UNITS), world_size=4, num_warmup=0, num_measured=1), pool=pool)
         pids = pool.pids
     assert first.status == "ok", first.reason
     assert second.status == "ok", second.reason

@@ -88,12 +88,12 @@ def test_crashing_trial_is_recorded_with_the_last_stderr_line(tmp_path):
 
 
 def test_deadlocking_trial_times_out_and_kills_the_process_tree(tmp_path):
-    result = run_trial(_spec(tmp_path, rank_program="_trial_programs:deadlock", timeout_s=12))
+    result = run_trial(_spec(tmp_path, rank_program="_trial_programs:deadlock", timeout_s=10))
     assert result.status == "timeout", result.reason
-    assert "12s" in result.reason
+    assert "10s" in result.reason
     assert get_survivors(result.rank_pids) == []  # includes rank 1's sleeping child
     metrics = json.loads((tmp_path / "trial" / "metrics.json").read_text())
-    assert metrics["status"] == "timeout" and metrics["wall_s"] >= 12
+    assert metrics["status"] == "timeout" and metrics["wall_s"] >= 10
 
 
 def test_spec_rejects_counts_that_cannot_describe_a_trial(tmp_path):
@@ -110,7 +110,7 @@ def test_spec_round_trips_through_json(tmp_path):
 
 
 def test_torchrun_entry_writes_the_same_trial_dir(tmp_path):
-    spec = _spec(tmp_path)
+    spec = _spec(tmp_path, num_profiled=1)
     spec_path = tmp_path / "spec.json"
     write_json_atomic(spec_path, spec.to_dict())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "autotune.trial_rank", "--spec", str(spec_path)]
