@@ -66,7 +66,34 @@ def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
     return [summary, steps, units]
 
 
-def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None) -> list[ReportTable]:
+def get_search_summary_table(summary: dict[str, Any]) -> ReportTable:
+    """Model (and proxy), why the search stopped, best vs defaults side by side, consolidation timing."""
+    from autotune.report import ReportTable
+
+    table = ReportTable(title="Search", columns=["", "value"])
+    proxy = summary.get("proxy") or {}
+    table.rows.append(["model", str(summary.get("model"))])
+    if proxy.get("is_proxy"):
+        table.rows.append(["measured on", f"scale proxy {proxy.get('name')} (not {summary.get('model')}): {proxy.get('reason')}"])
+    table.rows.append(["stopped", str(summary.get("stopped_because"))])
+    best, default = summary.get("best") or {}, summary.get("default") or {}
+    if best:
+        table.rows.append(["best", f"trial {best.get('number')}: {fmt(best.get('step_ms'))} ms, overlap {fmt(best.get('overlap_ratio'), 'pct')}, {fmt(best.get('bound_ratio'), 'x')} the max(compute, comm) bound"])
+    if default:
+        table.rows.append(["defaults", f"trial {default.get('number')}: {fmt(default.get('step_ms'))} ms"])
+    conf = summary.get("confirmation") or {}
+    if conf.get("speedup_median") is not None:
+        table.rows.append(["speedup vs defaults", f"{conf['speedup_median']:.3f}x median of {len(conf['speedups'])} alternating pairs (min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f}); emitted: {conf.get('emitted', 'best')}"])
+    cons = summary.get("consolidation") or {}
+    if cons.get("seconds"):
+        parts = [f"{m} {sec * 1e3:.0f} ms" for m, sec in cons["seconds"].items()]
+        table.rows.append(["checkpoint consolidation", f"{', '.join(parts)} (config uses {cons.get('method')})"])
+    elif cons.get("error"):
+        table.rows.append(["checkpoint consolidation", f"failed: {cons['error']}"])
+    return table
+
+
+def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None, summary: dict[str, Any] | None = None) -> list[ReportTable]:
     from autotune.report import ReportTable
 
     table = ReportTable(title=f"{len(trials)} trials" + (f", best: {best.name}" if best else ", no successful trial"),
@@ -76,4 +103,4 @@ def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None) -> 
         table.rows.append([t.name, t.status, fmt(t.step_ms), fmt(t.get_aggregate("overlap_ratio"), "pct"),
                            fmt(t.get_aggregate("exposed_comm_ms")), fmt(t.get_aggregate("bound_ratio"), "x"),
                            fmt(t.peak_memory_bytes, "mb"), note[:80]])  # fmt: skip
-    return [table]
+    return [get_search_summary_table(summary), table] if summary else [table]

@@ -70,6 +70,8 @@ class Report:
     best: TrialSummary | None = None
     trace_paths: list[Path] = field(default_factory=list)
     """A trial report's traces (empty for a search report)."""
+    search: dict[str, Any] | None = None
+    """A search report's ``search.json`` (proxy, confirmation vs defaults, consolidation timing)."""
     timeline_error: str | None = None
     """Why the timeline could not be built (an unusable trace), once :attr:`timeline` was asked for."""
     _timeline: pd.DataFrame | None = field(default=None, repr=False)
@@ -90,12 +92,12 @@ class Report:
         body = {"schema_version": REPORT_SCHEMA_VERSION, "kind": f"{self.kind}_report", "dir": str(self.root)}
         if self.kind == "trial":
             return body | trials[0]
-        return body | {"best": self.best.name if self.best else None, "trials": trials}
+        return body | {"best": self.best.name if self.best else None, "search": self.search, "trials": trials}
 
     def get_tables(self) -> list[ReportTable]:
         from autotune._report_tables import get_search_tables, get_trial_tables
 
-        return get_trial_tables(self.trials[0]) if self.kind == "trial" else get_search_tables(self.trials, self.best)
+        return get_trial_tables(self.trials[0]) if self.kind == "trial" else get_search_tables(self.trials, self.best, self.search)
 
 
 def _trial_json(trial: TrialSummary) -> dict[str, Any]:
@@ -154,12 +156,20 @@ def build_search_report(root: Path, trials: list[TrialSummary], *, best: str | N
     return Report(kind="search", root=root, trials=trials, best=chosen)
 
 
-def _get_search_best(root: Path) -> str | None:
-    """The best trial's dir name from ``search.json`` (``kind: search_summary``), if the search wrote one."""
+def _read_search_summary(root: Path) -> dict[str, Any] | None:
+    """``search.json`` (``kind: search_summary``) if the search wrote one."""
     try:
         summary = json.loads((root / "search.json").read_text())
-        return Path(summary["best"]["trial_dir"]).name
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("kind") == "search_summary" else None
+
+
+def _get_search_best(summary: dict[str, Any] | None) -> str | None:
+    """The best trial's dir name from the search summary."""
+    try:
+        return Path(summary["best"]["trial_dir"]).name  # type: ignore[index]
+    except (KeyError, TypeError):
         return None
 
 
@@ -173,7 +183,10 @@ def load_report(path: str | Path) -> Report:
         return Report(kind="trial", root=root, trials=[trial], best=trial, trace_paths=sorted(root.glob(TRACE_GLOB)))
     trial_dirs = sorted(p.parent for p in root.glob("trials/*/metrics.json"))
     if trial_dirs:
-        return build_search_report(root, [load_trial(d, analyze_traces=False) for d in trial_dirs], best=_get_search_best(root))
+        summary = _read_search_summary(root)
+        report = build_search_report(root, [load_trial(d, analyze_traces=False) for d in trial_dirs], best=_get_search_best(summary))
+        report.search = summary
+        return report
     raise ReportError(f"{root}: neither a trial dir (metrics.json or {TRACE_GLOB}) nor a search dir (trials/*/metrics.json)")
 
 

@@ -50,7 +50,8 @@ import sqlalchemy.exc
 from autotune.scale import ModelPlan, plan_for_this_machine
 from autotune.space import SearchSpace
 from autotune.trial import TrialResult, TrialSpec, run_trial, write_json_atomic
-from fsdp_runtime import Provenance, RuntimeConfig, save_config
+from autotune.launch import run_ranks
+from fsdp_runtime import Provenance, RuntimeConfig, config_to_dict, save_config
 from fsdp_runtime.errors import AutotuneError
 from profiles import ModelProfile, load_model_profile
 
@@ -438,9 +439,14 @@ def finish_search(study: optuna.Study, space: SearchSpace, settings: SearchSetti
                 best_config = default_config
             else:
                 confirmation["emitted"] = "best"
-        best_path = _emit_best(best_config, best, default, confirmation, settings, plan)
+        reporter.on_phase("timing checkpoint consolidation of the emitted config")
+        consolidation = time_consolidation(best_config, settings, plan)
+        best_path = _emit_best(best_config, best, default, confirmation, settings, plan, consolidation)
     _write_tables(rows, settings.out_dir)
-    summary = SearchSummary(out_dir=settings.out_dir, plan=plan, rows=rows, best=best, default=default, confirmation=confirmation, best_config_path=best_path, stopped_because=stopped_because)
+    summary = SearchSummary(
+        out_dir=settings.out_dir, plan=plan, rows=rows, best=best, default=default, confirmation=confirmation, best_config_path=best_path,
+        stopped_because=stopped_because, extra={"consolidation": consolidation} if best is not None else {},
+    )
     write_json_atomic(settings.out_dir / "search.json", summary.to_dict())
     return summary
 
@@ -478,7 +484,38 @@ def confirm(best: RuntimeConfig, default: RuntimeConfig, settings: SearchSetting
     }
 
 
-def _emit_best(config: RuntimeConfig, best: dict[str, Any], default: dict[str, Any] | None, confirmation: dict[str, Any] | None, settings: SearchSettings, plan: ModelPlan) -> Path:
+CONSOLIDATION_METHODS = ("all_gather", "broadcast")
+
+
+def time_consolidation(config: RuntimeConfig, settings: SearchSettings, plan: ModelPlan) -> dict[str, Any]:
+    """Seconds to consolidate the full model + optimizer state of ``config`` onto rank 0, once per method.
+
+    The config's own method is listed first; broadcast (the baseline) is timed beside it so
+    the report can show what the choice saves. A failure is recorded, never raised.
+    """
+    methods = [config.checkpoint.consolidation, *(m for m in CONSOLIDATION_METHODS if m != config.checkpoint.consolidation)]
+    kwargs = {"model": plan.trial_model, "config": config_to_dict(config), "methods": methods, "seed": settings.seed}
+    with _pool(settings) as pool:
+        target = "autotune.consolidation:consolidation_timing"
+        if pool is not None:
+            run = pool.run(target, kwargs, timeout_s=settings.trial_timeout_s)
+        else:
+            run = run_ranks(target, world_size=settings.world_size, kwargs=kwargs, timeout_s=settings.trial_timeout_s)
+    if not run.ok:
+        return {"method": config.checkpoint.consolidation, "error": f"{run.status}: {run.reason}"}
+    seconds = {m: max(r["seconds"][m][0] for r in run.results) for m in methods}
+    return {"method": config.checkpoint.consolidation, "seconds": seconds, "state_bytes": run.results[0]["state_bytes"]}
+
+
+def _emit_best(
+    config: RuntimeConfig,
+    best: dict[str, Any],
+    default: dict[str, Any] | None,
+    confirmation: dict[str, Any] | None,
+    settings: SearchSettings,
+    plan: ModelPlan,
+    consolidation: dict[str, Any],
+) -> Path:
     import torch
 
     notes = [f"chosen by {settings.sampler} search over {settings.num_trials} trials (best: trial {best['number']})"]
@@ -496,6 +533,8 @@ def _emit_best(config: RuntimeConfig, best: dict[str, Any], default: dict[str, A
         metrics["default_step_ms"] = default["step_ms"]
     if confirmation and confirmation["speedup_median"] is not None:
         metrics |= {k: confirmation[k] for k in ("speedup_median", "speedup_min", "speedup_max")}
+    if "seconds" in consolidation:
+        metrics[f"consolidation_s_{consolidation['method']}"] = consolidation["seconds"][consolidation["method"]]
     provenance = Provenance(
         produced_by="autotune search",
         model=plan.requested.name,

@@ -19,6 +19,7 @@ import pytest
 
 from _search_programs import INJECTED
 from autotune.launch import run_ranks
+from autotune.report import load_report
 from autotune.search import SearchError, SearchSettings, run_search
 from fsdp_runtime import config_to_dict, load_config
 
@@ -49,7 +50,16 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     assert len(results["trials"]) == 4
     assert (tmp_path / "results.csv").read_text().count("\n") == 5
     assert all((tmp_path / r["trial_dir"] / "metrics.json").exists() for r in rows)
-    assert json.loads((tmp_path / "search.json").read_text())["best"]["number"] == summary.best["number"]
+    search_json = json.loads((tmp_path / "search.json").read_text())
+    assert search_json["best"]["number"] == summary.best["number"]
+    # Consolidation of the emitted config was timed once (all_gather and the broadcast baseline).
+    seconds = search_json["consolidation"]["seconds"]
+    assert set(seconds) == {"all_gather", "broadcast"} and all(v > 0 for v in seconds.values())
+    assert best.provenance.metrics["consolidation_s_all_gather"] == seconds["all_gather"]
+    # The search report shows it.
+    report = load_report(tmp_path)
+    summary_rows = {row[0]: row[1] for row in report.get_tables()[0].rows}
+    assert "all_gather" in summary_rows["checkpoint consolidation"] and summary_rows["model"] == "tiny"
     # The emitted config applies with fsdp_runtime unchanged and trains.
     run = run_ranks("autotune.train:train_losses", world_size=2, kwargs={"model": "tiny", "config": config_to_dict(best), "num_steps": 2}, timeout_s=90)
     assert run.ok, run.reason
