@@ -40,6 +40,12 @@ def get_rank_pid(rank: int, world_size: int, **kwargs) -> int:
     return os.getpid()
 
 
+def count_process_groups(rank: int, world_size: int, **kwargs) -> int:
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
+
+
 def get_survivors(pids: list[int]) -> list[int]:
     """Live processes that are one of ``pids`` or in their process groups (each rank leads its own)."""
     assert pids, "no pids to check: the launcher did not report its ranks"

@@ -37,8 +37,9 @@ def test_pool_runs_different_configs_back_to_back(pool2, tmp_path):
         "default": default_config(UNITS),
         "accumulate": _with_units(default_config(UNITS, num_microbatches=2), sync="last"),
         "prefetch_no_reshard": _prefetch_depth1(_with_units(default_config(UNITS), reshard_after_forward=False)),
+        "hsdp_2x1": dataclasses.replace(default_config(UNITS), mesh=MeshConfig(kind="hsdp", replicate=2)),
     }
-    pool2.run("_trial_programs:get_rank_pid", timeout_s=90)  # start (or restart) the ranks first
+    groups = pool2.run("_trial_programs:count_process_groups", timeout_s=90).results  # (re)starts the ranks
     starts, pids = pool2.num_starts, pool2.pids
     for i, (name, config) in enumerate(configs.items()):
         result = run_trial(_spec(tmp_path, name, config, profile=i == 0, num_profiled=1), pool=pool2)
@@ -52,6 +53,8 @@ def test_pool_runs_different_configs_back_to_back(pool2, tmp_path):
     assert (tmp_path / "default" / "trace_rank1.json.gz").exists()
     assert not (tmp_path / "accumulate" / "trace_rank0.json.gz").exists()
     assert pool2.num_starts == starts, "the pool restarted although every trial succeeded"
+    # Each job's mesh groups are destroyed after it: hundreds of trials must not pile up gloo threads.
+    assert pool2.run("_trial_programs:count_process_groups", timeout_s=90).results == groups
 
 
 def test_pool_restarts_after_a_crash(pool2, tmp_path):
