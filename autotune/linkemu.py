@@ -25,7 +25,9 @@ time the link model says the transfer would end:
   sleeps until the modelled end; a synchronous one sleeps right after it returns.
   ``time.sleep`` releases the GIL and occupies no core, like a NIC that is busy while
   the host computes. If the real collective took longer than the model, nothing is added:
-  the emulated time is ``max(real, modelled)``.
+  the emulated time is ``max(real, modelled)``. In traces the hold is a
+  ``linkemu::hold_<kind>`` span on the thread that waits (inside ``FSDP::all_gather_copy_out``
+  for an async all-gather): communication time the gloo spans alone do not show.
 
 The hooks replace the ``torch.distributed`` functions FSDP2 calls by attribute lookup
 at call time (``all_gather_single``, ``reduce_scatter_single``, ``all_reduce`` and their
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from profiles import ClusterProfile, LinkClass
 
@@ -215,7 +218,8 @@ class LinkEmulator:
         def release() -> None:
             remaining = end - time.monotonic()
             if remaining > 0:
-                time.sleep(remaining)
+                with record_function(f"linkemu::hold_{kind}"):
+                    time.sleep(remaining)
                 with self._lock:
                     stats.held_s += remaining
 
