@@ -19,12 +19,18 @@ collect the ``trace_rank*.json.gz`` files afterwards).
 - *Traces* come from a separate window after the measured steps: ``torch.profiler`` with
   ``schedule(wait=0, warmup=1, active=num_profiled)``, CPU activity (+ CUDA on GPU), no
   shapes or stacks (they add overhead), one gzipped chrome trace per rank.
-- *Peak memory*: on CUDA ``torch.cuda.max_memory_allocated`` over the steps. On CPU there
-  is no allocator counter for all of torch's memory and ``ru_maxrss`` is a
-  process-lifetime maximum (useless in a pool that ran a bigger trial before), so a
-  thread samples the resident set size from ``/proc/self/statm`` every 5 ms while the
-  model is built and stepped, and the metric is the peak *above* the RSS measured just
-  before the build (after ``gc.collect()`` and glibc ``malloc_trim``). Spikes shorter
+- *Peak memory*, over the build, warm-up and measured steps (not the profiled window,
+  whose buffers would count against configs that were profiled): on CUDA
+  ``torch.cuda.max_memory_allocated``. On CPU there is no allocator counter for all of
+  torch's memory and ``ru_maxrss`` is a process-lifetime maximum (useless in a pool that
+  ran a bigger trial before), so a thread samples the resident set size from
+  ``/proc/self/statm`` every 5 ms, after ``gc.collect()`` and glibc ``malloc_trim`` have
+  returned the previous trial's freed memory. The metric is the *absolute* peak RSS: it
+  includes the Python/torch runtime (~0.3 GB here), but unlike a peak above the pre-build
+  RSS it does not depend on the process's history (measured, small model: above-baseline
+  peaks 210 MiB on a pool's first trial vs 135-168 MiB later, as one-time runtime
+  allocations move into the baseline; absolute peaks 462-496 MiB, fresh or pooled).
+  ``baseline_memory_bytes`` (RSS before the build) is recorded beside it. Spikes shorter
   than the sampling interval can be missed; the number is for comparing configs.
 - *Pruning*: with ``prune_if_slower_than_ms``, after the first ``PRUNE_AFTER`` measured
   steps every rank votes (an all-reduce of "my median is above the limit") so all ranks
@@ -141,6 +147,26 @@ def _profiled_window(training: Any, first_step: int, num_active: int, device: to
     return step_ms, losses
 
 
+def _measured_steps(training: Any, spec: dict[str, Any], device: torch.device, emulator: Any) -> tuple[list[float], list[float], bool]:
+    """(step ms, losses, pruned) of the unprofiled, timed steps."""
+    step_ms: list[float] = []
+    losses: list[float] = []
+    limit = spec["prune_if_slower_than_ms"]
+    for i in range(spec["num_measured"]):
+        ms, loss = _timed_step(training, spec["num_warmup"] + i, device, emulator)
+        step_ms.append(ms)
+        losses.append(loss)
+        if limit is not None and i + 1 == PRUNE_AFTER and _vote_prune(step_ms, limit, device):
+            return step_ms, losses, True
+    return step_ms, losses, False
+
+
+def _get_memory(device: torch.device, rss: _RssSampler) -> dict[str, Any]:
+    if device.type == "cuda":
+        return {"source": "cuda_max_allocated", "peak_bytes": torch.cuda.max_memory_allocated(device), "baseline_bytes": 0}
+    return {"source": "peak_rss", "peak_bytes": rss.peak_bytes, "baseline_bytes": rss.baseline_bytes}
+
+
 def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[str, Any]:
     """Rank program of a trial (``spec`` is :meth:`autotune.trial.TrialSpec.to_dict`); returns this rank's measurements."""
     from autotune.linkemu import LinkEmulator
@@ -154,29 +180,16 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     with _RssSampler() as rss:
         training = build_training(rank, world_size, model=spec["model"], config=spec["config"], seed=spec["seed"], device=device)
         losses = [_timed_step(training, s, device, emulator)[1] for s in range(spec["num_warmup"])]
-        step = spec["num_warmup"]
-        step_ms: list[float] = []
-        pruned = False
-        for i in range(spec["num_measured"]):
-            ms, loss = _timed_step(training, step, device, emulator)
-            step_ms.append(ms)
-            losses.append(loss)
-            step += 1
-            limit = spec["prune_if_slower_than_ms"]
-            if limit is not None and i + 1 == PRUNE_AFTER and _vote_prune(step_ms, limit, device):
-                pruned = True
-                break
-        profiled_ms: list[float] = []
-        trace = None
-        if spec["profile"] and not pruned:
-            trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
-            profiled_ms, profiled_losses = _profiled_window(training, step, spec["num_profiled"], device, emulator, trace_path)
-            losses += profiled_losses
-            trace = trace_path.name
-    if device.type == "cuda":
-        memory = {"source": "cuda_max_allocated", "peak_bytes": torch.cuda.max_memory_allocated(device), "baseline_bytes": 0}
-    else:
-        memory = {"source": "rss_above_baseline", "peak_bytes": rss.peak_bytes - rss.baseline_bytes, "baseline_bytes": rss.baseline_bytes}
+        step_ms, measured_losses, pruned = _measured_steps(training, spec, device, emulator)
+        losses += measured_losses
+    memory = _get_memory(device, rss)
+    profiled_ms: list[float] = []
+    trace = None
+    if spec["profile"] and not pruned:
+        trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
+        profiled_ms, profiled_losses = _profiled_window(training, len(losses), spec["num_profiled"], device, emulator, trace_path)
+        losses += profiled_losses
+        trace = trace_path.name
     del training
     _release_free_memory()
     return {

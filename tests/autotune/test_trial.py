@@ -49,12 +49,12 @@ def test_trial_writes_traces_metrics_config_and_env(tmp_path):
         assert len(r["step_ms"]) == 3 and all(ms > 0 for ms in r["step_ms"])
         assert len(r["profiled_step_ms"]) == 1
         assert len(r["losses"]) == 1 + 3 + 2 and all(math.isfinite(x) for x in r["losses"])
-        assert r["peak_memory_bytes"] > 0
+        assert r["peak_memory_bytes"] > r["baseline_memory_bytes"] > 0
     slowest = [max(a, b) for a, b in zip(*(r["step_ms"] for r in metrics["ranks"]))]
     assert metrics["step_ms_per_step"] == slowest
     assert result.step_ms == metrics["step_ms"] == statistics.median(slowest)
     assert result.peak_memory_bytes == max(r["peak_memory_bytes"] for r in metrics["ranks"])
-    assert metrics["memory_source"] == "rss_above_baseline"
+    assert metrics["memory_source"] == "peak_rss"
     assert metrics["traces"] == ["trace_rank0.json.gz", "trace_rank1.json.gz"]
     # The analysis either summarized the traces or said why not.
     assert (metrics["trace_metrics"] is None) != (metrics["analysis_error"] is None)
