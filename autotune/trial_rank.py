@@ -107,8 +107,9 @@ def _get_device(backend: str, rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _timed_step(training: Any, step: int, device: torch.device, emulator: Any) -> tuple[float, float]:
-    """(milliseconds, loss) of one step, started together on all ranks."""
+def timed_step(training: Any, step: int, device: torch.device, emulator: Any = None) -> tuple[float, float]:
+    """(milliseconds, loss) of ``training.step(step)``, started together on all ranks (a barrier)
+    and, with a :class:`~autotune.linkemu.LinkEmulator`, under link emulation."""
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -139,7 +140,7 @@ def _profiled_window(training: Any, first_step: int, num_active: int, device: to
     step_ms, losses = [], []
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=num_active, repeat=1), on_trace_ready=export) as prof:
         for i in range(1 + num_active):
-            ms, loss = _timed_step(training, first_step + i, device, emulator)
+            ms, loss = timed_step(training, first_step + i, device, emulator)
             losses.append(loss)
             if i > 0:
                 step_ms.append(ms)
@@ -153,7 +154,7 @@ def _measured_steps(training: Any, spec: dict[str, Any], device: torch.device, e
     losses: list[float] = []
     limit = spec["prune_if_slower_than_ms"]
     for i in range(spec["num_measured"]):
-        ms, loss = _timed_step(training, spec["num_warmup"] + i, device, emulator)
+        ms, loss = timed_step(training, spec["num_warmup"] + i, device, emulator)
         step_ms.append(ms)
         losses.append(loss)
         if limit is not None and i + 1 == PRUNE_AFTER and _vote_prune(step_ms, limit, device):
@@ -179,7 +180,7 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
         torch.cuda.reset_peak_memory_stats(device)
     with _RssSampler() as rss:
         training = build_training(rank, world_size, model=spec["model"], config=spec["config"], seed=spec["seed"], device=device)
-        losses = [_timed_step(training, s, device, emulator)[1] for s in range(spec["num_warmup"])]
+        losses = [timed_step(training, s, device, emulator)[1] for s in range(spec["num_warmup"])]
         step_ms, measured_losses, pruned = _measured_steps(training, spec, device, emulator)
         losses += measured_losses
     memory = _get_memory(device, rss)

@@ -7,6 +7,8 @@ unprofiled (A) and under ``torch.profiler`` (B, CPU activity, no shapes or stack
 trial's profiled window records) in alternation, ``--pairs`` times. Steps are timed as in
 a trial (barrier, then perf_counter; the slowest rank per step). Prints the median step
 time of each and the median of the per-pair B/A ratios: why trials time unprofiled steps.
+Both wall time (slowest rank) and CPU time (process time summed over ranks, which counts
+the profiler's extra work even when other processes compete for the cores) are printed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -24,29 +27,34 @@ from autotune.trial import load_trial_config  # noqa: E402
 from fsdp_runtime import config_to_dict  # noqa: E402
 
 
-def alternate(rank: int, world_size: int, *, model: str, config: dict, pairs: int, block: int) -> list[tuple[list[float], list[float]]]:
-    """Rank program: per pair, (unprofiled step ms, profiled step ms) of this rank."""
+def alternate(rank: int, world_size: int, *, model: str, config: dict, pairs: int, block: int) -> list[dict[str, list[float]]]:
+    """Rank program: per pair, this rank's wall and CPU ms per step, unprofiled and profiled."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from autotune.train import build_training
-    from autotune.trial_rank import _timed_step
+    from autotune.trial_rank import timed_step
 
     device = torch.device("cpu")
     training = build_training(rank, world_size, model=model, config=config)
     step = 0
-    _timed_step(training, step, device, None)
-    result = []
-    for _ in range(pairs):
-        plain, profiled = [], []
+    timed_step(training, step, device)
+
+    def run_block(times: dict[str, list[float]], mode: str) -> None:
+        nonlocal step
         for _ in range(block):
             step += 1
-            plain.append(_timed_step(training, step, device, None)[0])
+            cpu = time.process_time()
+            times[f"{mode}_wall"].append(timed_step(training, step, device)[0])
+            times[f"{mode}_cpu"].append((time.process_time() - cpu) * 1e3)
+
+    result = []
+    for _ in range(pairs):
+        times: dict[str, list[float]] = {k: [] for k in ("plain_wall", "plain_cpu", "profiled_wall", "profiled_cpu")}
+        run_block(times, "plain")
         with profile(activities=[ProfilerActivity.CPU]):
-            for _ in range(block):
-                step += 1
-                profiled.append(_timed_step(training, step, device, None)[0])
-        result.append((plain, profiled))
+            run_block(times, "profiled")
+        result.append(times)
     return result
 
 
@@ -64,17 +72,21 @@ def main() -> None:
     )
     if not run.ok:
         raise SystemExit(f"ranks failed: {run.status}: {run.reason}")
-    ratios, plain_all, profiled_all = [], [], []
-    for i in range(args.pairs):
-        plain = [max(ms) for ms in zip(*(r[i][0] for r in run.results))]
-        profiled = [max(ms) for ms in zip(*(r[i][1] for r in run.results))]
-        plain_all += plain
-        profiled_all += profiled
-        ratios.append(statistics.median(profiled) / statistics.median(plain))
-        print(f"pair {i}: unprofiled {statistics.median(plain):.1f} ms, profiled {statistics.median(profiled):.1f} ms, ratio {ratios[-1]:.3f}")
     print(f"{args.model}, world {args.world}, {args.pairs} pairs x {args.block} steps, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"median step: unprofiled {statistics.median(plain_all):.1f} ms, profiled {statistics.median(profiled_all):.1f} ms; "
-          f"profiled/unprofiled {statistics.median(ratios):.3f} (pairs: {', '.join(f'{r:.3f}' for r in ratios)})")
+    for clock in ("wall", "cpu"):
+        ratios, plain_all, profiled_all = [], [], []
+        for i in range(args.pairs):
+            # Per step, the slowest rank (wall) or the ranks' summed CPU time (cpu).
+            combine = max if clock == "wall" else sum
+            plain = [combine(ms) for ms in zip(*(r[i][f"plain_{clock}"] for r in run.results))]
+            profiled = [combine(ms) for ms in zip(*(r[i][f"profiled_{clock}"] for r in run.results))]
+            plain_all += plain
+            profiled_all += profiled
+            ratios.append(statistics.median(profiled) / statistics.median(plain))
+        print(
+            f"{clock:>4} ms/step: unprofiled {statistics.median(plain_all):.1f}, profiled {statistics.median(profiled_all):.1f}; "
+            f"profiled/unprofiled median {statistics.median(ratios):.3f} (pairs: {', '.join(f'{r:.3f}' for r in ratios)})"
+        )
 
 
 if __name__ == "__main__":
