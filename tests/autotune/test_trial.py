@@ -127,3 +127,16 @@ def test_torchrun_entry_writes_the_same_trial_dir(tmp_path):
     assert result.status == "ok" and len(result.metrics["ranks"]) == 2 and result.step_ms > 0
     assert load_config(spec.out_dir / "config.toml") == spec.config
     assert sorted(p.name for p in spec.out_dir.glob("trace_rank*.json.gz")) == ["trace_rank0.json.gz", "trace_rank1.json.gz"]
+
+
+def test_cli_trial_reports_a_failed_trial_as_json_and_exit_1(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    config = tmp_path / "bad.toml"
+    config.write_text('schema_version = 1\n[mesh]\nkind = "hsdp"\nreplicate = 3\n')
+    result = CliRunner().invoke(app, ["trial", "--model", "tiny", "--config", str(config), "--nproc", "2", "--out", str(tmp_path / "t"), "--json"])
+    assert result.exit_code == 1
+    metrics = json.loads(result.stdout)
+    assert metrics["status"] == "invalid_config" and "world size 2" in metrics["reason"]
