@@ -44,7 +44,7 @@ def validate(
 @app.command()
 def report(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="A trial dir (metrics.json + traces) or a search dir (trials/*/metrics.json).")],
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to write report.html and the PNGs [default: DIR/report].")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to write report.html and the PNGs; default: DIR/report.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary JSON only (no tables, no files).")] = False,
 ) -> None:
     """Summarize a trial or a search: terminal tables, a self-contained HTML report and PNG plots."""
@@ -112,8 +112,8 @@ def search(
     trials: Annotated[int, typer.Option("--trials", "-t", help="Total trials in the study, the defaults trial included.")] = 16,
     microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")] = 2,
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (study, trials, best config, tables).")] = Path("runs/search"),
-    storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL shared by several workers [default: sqlite in --out].")] = None,
-    study_name: Annotated[Optional[str], typer.Option("--study-name", help="Study name [default: MODEL-wN-mbM].")] = None,
+    storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL shared by several workers; default: sqlite in --out.")] = None,
+    study_name: Annotated[Optional[str], typer.Option("--study-name", help="Study name; default: MODEL-wN-mbM.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the study (or join it as another worker).")] = False,
     sampler: Annotated[str, typer.Option("--sampler", help="tpe (seeded, default), random, cmaes or qmc.")] = "tpe",
     seed: Annotated[int, typer.Option("--seed")] = 0,

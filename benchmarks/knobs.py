@@ -7,7 +7,7 @@ alternation, ``--pairs`` times, each over ``--steps`` unprofiled steps after one
 step. Prints per knob the median step time of A and B and the median of the per-pair B/A
 ratios (< 1 means the knob is faster). The concat-deferral row compares eager concat
 against FSDP2's deferred concat, both with ``sync = "last"``. ``--cluster`` enables link
-emulation (if the project's link emulator is available) so overlap knobs can be judged as
+emulation so overlap knobs can be judged as
 on a cluster whose links wait rather than compute.
 """
 
@@ -17,12 +17,9 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch.distributed as dist  # noqa: E402
 
 from autotune.launch import run_ranks  # noqa: E402
 from autotune.train import build_training  # noqa: E402
@@ -62,27 +59,26 @@ def get_cases(blocks: list[str], num_microbatches: int) -> dict[str, tuple[Runti
     }
 
 
-def time_config(rank: int, world_size: int, *, model: str, config: dict, num_steps: int) -> float:
+def time_config(rank: int, world_size: int, *, model: str, config: dict, num_steps: int, cluster: str | None) -> float:
     """Median step seconds of ``config`` over ``num_steps`` steps after one warm-up step."""
+    from autotune.linkemu import LinkEmulator
+    from autotune.trial_rank import timed_step
+    from profiles import load_cluster_profile
+
+    emulator = LinkEmulator.from_cluster(load_cluster_profile(cluster)) if cluster else None
     training = build_training(rank, world_size, model=model, config=config)
-    training.step(0)
-    times = []
-    for s in range(1, num_steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        training.step(s)
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    device = training.device
+    timed_step(training, 0, device, emulator)
+    return statistics.median(timed_step(training, s, device, emulator)[0] / 1e3 for s in range(1, num_steps + 1))
 
 
-def rank_main(rank: int, world_size: int, *, model: str, cases: dict[str, tuple[dict, dict]], num_pairs: int, num_steps: int) -> dict:
+def rank_main(rank: int, world_size: int, *, model: str, cases: dict[str, tuple[dict, dict]], num_pairs: int, num_steps: int, cluster: str | None = None) -> dict:
     results = {}
     for name, (a, b) in cases.items():
         times_a, times_b = [], []
         for _ in range(num_pairs):
-            times_a.append(time_config(rank, world_size, model=model, config=a, num_steps=num_steps))
-            times_b.append(time_config(rank, world_size, model=model, config=b, num_steps=num_steps))
+            times_a.append(time_config(rank, world_size, model=model, config=a, num_steps=num_steps, cluster=cluster))
+            times_b.append(time_config(rank, world_size, model=model, config=b, num_steps=num_steps, cluster=cluster))
         results[name] = (times_a, times_b)
     return results
 
@@ -95,15 +91,16 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", default=None, help="substring filter on knob names")
+    parser.add_argument("--cluster", default=None, help="cluster profile whose links are emulated (e.g. cpu-emulated-ib)")
     args = parser.parse_args()
     profile = load_model_profile(args.model)
     blocks = profile.unit_names[:-1]
     cases = {k: (config_to_dict(a), config_to_dict(b)) for k, (a, b) in get_cases(blocks, args.microbatches).items() if not args.only or args.only in k}
-    run = run_ranks("knobs:rank_main", world_size=args.world, kwargs={"model": args.model, "cases": cases, "num_pairs": args.pairs, "num_steps": args.steps}, timeout_s=3600)
+    run = run_ranks("knobs:rank_main", world_size=args.world, kwargs={"model": args.model, "cases": cases, "num_pairs": args.pairs, "num_steps": args.steps, "cluster": args.cluster}, timeout_s=3600)
     if not run.ok:
         sys.exit(f"benchmark failed: {run.status}: {run.reason}")
     results = run.results[0]
-    print(f"model={args.model} world={args.world} microbatches={args.microbatches} pairs={args.pairs} steps/measurement={args.steps}")
+    print(f"model={args.model} world={args.world} microbatches={args.microbatches} pairs={args.pairs} steps/measurement={args.steps} cluster={args.cluster}")
     print(f"{'knob':40s} {'A ms':>9s} {'B ms':>9s} {'B/A':>7s}  per-pair B/A")
     for name, (times_a, times_b) in results.items():
         ratios = [b / a for a, b in zip(times_a, times_b)]

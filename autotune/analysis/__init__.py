@@ -37,6 +37,11 @@ Times are interval unions: overlapping events are counted once.
   the op's kind wins. A span with no c10d op before it (enqueued before the profiled
   window) keeps the kind of its gloo name. Two process groups running the same gloo
   kind concurrently (HSDP) can swap the pairing; the totals are unaffected.
+- Emulated links (``autotune trial --cluster``): the time link emulation holds a
+  collective beyond its real gloo transfer is a ``linkemu::hold_<kind>`` span on the
+  waiting training thread; it counts as communication of that kind (and, being a wait,
+  as exposed). Emulated link time that elapsed under compute leaves no span, so under
+  emulation ``comm_ms`` is a lower bound of the modelled communication time.
 - Barriers (``c10d::barrier`` / ``gloo:barrier``) move no data: they are kept out of the
   communication figures and reported as ``barrier_ms`` (a harness that synchronizes the
   ranks inside a profiled step would otherwise show up as exposed communication). On

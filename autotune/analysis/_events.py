@@ -27,6 +27,8 @@ _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _LABEL_FOR = re.compile(r"^FSDP::(?P<phase>\w+) for (?P<unit>\S+)$")
 _LABEL = re.compile(r"^FSDP::(?P<phase>\w+)(?: \((?P<unit>[^)]*)\))?$")
 _NOT_COMPUTE_OP = re.compile(r"^(?:c10d::|_?c10d_functional::|gloo:|nccl:|record_param_comms)|wait", re.IGNORECASE)
+_LINKEMU_HOLD = "linkemu::hold_"
+"""Prefix of the spans link emulation records while it holds a collective (autotune/linkemu.py)."""
 _MEMORY_KERNEL = re.compile(r"^(hip)?(Memcpy|Memset)")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 # What gloo runs for each c10d collective kind (it runs reduce-scatter as an all-reduce).
@@ -142,7 +144,15 @@ def _cpu_comm(events: pd.DataFrame, main_mask: pd.Series) -> pd.DataFrame:
     is_enqueue = events["name"].str.startswith("c10d::") & ~events["name"].str.contains("wait", case=False)
     enqueues = events[is_enqueue & main_mask].sort_values("ts", kind="stable")
     kinds, issue = _match_gloo_to_enqueue(spans, enqueues)
-    return pd.DataFrame({"start": spans["ts"].to_numpy(), "end": spans["end"].to_numpy(), "issue_ts": issue, "kind": kinds})
+    gloo = pd.DataFrame({"start": spans["ts"].to_numpy(), "end": spans["end"].to_numpy(), "issue_ts": issue, "kind": kinds})
+    holds = events[events["name"].str.startswith(_LINKEMU_HOLD) & main_mask]
+    if holds.empty:
+        return gloo
+    emulated = pd.DataFrame({
+        "start": holds["ts"].to_numpy(), "end": holds["end"].to_numpy(), "issue_ts": holds["ts"].to_numpy(),
+        "kind": [name.removeprefix(_LINKEMU_HOLD) if name.removeprefix(_LINKEMU_HOLD) in COMM_KINDS else "other" for name in holds["name"]],
+    })  # fmt: skip
+    return pd.concat([gloo, emulated], ignore_index=True).sort_values("start", kind="stable").reset_index(drop=True)
 
 
 def _gpu_kernels(events: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:

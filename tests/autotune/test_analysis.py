@@ -68,6 +68,22 @@ def test_comm_while_training_thread_idle_is_fully_exposed(tmp_path):
     assert row["all_reduce_ms"] == pytest.approx(0.0, abs=EXACT)
 
 
+def test_emulated_link_holds_count_as_exposed_communication(tmp_path):
+    rows = metrics_of(tmp_path / "t.json", [
+        step(1, 0, 1000),
+        span("c10d::_allgather_base_", 0, 10),
+        gloo("gloo:all_gather", 20, 120),                            # real transfer, under compute
+        span("aten::mm", 10, 200),
+        span("linkemu::hold_all_gather", 200, 500, cat="user_annotation"),  # the emulated link's remainder
+        span("aten::mm", 500, 600),
+    ])  # fmt: skip
+    row = rows[1]
+    assert row["compute_ms"] == pytest.approx(0.29, abs=EXACT)
+    assert row["comm_ms"] == pytest.approx(0.4, abs=EXACT)
+    assert row["all_gather_ms"] == pytest.approx(0.4, abs=EXACT)
+    assert row["exposed_comm_ms"] == pytest.approx(0.3, abs=EXACT)
+
+
 def test_partial_overlap_and_wait_ops_are_not_compute(tmp_path):
     rows = metrics_of(tmp_path / "t.json", [
         step(1, 0, 1000),
