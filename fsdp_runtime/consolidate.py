@@ -10,41 +10,46 @@ state dict is ``{"state": {fqn: {"step": ..., "exp_avg": ..., ...}}, "param_grou
 [{..., "params": [fqn, ...]}]}``. Three methods produce it (``CheckpointConfig.consolidation``):
 
 - ``all_gather``: every sharded tensor is packed into a few flat buffers and gathered with
-  one ``all_gather_into_tensor`` per buffer. See [Note: all_gather consolidation].
-- ``broadcast``: the baseline; each rank broadcasts its shard of each tensor in turn.
-- ``dcp``: PyTorch's own ``get_model_state_dict`` / ``get_optimizer_state_dict``.
-
-Supported shardings are FSDP2's: ``Shard(0)`` on one mesh dimension, ``Replicate()`` on
-the others (1-D FSDP, 2-D HSDP), including uneven and empty shards.
-
-[Note: all_gather consolidation]
+  one ``all_gather_into_tensor`` per buffer. See [Note: all_gather consolidation]
 The seed (fairscale #595) replaced per-rank broadcasts of optimizer state with
-all-gathers and measured 10x faster consolidation. Here the idea is pushed one step
-further: instead of one collective per tensor, each rank packs its local shards of many
-tensors into one flat buffer (a "bucket", ``bucket_bytes`` of gathered output at most)
-and the bucket is gathered with a single ``all_gather_into_tensor``.
+all-gathers and measured 10x faster consolidation on GPUs. Here the idea is pushed one
+step further: instead of one collective per tensor, each rank packs its local shards of
+many tensors into one flat byte buffer (a "bucket", at most ``bucket_bytes`` of gathered
+output) and the bucket is gathered with a single all-gather.
 
 Packing. FSDP2 splits dim 0 like ``torch.chunk``: with ``n`` rows on ``W`` ranks every
 rank gets ``c = ceil(n / W)`` rows except the last ones, which get fewer or none. In the
-bucket each tensor gets a slot of ``c * row_numel`` elements on every rank at the same
-offset, so all ranks contribute equal-sized buffers (the collective's contract) and the
-gathered output is ``W`` copies of the bucket layout, rank-major. Rank 0 unpacks each
-tensor by copying rank ``r``'s first ``rows_r * row_numel`` elements of the slot into
-rows ``[r * c, r * c + rows_r)`` of the full tensor (dim-0 shards of a contiguous tensor
-are contiguous). Padding costs at most ``W - 1`` rows per tensor. Everything needed for
-the layout (global shape, mesh, placements) is known on every rank, so no metadata is
-exchanged. Tensors are bucketed by (process group, dtype, device) in a fixed order, so
-every rank issues the same collectives in the same order.
+bucket each tensor gets a slot of ``c`` rows' bytes on every rank at the same offset, so
+all ranks contribute equal-sized buffers (the collective's contract) and the gathered
+output is ``W`` copies of the bucket layout, rank-major. Rank 0 unpacks each tensor by
+copying rank ``r``'s ``rows_r`` rows of the slot into rows ``[r * c, r * c + rows_r)`` of
+the full tensor (dim-0 shards of a contiguous tensor are contiguous). Padding costs at
+most ``W - 1`` rows per tensor. Shards are packed as bytes, so any mix of dtypes shares a
+bucket. The layout (global shape, mesh, placements) is known on every rank: no metadata
+is exchanged. A tensor that fills a bucket alone and is evenly sharded skips packing: its
+shard is the input and the full tensor itself is the output. Buckets are formed in a
+fixed order, so every rank issues the same collectives in the same order; one input and
+one output buffer, sized for the largest bucket, serve every bucket.
 
-Why it beats broadcast. Broadcast issues one collective per tensor *per source rank*
-(``T * W``; 117 * 4 for the 4-block "small" model at world 4), each paying a fixed cost
-(Python and c10d dispatch, a rendezvous of all ranks, gloo's per-op setup) whatever its
-size, and only one rank sends at a time. The packed all-gather issues
-``ceil(bytes / bucket_bytes)`` collectives, each large enough to run at link bandwidth,
-with every rank sending at once. The bytes received per rank are the same (every rank
-of a broadcast receives every shard too); the price of the all-gather is the bucket:
-``bucket_bytes`` of output plus ``bucket_bytes / W`` of input held by *every* rank of the
-group while one bucket is in flight, which ``bucket_bytes`` bounds.
+Why it beats broadcast, and when it does not. Broadcast issues one collective per tensor
+*per source rank* (``T * W``; 117 * 4 for the 4-block "small" model at world 4), each
+paying a fixed cost (Python and c10d dispatch, a rendezvous of all ranks, the backend's
+per-op setup) whatever its size, and only one rank sends at a time. The packed
+all-gather issues ``ceil(bytes / bucket_bytes)`` collectives with every rank sending at
+once. The bytes received per rank are the same (every rank of a broadcast receives every
+shard too). What the all-gather costs extra is memory and copies: ``bucket_bytes`` of
+output plus ``bucket_bytes / W`` of input on *every* rank of the group, and a pack and
+an unpack copy. The baseline here is a fair one: it receives each shard in place, into
+the rows of the full tensor. So the all-gather wins where per-collective latency
+dominates (many small tensors, more ranks) and not where memory bandwidth does. On CPU
+gloo the balance tips further: gloo's all-gather allocates its own flat output and
+copies it into ours on every call (``ProcessGroupGloo``'s ``AsyncAllgatherWork``), while
+its broadcast writes in place. Measured on the 2-core box (benchmarks/consolidation.py):
+a 60 KB all-gather beats 4 broadcasts 3x at world 4, a 64 MB one loses 3x; packed
+consolidation of the 4.3M-param model is ~2x faster than broadcast, of the 55M-param
+model (12 MB tensors) ~2x slower. Buckets above ~32 MiB also lose on CPU because glibc
+then serves gloo's per-call output with fresh pages; hence ``DEFAULT_BUCKET_BYTES`` of
+16 MiB rather than the hundreds of MiB that suit NCCL.
 
 HSDP. Replicas hold identical shards, so the gather runs over the shard dimension's
 group only; with ``rank0_only`` the replica groups that do not contain rank 0 do no work.
@@ -74,7 +79,8 @@ from fsdp_runtime.errors import AutotuneError, ConfigError
 
 Method = Literal["all_gather", "broadcast", "dcp"]
 METHODS: tuple[str, ...] = ("all_gather", "broadcast", "dcp")
-DEFAULT_BUCKET_BYTES = 256 * 2**20
+DEFAULT_BUCKET_BYTES = 16 * 2**20
+"""Cap on one all-gather's output; see [Note: all_gather consolidation] for why 16 MiB."""
 CHECKPOINT_FORMAT = "fsdp_runtime.consolidated_checkpoint"
 CHECKPOINT_VERSION = 1
 # Module wrappers whose attribute name appears in named_parameters() but not in the
@@ -111,7 +117,7 @@ def consolidate_state(
     """
     check_method(method)
     if bucket_bytes < 1:
-        raise ConfigError("bucket_bytes", f"must be >= 1, got {bucket_bytes}", fix=f"the default is {DEFAULT_BUCKET_BYTES} (256 MiB)")
+        raise ConfigError("bucket_bytes", f"must be >= 1, got {bucket_bytes}", fix=f"the default is {DEFAULT_BUCKET_BYTES} (16 MiB)")
     if method == "dcp":
         return _consolidate_with_dcp(model, optimizer, to_cpu=to_cpu, rank0_only=rank0_only)
     model_sd = dict(model.state_dict())
@@ -188,6 +194,8 @@ def load_consolidated_checkpoint(
     if _get_rank() == 0:
         try:
             model_sd, optim_sd = _read_source(source)
+            if optimizer is not None and not optim_sd:
+                raise CheckpointError("the checkpoint holds no optimizer state (load the model alone with optimizer=None)")
         except Exception as e:  # re-raised below, after the other ranks were told
             error = e
     _agree_on_outcome(error, "rank 0 could not read the checkpoint to load")
@@ -277,11 +285,15 @@ class _ShardLayout:
     def group_size(self) -> int:
         return len(self.num_rows)
 
+    @property
+    def is_even(self) -> bool:
+        return all(rows == self.chunk_rows for rows in self.num_rows)
+
     def get_row_start(self, group_rank: int) -> int:
         return group_rank * self.chunk_rows
 
 
-def get_shard_layout(tensor: DTensor) -> _ShardLayout | None:
+def _get_shard_layout(tensor: DTensor) -> _ShardLayout | None:
     """The dim-0 shard layout of an FSDP2 DTensor; None if it is replicated everywhere."""
     shard_dims = []
     for mesh_dim, placement in enumerate(tensor.placements):
@@ -339,7 +351,7 @@ def _find_leaves(state: dict[str, Any]) -> list[_Leaf]:
             state[key] = value = dict(value)  # never write into the caller's dicts
             leaves += _find_leaves(value)
         elif isinstance(value, torch.Tensor):
-            layout = get_shard_layout(value) if isinstance(value, DTensor) else None
+            layout = _get_shard_layout(value) if isinstance(value, DTensor) else None
             leaves.append(_Leaf(container=state, key=key, value=value, layout=layout))
     return leaves
 
@@ -377,8 +389,14 @@ class _Bucket:
     def group_size(self) -> int:
         return self.leaves[0].layout.group_size
 
+    @property
+    def is_direct(self) -> bool:
+        """One evenly sharded tensor: its shard is the input and the output is the full
+        tensor itself (dim-0 shards in rank order), with no packing copies."""
+        return len(self.leaves) == 1 and self.leaves[0].layout.is_even
 
-def plan_buckets(leaves: list[_Leaf], bucket_bytes: int) -> list[_Bucket]:
+
+def _plan_buckets(leaves: list[_Leaf], bucket_bytes: int) -> list[_Bucket]:
     """Group sharded tensors into buckets of at most ``bucket_bytes`` of gathered output.
 
     Shards are packed as bytes, so tensors of any dtype share a bucket; a tensor larger
@@ -426,10 +444,13 @@ def _unpack(bucket: _Bucket, gathered: torch.Tensor, *, to_cpu: bool) -> None:
 
 
 def _gather_packed(leaves: list[_Leaf], *, keep: bool, rank0_only: bool, to_cpu: bool, bucket_bytes: int) -> None:
-    buckets = [b for b in plan_buckets(leaves, bucket_bytes) if _joins(b.group, rank0_only)]
+    buckets = [b for b in _plan_buckets(leaves, bucket_bytes) if _joins(b.group, rank0_only)]
     buffers = _allocate_buffers(buckets)
     for bucket in buckets:
         inputs, outputs = buffers[bucket.device]
+        if bucket.is_direct:
+            _gather_direct(bucket.leaves[0], outputs, keep=keep, to_cpu=to_cpu)
+            continue
         packed = _pack(bucket, inputs)
         gathered = outputs[: packed.numel() * bucket.group_size]
         _all_gather_single(gathered, packed, group=bucket.group)
@@ -437,17 +458,30 @@ def _gather_packed(leaves: list[_Leaf], *, keep: bool, rank0_only: bool, to_cpu:
             _unpack(bucket, gathered, to_cpu=to_cpu)
 
 
+def _gather_direct(leaf: _Leaf, outputs: torch.Tensor, *, keep: bool, to_cpu: bool) -> None:
+    """All-gather one evenly sharded tensor straight into its full tensor (when on its device)."""
+    local = leaf.local.contiguous()
+    full = leaf.new_full(to_cpu=to_cpu) if keep else None
+    in_place = full is not None and full.device == local.device
+    gathered = _as_bytes(full) if in_place else outputs[: local.numel() * local.element_size() * leaf.layout.group_size]
+    _all_gather_single(gathered, _as_bytes(local), group=leaf.layout.group)
+    if full is not None:
+        if not in_place:
+            _as_bytes(full).copy_(gathered)
+        leaf.container[leaf.key] = full
+
+
 def _allocate_buffers(buckets: list[_Bucket]) -> dict[torch.device, tuple[torch.Tensor, torch.Tensor]]:
     """One (input, output) byte buffer pair per device, sized for its largest bucket.
 
     Reused by every bucket: fresh pages cost more than the copies into them (a page
-    fault per 4 KiB on CPU), and a collective that allocates internally (gloo's
-    all-gather does) then gets the same memory back from malloc for every bucket.
+    fault per 4 KiB on CPU). Direct buckets need no input buffer; their output buffer
+    is only used where the full tensor is not kept or lives on another device.
     """
     sizes: dict[torch.device, tuple[int, int]] = {}
     for b in buckets:
         num_in, num_out = sizes.get(b.device, (0, 0))
-        sizes[b.device] = (max(num_in, b.bytes_per_rank), max(num_out, b.bytes_per_rank * b.group_size))
+        sizes[b.device] = (num_in if b.is_direct else max(num_in, b.bytes_per_rank), max(num_out, b.bytes_per_rank * b.group_size))
     return {d: (torch.zeros(i, dtype=torch.uint8, device=d), torch.empty(o, dtype=torch.uint8, device=d)) for d, (i, o) in sizes.items()}
 
 

@@ -1,11 +1,13 @@
 """Full-state consolidation (fsdp_runtime.consolidate) on real gloo ranks.
 
 One launch per world size runs every check that does not kill a rank: the three methods
-(plus all_gather with 4 KiB buckets: many buckets, big tensors alone in theirs) give
+(plus all_gather with 4 KiB buckets: many buckets, and big tensors alone in theirs, e.g.
+w2, evenly sharded at world 2, gathered straight into its full tensor) give
 bitwise-identical model and optimizer state; a fresh model + optimizer loaded from the
 saved checkpoint (world 2, FSDP) or from rank 0's in-memory state (world 4, HSDP)
 continues training with bitwise-identical losses; a failed write or an unreadable file
-fails on every rank. Two more launches kill rank 1 mid-consolidation (world 2) and rank 0
+fails on every rank; and autotune.consolidation's timing program (the search's) runs. Two
+more launches kill rank 1 mid-consolidation (world 2) and rank 0
 mid-write (world 1) and check that no file ever appears at the checkpoint path.
 
 The model is the tiny Llama resized so that no dim-0 size divides by 4 and the vocab
@@ -23,6 +25,7 @@ import pytest
 import torch
 from torch import nn
 
+from autotune.consolidation import consolidation_timing
 from autotune.launch import run_ranks
 from autotune.train import Training, build_training
 from fsdp_runtime import CheckpointError, ConfigError, consolidate_state, load_consolidated_checkpoint, save_consolidated_checkpoint
@@ -102,6 +105,9 @@ def _checks(rank: int, world_size: int, *, configs: dict[str, tuple[dict, str | 
         results[name], training = _check_config(rank, world_size, config=config, reload_from=reload_from, ckpt=Path(ckpt_dir) / f"{name}.pt")
     if check_failures:
         results["failures"] = _check_failures(rank, training, Path(ckpt_dir))
+        # The search's rank program, here to share this launch: times the config's method.
+        config = {"schema_version": 1, "checkpoint": {"consolidation": "broadcast"}}
+        results["timing"] = consolidation_timing(rank, world_size, model=MODEL, config=config, num_repeats=2, measure_memory=True)
     return results
 
 
@@ -206,6 +212,13 @@ def test_world2_fsdp_methods_agree_reload_resumes_and_failures_are_collective(tm
     assert not [p for p in tmp_path.iterdir() if "tmp" in p.name], "a failed save left its temporary file"
     for rank in range(2):
         assert results[rank]["failures"]["load"].startswith("CheckpointError:"), results[rank]["failures"]
+    timing = results[0]["timing"]
+    assert list(timing["seconds"]) == ["broadcast"] and len(timing["seconds"]["broadcast"]) == 2
+    assert all(s > 0 for s in timing["seconds"]["broadcast"])
+    # Rank 0 receives params + exp_avg + exp_avg_sq + one float32 step per param; rank 1
+    # nothing. (A 0.5 MB state is below what RSS can resolve: only check the peak ran.)
+    assert timing["state_bytes"] == 4 * 3 * timing["num_params"] + 4 * len(saved["optimizer"]["state"])
+    assert results[1]["timing"]["state_bytes"] == 0 and isinstance(timing["peak_bytes"]["broadcast"], int)
 
 
 def test_world4_fsdp_and_hsdp_methods_agree_and_reload_resumes(tmp_path: Path) -> None:
@@ -243,6 +256,8 @@ def test_bad_input_raises_one_line_config_error(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(CheckpointError, match="not a readable checkpoint"):
         load_consolidated_checkpoint(model, None, tmp_path / "missing.pt")
+    with pytest.raises(CheckpointError, match="no optimizer state"):
+        load_consolidated_checkpoint(model, torch.optim.AdamW(model.parameters()), (model.state_dict(), {}))
 
 
 def test_unsharded_model_copies_state_without_aliasing() -> None:
