@@ -6,9 +6,9 @@ w2, evenly sharded at world 2, gathered straight into its full tensor) give
 bitwise-identical model and optimizer state; a fresh model + optimizer loaded from the
 saved checkpoint (world 2, FSDP) or from rank 0's in-memory state (world 4, HSDP)
 continues training with bitwise-identical losses; a failed write or an unreadable file
-fails on every rank; and autotune.consolidation's timing program (the search's) runs. Two
-more launches kill rank 1 mid-consolidation (world 2) and rank 0
-mid-write (world 1) and check that no file ever appears at the checkpoint path.
+fails on every rank; and autotune.consolidation's timing program (the search's) runs.
+Two more launches kill rank 1 mid-consolidation (world 2) and rank 0 mid-write (world 1)
+and check that no file ever appears at the checkpoint path.
 
 The model is the tiny Llama resized so that no dim-0 size divides by 4 and the vocab
 and FFN sizes are odd: rows 101, 75, 30 and 6 (wk/wv), so shards are uneven at world 2
