@@ -45,4 +45,9 @@ def main(tmpdir: str, rank_str: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    code = main(*sys.argv[1:3])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: the result is written, and C++ static destructors racing
+    # gloo's threads at exit occasionally aborted a finished rank.
+    os._exit(code)

@@ -190,7 +190,8 @@ def _make_sampler(name: SamplerName, seed: int) -> optuna.samplers.BaseSampler:
     raise SearchError(f"--sampler: unknown sampler {name!r} (use tpe, random, cmaes or qmc)")
 
 
-def _open_study(settings: SearchSettings, study_name: str) -> optuna.Study:
+def _open_study(settings: SearchSettings, study_name: str) -> tuple[optuna.Study, bool]:
+    """The study, and whether this worker created it (only the creator enqueues the defaults trial)."""
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     storage = settings.get_storage()
     sampler = _make_sampler(settings.sampler, settings.seed)
@@ -199,13 +200,18 @@ def _open_study(settings: SearchSettings, study_name: str) -> optuna.Study:
             exists = study_name in {s.study_name for s in optuna.get_all_study_summaries(storage)}
             if exists and not settings.resume:
                 raise SearchError(f"study {study_name!r} already exists in {storage} (use --resume to continue it, or another --out / --study-name)")
-            return optuna.create_study(study_name=study_name, storage=storage, direction="minimize", sampler=sampler, load_if_exists=True)
+            if not exists:
+                try:
+                    return optuna.create_study(study_name=study_name, storage=storage, direction="minimize", sampler=sampler), True
+                except optuna.exceptions.DuplicatedStudyError:
+                    pass  # another worker created it between our check and our create
+            return optuna.load_study(study_name=study_name, storage=storage, sampler=sampler), False
         except sqlalchemy.exc.SQLAlchemyError as e:
-            # Workers starting together race to create the schema/study: the loser retries.
+            # Workers starting together race to create the schema: the loser retries.
             if attempt == 4:
                 raise SearchError(f"--storage: cannot open {storage}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
             time.sleep(0.5 + attempt)
-        except (ValueError, ImportError, optuna.exceptions.OptunaError) as e:
+        except (ValueError, ImportError, KeyError) as e:
             raise SearchError(f"--storage: cannot open {storage}: {type(e).__name__}: {e}") from None
     raise AssertionError("unreachable")
 
@@ -374,12 +380,12 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
     profile = load_model_profile(settings.model)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     study_name = settings.get_study_name(profile.name)
-    study = _open_study(settings, study_name)
+    study, created = _open_study(settings, study_name)
     plan = _resolve_plan(study, settings, profile, device_type)
     _close_interrupted(study)
     space = SearchSpace(block_names=tuple(plan.run.unit_names[:-1]), world_size=settings.world_size, num_microbatches=settings.num_microbatches, device_type=device_type, fixed_mesh=settings.fixed_mesh)
-    if not study.get_trials(deepcopy=False):
-        study.enqueue_trial(space.get_default_params(), user_attrs={"is_default": True}, skip_if_exists=True)
+    if created:
+        study.enqueue_trial(space.get_default_params(), user_attrs={"is_default": True})
     reporter.on_start(plan, settings, len(study.get_trials(deepcopy=False)))
     stopped = _search_loop(study, space, settings, plan, reporter)
     return finish_search(study, space, settings, plan, reporter, stopped_because=stopped)

@@ -260,4 +260,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: with gloo's worker threads and the profiler's state around,
+    # C++ static destructors at exit aborted a finished rank now and then ("terminate called
+    # without an active exception"), turning a good trial into a failed torchrun.
+    os._exit(code)
