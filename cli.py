@@ -148,14 +148,15 @@ def search(
 
 
 def _print_search_summary(summary) -> None:
-    from rich import box
     from rich.table import Column, Table
 
     from autotune.space import describe_params
 
     table = Table("trial", "status", "step ms", "peak MiB", "exposed ms", "overlap", Column("knobs", overflow="fold"), title="trials", title_justify="left")
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     for row in summary.rows:
-        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         mark = " *" if summary.best and row["number"] == summary.best["number"] else (" (defaults)" if row["is_default"] else "")
         knobs = describe_params(row["params"])
         table.add_row(f"{row['number']}{mark}", row["status"], fmt(row["step_ms"], ".1f"), fmt(row["peak_memory_bytes"] and row["peak_memory_bytes"] / 2**20, ".0f"), fmt(row["exposed_comm_ms"], ".1f"), fmt(row["overlap_ratio"], ".0%"), knobs)
@@ -167,7 +168,8 @@ def _print_search_summary(summary) -> None:
     if summary.plan.is_proxy:
         console.print(f"[yellow]measured on proxy {summary.plan.proxy_name}, not {summary.plan.requested.name}[/]", highlight=False)
     if summary.best_config_path:
-        console.print(f"best config: [bold]{summary.best_config_path}[/] (and .json); results: {summary.out_dir / 'results.csv'}; report: autotune report {summary.out_dir}", highlight=False)
+        report = summary.report_paths[0] if summary.report_paths else f"failed ({summary.report_error})"
+        console.print(f"best config: [bold]{summary.best_config_path}[/] (and .json)\nresults: {summary.out_dir / 'results.csv'}\nreport: {report}", highlight=False)
     else:
         console.print("[red]no trial succeeded; see results.csv for the reasons[/]")
 

@@ -17,7 +17,8 @@ import pickle
 import sys
 import traceback
 from datetime import timedelta
-from pathlib import Path
+
+from autotune._rank import init_rank
 
 EXIT_JOB = b"exit"
 _IDLE = timedelta(days=1)  # a blocking wait; the parent's death closes the socket and ends it
@@ -47,19 +48,13 @@ def _destroy_groups_since(before: list[object]) -> None:
 
 def main(tmpdir: str, rank_str: str) -> int:
     rank = int(rank_str)
-    spec = pickle.loads((Path(tmpdir) / "spec.pkl").read_bytes())
-    os.environ.setdefault("OMP_NUM_THREADS", str(spec["num_threads"]))
-    import torch
+    spec, store = init_rank(tmpdir, rank)
     import torch.distributed as dist
 
     from autotune.launch import EXIT_USER_ERROR
     from fsdp_runtime.errors import AutotuneError
 
-    torch.set_num_threads(spec["num_threads"])
     world_size = spec["world_size"]
-    timeout = timedelta(seconds=spec["pg_timeout_s"])
-    store = dist.TCPStore("127.0.0.1", spec["store_port"], world_size + 1, is_master=False, timeout=timeout)
-    dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout)
     # The pool's keys live apart from the process group's own store keys.
     jobs = dist.PrefixStore("pool/", store)
     for n in itertools.count():

@@ -9,22 +9,33 @@ import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 
-def main(tmpdir: str, rank_str: str) -> int:
-    rank = int(rank_str)
+def init_rank(tmpdir: str, rank: int) -> tuple[dict, Any]:
+    """Read the launcher's spec, set this rank's threads, join the parent's store and the default group."""
     spec = pickle.loads((Path(tmpdir) / "spec.pkl").read_bytes())
     os.environ.setdefault("OMP_NUM_THREADS", str(spec["num_threads"]))
     import torch
     import torch.distributed as dist
 
-    from fsdp_runtime.errors import AutotuneError
-    from autotune.launch import EXIT_USER_ERROR
-
     torch.set_num_threads(spec["num_threads"])
     world_size = spec["world_size"]
-    store = dist.TCPStore("127.0.0.1", spec["store_port"], world_size + 1, is_master=False, timeout=timedelta(seconds=spec["pg_timeout_s"]))
-    dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=spec["pg_timeout_s"]))
+    timeout = timedelta(seconds=spec["pg_timeout_s"])
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], world_size + 1, is_master=False, timeout=timeout)
+    dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return spec, store
+
+
+def main(tmpdir: str, rank_str: str) -> int:
+    rank = int(rank_str)
+    spec, _ = init_rank(tmpdir, rank)
+    import torch.distributed as dist
+
+    from autotune.launch import EXIT_USER_ERROR
+    from fsdp_runtime.errors import AutotuneError
+
+    world_size = spec["world_size"]
     module_name, fn_name = spec["target"].split(":")
     fn = getattr(importlib.import_module(module_name), fn_name)
     try:

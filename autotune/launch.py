@@ -130,20 +130,7 @@ def run_ranks(
             "num_threads": num_threads,
             "pg_timeout_s": max(10.0, timeout_s),
         }
-        (tmpdir / "spec.pkl").write_bytes(pickle.dumps(spec))
-        child_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        procs = []
-        for rank in range(world_size):
-            with open(tmpdir / f"stderr_{rank}.txt", "wb") as err:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "autotune._rank", str(tmpdir), str(rank)],
-                        stdout=subprocess.DEVNULL,
-                        stderr=err,
-                        env=child_env,
-                        start_new_session=True,
-                    )
-                )
+        procs = spawn_ranks("autotune._rank", tmpdir, spec, env=env)
         timed_out, exit_order = _wait_all(procs, start + timeout_s)
         for proc in procs:
             _kill_tree(proc)
@@ -158,6 +145,29 @@ def run_ranks(
             return RankRun(status="ok", results=results, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
         status, reason = classify_failure(codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order)
         return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
+
+
+def spawn_ranks(module: str, tmpdir: Path, spec: dict[str, Any], *, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start ``python -m module TMPDIR RANK`` per rank, each in its own session, stderr to ``TMPDIR/stderr_RANK.txt``.
+
+    ``spec`` (pickled to ``TMPDIR/spec.pkl``) must hold ``world_size``; the rank reads it with
+    :func:`autotune._rank.init_rank`.
+    """
+    (tmpdir / "spec.pkl").write_bytes(pickle.dumps(spec))
+    child_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    procs = []
+    for rank in range(spec["world_size"]):
+        with open(tmpdir / f"stderr_{rank}.txt", "wb") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", module, str(tmpdir), str(rank)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    env=child_env,
+                    start_new_session=True,
+                )
+            )
+    return procs
 
 
 def _wait_all(procs: list[subprocess.Popen], deadline: float) -> tuple[bool, list[int]]:

@@ -26,13 +26,12 @@ from __future__ import annotations
 import os
 import pickle
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from autotune.launch import RankRun, _kill_tree, _tail, classify_failure
+from autotune.launch import RankRun, _kill_tree, _tail, classify_failure, spawn_ranks
 
 _FAIL_GRACE_S = 1.0  # after a rank dies, how long its peers may run on to report their own error
 _SHUTDOWN_S = 5.0
@@ -118,19 +117,7 @@ class RankPool:
             "num_threads": self.num_threads,
             "pg_timeout_s": self.pg_timeout_s,
         }
-        (tmpdir / "spec.pkl").write_bytes(pickle.dumps(spec))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        for rank in range(self.world_size):
-            with open(tmpdir / f"stderr_{rank}.txt", "wb") as err:
-                self._procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "autotune._pool_rank", str(tmpdir), str(rank)],
-                        stdout=subprocess.DEVNULL,
-                        stderr=err,
-                        env=env,
-                        start_new_session=True,
-                    )
-                )
+        self._procs = spawn_ranks("autotune._pool_rank", tmpdir, spec)
         self.num_starts += 1
 
     def _wait(self, keys: list[str], deadline: float) -> tuple[bool, list[int]]:

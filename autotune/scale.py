@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from profiles import LlamaShape, ModelProfile
+from profiles import ModelProfile
 
 BYTES_PER_PARAM_TRAINING = 16  # fp32 param + grad + AdamW exp_avg + exp_avg_sq
 MIN_DIM = 64

@@ -154,6 +154,9 @@ class SearchSummary:
     best_config_path: Path | None
     stopped_because: str
     extra: dict[str, Any] = field(default_factory=dict)
+    report_paths: list[Path] = field(default_factory=list)
+    """``report/report.html`` and the PNGs written into the run dir."""
+    report_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         plan = self.plan
@@ -168,6 +171,8 @@ class SearchSummary:
             "default": self.default,
             "confirmation": self.confirmation,
             "best_config": str(self.best_config_path) if self.best_config_path else None,
+            "report": [str(p) for p in self.report_paths],
+            "report_error": self.report_error,
             **self.extra,
         }
 
@@ -454,7 +459,19 @@ def finish_search(study: optuna.Study, space: SearchSpace, settings: SearchSetti
         stopped_because=stopped_because, extra={"consolidation": consolidation} if best is not None else {},
     )
     write_json_atomic(settings.out_dir / "search.json", summary.to_dict())
+    reporter.on_phase("writing the search report")
+    summary.report_paths, summary.report_error = _write_search_report(settings.out_dir)
     return summary
+
+
+def _write_search_report(out_dir: Path) -> tuple[list[Path], str | None]:
+    """``autotune report`` of the run dir into ``out_dir/report``; a failure is recorded, not raised."""
+    from autotune.report import load_report, write_report
+
+    try:
+        return write_report(load_report(out_dir), out_dir / "report"), None
+    except (AutotuneError, OSError, ValueError) as e:
+        return [], f"{type(e).__name__}: {e}"
 
 
 def confirm(best: RuntimeConfig, default: RuntimeConfig, settings: SearchSettings, plan: ModelPlan) -> dict[str, Any]:

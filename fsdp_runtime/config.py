@@ -219,7 +219,7 @@ def _validate_unit(unit: UnitConfig, path: str, names: set[str], config: Runtime
             if target == unit.name:
                 fail(f"{path}.{key}[{j}]", f"unit {target!r} prefetches itself", "remove it from the list")
             if target == ROOT_UNIT:
-                fail(f"{path}.{key}[{j}]", f"the root unit cannot be prefetched", "remove it from the list")
+                fail(f"{path}.{key}[{j}]", "the root unit cannot be prefetched", "remove it from the list")
         if targets is not None and len(set(targets)) != len(targets):
             fail(f"{path}.{key}", "lists a unit twice")
     if unit.sync == "replica_last" and config.mesh.kind != "hsdp":

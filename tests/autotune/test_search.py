@@ -60,6 +60,7 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     report = load_report(tmp_path)
     summary_rows = {row[0]: row[1] for row in report.get_tables()[0].rows}
     assert "all_gather" in summary_rows["checkpoint consolidation"] and summary_rows["model"] == "tiny"
+    assert (tmp_path / "report" / "report.html").exists() and search_json["report_error"] is None
     # The emitted config applies with fsdp_runtime unchanged and trains.
     run = run_ranks("autotune.train:train_losses", world_size=2, kwargs={"model": "tiny", "config": config_to_dict(best), "num_steps": 2}, timeout_s=90)
     assert run.ok, run.reason

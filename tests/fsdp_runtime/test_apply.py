@@ -6,7 +6,6 @@ import dataclasses
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule

@@ -21,7 +21,7 @@ import pytest
 
 from autotune.launch import run_ranks
 from autotune.train import reference_losses
-from fsdp_runtime import RuntimeConfig, config_to_dict, default_config
+from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, config_to_dict, default_config
 from profiles import load_model_profile
 
 NUM_STEPS = 3
@@ -93,6 +93,9 @@ def world2() -> dict[str, list[dict]]:
         "sync_last": last,
         "sync_last_eager_concat": _with_units(last, defer_concat=False),
         "sync_last_no_reshard_eager": _prefetch(_with_units(last, reshard_after_backward=False, defer_concat=False), 1),
+        # bf16 params, fp32 reduction: FSDP2 accumulates unsharded grads in an fp32 buffer.
+        "mp_sync_last": dataclasses.replace(last, mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")),
+        "mp_sync_last_eager": dataclasses.replace(_with_units(last, defer_concat=False), mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")),
     }
     return _run(2, configs)
 
@@ -121,6 +124,12 @@ def test_concat_deferral_is_bitwise_and_eager_path_runs(world2):
     expected = len(BLOCKS) * (NUM_MICROBATCHES - 1) * NUM_STEPS
     assert [r["eager_concats"] for r in world2["sync_last_eager_concat"]] == [expected, expected]
     assert [r["eager_concats"] for r in world2["sync_last"]] == [0, 0]
+    # With a wider reduce dtype the eager flat accumulator is fp32, like FSDP2's own buffer.
+    assert _losses(world2["mp_sync_last_eager"]) == _losses(world2["mp_sync_last"])
+    assert [r["eager_concats"] for r in world2["mp_sync_last_eager"]] == [expected, expected]
+    # bf16 compute really ran: losses differ from fp32 (but stay close).
+    assert _losses(world2["mp_sync_last"]) != _losses(world2["sync_last"])
+    _assert_close(_losses(world2["mp_sync_last"]), _losses(world2["sync_last"]), 2e-2)
 
 
 @pytest.mark.multirank
