@@ -101,8 +101,11 @@ class _RichSearchReporter:
         self.progress.update(self.task, advance=1, best=best_text)
 
     def on_phase(self, message: str) -> None:
+        self.progress.console.print(message, highlight=False)
+
+    def on_trials_done(self, stopped_because: str) -> None:
         self.progress.stop()
-        err_console.print(message, highlight=False)
+        err_console.print(f"trials done: {stopped_because}", highlight=False)
 
 
 @app.command()
