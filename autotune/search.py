@@ -396,33 +396,35 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
     if created:
         study.enqueue_trial(space.get_default_params(), user_attrs={"is_default": True})
     reporter.on_start(plan, settings, len(study.get_trials(deepcopy=False)))
-    stopped = _search_loop(study, space, settings, plan, reporter)
-    reporter.on_trials_done(stopped)
-    return finish_search(study, space, settings, plan, reporter, stopped_because=stopped)
-
-
-def _search_loop(study: optuna.Study, space: SearchSpace, settings: SearchSettings, plan: ModelPlan, reporter: SearchReporter) -> str:
+    # One pool for everything that runs ranks: trials, confirmation and consolidation timing
+    # all see the same warmed-up processes (see _warm_up).
     with _pool(settings) as pool:
-        if len(study.get_trials(deepcopy=False)) < settings.num_trials:
-            _warm_up(space, settings, plan, pool, reporter)
-        while True:
-            rows = [_row(t) for t in study.get_trials(deepcopy=False)]
-            if len(rows) >= settings.num_trials:
-                return f"reached {settings.num_trials} trials"
-            if _plateaued(rows, settings.patience):
-                return f"plateau: no >=1% improvement in {settings.patience} trials"
-            reporter.on_trial_start(len(rows), settings.num_trials)
-            row = _run_one(study, space, settings, plan, pool, _best_row(rows))
-            reporter.on_trial_end(row, _best_row([*rows, row]))
+        _warm_up(space, settings, plan, pool, reporter)
+        stopped = _search_loop(study, space, settings, plan, reporter, pool)
+        reporter.on_trials_done(stopped)
+        return finish_search(study, space, settings, plan, reporter, stopped_because=stopped, pool=pool)
+
+
+def _search_loop(study: optuna.Study, space: SearchSpace, settings: SearchSettings, plan: ModelPlan, reporter: SearchReporter, pool: Any) -> str:
+    while True:
+        rows = [_row(t) for t in study.get_trials(deepcopy=False)]
+        if len(rows) >= settings.num_trials:
+            return f"reached {settings.num_trials} trials"
+        if _plateaued(rows, settings.patience):
+            return f"plateau: no >=1% improvement in {settings.patience} trials"
+        reporter.on_trial_start(len(rows), settings.num_trials)
+        row = _run_one(study, space, settings, plan, pool, _best_row(rows))
+        reporter.on_trial_end(row, _best_row([*rows, row]))
 
 
 def _warm_up(space: SearchSpace, settings: SearchSettings, plan: ModelPlan, pool: Any, reporter: SearchReporter) -> None:
-    """One unrecorded defaults run first: a fresh pool's first job pays allocator, gloo-connection
-    and autograd warm-up that would otherwise be charged to trial 0 (measured ~1.5x slower)."""
+    """One unrecorded defaults run as long as a trial, first: a fresh process's first jobs pay
+    page faults for fresh heap (~3 ms/MB on this VM), gloo connections and autograd warm-up that
+    would otherwise be charged to trial 0, the defaults (measured 1.5-1.9x slower)."""
     reporter.on_phase("warming up the ranks (not recorded)")
     spec = TrialSpec(
         model=plan.trial_model, config=space.build_config(space.get_default_params()), world_size=settings.world_size,
-        out_dir=settings.out_dir / "warmup", num_warmup=1, num_measured=1, profile=False, seed=settings.seed,
+        out_dir=settings.out_dir / "warmup", num_warmup=settings.num_warmup, num_measured=settings.num_measured, profile=False, seed=settings.seed,
         timeout_s=settings.trial_timeout_s, cluster=settings.cluster, **_program(settings),
     )  # fmt: skip
     run_trial(spec, pool=pool)
@@ -449,7 +451,7 @@ def _pool(settings: SearchSettings) -> Any:
 # ---------------------------------------------------------------------------
 
 
-def finish_search(study: optuna.Study, space: SearchSpace, settings: SearchSettings, plan: ModelPlan, reporter: SearchReporter, *, stopped_because: str) -> SearchSummary:
+def finish_search(study: optuna.Study, space: SearchSpace, settings: SearchSettings, plan: ModelPlan, reporter: SearchReporter, *, stopped_because: str, pool: Any = None) -> SearchSummary:
     """Confirm best vs defaults side by side, write best config, tables and summary."""
     rows = sorted((_row(t) for t in study.get_trials(deepcopy=False)), key=lambda r: r["number"])
     best = _best_row(rows)
@@ -461,7 +463,7 @@ def finish_search(study: optuna.Study, space: SearchSpace, settings: SearchSetti
         default_config = space.build_config(space.get_default_params())
         if settings.num_confirm_pairs > 0 and not best["is_default"]:
             reporter.on_phase(f"confirming: best (trial {best['number']}) vs defaults, {settings.num_confirm_pairs} alternating pairs")
-            confirmation = confirm(best_config, default_config, settings, plan)
+            confirmation = confirm(best_config, default_config, settings, plan, pool=pool)
             if confirmation["speedup_median"] is not None and confirmation["speedup_median"] < 1.0:
                 # The search's best was a lucky measurement: the defaults win side by side.
                 confirmation["emitted"] = "defaults"
@@ -492,29 +494,29 @@ def _write_search_report(out_dir: Path) -> tuple[list[Path], str | None]:
         return [], f"{type(e).__name__}: {e}"
 
 
-def confirm(best: RuntimeConfig, default: RuntimeConfig, settings: SearchSettings, plan: ModelPlan) -> dict[str, Any]:
-    """Re-measure defaults and best alternately; speedup = default / best step time per pair."""
+def confirm(best: RuntimeConfig, default: RuntimeConfig, settings: SearchSettings, plan: ModelPlan, *, pool: Any = None) -> dict[str, Any]:
+    """Re-measure defaults and best alternately (ABBA order cancels drift); speedup = default / best per pair."""
     pairs = []
-    with _pool(settings) as pool:
-        for i in range(settings.num_confirm_pairs):
-            times = {}
-            for name, config in (("default", default), ("best", best)):
-                spec = TrialSpec(
-                    model=plan.trial_model,
-                    config=config,
-                    world_size=settings.world_size,
-                    out_dir=settings.out_dir / "confirm" / f"pair{i}_{name}",
-                    num_warmup=settings.num_warmup,
-                    num_measured=settings.num_measured,
-                    profile=False,
-                    seed=settings.seed,
-                    timeout_s=settings.trial_timeout_s,
-                    cluster=settings.cluster,
-                    **_program(settings),
-                )
-                result = run_trial(spec, pool=pool)
-                times[name] = result.step_ms if result.ok else None
-            pairs.append(times)
+    for i in range(settings.num_confirm_pairs):
+        times = {}
+        order = (("default", default), ("best", best)) if i % 2 == 0 else (("best", best), ("default", default))
+        for name, config in order:
+            spec = TrialSpec(
+                model=plan.trial_model,
+                config=config,
+                world_size=settings.world_size,
+                out_dir=settings.out_dir / "confirm" / f"pair{i}_{name}",
+                num_warmup=settings.num_warmup,
+                num_measured=settings.num_measured,
+                profile=False,
+                seed=settings.seed,
+                timeout_s=settings.trial_timeout_s,
+                cluster=settings.cluster,
+                **_program(settings),
+            )
+            result = run_trial(spec, pool=pool)
+            times[name] = result.step_ms if result.ok else None
+        pairs.append({"default": times["default"], "best": times["best"]})
     speedups = [p["default"] / p["best"] for p in pairs if p["default"] and p["best"]]
     return {
         "pairs": pairs,
@@ -536,12 +538,11 @@ def time_consolidation(config: RuntimeConfig, settings: SearchSettings, plan: Mo
     """
     methods = [config.checkpoint.consolidation, *(m for m in CONSOLIDATION_METHODS if m != config.checkpoint.consolidation)]
     kwargs = {"model": plan.trial_model, "config": config_to_dict(config), "methods": methods, "seed": settings.seed}
-    with _pool(settings) as pool:
-        target = "autotune.consolidation:consolidation_timing"
-        if pool is not None:
-            run = pool.run(target, kwargs, timeout_s=settings.trial_timeout_s)
-        else:
-            run = run_ranks(target, world_size=settings.world_size, kwargs=kwargs, timeout_s=settings.trial_timeout_s)
+    # Fresh ranks, not the pool: in a pool rank that already ran other jobs, the device mesh
+    # built for this job resolved a process group that the pool had destroyed after an earlier
+    # job ("Could not resolve the process group registered under the name 1").
+    target = "autotune.consolidation:consolidation_timing"
+    run = run_ranks(target, world_size=settings.world_size, kwargs=kwargs, timeout_s=settings.trial_timeout_s)
     if not run.ok:
         return {"method": config.checkpoint.consolidation, "error": f"{run.status}: {run.reason}"}
     seconds = {m: max(r["seconds"][m][0] for r in run.results) for m in methods}

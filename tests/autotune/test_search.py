@@ -53,6 +53,7 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     search_json = json.loads((tmp_path / "search.json").read_text())
     assert search_json["best"]["number"] == summary.best["number"]
     # Consolidation of the emitted config was timed once (all_gather and the broadcast baseline).
+    assert "seconds" in search_json["consolidation"], search_json["consolidation"]
     seconds = search_json["consolidation"]["seconds"]
     assert set(seconds) == {"all_gather", "broadcast"} and all(v > 0 for v in seconds.values())
     assert best.provenance.metrics["consolidation_s_all_gather"] == seconds["all_gather"]
