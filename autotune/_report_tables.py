@@ -87,7 +87,7 @@ def get_search_summary_table(summary: dict[str, Any]) -> ReportTable:
     cons = summary.get("consolidation") or {}
     if cons.get("seconds"):
         parts = [f"{m} {sec * 1e3:.0f} ms" for m, sec in cons["seconds"].items()]
-        table.rows.append(["checkpoint consolidation", f"{', '.join(parts)} (config uses {cons.get('method')})"])
+        table.rows.append(["checkpoint consolidation", f"{', '.join(parts)} (emitted config uses {cons.get('chosen', cons.get('method'))})"])
     elif cons.get("error"):
         table.rows.append(["checkpoint consolidation", f"failed: {cons['error']}"])
     return table

@@ -202,13 +202,14 @@ def _make_sampler(name: SamplerName, seed: int) -> optuna.samplers.BaseSampler:
 def _open_study(settings: SearchSettings, study_name: str) -> tuple[optuna.Study, bool]:
     """The study, and whether this worker created it (only the creator enqueues the defaults trial)."""
     settings.out_dir.mkdir(parents=True, exist_ok=True)
-    storage = settings.get_storage()
+    url = settings.get_storage()
     sampler = _make_sampler(settings.sampler, settings.seed)
     for attempt in range(5):
         try:
+            storage = _make_storage(url)
             exists = study_name in {s.study_name for s in optuna.get_all_study_summaries(storage)}
             if exists and not settings.resume:
-                raise SearchError(f"study {study_name!r} already exists in {storage} (use --resume to continue it, or another --out / --study-name)")
+                raise SearchError(f"study {study_name!r} already exists in {url} (use --resume to continue it, or another --out / --study-name)")
             if not exists:
                 try:
                     return optuna.create_study(study_name=study_name, storage=storage, direction="minimize", sampler=sampler), True
@@ -218,11 +219,19 @@ def _open_study(settings: SearchSettings, study_name: str) -> tuple[optuna.Study
         except sqlalchemy.exc.SQLAlchemyError as e:
             # Workers starting together race to create the schema: the loser retries.
             if attempt == 4:
-                raise SearchError(f"--storage: cannot open {storage}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+                raise SearchError(f"--storage: cannot open {url}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
             time.sleep(0.5 + attempt)
         except (ValueError, ImportError, KeyError) as e:
-            raise SearchError(f"--storage: cannot open {storage}: {type(e).__name__}: {e}") from None
+            raise SearchError(f"--storage: cannot open {url}: {type(e).__name__}: {e}") from None
     raise AssertionError("unreachable")
+
+
+def _make_storage(url: str) -> optuna.storages.BaseStorage | str:
+    """SQLite gets a long lock timeout: several workers write to one file, and sqlite3's default
+    5 s wait raised "database is locked" under load."""
+    if url.startswith("sqlite:"):
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+    return url
 
 
 def _resolve_plan(study: optuna.Study, settings: SearchSettings, profile: ModelProfile, device_type: str) -> ModelPlan:
@@ -472,6 +481,12 @@ def finish_search(study: optuna.Study, space: SearchSpace, settings: SearchSetti
                 confirmation["emitted"] = "best"
         reporter.on_phase("timing checkpoint consolidation of the emitted config")
         consolidation = time_consolidation(best_config, settings, plan)
+        if consolidation.get("seconds"):
+            # Emit the consolidation method that measured fastest here (on CPU gloo broadcast
+            # beats all_gather for large tensors; see [Note: all_gather consolidation]).
+            fastest = min(consolidation["seconds"], key=consolidation["seconds"].get)
+            consolidation["chosen"] = fastest
+            best_config = dataclasses.replace(best_config, checkpoint=dataclasses.replace(best_config.checkpoint, consolidation=fastest))
         best_path = _emit_best(best_config, best, default, confirmation, settings, plan, consolidation)
     _write_tables(rows, settings.out_dir)
     summary = SearchSummary(
@@ -577,8 +592,8 @@ def _emit_best(
     metrics["step_ms"] = metrics.get("default_step_ms", best["step_ms"]) if emitted_defaults else best["step_ms"]
     if confirmation and confirmation["speedup_median"] is not None:
         metrics |= {k: confirmation[k] for k in ("speedup_median", "speedup_min", "speedup_max")}
-    if "seconds" in consolidation:
-        metrics[f"consolidation_s_{consolidation['method']}"] = consolidation["seconds"][consolidation["method"]]
+    for method, seconds in consolidation.get("seconds", {}).items():
+        metrics[f"consolidation_s_{method}"] = seconds
     provenance = Provenance(
         produced_by="autotune search",
         model=plan.requested.name,

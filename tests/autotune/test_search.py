@@ -37,7 +37,9 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     rows = summary.rows
     assert [r["number"] for r in rows] == [0, 1, 2, 3]
     assert rows[0]["is_default"] and rows[0]["params"]["forward_prefetch"] == "implicit"
-    assert all(r["state"] == "COMPLETE" and r["step_ms"] > 0 for r in rows)
+    # A trial slower than 1.5x the best in its first steps may be pruned (this box is noisy).
+    assert all(r["state"] == "PRUNED" or (r["state"] == "COMPLETE" and r["step_ms"] > 0) for r in rows), rows
+    assert rows[0]["state"] == "COMPLETE"
     assert summary.best is not None and summary.best["step_ms"] == min(r["step_ms"] for r in rows)
     if not summary.best["is_default"]:
         assert len(summary.confirmation["pairs"]) == 1 and summary.confirmation["emitted"] in ("best", "defaults")
@@ -57,6 +59,7 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     seconds = search_json["consolidation"]["seconds"]
     assert set(seconds) == {"all_gather", "broadcast"} and all(v > 0 for v in seconds.values())
     assert best.provenance.metrics["consolidation_s_all_gather"] == seconds["all_gather"]
+    assert best.checkpoint.consolidation == min(seconds, key=seconds.get) == search_json["consolidation"]["chosen"]
     # The search report shows it.
     report = load_report(tmp_path)
     summary_rows = {row[0]: row[1] for row in report.get_tables()[0].rows}
@@ -145,7 +148,8 @@ def test_two_workers_share_one_study_without_duplicates(tmp_path):
     numbers = [t.number for t in trials]
     # Each worker checks the count before asking, so the study may overshoot by one per extra worker.
     assert 4 <= len(trials) <= 5 and sorted(numbers) == list(range(len(trials)))
-    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    # Finished, none failed (a noisy trial may be pruned against the other worker's best).
+    assert all(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED) for t in trials)
     assert sum(t.user_attrs.get("is_default", False) for t in trials) == 1
     # Every trial ran exactly once, in exactly one worker's run dir.
     dirs = [p.name for i in range(2) for p in (tmp_path / f"w{i}" / "trials").glob("trial_*")]
