@@ -10,15 +10,13 @@ parent kills and restarts the whole pool). The rank also exits when the parent i
 from __future__ import annotations
 
 import gc
-import importlib
 import itertools
 import os
 import pickle
 import sys
-import traceback
 from datetime import timedelta
 
-from autotune._rank import init_rank
+from autotune._rank import call_target, init_rank
 
 EXIT_JOB = b"exit"
 _IDLE = timedelta(days=1)  # a blocking wait; the parent's death closes the socket and ends it
@@ -51,9 +49,6 @@ def main(tmpdir: str, rank_str: str) -> int:
     spec, store = init_rank(tmpdir, rank)
     import torch.distributed as dist
 
-    from autotune.launch import EXIT_USER_ERROR
-    from fsdp_runtime.errors import AutotuneError
-
     world_size = spec["world_size"]
     # The pool's keys live apart from the process group's own store keys.
     jobs = dist.PrefixStore("pool/", store)
@@ -75,19 +70,9 @@ def main(tmpdir: str, rank_str: str) -> int:
             sys.stderr.flush()
             os._exit(0)
         job = pickle.loads(job)
-        module_name, fn_name = job["target"].split(":")
         groups_before = _get_process_groups()
-        try:
-            fn = getattr(importlib.import_module(module_name), fn_name)
-            result = fn(rank, world_size, **job["kwargs"])
-            _destroy_groups_since(groups_before)
-        except AutotuneError as e:
-            print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            os._exit(EXIT_USER_ERROR)
-        except BaseException:
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
+        result = call_target(job["target"], rank, world_size, job["kwargs"])
+        _destroy_groups_since(groups_before)
         jobs.set(f"result/{n}/{rank}", pickle.dumps(result))
         gc.collect()
     return 0  # unreachable: the loop ends in os._exit

@@ -27,27 +27,34 @@ def init_rank(tmpdir: str, rank: int) -> tuple[dict, Any]:
     return spec, store
 
 
-def main(tmpdir: str, rank_str: str) -> int:
-    rank = int(rank_str)
-    spec, _ = init_rank(tmpdir, rank)
-    import torch.distributed as dist
+def call_target(target: str, rank: int, world_size: int, kwargs: dict) -> Any:
+    """``module:function(rank, world_size, **kwargs)``; on failure print the reason and exit at once.
 
+    A user error (:class:`AutotuneError`) prints one line and exits with ``EXIT_USER_ERROR``;
+    anything else prints the traceback and exits 1. Interpreter teardown is skipped: a peer
+    may be blocked in a collective with us.
+    """
     from autotune.launch import EXIT_USER_ERROR
     from fsdp_runtime.errors import AutotuneError
 
-    world_size = spec["world_size"]
-    module_name, fn_name = spec["target"].split(":")
-    fn = getattr(importlib.import_module(module_name), fn_name)
+    module_name, fn_name = target.split(":")
     try:
-        result = fn(rank, world_size, **spec["kwargs"])
+        return getattr(importlib.import_module(module_name), fn_name)(rank, world_size, **kwargs)
     except AutotuneError as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(EXIT_USER_ERROR)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
-        # Skip interpreter teardown: a peer may be blocked in a collective with us.
         os._exit(1)
+
+
+def main(tmpdir: str, rank_str: str) -> int:
+    rank = int(rank_str)
+    spec, _ = init_rank(tmpdir, rank)
+    import torch.distributed as dist
+
+    result = call_target(spec["target"], rank, spec["world_size"], spec["kwargs"])
     tmp = Path(tmpdir) / f".result_{rank}.pkl"
     tmp.write_bytes(pickle.dumps(result))
     tmp.replace(Path(tmpdir) / f"result_{rank}.pkl")
