@@ -50,22 +50,28 @@ def report(
     """Summarize a trial or a search: terminal tables, a self-contained HTML report and PNG plots."""
     import json
 
-    from rich import box
-    from rich.table import Table
-
-    from autotune.report import load_report, write_report
+    from autotune.report import get_tables, load_report, write_report
 
     result = load_report(directory)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
         return
-    for table in result.get_tables():
-        rich_table = Table(*table.columns, title=table.title, title_justify="left", box=box.SIMPLE_HEAD)
+    _print_tables(get_tables(result))
+    for path in write_report(result, out if out is not None else directory / "report"):
+        console.print(f"wrote {path}")
+
+
+def _print_tables(tables) -> None:
+    """Render the report package's plain tables with rich (the CLI has no table code of its own)."""
+    from rich import box
+    from rich.table import Column, Table
+
+    for table in tables:
+        columns = [Column(c, overflow="fold") for c in table.columns]
+        rich_table = Table(*columns, title=table.title, title_justify="left", box=box.SIMPLE_HEAD)
         for row in table.rows:
             rich_table.add_row(*row)
         console.print(rich_table)
-    for path in write_report(result, out if out is not None else directory / "report"):
-        console.print(f"wrote {path}")
 
 
 class _RichSearchReporter:
@@ -95,9 +101,11 @@ class _RichSearchReporter:
         self.progress.update(self.task, completed=number)
 
     def on_trial_end(self, row, best) -> None:
-        status = row["status"] if row["state"] != "COMPLETE" else f"{row['step_ms']:.1f} ms"
-        best_text = f"best {best['step_ms']:.1f} ms (trial {best['number']})" if best else "no best yet"
-        self.progress.console.print(f"trial {row['number']:>3}: {status}" + (f" - {row['reason'][:120]}" if row["reason"] else ""), highlight=False)
+        from autotune.report import fmt
+
+        status = row.status if not row.succeeded else f"{fmt(row.step_ms)} ms"
+        best_text = f"best {fmt(best.step_ms)} ms (trial {best.number})" if best else "no best yet"
+        self.progress.console.print(f"trial {row.number:>3}: {status}" + (f" - {row.reason[:120]}" if row.reason else ""), highlight=False)
         self.progress.update(self.task, advance=1, best=best_text)
 
     def on_phase(self, message: str) -> None:
@@ -151,30 +159,11 @@ def search(
 
 
 def _print_search_summary(summary) -> None:
-    from rich.table import Column, Table
+    from autotune.report import get_search_outcome_lines, get_search_rows_table
 
-    from autotune.space import describe_params
-
-    table = Table("trial", "status", "step ms", "peak MiB", "exposed ms", "overlap", Column("knobs", overflow="fold"), title="trials", title_justify="left")
-    def fmt(value, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
-    for row in summary.rows:
-        mark = " *" if summary.best and row["number"] == summary.best["number"] else (" (defaults)" if row["is_default"] else "")
-        knobs = describe_params(row["params"])
-        table.add_row(f"{row['number']}{mark}", row["status"], fmt(row["step_ms"], ".1f"), fmt(row["peak_memory_bytes"] and row["peak_memory_bytes"] / 2**20, ".0f"), fmt(row["exposed_comm_ms"], ".1f"), fmt(row["overlap_ratio"], ".0%"), knobs)
-    console.print(table)
-    console.print(f"stopped: {summary.stopped_because}")
-    conf = summary.confirmation
-    if conf and conf["speedup_median"] is not None:
-        console.print(f"best vs defaults, {len(conf['speedups'])} alternating pairs: speedup {conf['speedup_median']:.3f}x (min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f})")
-    if summary.plan.is_proxy:
-        console.print(f"[yellow]measured on proxy {summary.plan.proxy_name}, not {summary.plan.requested.name}[/]", highlight=False)
-    if summary.best_config_path:
-        report = summary.report_paths[0] if summary.report_paths else f"failed ({summary.report_error})"
-        console.print(f"best config: [bold]{summary.best_config_path}[/] (and .json)\nresults: {summary.out_dir / 'results.csv'}\nreport: {report}", highlight=False)
-    else:
-        console.print("[red]no trial succeeded; see results.csv for the reasons[/]")
+    _print_tables([get_search_rows_table(summary.rows, summary.best)])
+    for line in get_search_outcome_lines(summary):
+        console.print(line, highlight=False)
 
 
 @app.command()
@@ -190,13 +179,13 @@ def trial(
     cluster: Annotated[Optional[str], typer.Option("--cluster", help="Cluster profile whose links are emulated (e.g. cpu-emulated-ib).")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="gloo or nccl; default: nccl when CUDA is available.")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    write_spec: Annotated[Optional[Path], typer.Option("--write-spec", help="Only write the trial spec JSON for `torchrun -m autotune.trial_rank --spec`.")] = None,
+    write_spec: Annotated[Optional[Path], typer.Option("--write-spec", help="Only write the trial spec JSON for `torchrun -m autotune.trials.torchrun --spec`.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics.json on stdout.")] = False,
 ) -> None:
     """Run one trial: N ranks, warm-up, timed steps, a profiled window; exit 1 if the trial failed."""
     import json
 
-    from autotune.trial import TrialSpec, load_trial_config, run_trial, write_json_atomic
+    from autotune.trials import TrialSpec, load_trial_config, run_trial
 
     spec = TrialSpec(
         model=model, config=load_trial_config(config, model), world_size=nproc, out_dir=out, num_warmup=warmup, num_measured=steps,
@@ -204,12 +193,12 @@ def trial(
         **({"backend": backend} if backend else {}),
     )
     if write_spec is not None:
-        write_json_atomic(write_spec, spec.to_dict())
-        console.print(f"wrote {write_spec}; run on every node: torchrun --nnodes N --nproc-per-node M ... -m autotune.trial_rank --spec {write_spec}", highlight=False)
+        spec.write(write_spec)
+        console.print(f"wrote {write_spec}; run on every node: torchrun --nnodes N --nproc-per-node M ... -m autotune.trials.torchrun --spec {write_spec}", highlight=False)
         return
     result = run_trial(spec)
     if as_json:
-        print(json.dumps(result.metrics, indent=2))
+        print(json.dumps(result.metrics.to_dict(), indent=2))
     else:
         _print_trial_summary(result)
     if result.status not in ("ok", "pruned"):
@@ -217,22 +206,27 @@ def trial(
 
 
 def _print_trial_summary(result) -> None:
-    from rich.table import Table
+    from autotune.report import get_rank_table
 
     m = result.metrics
     color = "green" if result.ok else "red"
     console.print(f"trial [{color}]{result.status}[/]" + (f": {result.reason}" if result.reason else "") + f" ({result.wall_s:.1f} s) -> {result.out_dir}", highlight=False)
-    if not m["ranks"]:
+    if not m.ranks:
         return
-    table = Table("rank", "median step ms", "profiled step ms", "peak MiB", title=f"step {result.step_ms:.1f} ms (median of the slowest rank per step)", title_justify="left")
-    for r in m["ranks"]:
-        profiled = f"{sorted(r['profiled_step_ms'])[len(r['profiled_step_ms']) // 2]:.1f}" if r["profiled_step_ms"] else "-"
-        table.add_row(str(r["rank"]), f"{sorted(r['step_ms'])[len(r['step_ms']) // 2]:.1f}", profiled, f"{r['peak_memory_bytes'] / 2**20:.0f}")
-    console.print(table)
-    if m.get("analysis_error"):
-        console.print(f"[yellow]trace analysis failed:[/] {m['analysis_error']}", highlight=False)
-    elif m["traces"]:
-        console.print(f"traces: {', '.join(m['traces'])}; details: autotune report {result.out_dir}", highlight=False)
+    _print_tables([get_rank_table(m)])
+    if m.analysis_error:
+        console.print(f"[yellow]trace analysis failed:[/] {m.analysis_error}", highlight=False)
+    elif m.traces:
+        console.print(f"traces: {', '.join(m.traces)}; details: autotune report {result.out_dir}", highlight=False)
+
+
+# Library errors name settings in the library's terms (``AutotuneError.field``); users know the flags.
+_FLAGS = {
+    "world_size": "--nproc", "num_trials": "--trials", "num_microbatches": "--microbatches", "prune_ratio": "--prune-ratio",
+    "num_confirm_pairs": "--confirm-pairs", "patience": "--patience", "sampler": "--sampler", "trial_timeout_s": "--trial-timeout",
+    "num_warmup": "--warmup", "num_measured": "--steps", "num_profiled": "--profiled-steps", "timeout_s": "--timeout", "backend": "--backend",
+    "storage": "--storage",
+}  # fmt: skip
 
 
 def main() -> None:
@@ -241,7 +235,8 @@ def main() -> None:
     except AutotuneError as e:
         if os.environ.get("AUTOTUNE_DEBUG"):
             raise
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        flag = _FLAGS.get(e.field or "")
+        err_console.print(f"[bold red]error:[/] {flag + ': ' if flag else ''}{e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
 
 

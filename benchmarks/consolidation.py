@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.launch import run_ranks  # noqa: E402
+from autotune.trials import run_ranks  # noqa: E402
 from fsdp_runtime.consolidate import DEFAULT_BUCKET_BYTES  # noqa: E402
 
 MODELS: dict[str, str | dict[str, Any]] = {
@@ -48,7 +48,7 @@ def run_case(model: str | dict[str, Any], world_size: int, *, cases: dict[str, d
     """One launch: every case, ``num_repeats`` times, then once for memory; each rank's
     result, or None (reported on stderr) if the launch failed."""
     run = run_ranks(
-        "autotune.consolidation:consolidation_timing",
+        "autotune.search.consolidation:consolidation_timing",
         world_size=world_size,
         kwargs={"model": model, "config": {"schema_version": 1}, "cases": cases, "num_repeats": num_repeats, "measure_memory": True},
         timeout_s=timeout_s,

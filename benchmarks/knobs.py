@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.launch import run_ranks  # noqa: E402
-from autotune.train import build_training  # noqa: E402
+from autotune.trials import run_ranks  # noqa: E402
+from autotune.trials import build_training  # noqa: E402
 from fsdp_runtime import RuntimeConfig, config_to_dict, default_config  # noqa: E402
 from profiles import load_model_profile  # noqa: E402
 
@@ -61,8 +61,8 @@ def get_cases(blocks: list[str], num_microbatches: int) -> dict[str, tuple[Runti
 
 def time_config(rank: int, world_size: int, *, model: str, config: dict, num_steps: int, cluster: str | None) -> float:
     """Median step seconds of ``config`` over ``num_steps`` steps after one warm-up step."""
-    from autotune.linkemu import LinkEmulator
-    from autotune.trial_rank import timed_step
+    from autotune.trials import LinkEmulator
+    from autotune.trials.program import timed_step
     from profiles import load_cluster_profile
 
     emulator = LinkEmulator.from_cluster(load_cluster_profile(cluster)) if cluster else None

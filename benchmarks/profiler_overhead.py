@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.launch import run_ranks  # noqa: E402
-from autotune.trial import load_trial_config  # noqa: E402
+from autotune.trials import run_ranks  # noqa: E402
+from autotune.trials import load_trial_config  # noqa: E402
 from fsdp_runtime import config_to_dict  # noqa: E402
 
 
@@ -32,8 +32,8 @@ def alternate(rank: int, world_size: int, *, model: str, config: dict, pairs: in
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from autotune.train import build_training
-    from autotune.trial_rank import timed_step
+    from autotune.trials import build_training
+    from autotune.trials.program import timed_step
 
     device = torch.device("cpu")
     training = build_training(rank, world_size, model=model, config=config)

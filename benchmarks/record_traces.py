@@ -29,7 +29,7 @@ def record_rank(rank: int, world_size: int, *, model: str | dict, config: dict, 
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from autotune.train import build_training
+    from autotune.trials import build_training
 
     training = build_training(rank, world_size, model=model, config=config)
     for s in range(warmup):
@@ -48,7 +48,7 @@ def record_rank(rank: int, world_size: int, *, model: str | dict, config: dict, 
 
 
 def main() -> int:
-    from autotune.launch import run_ranks
+    from autotune.trials import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)

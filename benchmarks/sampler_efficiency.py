@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import optuna  # noqa: E402
 
-from autotune.pool import RankPool  # noqa: E402
-from autotune.space import SearchSpace  # noqa: E402
-from autotune.trial import TrialSpec, run_trial  # noqa: E402
+from autotune.trials import RankPool  # noqa: E402
+from autotune.search import SearchSpace  # noqa: E402
+from autotune.trials import TrialSpec, run_trial  # noqa: E402
 from profiles import load_model_profile  # noqa: E402
 
 GRID = {

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.pool import RankPool  # noqa: E402
-from autotune.trial import TrialResult, TrialSpec, load_trial_config, run_trial  # noqa: E402
+from autotune.trials import RankPool  # noqa: E402
+from autotune.trials import TrialResult, TrialSpec, load_trial_config, run_trial  # noqa: E402
 
 
 def _overhead_s(result: TrialResult) -> float:

@@ -7,6 +7,7 @@
 from fsdp_runtime.accumulation import GradAccumulator
 from fsdp_runtime.apply import AppliedFsdp, apply_fsdp, find_block_names, resolve_units
 from fsdp_runtime.config import (
+    CONSOLIDATION_METHODS,
     ROOT_UNIT,
     SCHEMA_VERSION,
     CheckpointConfig,
@@ -34,6 +35,7 @@ from fsdp_runtime.consolidate import (
 from fsdp_runtime.errors import AutotuneError, ConfigError
 
 __all__ = [
+    "CONSOLIDATION_METHODS",
     "ROOT_UNIT",
     "SCHEMA_VERSION",
     "AppliedFsdp",

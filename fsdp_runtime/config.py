@@ -23,9 +23,13 @@ from typing import Any, Literal
 
 from fsdp_runtime import _toml
 from fsdp_runtime.errors import ConfigError
+from fsdp_runtime.files import write_atomic
 
 SCHEMA_VERSION = 1
 ROOT_UNIT = "root"
+ConsolidationMethod = Literal["all_gather", "broadcast", "dcp"]
+CONSOLIDATION_METHODS: tuple[str, ...] = typing.get_args(ConsolidationMethod)
+"""How a checkpoint is consolidated onto rank 0 (see ``fsdp_runtime.consolidate``)."""
 """Name of the unit that is the model itself (``fully_shard(model)``)."""
 
 SyncLevel = Literal["every", "replica_last", "last"]
@@ -92,7 +96,7 @@ class MixedPrecisionConfig:
 class CheckpointConfig:
     """How a full (consolidated) checkpoint is gathered onto rank 0."""
 
-    consolidation: Literal["all_gather", "broadcast", "dcp"] = "all_gather"
+    consolidation: ConsolidationMethod = "all_gather"
     """``all_gather``: coalesced all-gathers; ``broadcast``: one broadcast per tensor
     (baseline); ``dcp``: ``torch.distributed.checkpoint.state_dict`` full-state path."""
     to_cpu: bool = True
@@ -388,9 +392,11 @@ def load_config(path: str | Path) -> RuntimeConfig:
     path = Path(path)
     fmt = _format_of(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError("", f"cannot read config: {e.strerror}", source=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("", f"not UTF-8 text (byte {e.start}: {e.reason})", source=str(path)) from None
     return loads_config(text, fmt, source=str(path))
 
 
@@ -399,7 +405,4 @@ def save_config(config: RuntimeConfig, path: str | Path) -> Path:
     path = Path(path)
     text = dumps_config(config, _format_of(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+    return write_atomic(path, text)

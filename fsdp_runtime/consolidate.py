@@ -75,10 +75,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdp_runtime.config import CONSOLIDATION_METHODS as METHODS
 from fsdp_runtime.errors import AutotuneError, ConfigError
+from fsdp_runtime.files import atomic_path
 
 Method = Literal["all_gather", "broadcast", "dcp"]
-METHODS: tuple[str, ...] = ("all_gather", "broadcast", "dcp")
 DEFAULT_BUCKET_BYTES = 16 * 2**20
 """Cap on one all-gather's output; see [Note: all_gather consolidation] for why 16 MiB."""
 CHECKPOINT_FORMAT = "fsdp_runtime.consolidated_checkpoint"
@@ -575,16 +576,10 @@ def _map_tensors(value: Any, fn) -> Any:
 def _write_atomically(payload: dict[str, Any], path: Path) -> None:
     """``torch.save`` to a hidden temporary name, fsync, then rename over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _read_source(source: str | Path | tuple[StateDict, StateDict] | None) -> tuple[StateDict, StateDict]:

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 
 class AutotuneError(Exception):
-    """Base of every user-facing error in fsdp-autotune."""
+    """Base of every user-facing error in fsdp-autotune.
+
+    ``field`` names the setting at fault in the library's own terms (``world_size``);
+    a front end maps it to its own name for it (the CLI's ``--nproc``).
+    """
 
     exit_code: int = 2
+
+    def __init__(self, message: str = "", *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class ConfigError(AutotuneError, ValueError):
@@ -26,4 +34,4 @@ class ConfigError(AutotuneError, ValueError):
         msg = f"{where}{path}: {problem}" if path else f"{where}{problem}"
         if fix:
             msg += f" ({fix})"
-        super().__init__(msg)
+        super().__init__(msg, field=path or None)

@@ -9,11 +9,13 @@ backend, device, ranks per node and the link classes used by link emulation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_runtime import ROOT_UNIT, find_block_names
 from fsdp_runtime.errors import ConfigError
 from profiles.llama import Llama, LlamaShape
 
@@ -47,9 +49,15 @@ class ModelProfile:
     source: str = ""
 
     @property
+    def block_names(self) -> list[str]:
+        """FQNs of the transformer blocks, discovered on the model itself (built on the meta
+        device) by :func:`fsdp_runtime.find_block_names`: the one rule for unit names."""
+        return list(_discover_block_names(self.shape))
+
+    @property
     def unit_names(self) -> list[str]:
         """The default FSDP units: one per block, then the root."""
-        return [f"layers.{i}" for i in range(self.shape.num_layers)] + ["root"]
+        return [*self.block_names, ROOT_UNIT]
 
     def with_overrides(self, **changes: Any) -> "ModelProfile":
         shape_changes = {k: changes.pop(k) for k in list(changes) if k in {f.name for f in dataclasses.fields(LlamaShape)}}
@@ -139,6 +147,14 @@ def list_model_profiles() -> list[str]:
 
 def list_cluster_profiles() -> list[str]:
     return sorted(p.stem for p in (_HERE / "clusters").glob("*.toml"))
+
+
+@functools.lru_cache(maxsize=32)
+def _discover_block_names(shape: LlamaShape) -> tuple[str, ...]:
+    import torch
+
+    with torch.device("meta"):
+        return tuple(find_block_names(Llama(shape)))
 
 
 def build_model(profile: ModelProfile, *, device: str = "cpu", seed: int = 0) -> Llama:

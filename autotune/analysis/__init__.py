@@ -56,7 +56,7 @@ Times are interval unions: overlapping events are counted once.
 - ``bound_ms`` = max(compute_ms, comm_ms): no schedule can make the step shorter (comm
   and compute can at best overlap fully). ``bound_ratio`` = step_ms / bound_ms >= 1 is
   the distance to it.
-- ``peak_memory_bytes``: the largest ``Total Allocated`` of the profiler's ``[memory]``
+- ``profiler_peak_allocated_bytes``: the largest ``Total Allocated`` of the profiler's ``[memory]``
   events in the step (device events when there are any, else CPU). On CPU the profiler
   counts only what it saw allocated while it recorded: treat it as a profiled-window
   figure, not the process peak.
@@ -73,9 +73,9 @@ Times are interval unions: overlapping events are counted once.
 
 from autotune.analysis._errors import TraceError
 from autotune.analysis._facade import FsdpTraceAnalysis
-from autotune.analysis._summary import SUMMARY_SCHEMA_VERSION
+from autotune.analysis._summary import SUMMARY_SCHEMA_VERSION, check_summary
 
-__all__ = ["SUMMARY_SCHEMA_VERSION", "FsdpTraceAnalysis", "TraceError", "summarize_traces"]
+__all__ = ["SUMMARY_SCHEMA_VERSION", "FsdpTraceAnalysis", "TraceError", "check_summary", "summarize_traces"]
 
 
 def summarize_traces(trace_paths: list) -> dict:

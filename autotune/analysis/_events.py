@@ -16,7 +16,7 @@ import pandas as pd
 
 from autotune.analysis import _intervals as iv
 from autotune.analysis._load import RankTrace
-from fsdp_runtime.config import ROOT_UNIT
+from fsdp_runtime import ROOT_UNIT
 
 COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "other")
 """Collective kinds, in the order every table lists them."""

@@ -13,6 +13,7 @@ from autotune.analysis._hta_overlap import HtaOverlapAnalyzer
 from autotune.analysis._load import RankTrace, load_trace
 from autotune.analysis._step_analysis import StepAnalyzer
 from autotune.analysis._timeline_analysis import TimelineAnalyzer
+from autotune.analysis._summary import build_summary
 from autotune.analysis._unit_analysis import UnitAnalyzer
 
 
@@ -73,6 +74,4 @@ class FsdpTraceAnalysis:
 
     def summarize(self) -> dict:
         """The JSON-able summary documented in ``autotune.analysis._summary``."""
-        from autotune.analysis._summary import build_summary
-
-        return build_summary(self)
+        return build_summary(self.events, self.get_step_metrics(), self.get_unit_metrics(), device=self.device)

@@ -10,11 +10,11 @@ from autotune.analysis._events import RankEvents, get_step_comm, get_step_comput
 
 STEP_COLUMNS = [
     "rank", "step", "step_ms", "compute_ms", "comm_ms", *KIND_COLUMNS, "exposed_comm_ms",
-    "overlap_ratio", "bound_ms", "bound_ratio", "num_collectives", "barrier_ms", "peak_memory_bytes",
+    "overlap_ratio", "bound_ms", "bound_ratio", "num_collectives", "barrier_ms", "profiler_peak_allocated_bytes",
 ]  # fmt: skip
 
 
-def get_peak_memory(memory: pd.DataFrame, start: float | None = None, end: float | None = None) -> int | None:
+def get_profiler_peak(memory: pd.DataFrame, start: float | None = None, end: float | None = None) -> int | None:
     """Largest ``Total Allocated`` of the profiler's memory events (accelerator ones if any), or None."""
     if memory.empty:
         return None
@@ -49,5 +49,5 @@ class StepAnalyzer:
             "bound_ms": bound_ms,
             "bound_ratio": step_ms / bound_ms if bound_ms > 0 else None,
             "barrier_ms": iv.total(iv.union(barriers[["start", "end"]].to_numpy())) / US_PER_MS,
-            "peak_memory_bytes": get_peak_memory(events.memory, start, end),
+            "profiler_peak_allocated_bytes": get_profiler_peak(events.memory, start, end),
         }

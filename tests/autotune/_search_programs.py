@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotune.trial_rank import run_trial_rank
+from autotune.trials.program import run_trial_rank
 
 INJECTED = "injected failure for configs with explicit forward prefetch"
 

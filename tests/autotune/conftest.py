@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.pool import RankPool
+from autotune.trials import RankPool
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from autotune.launch import EXIT_USER_ERROR, classify_failure
+from autotune.trials import EXIT_USER_ERROR, classify_failure
 
 
 def test_the_first_rank_to_fail_is_the_cause():

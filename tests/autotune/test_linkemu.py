@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from autotune.linkemu import get_link_name
-from autotune.trial import TrialSpec, run_trial
+from autotune.trials import get_link_name
+from autotune.trials import TrialSpec, run_trial
 from fsdp_runtime import default_config
 from profiles import load_cluster_profile, load_model_profile
 
@@ -38,7 +38,7 @@ def test_link_class_follows_node_boundaries():
 
 
 def test_unemulated_cluster_gives_no_emulator():
-    from autotune.linkemu import LinkEmulator
+    from autotune.trials import LinkEmulator
 
     assert LinkEmulator.from_cluster(load_cluster_profile("cpu-gloo")) is None
     assert LinkEmulator.from_cluster(load_cluster_profile("cpu-emulated-ib")) is not None

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from _trial_programs import CRASH_MESSAGE, get_survivors
-from autotune.pool import RankPool
-from autotune.trial import TrialSpec, run_trial
+from autotune.trials import RankPool
+from autotune.trials import TrialSpec, run_trial
 from fsdp_runtime import MeshConfig, default_config
 from profiles import load_model_profile
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotune.scale import estimate_memory_per_rank, plan_model
+from autotune.search.proxy import estimate_memory_per_rank, plan_model
 from profiles import load_model_profile
 
 GIB = 2**30

@@ -18,7 +18,7 @@ import optuna
 import pytest
 
 from _search_programs import INJECTED
-from autotune.launch import run_ranks
+from autotune.trials import run_ranks
 from autotune.report import load_report
 from autotune.search import SearchError, SearchSettings, run_search
 from fsdp_runtime import config_to_dict, load_config
@@ -66,7 +66,7 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     assert "all_gather" in summary_rows["checkpoint consolidation"] and summary_rows["model"] == "tiny"
     assert (tmp_path / "report" / "report.html").exists() and search_json["report_error"] is None
     # The emitted config applies with fsdp_runtime unchanged and trains.
-    run = run_ranks("autotune.train:train_losses", world_size=2, kwargs={"model": "tiny", "config": config_to_dict(best), "num_steps": 2}, timeout_s=90)
+    run = run_ranks("_harness:train_losses", world_size=2, kwargs={"model": "tiny", "config": config_to_dict(best), "num_steps": 2}, timeout_s=90)
     assert run.ok, run.reason
     assert all(len(losses) == 2 and all(0 < x < 20 for x in losses) for losses in run.results)
 

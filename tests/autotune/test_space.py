@@ -7,7 +7,7 @@ import dataclasses
 import optuna
 import pytest
 
-from autotune.space import SearchSpace, describe_params
+from autotune.search import SearchSpace, describe_params
 from fsdp_runtime import default_config, validate_config, validate_for_world
 
 BLOCKS = tuple(f"layers.{i}" for i in range(4))

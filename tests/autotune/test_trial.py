@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from _trial_programs import CRASH_MESSAGE, get_survivors
-from autotune.trial import TrialResult, TrialSpec, TrialSpecError, run_trial, write_json_atomic
+from autotune.trials import TrialResult, TrialSpec, TrialSpecError, run_trial, write_json_atomic
 from fsdp_runtime import MeshConfig, default_config, load_config
 from profiles import load_model_profile
 
@@ -113,7 +113,7 @@ def test_torchrun_entry_writes_the_same_trial_dir(tmp_path):
     spec = _spec(tmp_path, num_profiled=1)
     spec_path = tmp_path / "spec.json"
     write_json_atomic(spec_path, spec.to_dict())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "autotune.trial_rank", "--spec", str(spec_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "autotune.trials.torchrun", "--spec", str(spec_path)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:

@@ -25,9 +25,9 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.consolidation import consolidation_timing
-from autotune.launch import run_ranks
-from autotune.train import Training, build_training
+from autotune.search.consolidation import consolidation_timing
+from autotune.trials import run_ranks
+from autotune.trials import Training, build_training
 from fsdp_runtime import CheckpointError, ConfigError, consolidate_state, load_consolidated_checkpoint, save_consolidated_checkpoint
 from fsdp_runtime import consolidate as consolidate_module
 

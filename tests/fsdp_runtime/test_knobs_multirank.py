@@ -19,8 +19,8 @@ import math
 
 import pytest
 
-from autotune.launch import run_ranks
-from autotune.train import reference_losses
+from autotune.trials import run_ranks
+from _harness import reference_losses
 from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, config_to_dict, default_config
 from profiles import load_model_profile
 
@@ -57,7 +57,7 @@ def _prefetch(config: RuntimeConfig, depth: int) -> RuntimeConfig:
 
 def _run(world_size: int, configs: dict[str, RuntimeConfig], timeout_s: float = 240) -> dict[str, list[dict]]:
     run = run_ranks(
-        "autotune.train:train_configs",
+        "_harness:train_configs",
         world_size=world_size,
         kwargs={"model": "tiny", "configs": [config_to_dict(c) for c in configs.values()], "num_steps": NUM_STEPS},
         timeout_s=timeout_s,

@@ -7,8 +7,8 @@
 [Note: rank pool]
 A fresh 2-rank trial costs ~4-6 s before its first step (import torch, spawn re-import,
 process-group set-up, exit; shared/FINDINGS.md); a search runs hundreds. The pool keeps
-N ranks alive between jobs, launched like :func:`autotune.launch.run_ranks` (never fork;
-each rank ``python -m autotune._pool_rank`` in its own session; the parent owns the
+N ranks alive between jobs, launched like ranks of :func:`autotune.trials.launch.run_ranks` (never fork;
+each rank ``python -m autotune.trials.rank pool`` in its own session; the parent owns the
 ``TCPStore`` on port 0). The ranks initialise the default process group once; every job
 builds its own device mesh (1-D or HSDP 2-D) and FSDP state on top of it, so different
 configs run back to back.
@@ -18,7 +18,7 @@ each rank sets ``result/{n}/{rank}``. The parent waits for all results, watching
 processes and the clock. A job that fails ends its rank; any failure or timeout then
 kills every rank's process tree (SIGKILL to each session) and marks the pool broken; the
 next :meth:`RankPool.run` starts fresh ranks. A failure is returned as a
-:class:`~autotune.launch.RankRun` with the same statuses as ``run_ranks``, never raised.
+:class:`~autotune.trials.launch.RankRun` with the same statuses as ``run_ranks``, never raised.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autotune.launch import RankRun, _kill_tree, _tail, classify_failure, spawn_ranks
+from autotune.trials.launch import RankRun, classify_failure, kill_tree, read_tail, spawn_ranks
 
 _FAIL_GRACE_S = 1.0  # after a rank dies, how long its peers may run on to report their own error
 _SHUTDOWN_S = 5.0
@@ -117,7 +117,7 @@ class RankPool:
             "num_threads": self.num_threads,
             "pg_timeout_s": self.pg_timeout_s,
         }
-        self._procs = spawn_ranks("autotune._pool_rank", tmpdir, spec)
+        self._procs = spawn_ranks("pool", tmpdir, spec)
         self.num_starts += 1
 
     def _wait(self, keys: list[str], deadline: float) -> tuple[bool, list[int]]:
@@ -140,10 +140,10 @@ class RankPool:
     def _stop_all(self, exit_order: list[int]) -> tuple[list[int | None], list[str]]:
         """Kill every rank's process tree; returns their own exit codes (None if we killed them) and stderr tails."""
         for proc in self._procs:
-            _kill_tree(proc)
+            kill_tree(proc)
             proc.wait()
         codes = [p.returncode if r in exit_order else None for r, p in enumerate(self._procs)]
-        tails = [_tail(Path(self._tmp.name) / f"stderr_{r}.txt") for r in range(len(self._procs))] if self._tmp else []
+        tails = [read_tail(Path(self._tmp.name) / f"stderr_{r}.txt") for r in range(len(self._procs))] if self._tmp else []
         self._procs = []
         self._store = None
         self._jobs = None

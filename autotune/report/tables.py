@@ -1,11 +1,16 @@
-"""The report's terminal tables as plain rows (``cli.py`` renders them with rich)."""
+"""Every table the tool shows, as plain rows of formatted strings (``cli.py`` renders them with
+rich, ``html.py`` as HTML); number formats live here alone (:func:`fmt`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from autotune.report.model import Report, ReportTable, TrialSummary
+from autotune.search import SearchRecord, TrialRow, describe_params
+
 if TYPE_CHECKING:
-    from autotune.report import ReportTable, TrialSummary
+    from autotune.search import SearchSummary
+    from autotune.trials import TrialMetrics
 
 STEP_TABLE = [  # (short column title, long title, summary field, format)
     ("step", "step ms", "step_ms", "ms"), ("compute", "compute ms", "compute_ms", "ms"),
@@ -42,13 +47,18 @@ def fmt(value: Any, kind: str = "ms") -> str:
             return str(value)
 
 
-def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
-    from autotune.report import ReportTable
+def get_tables(report: Report) -> list[ReportTable]:
+    """The tables of a trial or search report."""
+    if report.kind == "trial":
+        return get_trial_tables(report.trials[0])
+    return get_search_tables(report.trials, report.best, report.search)
 
+
+def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
     summary = ReportTable(title=f"Trial {trial.name}", columns=["metric", "value"])
     summary.rows += [["status", trial.status + (f" ({trial.reason})" if trial.reason else "")],
                      ["step ms (unprofiled, median)", fmt(trial.step_ms)],
-                     ["peak memory", fmt(trial.peak_memory_bytes, "mb")]]  # fmt: skip
+                     ["process peak memory", fmt(trial.process_peak_bytes, "mb")]]  # fmt: skip
     metrics = trial.trace_metrics
     if metrics is None:
         summary.rows.append(["trace metrics", f"unavailable{': ' + trial.analysis_error if trial.analysis_error else ''}"])
@@ -66,25 +76,23 @@ def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
     return [summary, steps, units]
 
 
-def get_search_summary_table(summary: dict[str, Any]) -> ReportTable:
+def get_search_summary_table(summary: SearchRecord) -> ReportTable:
     """Model (and proxy), why the search stopped, best vs defaults side by side, consolidation timing."""
-    from autotune.report import ReportTable
-
     table = ReportTable(title="Search", columns=["", "value"])
-    proxy = summary.get("proxy") or {}
-    table.rows.append(["model", str(summary.get("model"))])
+    proxy = summary.proxy or {}
+    table.rows.append(["model", str(summary.model)])
     if proxy.get("is_proxy"):
-        table.rows.append(["measured on", f"scale proxy {proxy.get('name')} (not {summary.get('model')}): {proxy.get('reason')}"])
-    table.rows.append(["stopped", str(summary.get("stopped_because"))])
-    best, default = summary.get("best") or {}, summary.get("default") or {}
+        table.rows.append(["measured on", f"scale proxy {proxy.get('name')} (not {summary.model}): {proxy.get('reason')}"])
+    table.rows.append(["stopped", str(summary.stopped_because)])
+    best, default = summary.best, summary.default
     if best:
-        table.rows.append(["best", f"trial {best.get('number')}: {fmt(best.get('step_ms'))} ms, overlap {fmt(best.get('overlap_ratio'), 'pct')}, {fmt(best.get('bound_ratio'), 'x')} the max(compute, comm) bound"])
+        table.rows.append(["best", f"trial {best.number}: {fmt(best.step_ms)} ms, overlap {fmt(best.overlap_ratio, 'pct')}, {fmt(best.bound_ratio, 'x')} the max(compute, comm) bound"])
     if default:
-        table.rows.append(["defaults", f"trial {default.get('number')}: {fmt(default.get('step_ms'))} ms"])
-    conf = summary.get("confirmation") or {}
+        table.rows.append(["defaults", f"trial {default.number}: {fmt(default.step_ms)} ms"])
+    conf = summary.confirmation or {}
     if conf.get("speedup_median") is not None:
         table.rows.append(["speedup vs defaults", f"{conf['speedup_median']:.3f}x median of {len(conf['speedups'])} alternating pairs (min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f}); emitted: {conf.get('emitted', 'best')}"])
-    cons = summary.get("consolidation") or {}
+    cons = summary.consolidation or {}
     if cons.get("seconds"):
         parts = [f"{m} {sec * 1e3:.0f} ms" for m, sec in cons["seconds"].items()]
         table.rows.append(["checkpoint consolidation", f"{', '.join(parts)} (emitted config uses {cons.get('chosen', cons.get('method'))})"])
@@ -93,14 +101,47 @@ def get_search_summary_table(summary: dict[str, Any]) -> ReportTable:
     return table
 
 
-def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None, summary: dict[str, Any] | None = None) -> list[ReportTable]:
-    from autotune.report import ReportTable
-
+def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None, summary: SearchRecord | None = None) -> list[ReportTable]:
     table = ReportTable(title=f"{len(trials)} trials" + (f", best: {best.name}" if best else ", no successful trial"),
                         columns=["trial", "status", "step ms", "overlap", "exposed", "/bound", "peak", "note"])  # fmt: skip
     for t in sorted(trials, key=lambda t: (t.step_ms is None, t.step_ms or 0.0)):
         note = "best" if t is best else t.reason or (t.analysis_error or "")
         table.rows.append([t.name, t.status, fmt(t.step_ms), fmt(t.get_aggregate("overlap_ratio"), "pct"),
                            fmt(t.get_aggregate("exposed_comm_ms")), fmt(t.get_aggregate("bound_ratio"), "x"),
-                           fmt(t.peak_memory_bytes, "mb"), note[:80]])  # fmt: skip
+                           fmt(t.process_peak_bytes, "mb"), note[:80]])  # fmt: skip
     return [get_search_summary_table(summary), table] if summary else [table]
+
+
+def get_search_rows_table(rows: list[TrialRow], best: TrialRow | None) -> ReportTable:
+    """Every trial of a search with its knobs (the terminal summary of ``autotune search``)."""
+    table = ReportTable(title="trials", columns=["trial", "status", "step ms", "peak", "exposed ms", "overlap", "knobs"])
+    for row in rows:
+        mark = " *" if best and row.number == best.number else (" (defaults)" if row.is_default else "")
+        table.rows.append([f"{row.number}{mark}", row.status, fmt(row.step_ms), fmt(row.process_peak_bytes, "mb"), fmt(row.exposed_comm_ms),
+                           fmt(row.overlap_ratio, "pct"), describe_params(row.params)])  # fmt: skip
+    return table
+
+
+def get_search_outcome_lines(summary: "SearchSummary") -> list[str]:
+    """What ``autotune search`` says after its table: why it stopped, the speedup, where the files are."""
+    lines = [f"stopped: {summary.record.stopped_because}"]
+    conf = summary.confirmation
+    if conf and conf["speedup_median"] is not None:
+        lines.append(f"best vs defaults, {len(conf['speedups'])} alternating pairs: speedup {conf['speedup_median']:.3f}x "
+                     f"(min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f})")  # fmt: skip
+    if summary.plan.is_proxy:
+        lines.append(f"measured on proxy {summary.plan.proxy_name}, not {summary.plan.requested.name}")
+    if summary.best_config_path:
+        report = summary.report_paths[0] if summary.report_paths else f"failed ({summary.record.report_error})"
+        lines += [f"best config: {summary.best_config_path} (and .json)", f"results: {summary.out_dir / 'results.csv'}", f"report: {report}"]
+    else:
+        lines.append("no trial succeeded; see results.csv for the reasons")
+    return lines
+
+
+def get_rank_table(metrics: "TrialMetrics") -> ReportTable:
+    """Per rank of one trial: median unprofiled and profiled step, process peak."""
+    table = ReportTable(title=f"step {fmt(metrics.step_ms)} ms (median of the slowest rank per step)", columns=["rank", "median step ms", "profiled step ms", "peak"])
+    for r in metrics.ranks:
+        table.rows.append([str(r.rank), fmt(r.median_step_ms), fmt(r.median_profiled_step_ms), fmt(r.process_peak_bytes, "mb")])
+    return table

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotune._report_data import LANE_COLORS, get_lanes, get_step_frame, get_trials_frame, get_unit_frame
+from autotune.report.frames import LANE_COLORS, get_lanes, get_step_frame, get_trials_frame, get_unit_frame
+from autotune.report.model import Report
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-    from autotune.report import Report
 
 
 def _new_figure(width: float, height: float) -> Figure:

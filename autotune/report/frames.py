@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pandas as pd
 
-if TYPE_CHECKING:
-    from autotune.report import Report, TrialSummary
+from autotune.report.model import Report, TrialSummary
 
 LANE_COLORS = {
     "compute": "#4c78a8", "all_gather": "#54a24b", "reduce_scatter": "#f58518",

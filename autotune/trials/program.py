@@ -1,15 +1,7 @@
-"""The program one rank runs in a trial, and the torchrun entry point for multi-node trials.
+"""The program one rank runs in a trial (:func:`run_trial_rank`).
 
-Local trials call :func:`run_trial_rank` through :func:`autotune.launch.run_ranks` or a
-:class:`autotune.pool.RankPool`. Several nodes run the same program under torchrun::
-
-    autotune trial --model small --config cfg.toml --nproc 16 --out /shared/t0 --write-spec spec.json
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m autotune.trial_rank --spec spec.json
-
-Rank 0 gathers every rank's result and writes ``metrics.json`` and ``env.json``; each
-rank writes its own trace, so ``out_dir`` must be on a filesystem all nodes share (or
-collect the ``trace_rank*.json.gz`` files afterwards).
+Local trials call it through :func:`autotune.trials.launch.run_ranks` or a
+:class:`autotune.trials.pool.RankPool`; several nodes through :mod:`autotune.trials.torchrun`.
 
 [Note: what a trial measures]
 - *Step time* comes from unprofiled steps only (the profiler inflates CPU step time by
@@ -39,23 +31,21 @@ collect the ``trace_rank*.json.gz`` files afterwards).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
-import json
 import os
 import socket
-import statistics
-import sys
 import threading
 import time
-import traceback
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from autotune.trials.metrics import median_or_none
+from fsdp_runtime.files import atomic_path
 
 PRUNE_AFTER = 2
 """Measured steps after which the ranks vote on pruning."""
@@ -109,7 +99,7 @@ def _get_device(backend: str, rank: int) -> torch.device:
 
 def timed_step(training: Any, step: int, device: torch.device, emulator: Any = None) -> tuple[float, float]:
     """(milliseconds, loss) of ``training.step(step)``, started together on all ranks (a barrier)
-    and, with a :class:`~autotune.linkemu.LinkEmulator`, under link emulation."""
+    and, with a :class:`~autotune.trials.linkemu.LinkEmulator`, under link emulation."""
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -123,7 +113,7 @@ def timed_step(training: Any, step: int, device: torch.device, emulator: Any = N
 
 def _vote_prune(step_ms: list[float], limit_ms: float, device: torch.device) -> bool:
     """True on every rank when any rank's median so far is above ``limit_ms``."""
-    slow = torch.tensor([1.0 if statistics.median(step_ms) > limit_ms else 0.0], device=device)
+    slow = torch.tensor([1.0 if median_or_none(step_ms) > limit_ms else 0.0], device=device)
     dist.all_reduce(slow, op=dist.ReduceOp.MAX)
     return bool(slow.item() > 0)
 
@@ -132,9 +122,8 @@ def _profiled_window(training: Any, first_step: int, num_active: int, device: to
     from torch.profiler import ProfilerActivity, profile, schedule
 
     def export(prof: Any) -> None:
-        tmp = trace_path.with_name(f".tmp-{trace_path.name}")  # keeps the .gz suffix: export gzips
-        prof.export_chrome_trace(str(tmp))
-        tmp.replace(trace_path)
+        with atomic_path(trace_path) as tmp:  # keeps the .gz suffix: export gzips by name
+            prof.export_chrome_trace(str(tmp))
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     step_ms, losses = [], []
@@ -169,9 +158,9 @@ def _get_memory(device: torch.device, rss: _RssSampler) -> dict[str, Any]:
 
 
 def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[str, Any]:
-    """Rank program of a trial (``spec`` is :meth:`autotune.trial.TrialSpec.to_dict`); returns this rank's measurements."""
-    from autotune.linkemu import LinkEmulator
-    from autotune.train import build_training
+    """Rank program of a trial (``spec`` is :meth:`autotune.trials.spec.TrialSpec.to_dict`); returns this rank's measurements."""
+    from autotune.trials.linkemu import LinkEmulator
+    from autotune.trials.workload import build_training
     from profiles import load_cluster_profile
 
     device = _get_device(spec["backend"], rank)
@@ -214,56 +203,3 @@ def _get_rank_env(device: torch.device) -> dict[str, Any]:
         "device": str(device),
         "cuda_device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
     }
-
-
-# ---------------------------------------------------------------------------
-# torchrun entry point
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m autotune.trial_rank --spec spec.json`` under torchrun (env:// rendezvous)."""
-    from autotune.launch import EXIT_USER_ERROR
-    from autotune.trial import TrialSpec, check_trial_spec, load_rank_program, prepare_trial_dir, write_trial_dir
-    from fsdp_runtime.errors import AutotuneError
-
-    parser = argparse.ArgumentParser(prog="python -m autotune.trial_rank", description="Run one trial rank under torchrun.")
-    parser.add_argument("--spec", required=True, type=Path, help="TrialSpec JSON written by `autotune trial --write-spec`.")
-    args = parser.parse_args(argv)
-    spec = TrialSpec.from_dict(json.loads(args.spec.read_text()))
-    dist.init_process_group(spec.backend)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    start = time.monotonic()
-    try:
-        if world_size != spec.world_size:
-            raise AutotuneError(f"{args.spec}: spec.world_size is {spec.world_size} but torchrun started {world_size} ranks (match --nnodes x --nproc-per-node)")
-        check_trial_spec(spec)  # on every rank: all fail together, nobody waits at the barrier
-        if rank == 0:
-            prepare_trial_dir(spec, check=False)
-        dist.barrier()
-        spec.out_dir.mkdir(parents=True, exist_ok=True)  # another node's view of the dir
-        result = load_rank_program(spec.rank_program)(rank, world_size, spec=spec.to_dict())
-        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-    except BaseException as e:
-        traceback.print_exc()
-        status = "invalid_config" if isinstance(e, AutotuneError) else "crash"
-        if rank == 0:
-            spec.out_dir.mkdir(parents=True, exist_ok=True)
-            write_trial_dir(spec, status=status, reason=f"rank 0: {type(e).__name__}: {e}"[:300], rank_results=[], wall_s=time.monotonic() - start)
-        sys.stderr.flush()
-        os._exit(EXIT_USER_ERROR if status == "invalid_config" else 1)
-    if rank == 0:
-        status = "pruned" if any(r["pruned"] for r in gathered) else "ok"
-        write_trial_dir(spec, status=status, reason="", rank_results=gathered, wall_s=time.monotonic() - start)
-    dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: with gloo's worker threads and the profiler's state around,
-    # C++ static destructors at exit aborted a finished rank now and then ("terminate called
-    # without an active exception"), turning a good trial into a failed torchrun.
-    os._exit(code)

@@ -5,7 +5,7 @@ Measured pitfalls (shared/FINDINGS.md): picking a free port and binding it later
 and with the port taken one rank hung for minutes despite a process-group timeout.
 So the parent owns the rendezvous: it creates a ``TCPStore`` on port 0 (the OS picks a
 port that is already bound) and passes the port to the ranks. Each rank is a fresh
-``python -m autotune._rank`` process in its own session (process group), so on timeout
+``python -m autotune.trials.rank once`` process in its own session (process group), so on timeout
 or crash the parent kills every rank's entire process tree with ``SIGKILL``; nothing
 survives. fork is avoided (children of a parent that used OpenMP hung), and each rank
 sets ``torch.set_num_threads(cores // world)`` itself (spawned ranks do not inherit
@@ -31,8 +31,8 @@ from typing import Any, Literal
 
 Status = Literal["ok", "timeout", "crash", "oom", "invalid_config"]
 
-# A rank that exits with this code raised a user-facing AutotuneError (e.g. a bad config).
 EXIT_USER_ERROR = 3
+"""Exit code of a rank whose target raised a user-facing ``AutotuneError`` (e.g. a bad config)."""
 _GRACE_S = 5.0  # how long the other ranks may run on after one rank failed
 
 
@@ -53,7 +53,7 @@ class RankRun:
         return self.status == "ok"
 
 
-def _tail(path: Path, num_lines: int = 20) -> str:
+def read_tail(path: Path, num_lines: int = 20) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
@@ -61,7 +61,7 @@ def _tail(path: Path, num_lines: int = 20) -> str:
     return "\n".join(lines[-num_lines:])
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -130,14 +130,14 @@ def run_ranks(
             "num_threads": num_threads,
             "pg_timeout_s": max(10.0, timeout_s),
         }
-        procs = spawn_ranks("autotune._rank", tmpdir, spec, env=env)
+        procs = spawn_ranks("once", tmpdir, spec, env=env)
         timed_out, exit_order = _wait_all(procs, start + timeout_s)
         for proc in procs:
-            _kill_tree(proc)
+            kill_tree(proc)
             proc.wait()
         # Ranks we killed report None: their SIGKILL is ours, not the OOM killer's.
         codes = [p.returncode if r in exit_order else None for r, p in enumerate(procs)]
-        tails = [_tail(tmpdir / f"stderr_{r}.txt") for r in range(world_size)]
+        tails = [read_tail(tmpdir / f"stderr_{r}.txt") for r in range(world_size)]
         wall = time.monotonic() - start
         pids = [p.pid for p in procs]
         if not timed_out and all(c == 0 for c in codes):
@@ -147,11 +147,12 @@ def run_ranks(
         return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
 
 
-def spawn_ranks(module: str, tmpdir: Path, spec: dict[str, Any], *, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
-    """Start ``python -m module TMPDIR RANK`` per rank, each in its own session, stderr to ``TMPDIR/stderr_RANK.txt``.
+def spawn_ranks(mode: Literal["once", "pool"], tmpdir: Path, spec: dict[str, Any], *, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start ``python -m autotune.trials.rank MODE TMPDIR RANK`` per rank, each in its own session,
+    stderr to ``TMPDIR/stderr_RANK.txt``.
 
     ``spec`` (pickled to ``TMPDIR/spec.pkl``) must hold ``world_size``; the rank reads it with
-    :func:`autotune._rank.init_rank`.
+    :func:`autotune.trials.rank.init_rank`.
     """
     (tmpdir / "spec.pkl").write_bytes(pickle.dumps(spec))
     child_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -160,7 +161,7 @@ def spawn_ranks(module: str, tmpdir: Path, spec: dict[str, Any], *, env: dict[st
         with open(tmpdir / f"stderr_{rank}.txt", "wb") as err:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", module, str(tmpdir), str(rank)],
+                    [sys.executable, "-m", "autotune.trials.rank", mode, str(tmpdir), str(rank)],
                     stdout=subprocess.DEVNULL,
                     stderr=err,
                     env=child_env,

@@ -1,7 +1,8 @@
-"""Time full-state consolidation of a candidate config: a rank program for ``run_ranks``.
+"""Time full-state consolidation of a candidate config (:func:`time_consolidation`), and the
+rank program that does it (:func:`consolidation_timing`; ``benchmarks/consolidation.py`` runs it too).
 
-    from autotune.launch import run_ranks
-    run = run_ranks("autotune.consolidation:consolidation_timing", world_size=2,
+    from autotune.trials import run_ranks
+    run = run_ranks("autotune.search.consolidation:consolidation_timing", world_size=2,
                     kwargs={"model": "small", "config": config_to_dict(config)})
     seconds = run.results[0]["seconds"][config.checkpoint.consolidation][0]  # rank 0
 
@@ -9,8 +10,8 @@ Each rank builds the model and optimizer exactly as a trial does, trains one ste
 AdamW's state exists, then consolidates with each requested method. Times and memory are
 taken per rank; rank 0's are the ones that matter (it ends up holding the state).
 
-Peak memory (``measure_memory``) is measured in a separate pass after the timed ones: the
-rise of the process's peak resident set size (``VmHWM``, reset through
+Memory (``measure_memory``) is measured in a separate pass after the timed ones:
+``consolidation_rise_bytes``, the rise of the process's peak resident set size (``VmHWM``, reset through
 ``/proc/self/clear_refs``) over its resident size just before the call. It counts every
 byte the consolidation touched: the consolidated state itself on rank 0
 (``state_bytes``), the collectives' buffers, and what the backend allocates internally
@@ -33,9 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autotune.train import Training, build_training
-from fsdp_runtime import config_from_dict, consolidate_state
+from autotune.search.context import SearchContext
+from autotune.trials import Training, build_training, run_ranks
+from fsdp_runtime import CONSOLIDATION_METHODS, RuntimeConfig, config_from_dict, config_to_dict, consolidate_state
 from fsdp_runtime.consolidate import DEFAULT_BUCKET_BYTES, check_method
+
+TIMED_METHODS = tuple(m for m in CONSOLIDATION_METHODS if m != "dcp")
+"""Methods a search times (``dcp`` goes through torch's own state-dict API, not a choice of collectives)."""
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -61,9 +66,9 @@ def consolidation_timing(
     :func:`~fsdp_runtime.consolidate_state` (e.g. to compare bucket sizes). With several
     cases and repeats the order rotates every repeat, so drift (a neighbour's load, the
     allocator warming up) does not favour one case. Returns, for this rank:
-    ``{"seconds": {case: [s, ...]}, "peak_bytes": {case: bytes | None}, "state_bytes":
-    int, "num_params": int}``; ``state_bytes`` is the size of the consolidated state (0
-    except on rank 0); ``peak_bytes`` is empty unless ``measure_memory``.
+    ``{"seconds": {case: [s, ...]}, "consolidation_rise_bytes": {case: bytes | None},
+    "state_bytes": int, "num_params": int}``; ``state_bytes`` is the size of the consolidated
+    state (0 except on rank 0); ``consolidation_rise_bytes`` is empty unless ``measure_memory``.
     """
     runtime = config_from_dict(config)
     if cases is None:
@@ -80,10 +85,10 @@ def consolidation_timing(
         for name in names[shift:] + names[:shift]:
             elapsed, state_bytes = _time_once(training, to_cpu=runtime.checkpoint.to_cpu, **cases[name])
             seconds[name].append(elapsed)
-    peak_bytes = {}
+    rise = {}
     if measure_memory:
-        peak_bytes = {name: _measure_peak_once(training, to_cpu=runtime.checkpoint.to_cpu, **cases[name]) for name in names}
-    return {"seconds": seconds, "peak_bytes": peak_bytes, "state_bytes": state_bytes, "num_params": training.profile.shape.get_num_params()}
+        rise = {name: _measure_rise_once(training, to_cpu=runtime.checkpoint.to_cpu, **cases[name]) for name in names}
+    return {"seconds": seconds, "consolidation_rise_bytes": rise, "state_bytes": state_bytes, "num_params": training.profile.shape.get_num_params()}
 
 
 def _time_once(training: Training, **kwargs: Any) -> tuple[float, int]:
@@ -99,7 +104,7 @@ def _time_once(training: Training, **kwargs: Any) -> tuple[float, int]:
     return elapsed, state_bytes
 
 
-def _measure_peak_once(training: Training, **kwargs: Any) -> int | None:
+def _measure_rise_once(training: Training, **kwargs: Any) -> int | None:
     """One consolidation between barriers: the rise of this process's peak RSS, in bytes."""
     gc.collect()
     dist.barrier()
@@ -145,3 +150,24 @@ def _count_tensor_bytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_count_tensor_bytes(v) for v in value)
     return 0
+
+
+def time_consolidation(ctx: SearchContext, config: RuntimeConfig) -> dict[str, Any]:
+    """Seconds to consolidate the full model + optimizer state of ``config`` onto rank 0, once per method.
+
+    The config's own method is listed first; the others are timed beside it so the report
+    can show what the choice saves. Runs on the search's rank pool when it has one. A
+    failure is recorded, never raised.
+    """
+    own = config.checkpoint.consolidation
+    methods = [own, *(m for m in TIMED_METHODS if m != own)]
+    kwargs = {"model": ctx.plan.trial_model, "config": config_to_dict(config), "methods": methods, "seed": ctx.settings.seed}
+    target, timeout_s = "autotune.search.consolidation:consolidation_timing", ctx.settings.trial_timeout_s
+    if ctx.pool is not None:
+        run = ctx.pool.run(target, kwargs, timeout_s=timeout_s)
+    else:
+        run = run_ranks(target, world_size=ctx.settings.world_size, kwargs=kwargs, timeout_s=timeout_s)
+    if not run.ok:
+        return {"method": own, "error": f"{run.status}: {run.reason}"}
+    seconds = {m: max(r["seconds"][m][0] for r in run.results) for m in methods}
+    return {"method": own, "seconds": seconds, "state_bytes": run.results[0]["state_bytes"]}

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from autotune._report_data import LANE_COLORS, get_lanes, get_step_frame, get_trials_frame, get_unit_frame
+from autotune.report.frames import LANE_COLORS, get_lanes, get_step_frame, get_trials_frame, get_unit_frame
+from autotune.report.model import Report, ReportTable
+from autotune.report.tables import get_tables
 
-if TYPE_CHECKING:
-    from autotune.report import Report, ReportTable
 
 _STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
@@ -102,7 +100,7 @@ def _table_html(table: ReportTable) -> str:
 def write_html(report: Report, path: Path) -> Path:
     """Write the report; the first figure carries plotly.js inline so the file opens offline."""
     parts = [f"<h1>fsdp-autotune {report.kind} report: {html.escape(str(report.root))}</h1>"]
-    parts += [_table_html(t) for t in report.get_tables()]
+    parts += [_table_html(t) for t in get_tables(report)]
     for i, fig in enumerate(get_figures(report).values()):
         parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))
     if report.timeline_error:

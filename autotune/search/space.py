@@ -19,6 +19,10 @@ still hand-edit single units afterwards:
   for those blocks) and ``defer_concat`` apply to them. Only sampled with >1 microbatch.
 - ``reshard_after_forward``: ``true``, ``false``, ``last_block_false`` (the block whose
   backward runs first keeps its params), or ``int:d`` for proper divisors d of the shard size.
+  Optuna needs one fixed choice list per parameter name, and the valid ``int:d`` depend on
+  the mesh's shard size, so meshes whose shard size has proper divisors get their own
+  parameter (``reshard_after_forward_shard4``): an int that this mesh cannot use is never
+  sampled, instead of silently running as another point's config.
 - ``unshard_async`` (CPU only: ``off`` is torchtitan's default, ``on`` makes prefetch real)
   and ``reduce_scatter_max_input_buffers``.
 
@@ -66,9 +70,9 @@ class SearchSpace:
             "mesh": "fsdp" if "fsdp" in self.get_mesh_choices() else self.get_mesh_choices()[0],
             "forward_prefetch": "implicit",
             "backward_prefetch": "implicit",
-            "reshard_after_forward": "true",
             "reduce_scatter_buffers": 1,
         }
+        params[self._get_reshard_key(self._get_shard_size(params["mesh"]))] = "true"
         if self.device_type == "cpu":
             params["unshard_async"] = "off"
         if self.num_microbatches > 1:
@@ -83,7 +87,7 @@ class SearchSpace:
             "mesh": mesh,
             "forward_prefetch": trial.suggest_categorical("forward_prefetch", PREFETCH_CHOICES),
             "backward_prefetch": trial.suggest_categorical("backward_prefetch", PREFETCH_CHOICES),
-            "reshard_after_forward": trial.suggest_categorical("reshard_after_forward", self._get_reshard_choices(shard)),
+            "reshard_after_forward": trial.suggest_categorical(self._get_reshard_key(shard), self._get_reshard_choices(shard)),
             "reduce_scatter_buffers": trial.suggest_categorical("reduce_scatter_buffers", [1, 2]),
         }
         if self.device_type == "cpu":
@@ -106,11 +110,12 @@ class SearchSpace:
 
     @staticmethod
     def _get_reshard_choices(shard: int) -> list[str]:
-        # One fixed list for every mesh (Optuna's categorical distributions must not change
-        # between trials); an int choice that does not divide this mesh's shard size falls
-        # back to "true" in build_config.
-        del shard
-        return ["true", "false", "last_block_false", "int:2", "int:4"]
+        return ["true", "false", "last_block_false", *(f"int:{d}" for d in range(2, shard) if shard % d == 0)]
+
+    @classmethod
+    def _get_reshard_key(cls, shard: int) -> str:
+        """One parameter name per choice list (see [Note: search-space parametrization])."""
+        return "reshard_after_forward" if len(cls._get_reshard_choices(shard)) == 3 else f"reshard_after_forward_shard{shard}"
 
     def build_config(self, params: dict[str, Any]) -> RuntimeConfig:
         """Expand pattern parameters into an explicit per-unit config."""
@@ -118,6 +123,8 @@ class SearchSpace:
         for key in ("nosync_level_fsdp", "nosync_level_hsdp"):
             if key in params:
                 params["nosync_level"] = params.pop(key)
+        for key in [k for k in params if k.startswith("reshard_after_forward_shard")]:
+            params["reshard_after_forward"] = params.pop(key)
         blocks = list(self.block_names)
         mesh = params["mesh"]
         if mesh == "fsdp":
@@ -190,7 +197,9 @@ def _reshard_value(choice: str, index: int, num_blocks: int, shard: int) -> bool
     if choice == "last_block_false":
         return False if index == num_blocks - 1 else None
     divisor = int(choice.removeprefix("int:"))
-    return divisor if 1 < divisor < shard and shard % divisor == 0 else None
+    if not (1 < divisor < shard and shard % divisor == 0):
+        raise ValueError(f"reshard_after_forward {choice!r} needs a proper divisor of the shard size {shard}")
+    return divisor
 
 
 _SHORT = {
@@ -212,5 +221,6 @@ def describe_params(params: dict[str, Any]) -> str:
     parts = [str(params.get("mesh", "?"))]
     for key, value in params.items():
         if key != "mesh":
-            parts.append(f"{_SHORT.get(key, key)}={str(value).lower() if isinstance(value, bool) else value}")
+            short = "raf" if key.startswith("reshard_after_forward") else _SHORT.get(key, key)
+            parts.append(f"{short}={str(value).lower() if isinstance(value, bool) else value}")
     return " ".join(parts)

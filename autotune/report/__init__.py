@@ -1,0 +1,34 @@
+"""``autotune report DIR``: what one trial, or a whole search, measured.
+
+    from autotune.report import get_tables, load_report, write_report
+    report = load_report("runs/t0")          # a trial dir, or a search dir (trials/*/metrics.json)
+    get_tables(report)                       # plain rows for a terminal (cli.py renders them)
+    write_report(report, "runs/t0/report")   # report.html (self-contained) + PNGs
+
+Modules: :mod:`~autotune.report.model` (the data) <- :mod:`~autotune.report.load` (reads the
+artifacts) <- :mod:`~autotune.report.tables` / :mod:`~autotune.report.frames` (rows and
+DataFrames) <- :mod:`~autotune.report.html` / :mod:`~autotune.report.png` <-
+:mod:`~autotune.report.write` (the one dispatcher). Nothing imports back up this chain.
+"""
+
+from autotune.report.load import load_report, load_trial
+from autotune.report.model import REPORT_SCHEMA_VERSION, TRACE_GLOB, Report, ReportError, ReportTable, TrialSummary
+from autotune.report.tables import fmt, get_rank_table, get_search_outcome_lines, get_search_rows_table, get_tables
+from autotune.report.write import write_report
+
+__all__ = [
+    "REPORT_SCHEMA_VERSION",
+    "TRACE_GLOB",
+    "Report",
+    "ReportError",
+    "ReportTable",
+    "TrialSummary",
+    "fmt",
+    "get_rank_table",
+    "get_search_outcome_lines",
+    "get_search_rows_table",
+    "get_tables",
+    "load_report",
+    "load_trial",
+    "write_report",
+]

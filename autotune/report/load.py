@@ -1,0 +1,84 @@
+"""Read a trial dir or a search dir into a :class:`~autotune.report.model.Report`.
+
+A *trial dir* holds ``metrics.json`` and ``trace_rank<N>.json[.gz]``; a dir with only
+traces works too. A *search dir* holds trial dirs under ``trials/``: the report is their
+summaries plus the best one: the trial named by ``search.json``'s ``best.trial_dir`` when
+the search wrote one, else :func:`autotune.search.pick_best` over the trials (with the
+feasibility ``results.json`` recorded). The traces are only read, never rewritten: they
+stay openable in Perfetto / chrome://tracing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from autotune.analysis import FsdpTraceAnalysis, TraceError
+from autotune.artifacts import ArtifactError
+from autotune.report.model import TRACE_GLOB, Report, ReportError, TrialSummary
+from autotune.search import SearchRecord, pick_best, read_results
+from autotune.trials import TrialMetrics
+
+
+def load_trial(trial_dir: Path, *, analyze_traces: bool = True, feasible: bool = True) -> TrialSummary:
+    """A trial dir's summary; traces are analysed when metrics.json has no trace summary.
+
+    An unusable trace (e.g. a trial killed while writing it) becomes ``analysis_error``.
+    """
+    trial = TrialSummary(name=trial_dir.name, path=trial_dir, status="unknown", feasible=feasible)
+    if (trial_dir / "metrics.json").exists():
+        try:
+            metrics = TrialMetrics.read(trial_dir / "metrics.json")
+        except ArtifactError as e:
+            raise ReportError(str(e)) from None
+        trial.status, trial.reason, trial.step_ms = metrics.status, metrics.reason, metrics.step_ms
+        trial.process_peak_bytes, trial.trace_metrics, trial.analysis_error = metrics.process_peak_bytes, metrics.trace_metrics, metrics.analysis_error
+    traces = sorted(trial_dir.glob(TRACE_GLOB))
+    if trial.trace_metrics is None and traces and analyze_traces:
+        try:
+            trial.trace_metrics = FsdpTraceAnalysis(traces).summarize()
+        except TraceError as e:
+            trial.analysis_error = str(e)
+    return trial
+
+
+def _read_search(root: Path) -> SearchRecord | None:
+    """``search.json`` if the search wrote one; a file that is not one is an error."""
+    if not (root / "search.json").exists():
+        return None
+    try:
+        return SearchRecord.read(root / "search.json")
+    except ArtifactError as e:
+        raise ReportError(str(e)) from None
+
+
+def _read_feasibility(root: Path) -> dict[str, bool]:
+    """Trial dir name -> feasible, from ``results.json`` (empty when the search wrote none)."""
+    if not (root / "results.json").exists():
+        return {}
+    try:
+        return {Path(r.trial_dir).name: r.feasible for r in read_results(root) if r.trial_dir}
+    except ArtifactError as e:
+        raise ReportError(str(e)) from None
+
+
+def load_search(root: Path) -> Report:
+    trial_dirs = sorted(p.parent for p in root.glob("trials/*/metrics.json"))
+    feasible = _read_feasibility(root)
+    trials = [load_trial(d, analyze_traces=False, feasible=feasible.get(d.name, True)) for d in trial_dirs]
+    record = _read_search(root)
+    named = Path(record.best.trial_dir).name if record and record.best and record.best.trial_dir else None
+    best = next((t for t in trials if t.name == named), None) if named else pick_best(trials)
+    return Report(kind="search", root=root, trials=trials, best=best, search=record)
+
+
+def load_report(path: str | Path) -> Report:
+    """A trial report (``metrics.json`` or traces in ``path``) or a search report (``path/trials/*/metrics.json``)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ReportError(f"{root}: no such directory")
+    if (root / "metrics.json").exists() or any(root.glob(TRACE_GLOB)):
+        trial = load_trial(root)
+        return Report(kind="trial", root=root, trials=[trial], best=trial, trace_paths=sorted(root.glob(TRACE_GLOB)))
+    if any(root.glob("trials/*/metrics.json")):
+        return load_search(root)
+    raise ReportError(f"{root}: neither a trial dir (metrics.json or {TRACE_GLOB}) nor a search dir (trials/*/metrics.json)")

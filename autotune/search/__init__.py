@@ -1,0 +1,36 @@
+"""Search: Optuna over the FSDP2 knobs, driving trials; emits the winning runtime config.
+
+Modules in data-flow order: :mod:`~autotune.search.settings` (what to search, errors,
+progress protocol) -> :mod:`~autotune.search.proxy` (real model or scale proxy) ->
+:mod:`~autotune.search.space` (Optuna params -> per-unit config) ->
+:mod:`~autotune.search.study` (sampler, storage, stale trials) ->
+:mod:`~autotune.search.loop` (ask/tell over trials) -> :mod:`~autotune.search.results`
+(rows, the best-trial rule, ``search.json``) -> :mod:`~autotune.search.confirm` ->
+:mod:`~autotune.search.consolidation` -> :mod:`~autotune.search.emit`;
+:mod:`~autotune.search.run` strings them together.
+"""
+
+from autotune.search.proxy import ModelPlan, plan_for_this_machine, plan_model
+from autotune.search.results import SearchRecord, TrialRow, pick_best, read_results
+from autotune.search.run import SearchSummary, run_search
+from autotune.search.settings import SAMPLERS, SearchError, SearchReporter, SearchSettings, SilentReporter
+from autotune.search.space import SearchSpace, describe_params
+
+__all__ = [
+    "SAMPLERS",
+    "ModelPlan",
+    "SearchError",
+    "SearchRecord",
+    "SearchReporter",
+    "SearchSettings",
+    "SearchSpace",
+    "SearchSummary",
+    "SilentReporter",
+    "TrialRow",
+    "describe_params",
+    "pick_best",
+    "plan_for_this_machine",
+    "plan_model",
+    "read_results",
+    "run_search",
+]

@@ -1,0 +1,40 @@
+"""The objects every stage of a search run shares, travelling together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autotune.trials import TrialSpec
+from fsdp_runtime import RuntimeConfig
+
+if TYPE_CHECKING:
+    import optuna
+
+    from autotune.search.proxy import ModelPlan
+    from autotune.search.settings import SearchReporter, SearchSettings
+    from autotune.search.space import SearchSpace
+
+
+@dataclass(kw_only=True)
+class SearchContext:
+    """One search run: its study, space, settings, model plan, progress reporter and rank pool."""
+
+    study: "optuna.Study"
+    space: "SearchSpace"
+    settings: "SearchSettings"
+    plan: "ModelPlan"
+    reporter: "SearchReporter"
+    pool: Any = None
+    """A :class:`~autotune.trials.RankPool` shared by trials, confirmation and consolidation timing, or None."""
+
+    def trial_spec(self, config: RuntimeConfig, out_dir: Path, *, profile: bool, prune_if_slower_than_ms: float | None = None) -> TrialSpec:
+        """A trial of ``config`` measured as every trial of this search is."""
+        s = self.settings
+        extra = {"rank_program": s.rank_program} if s.rank_program else {}
+        return TrialSpec(
+            model=self.plan.trial_model, config=config, world_size=s.world_size, out_dir=out_dir, num_warmup=s.num_warmup,
+            num_measured=s.num_measured, num_profiled=s.num_profiled, profile=profile, seed=s.seed, timeout_s=s.trial_timeout_s,
+            cluster=s.cluster, prune_if_slower_than_ms=prune_if_slower_than_ms, **extra,
+        )  # fmt: skip

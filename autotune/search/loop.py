@@ -1,0 +1,171 @@
+"""The ask/tell loop: sample a config, run it as a trial, tell Optuna what it measured.
+
+[Note: search robustness]
+- Several workers may share one study (``--storage`` URL, same ``--study-name``): each
+  asks and runs its own trials; trial dirs are named by Optuna's study-wide trial number,
+  so workers never collide, and every worker stops when the study holds ``num_trials``.
+- ``--resume`` continues a study: finished trials are kept, the model plan (proxy shape)
+  stored with the study is reused so old and new trials measure the same thing, and this
+  host's trials left RUNNING by a dead worker are closed as FAIL ("interrupted").
+- A failed trial (timeout, crash, OOM, invalid config) is told as FAIL with its reason and
+  never stops the search. A trial whose first measured steps are slower than
+  ``prune_ratio`` x the best so far is stopped early and told as PRUNED. A trial whose
+  peak memory exceeds the budget is infeasible (Optuna constraint > 0) and never best.
+- Two parameter sets that expand to the same effective config (``config_hash``) are
+  measured once: the second is told the first one's result (``duplicate_of``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any
+
+import optuna
+
+from autotune.search.context import SearchContext
+from autotune.search.results import TrialRow, pick_best
+from autotune.search.study import get_worker_id
+from autotune.trials import RankPool, TrialResult, run_trial
+from fsdp_runtime import RuntimeConfig, dumps_config
+
+PLATEAU_MIN_GAIN = 0.01
+_COPIED_ATTRS = ("status", "reason", "step_ms", "process_peak_bytes", "memory_over_budget", "exposed_comm_ms", "overlap_ratio", "bound_ratio", "trial_dir")
+
+
+def get_config_hash(config: RuntimeConfig) -> str:
+    """A stable hash of the effective config (what the ranks would run)."""
+    return hashlib.sha256(dumps_config(config, "json").encode()).hexdigest()[:16]
+
+
+def to_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
+    attrs = trial.user_attrs
+    return TrialRow(
+        number=trial.number, state=trial.state.name, status=attrs.get("status", trial.state.name.lower()), reason=attrs.get("reason", ""),
+        step_ms=attrs.get("step_ms"), process_peak_bytes=attrs.get("process_peak_bytes", attrs.get("peak_memory_bytes")),
+        exposed_comm_ms=attrs.get("exposed_comm_ms"), overlap_ratio=attrs.get("overlap_ratio"), bound_ratio=attrs.get("bound_ratio"),
+        feasible=attrs.get("memory_over_budget", 0.0) <= 0.0, is_default=bool(attrs.get("is_default", False)),
+        trial_dir=attrs.get("trial_dir"), params=dict(trial.params),
+    )  # fmt: skip
+
+
+def get_rows(study: optuna.Study) -> list[TrialRow]:
+    return sorted((to_row(t) for t in study.get_trials(deepcopy=False)), key=lambda r: r.number)
+
+
+def _headline(result: TrialResult) -> dict[str, Any]:
+    """The overlap figures of a trial's trace metrics (median over ranks and steps)."""
+    aggregate = ((result.metrics.trace_metrics if result.metrics else None) or {}).get("aggregate") or {}
+    return {k: aggregate.get(k) for k in ("exposed_comm_ms", "overlap_ratio", "bound_ratio")}
+
+
+def _tell(ctx: SearchContext, trial: optuna.Trial, result: TrialResult) -> None:
+    trial.set_user_attr("status", result.status)
+    trial.set_user_attr("reason", result.reason[:1000])
+    if result.step_ms is not None:
+        trial.set_user_attr("step_ms", result.step_ms)
+    if result.process_peak_bytes is not None:
+        trial.set_user_attr("process_peak_bytes", result.process_peak_bytes)
+        if ctx.settings.memory_budget_bytes is not None:
+            over = float(result.process_peak_bytes - ctx.settings.memory_budget_bytes)
+            trial.set_user_attr("memory_over_budget", over)
+            trial.set_constraint("memory_over_budget", over)  # TPE learns feasibility from it
+    for key, value in _headline(result).items():
+        if value is not None:
+            trial.set_user_attr(key, value)
+    if result.status == "ok" and result.step_ms is not None:
+        ctx.study.tell(trial, result.step_ms)
+    elif result.status == "pruned":
+        if result.step_ms is not None:
+            trial.report(result.step_ms, 0)
+        ctx.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    else:
+        ctx.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def _find_measured(study: optuna.Study, config_hash: str) -> optuna.trial.FrozenTrial | None:
+    """A finished trial that measured the same effective config (a failure counts: it would fail again)."""
+    done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+    for t in study.get_trials(deepcopy=False, states=done):
+        if t.user_attrs.get("config_hash") == config_hash and "duplicate_of" not in t.user_attrs and t.user_attrs.get("status") != "interrupted":
+            return t
+    return None
+
+
+def _tell_duplicate(ctx: SearchContext, trial: optuna.Trial, original: optuna.trial.FrozenTrial) -> None:
+    for key in _COPIED_ATTRS:
+        if key in original.user_attrs:
+            trial.set_user_attr(key, original.user_attrs[key])
+    trial.set_user_attr("duplicate_of", original.number)
+    if "memory_over_budget" in original.user_attrs:
+        trial.set_constraint("memory_over_budget", original.user_attrs["memory_over_budget"])
+    if original.state == optuna.trial.TrialState.COMPLETE:
+        ctx.study.tell(trial, original.value)
+    else:
+        ctx.study.tell(trial, state=original.state)
+
+
+def run_one(ctx: SearchContext, best: TrialRow | None) -> TrialRow:
+    """Ask for a config, run (or recognise) it, tell the study; returns the trial's row."""
+    trial = ctx.study.ask()
+    trial.set_user_attr("worker", get_worker_id())
+    config = ctx.space.suggest(trial)
+    config_hash = get_config_hash(config)
+    trial.set_user_attr("config_hash", config_hash)
+    original = _find_measured(ctx.study, config_hash)
+    if original is not None:
+        _tell_duplicate(ctx, trial, original)
+    else:
+        trial_dir = ctx.settings.out_dir / "trials" / f"trial_{trial.number:04d}"
+        trial.set_user_attr("trial_dir", str(trial_dir.relative_to(ctx.settings.out_dir)))
+        limit = best.step_ms * ctx.settings.prune_ratio if best and best.step_ms else None
+        _tell(ctx, trial, run_trial(ctx.trial_spec(config, trial_dir, profile=True, prune_if_slower_than_ms=limit), pool=ctx.pool))
+    return to_row(next(t for t in ctx.study.get_trials(deepcopy=False) if t.number == trial.number))
+
+
+def plateaued(rows: list[TrialRow], patience: int | None) -> bool:
+    """True when the last ``patience`` finished trials brought no >= 1% improvement."""
+    if patience is None:
+        return False
+    best_ms, since = None, 0
+    for r in rows:
+        if r.state not in ("COMPLETE", "PRUNED", "FAIL"):
+            continue
+        ms = r.step_ms if r.succeeded and r.feasible else None
+        if ms is not None and (best_ms is None or ms < best_ms * (1 - PLATEAU_MIN_GAIN)):
+            best_ms, since = ms, 0
+        else:
+            since += 1
+    return best_ms is not None and since >= patience
+
+
+def search_loop(ctx: SearchContext) -> str:
+    """Run trials until the study holds ``num_trials`` or the search plateaus; returns why it stopped."""
+    settings = ctx.settings
+    while True:
+        rows = get_rows(ctx.study)
+        if len(rows) >= settings.num_trials:
+            return f"reached {settings.num_trials} trials"
+        if plateaued(rows, settings.patience):
+            return f"plateau: no >=1% improvement in {settings.patience} trials"
+        ctx.reporter.on_trial_start(len(rows), settings.num_trials)
+        row = run_one(ctx, pick_best(rows))
+        ctx.reporter.on_trial_end(row, pick_best([*rows, row]))
+
+
+def warm_up(ctx: SearchContext) -> None:
+    """One unrecorded defaults run as long as a trial, first: a fresh process's first jobs pay
+    page faults for fresh heap (~3 ms/MB on this VM), gloo connections and autograd warm-up that
+    would otherwise be charged to trial 0, the defaults (measured 1.5-1.9x slower)."""
+    ctx.reporter.on_phase("warming up the ranks (not recorded)")
+    config = ctx.space.build_config(ctx.space.get_default_params())
+    run_trial(ctx.trial_spec(config, ctx.settings.out_dir / "warmup", profile=False), pool=ctx.pool)
+
+
+def open_pool(settings: Any) -> contextlib.AbstractContextManager:
+    """A rank pool for the whole search (CPU), or nothing (GPU, or ``use_pool=False``)."""
+    import torch
+
+    if not settings.use_pool or torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return RankPool(settings.world_size)

@@ -1,0 +1,149 @@
+"""A search's results: one row per trial, the best-trial rule, and ``search.json``/``results.*``.
+
+The best-trial rule lives in :func:`pick_best` alone; the search, the report and the CLI
+all call it.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from autotune.artifacts import read_artifact, write_artifact
+from fsdp_runtime.files import write_atomic
+
+RESULTS_KIND = "search_results"
+
+
+class Rankable(Protocol):
+    """What :func:`pick_best` needs of a trial (a search row or a report's trial summary)."""
+
+    @property
+    def succeeded(self) -> bool: ...
+    @property
+    def feasible(self) -> bool: ...
+    @property
+    def step_ms(self) -> float | None: ...
+
+
+R = TypeVar("R", bound=Rankable)
+
+
+def pick_best(trials: Iterable[R]) -> R | None:
+    """The best trial: succeeded, feasible under the memory budget, then the fastest step."""
+    done = [t for t in trials if t.succeeded and t.feasible and t.step_ms is not None]
+    return min(done, key=lambda t: t.step_ms) if done else None
+
+
+@dataclass(kw_only=True)
+class TrialRow:
+    """One trial of the study as the search, its tables and ``results.json`` see it."""
+
+    number: int
+    state: str
+    """Optuna's state: COMPLETE, PRUNED, FAIL, RUNNING, WAITING."""
+    status: str
+    """The trial's own status (ok, pruned, timeout, crash, oom, invalid_config, interrupted)."""
+    reason: str = ""
+    step_ms: float | None = None
+    process_peak_bytes: int | None = None
+    exposed_comm_ms: float | None = None
+    overlap_ratio: float | None = None
+    bound_ratio: float | None = None
+    feasible: bool = True
+    """Process peak within the memory budget (always True without a budget)."""
+    is_default: bool = False
+    trial_dir: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state == "COMPLETE"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrialRow":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _migrate_row_v1(row: dict[str, Any] | None) -> dict[str, Any] | None:
+    if row is None:
+        return None
+    row = dict(row)
+    row["process_peak_bytes"] = row.pop("peak_memory_bytes", None)
+    return row
+
+
+def _migrate_summary_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """v1 -> v2: rows name the process peak ``process_peak_bytes``."""
+    return {**data, "best": _migrate_row_v1(data.get("best")), "default": _migrate_row_v1(data.get("default"))}
+
+
+@dataclass(kw_only=True)
+class SearchRecord:
+    """``search.json``: what a search found (read back by ``autotune report``)."""
+
+    KIND: ClassVar[str] = "search_summary"
+    SCHEMA_VERSION: ClassVar[int] = 2
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_summary_v1}
+
+    model: str
+    proxy: dict[str, Any] = field(default_factory=dict)
+    """``is_proxy``, ``name``, ``reason``, ``overrides`` (see [Note: scale proxy])."""
+    num_trials: int = 0
+    stopped_because: str = ""
+    best: TrialRow | None = None
+    default: TrialRow | None = None
+    confirmation: dict[str, Any] | None = None
+    """Best vs defaults re-measured in alternation: pairs, speedups, median/min/max, emitted."""
+    consolidation: dict[str, Any] | None = None
+    """Seconds per consolidation method of the emitted config, and the chosen one."""
+    best_config: str | None = None
+    report: list[str] = field(default_factory=list)
+    report_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        body |= {"best": self.best.to_dict() if self.best else None, "default": self.default.to_dict() if self.default else None}
+        return {"schema_version": self.SCHEMA_VERSION, "kind": self.KIND, **body}
+
+    @classmethod
+    def read(cls, path: str | Path) -> "SearchRecord":
+        data = read_artifact(path, kind=cls.KIND, version=cls.SCHEMA_VERSION, migrations=cls.MIGRATIONS)
+        names = {f.name for f in dataclasses.fields(cls)}
+        body = {k: v for k, v in data.items() if k in names}
+        for key in ("best", "default"):
+            body[key] = TrialRow.from_dict(body[key]) if body.get(key) else None
+        return cls(**body)
+
+    def write(self, path: str | Path) -> Path:
+        return write_artifact(path, self.to_dict())
+
+
+_CSV_FIELDS = [f.name for f in dataclasses.fields(TrialRow)]
+
+
+def write_results(rows: list[TrialRow], out_dir: Path) -> None:
+    """``results.json`` (versioned) and ``results.csv`` (params as a JSON column)."""
+    write_artifact(out_dir / "results.json", {"schema_version": SearchRecord.SCHEMA_VERSION, "kind": RESULTS_KIND, "trials": [r.to_dict() for r in rows]})
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=_CSV_FIELDS)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({**row.to_dict(), "params": json.dumps(row.params, sort_keys=True)})
+    write_atomic(out_dir / "results.csv", buffer.getvalue())
+
+
+def read_results(out_dir: Path) -> list[TrialRow]:
+    """The rows of ``results.json``."""
+    data = read_artifact(out_dir / "results.json", kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: lambda d: {**d, "trials": [_migrate_row_v1(r) for r in d["trials"]]}})
+    return [TrialRow.from_dict(r) for r in data["trials"]]

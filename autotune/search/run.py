@@ -1,0 +1,149 @@
+"""``autotune search``: Optuna ask/tell over the FSDP2 knobs, driving the trial launcher.
+
+Data flow: model profile + machine -> :func:`autotune.search.proxy.plan_for_this_machine`
+(real model or scale proxy) -> :class:`autotune.search.space.SearchSpace` -> per trial a
+:class:`RuntimeConfig` -> :func:`autotune.trials.run_trial` -> metrics -> ``study.tell``
+(:mod:`autotune.search.loop`) -> best config -> side-by-side confirmation against the
+defaults (:mod:`autotune.search.confirm`) -> consolidation timing -> emitted config
+(:mod:`autotune.search.emit`) -> tables and report.
+
+A run directory holds::
+
+    study.db              Optuna storage (SQLite) unless --storage names another
+    trials/trial_NNNN/    each trial's dir (traces, metrics.json, config.toml, env.json)
+    best.toml, best.json  the winning runtime config (applies with fsdp_runtime unchanged)
+    results.csv, results.json   one row per trial
+    search.json           summary (:class:`~autotune.search.results.SearchRecord`)
+    report/               ``autotune report`` of the run dir
+
+Robustness rules are in [Note: search robustness] (:mod:`autotune.search.loop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotune.search.confirm import confirm
+from autotune.search.consolidation import time_consolidation
+from autotune.search.context import SearchContext
+from autotune.search.emit import emit_best
+from autotune.search.loop import get_rows, open_pool, search_loop, warm_up
+from autotune.search.proxy import ModelPlan
+from autotune.search.results import SearchRecord, TrialRow, pick_best, write_results
+from autotune.search.settings import SearchReporter, SearchSettings, SilentReporter
+from autotune.search.space import SearchSpace
+from autotune.search.study import close_interrupted, open_study, resolve_plan
+from fsdp_runtime import RuntimeConfig
+from fsdp_runtime.errors import AutotuneError
+from profiles import load_model_profile
+
+
+@dataclass(kw_only=True)
+class SearchSummary:
+    """What :func:`run_search` returns: the run's rows and plan, and the record written as ``search.json``."""
+
+    out_dir: Path
+    plan: ModelPlan
+    rows: list[TrialRow]
+    record: SearchRecord
+    best_config_path: Path | None = None
+    report_paths: list[Path] = field(default_factory=list)
+    """``report/report.html`` and the PNGs written into the run dir."""
+
+    @property
+    def best(self) -> TrialRow | None:
+        return self.record.best
+
+    @property
+    def confirmation(self) -> dict[str, Any] | None:
+        return self.record.confirmation
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.record.to_dict()
+
+
+def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = None) -> SearchSummary:
+    """Run (or continue) a search and write the run directory; returns the summary."""
+    import torch
+
+    reporter = reporter or SilentReporter()
+    profile = load_model_profile(settings.model)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    study, created = open_study(settings, settings.get_study_name(profile.name))
+    plan = resolve_plan(study, settings, profile, device_type)
+    close_interrupted(study)
+    space = SearchSpace(block_names=tuple(plan.run.block_names), world_size=settings.world_size, num_microbatches=settings.num_microbatches, device_type=device_type, fixed_mesh=settings.fixed_mesh)
+    if created:
+        study.enqueue_trial(space.get_default_params(), user_attrs={"is_default": True})
+    reporter.on_start(plan, settings, len(study.get_trials(deepcopy=False)))
+    # One pool for everything that runs ranks: trials, confirmation and consolidation timing
+    # all see the same warmed-up processes (see warm_up).
+    with open_pool(settings) as pool:
+        ctx = SearchContext(study=study, space=space, settings=settings, plan=plan, reporter=reporter, pool=pool)
+        warm_up(ctx)
+        stopped = search_loop(ctx)
+        reporter.on_trials_done(stopped)
+        return finish_search(ctx, stopped_because=stopped)
+
+
+def _choose(ctx: SearchContext, best: TrialRow) -> tuple[RuntimeConfig, dict[str, Any] | None]:
+    """The config to emit (best, or the defaults when they win side by side) and the confirmation."""
+    best_config = ctx.space.build_config(best.params)
+    if ctx.settings.num_confirm_pairs == 0 or best.is_default:
+        return best_config, None
+    default_config = ctx.space.build_config(ctx.space.get_default_params())
+    ctx.reporter.on_phase(f"confirming: best (trial {best.number}) vs defaults, {ctx.settings.num_confirm_pairs} alternating pairs")
+    confirmation = confirm(ctx, best_config, default_config)
+    if confirmation["speedup_median"] is not None and confirmation["speedup_median"] < 1.0:
+        # The search's best was a lucky measurement: the defaults win side by side.
+        return default_config, confirmation | {"emitted": "defaults"}
+    return best_config, confirmation | {"emitted": "best"}
+
+
+def _with_fastest_consolidation(ctx: SearchContext, config: RuntimeConfig) -> tuple[RuntimeConfig, dict[str, Any]]:
+    """Time consolidation per method and emit the fastest measured here (on CPU gloo broadcast
+    beats all_gather for large tensors; see [Note: all_gather consolidation])."""
+    ctx.reporter.on_phase("timing checkpoint consolidation of the emitted config")
+    consolidation = time_consolidation(ctx, config)
+    if not consolidation.get("seconds"):
+        return config, consolidation
+    fastest = min(consolidation["seconds"], key=consolidation["seconds"].get)
+    consolidation["chosen"] = fastest
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, consolidation=fastest)), consolidation
+
+
+def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
+    """Confirm best vs defaults side by side, write best config, tables, summary and report."""
+    rows = get_rows(ctx.study)
+    best = pick_best(rows)
+    plan = ctx.plan
+    record = SearchRecord(
+        model=plan.requested.name, proxy={"is_proxy": plan.is_proxy, "name": plan.proxy_name, "reason": plan.reason, "overrides": plan.overrides},
+        num_trials=len(rows), stopped_because=stopped_because, best=best, default=next((r for r in rows if r.is_default), None),
+    )  # fmt: skip
+    summary = SearchSummary(out_dir=ctx.settings.out_dir, plan=plan, rows=rows, record=record)
+    if best is not None:
+        config, record.confirmation = _choose(ctx, best)
+        config, record.consolidation = _with_fastest_consolidation(ctx, config)
+        summary.best_config_path = emit_best(ctx, config, best=best, default=record.default, confirmation=record.confirmation, consolidation=record.consolidation)
+        record.best_config = str(summary.best_config_path)
+    write_results(rows, ctx.settings.out_dir)
+    record.write(ctx.settings.out_dir / "search.json")
+    ctx.reporter.on_phase("writing the search report")
+    summary.report_paths, record.report_error = _write_search_report(ctx.settings.out_dir)
+    record.report = [str(p) for p in summary.report_paths]
+    record.write(ctx.settings.out_dir / "search.json")
+    return summary
+
+
+def _write_search_report(out_dir: Path) -> tuple[list[Path], str | None]:
+    """``autotune report`` of the run dir into ``out_dir/report``; a failure is recorded, not raised."""
+    from autotune.report import load_report, write_report
+
+    try:
+        return write_report(load_report(out_dir), out_dir / "report"), None
+    except (AutotuneError, OSError, ValueError) as e:
+        return [], f"{type(e).__name__}: {e}"

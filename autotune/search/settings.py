@@ -1,0 +1,107 @@
+"""What a search needs (settings), how it reports progress, and its error type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from fsdp_runtime.errors import AutotuneError
+
+if TYPE_CHECKING:
+    from autotune.search.proxy import ModelPlan
+    from autotune.search.results import TrialRow
+
+SamplerName = Literal["tpe", "random", "cmaes", "qmc"]
+SAMPLERS: tuple[str, ...] = ("tpe", "random", "cmaes", "qmc")
+
+
+class SearchError(AutotuneError):
+    """A search cannot start or continue (bad settings, a study that does not match)."""
+
+
+@dataclass(kw_only=True)
+class SearchSettings:
+    """Everything a search needs; the CLI's options map one-to-one onto these fields."""
+
+    model: str = "small"
+    """Model profile name or TOML path."""
+    world_size: int = 2
+    num_trials: int = 16
+    """Total trials in the study (across resumes and workers), the defaults trial included."""
+    num_microbatches: int = 2
+    out_dir: Path = Path("runs/search")
+    storage: str | None = None
+    """Optuna storage URL; default ``sqlite:///<out_dir>/study.db``."""
+    study_name: str | None = None
+    resume: bool = False
+    sampler: SamplerName = "tpe"
+    seed: int = 0
+    memory_budget_bytes: int | None = None
+    cluster: str | None = None
+    """Cluster profile for link emulation (e.g. ``cpu-emulated-ib``); None: real links."""
+    fixed_mesh: str | None = None
+    num_warmup: int = 2
+    num_measured: int = 4
+    num_profiled: int = 2
+    trial_timeout_s: float = 180.0
+    prune_ratio: float = 1.5
+    patience: int | None = 10
+    """Stop after this many finished trials without a >= 1% improvement; None: never."""
+    num_confirm_pairs: int = 3
+    step_budget_s: float = 1.0
+    """Per-microbatch step-time budget used to size a proxy on this machine."""
+    use_pool: bool = True
+    rank_program: str | None = None
+    """Custom per-rank workload ``module:function`` (see :class:`autotune.trials.TrialSpec`)."""
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+        checks = [
+            ("world_size", self.world_size >= 1, f"world size must be >= 1, got {self.world_size}"),
+            ("num_trials", self.num_trials >= 1, f"number of trials must be >= 1, got {self.num_trials}"),
+            ("num_microbatches", self.num_microbatches >= 1, f"microbatches must be >= 1, got {self.num_microbatches}"),
+            ("prune_ratio", self.prune_ratio > 1.0, f"prune ratio must be > 1, got {self.prune_ratio}"),
+            ("num_confirm_pairs", self.num_confirm_pairs >= 0, f"confirmation pairs must be >= 0, got {self.num_confirm_pairs}"),
+            ("patience", self.patience is None or self.patience >= 1, f"patience must be >= 1, got {self.patience}"),
+            ("sampler", self.sampler in SAMPLERS, f"unknown sampler {self.sampler!r} (use {', '.join(SAMPLERS)})"),
+            ("trial_timeout_s", self.trial_timeout_s > 0, f"trial timeout must be > 0 s, got {self.trial_timeout_s}"),
+        ]
+        for name, ok, problem in checks:
+            if not ok:
+                raise SearchError(problem, field=name)
+
+    def get_storage(self) -> str:
+        return self.storage or f"sqlite:///{(self.out_dir / 'study.db').resolve()}"
+
+    def get_study_name(self, model_name: str) -> str:
+        return self.study_name or f"{model_name}-w{self.world_size}-mb{self.num_microbatches}"
+
+
+class SearchReporter(Protocol):
+    """Progress callbacks (the CLI renders them with rich; tests pass a silent one)."""
+
+    def on_start(self, plan: "ModelPlan", settings: SearchSettings, num_existing: int) -> None: ...
+    def on_trial_start(self, number: int, total: int) -> None: ...
+    def on_trial_end(self, row: "TrialRow", best: "TrialRow | None") -> None: ...
+    def on_phase(self, message: str) -> None: ...
+    def on_trials_done(self, stopped_because: str) -> None: ...
+
+
+class SilentReporter:
+    """A reporter that says nothing."""
+
+    def on_start(self, plan: Any, settings: SearchSettings, num_existing: int) -> None:
+        pass
+
+    def on_trial_start(self, number: int, total: int) -> None:
+        pass
+
+    def on_trial_end(self, row: Any, best: Any) -> None:
+        pass
+
+    def on_phase(self, message: str) -> None:
+        pass
+
+    def on_trials_done(self, stopped_because: str) -> None:
+        pass

@@ -1,0 +1,168 @@
+"""``metrics.json``: what one trial measured (an artifact, see [Note: artifacts]).
+
+Three different peaks exist in this project and each has its own name:
+
+- ``process_peak_bytes`` (here): the trial process's peak, sampled RSS on CPU or
+  ``torch.cuda.max_memory_allocated`` on GPU (``memory_source`` says which), over build,
+  warm-up and measured steps; see [Note: what a trial measures] in
+  :mod:`autotune.trials.program`.
+- ``profiler_peak_allocated_bytes`` (trace metrics): the largest ``Total Allocated`` the
+  profiler saw in the profiled window (:mod:`autotune.analysis`).
+- ``consolidation_rise_bytes`` (:mod:`autotune.search.consolidation`): how far rank 0's
+  peak RSS rose while consolidating a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from autotune.analysis import check_summary
+from autotune.artifacts import read_artifact, write_artifact
+
+TrialStatus = Literal["ok", "pruned", "timeout", "crash", "oom", "invalid_config"]
+
+
+def median_or_none(values: list[float]) -> float | None:
+    """The median of ``values``; None for an empty list (the one step-median rule)."""
+    return statistics.median(values) if values else None
+
+
+@dataclass(kw_only=True)
+class RankMetrics:
+    """One rank's measurements."""
+
+    rank: int
+    step_ms: list[float]
+    """Unprofiled, timed steps."""
+    profiled_step_ms: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    process_peak_bytes: int | None = None
+    process_baseline_bytes: int | None = None
+    """RSS before the model was built (0 on GPU)."""
+    trace: str | None = None
+    """File name of this rank's trace in the trial dir."""
+    link_emulation: dict[str, Any] | None = None
+
+    @property
+    def median_step_ms(self) -> float | None:
+        return median_or_none(self.step_ms)
+
+    @property
+    def median_profiled_step_ms(self) -> float | None:
+        return median_or_none(self.profiled_step_ms)
+
+
+def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """v1 -> v2: the process peak got its own name (``peak_memory_bytes`` was ambiguous)."""
+    data = dict(data)
+    data["process_peak_bytes"] = data.pop("peak_memory_bytes", None)
+    ranks = []
+    for r in data.get("ranks", []):
+        r = dict(r)
+        r["process_peak_bytes"] = r.pop("peak_memory_bytes", None)
+        r["process_baseline_bytes"] = r.pop("baseline_memory_bytes", None)
+        ranks.append(r)
+    data["ranks"] = ranks
+    return data
+
+
+@dataclass(kw_only=True)
+class TrialMetrics:
+    """The body of ``metrics.json``."""
+
+    KIND: ClassVar[str] = "trial_metrics"
+    SCHEMA_VERSION: ClassVar[int] = 2
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1}
+
+    status: TrialStatus
+    reason: str = ""
+    model: str | dict[str, Any]
+    world_size: int
+    backend: str
+    cluster: str | None = None
+    mesh: dict[str, Any] = field(default_factory=dict)
+    num_warmup: int = 0
+    num_measured: int = 0
+    num_profiled: int = 0
+    step_ms_per_step: list[float] = field(default_factory=list)
+    """Per measured step, the slowest rank's time."""
+    step_ms: float | None = None
+    """Median of ``step_ms_per_step``: the trial's step time."""
+    process_peak_bytes: int | None = None
+    """Largest process peak over ranks (see the module docstring)."""
+    memory_source: str | None = None
+    """``peak_rss`` (CPU) or ``cuda_max_allocated`` (GPU)."""
+    ranks: list[RankMetrics] = field(default_factory=list)
+    traces: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    trace_metrics: dict[str, Any] | None = None
+    """``autotune.analysis.summarize_traces`` of the traces (its own versioned schema)."""
+    analysis_error: str | None = None
+
+    @classmethod
+    def from_ranks(cls, ranks: list[RankMetrics], **fields: Any) -> "TrialMetrics":
+        """Metrics whose step figures are derived from the ranks' (the one place they are)."""
+        per_step = [max(steps) for steps in zip(*(r.step_ms for r in ranks))] if ranks else []
+        peaks = [r.process_peak_bytes for r in ranks if r.process_peak_bytes is not None]
+        return cls(
+            ranks=ranks, step_ms_per_step=per_step, step_ms=median_or_none(per_step), process_peak_bytes=max(peaks) if peaks else None,
+            traces=[r.trace for r in ranks if r.trace], **fields,
+        )  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {"schema_version": self.SCHEMA_VERSION, "kind": self.KIND, **body, "ranks": [dataclasses.asdict(r) for r in self.ranks]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "metrics") -> "TrialMetrics":
+        body = {k: v for k, v in data.items() if k not in ("schema_version", "kind")}
+        body["ranks"] = [RankMetrics(**r) for r in body.get("ranks", [])]
+        if body.get("trace_metrics") is not None:
+            body["trace_metrics"] = check_summary(body["trace_metrics"], source=f"{source}: trace_metrics")
+        return cls(**body)
+
+    @classmethod
+    def read(cls, path: str | Path) -> "TrialMetrics":
+        data = read_artifact(path, kind=cls.KIND, version=cls.SCHEMA_VERSION, migrations=cls.MIGRATIONS)
+        return cls.from_dict(data, source=str(path))
+
+    def write(self, path: str | Path) -> Path:
+        return write_artifact(path, self.to_dict())
+
+
+@dataclass(kw_only=True)
+class TrialResult:
+    """Outcome of one trial; ``metrics`` is the trial dir's ``metrics.json``."""
+
+    status: TrialStatus
+    reason: str = ""
+    out_dir: Path
+    metrics: TrialMetrics | None = None
+    wall_s: float = 0.0
+    rank_pids: list[int] = field(default_factory=list)
+    """Process ids of the ranks that ran it (process-group leaders), for leak checks."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def step_ms(self) -> float | None:
+        """Median unprofiled step time (slowest rank per step), or None without measurements."""
+        return self.metrics.step_ms if self.metrics else None
+
+    @property
+    def process_peak_bytes(self) -> int | None:
+        """Largest process peak over ranks (see ``metrics.memory_source`` for its meaning)."""
+        return self.metrics.process_peak_bytes if self.metrics else None
+
+    @classmethod
+    def load(cls, out_dir: str | Path) -> "TrialResult":
+        """Read a finished trial dir back."""
+        out_dir = Path(out_dir)
+        metrics = TrialMetrics.read(out_dir / "metrics.json")
+        return cls(status=metrics.status, reason=metrics.reason, out_dir=out_dir, metrics=metrics, wall_s=metrics.wall_s)

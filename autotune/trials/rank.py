@@ -1,0 +1,145 @@
+"""Entry point of one local rank: ``python -m autotune.trials.rank once|pool DIR RANK``.
+
+Both launchers start ranks through this module (see [Note: launching ranks] in
+:mod:`autotune.trials.launch` and [Note: rank pool] in :mod:`autotune.trials.pool`):
+
+- ``once`` (:func:`~autotune.trials.launch.run_ranks`): join the parent's store and the
+  default group, call the target once, write ``result_RANK.pkl``, exit.
+- ``pool`` (:class:`~autotune.trials.pool.RankPool`): initialise the default group once,
+  then run jobs in order: wait for key ``job/{n}``, call its target as
+  ``fn(rank, world_size, **kwargs)``, store the pickled result under
+  ``result/{n}/{rank}``. A job that raises ends the process (a peer may be blocked in a
+  collective with it; the parent kills and restarts the whole pool). The rank also exits
+  when the parent is gone (its store socket closes).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import itertools
+import os
+import pickle
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+EXIT_JOB = b"exit"
+_IDLE = timedelta(days=1)  # a blocking wait; the parent's death closes the socket and ends it
+
+
+def init_rank(tmpdir: str, rank: int) -> tuple[dict, Any]:
+    """Read the launcher's spec, set this rank's threads, join the parent's store and the default group."""
+    spec = pickle.loads((Path(tmpdir) / "spec.pkl").read_bytes())
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec["num_threads"]))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec["num_threads"])
+    world_size = spec["world_size"]
+    timeout = timedelta(seconds=spec["pg_timeout_s"])
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], world_size + 1, is_master=False, timeout=timeout)
+    dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return spec, store
+
+
+def call_target(target: str, rank: int, world_size: int, kwargs: dict) -> Any:
+    """``module:function(rank, world_size, **kwargs)``; on failure print the reason and exit at once.
+
+    A user error (:class:`AutotuneError`) prints one line and exits with ``EXIT_USER_ERROR``;
+    anything else prints the traceback and exits 1. Interpreter teardown is skipped: a peer
+    may be blocked in a collective with us.
+    """
+    from autotune.trials.launch import EXIT_USER_ERROR
+    from fsdp_runtime.errors import AutotuneError
+
+    module_name, fn_name = target.split(":")
+    try:
+        return getattr(importlib.import_module(module_name), fn_name)(rank, world_size, **kwargs)
+    except AutotuneError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(EXIT_USER_ERROR)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _run_once(tmpdir: str, rank: int) -> None:
+    spec, _ = init_rank(tmpdir, rank)
+    import torch.distributed as dist
+
+    from fsdp_runtime.files import write_atomic
+
+    result = call_target(spec["target"], rank, spec["world_size"], spec["kwargs"])
+    write_atomic(Path(tmpdir) / f"result_{rank}.pkl", pickle.dumps(result))
+    dist.destroy_process_group()
+
+
+def _get_process_groups() -> list[object]:
+    """Every live process group (the default one included).
+
+    torch has no public listing; ``_world.pg_map`` is the registry ``new_group`` and
+    ``init_device_mesh`` add to.
+    """
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
+
+
+def _release_job_groups(before: list[object]) -> None:
+    """Destroy the groups a job created (its device mesh's): each holds gloo threads and
+    sockets, and a search runs hundreds of jobs in one pool (measured without this: +3
+    threads and +4 file descriptors per rank for every HSDP trial)."""
+    import torch.distributed as dist
+
+    for group in _get_process_groups():
+        if group not in before:
+            dist.destroy_process_group(group)
+
+
+def _wait_for_job(jobs: Any, key: str) -> None:
+    import torch.distributed as dist
+
+    while True:
+        try:
+            jobs.wait([key], _IDLE)
+            return
+        except dist.DistStoreError as e:
+            if "timeout" not in str(e).lower():
+                os._exit(0)  # the store went away: the parent is gone
+        except dist.DistError:
+            os._exit(0)  # connection closed: the parent is gone
+
+
+def _run_pool(tmpdir: str, rank: int) -> None:
+    spec, store = init_rank(tmpdir, rank)
+    import torch.distributed as dist
+
+    jobs = dist.PrefixStore("pool/", store)  # the pool's keys live apart from the group's own
+    for n in itertools.count():
+        _wait_for_job(jobs, f"job/{n}")
+        job = jobs.get(f"job/{n}")
+        if job == EXIT_JOB:
+            # No collective is in flight between jobs, and the parent kills the session
+            # right after: skip process-group teardown and interpreter exit (seconds).
+            sys.stderr.flush()
+            os._exit(0)
+        job = pickle.loads(job)
+        groups_before = _get_process_groups()
+        result = call_target(job["target"], rank, spec["world_size"], job["kwargs"])
+        _release_job_groups(groups_before)
+        jobs.set(f"result/{n}/{rank}", pickle.dumps(result))
+        gc.collect()
+
+
+if __name__ == "__main__":
+    mode, directory, rank_arg = sys.argv[1:4]
+    (_run_pool if mode == "pool" else _run_once)(directory, int(rank_arg))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: the result is written, and C++ static destructors racing
+    # gloo's threads at exit occasionally aborted a finished rank.
+    os._exit(0)

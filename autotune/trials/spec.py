@@ -1,0 +1,104 @@
+"""The trial spec: what to run in one trial and where to write it (an artifact, see [Note: artifacts]).
+
+``autotune trial --write-spec`` writes it for torchrun; local launchers hand its
+``to_dict()`` to every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from autotune.artifacts import check_artifact, read_artifact, write_artifact
+from fsdp_runtime import RuntimeConfig, config_from_dict, config_to_dict
+from fsdp_runtime.errors import AutotuneError
+
+DEFAULT_RANK_PROGRAM = "autotune.trials.program:run_trial_rank"
+
+
+class TrialSpecError(AutotuneError):
+    """A trial spec that cannot describe a trial (bad counts, backend, pool mismatch)."""
+
+
+def _default_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@dataclass(kw_only=True)
+class TrialSpec:
+    """What to run in one trial, and where to write it."""
+
+    KIND: ClassVar[str] = "trial_spec"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    model: str | dict[str, Any]
+    """Model profile name/path, or ``{"name": ..., **shape/seq_len/batch_size overrides}``."""
+    config: RuntimeConfig
+    """The FSDP2 runtime config under test."""
+    world_size: int
+    out_dir: Path
+    """The trial dir (created; a previous trial's files in it are replaced)."""
+    num_warmup: int = 2
+    """Unmeasured steps first (allocator, gloo connections, autograd caches)."""
+    num_measured: int = 5
+    """Unprofiled, timed steps: the step-time figures."""
+    num_profiled: int = 2
+    """Steps recorded in the traces (after one profiler warm-up step)."""
+    seed: int = 0
+    timeout_s: float = 120.0
+    """Wall-clock limit for the whole trial, start-up included; then every rank is killed."""
+    backend: str = field(default_factory=_default_backend)
+    """``gloo`` (CPU) or ``nccl`` (CUDA); default: ``nccl`` when CUDA is available."""
+    cluster: str | None = None
+    """Cluster profile whose emulated links hold the collectives (autotune.trials.linkemu); None: real links."""
+    profile: bool = True
+    """Run the profiled window and write traces."""
+    prune_if_slower_than_ms: float | None = None
+    """Stop after the first measured steps (status ``pruned``) if their median is above this."""
+    rank_program: str = DEFAULT_RANK_PROGRAM
+    """``module:function`` each rank runs as ``fn(rank, world_size, spec=dict)``; replace it to
+    trial a custom workload that returns the same measurements."""
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+        checks = [
+            ("world_size", self.world_size >= 1, f"world size must be >= 1, got {self.world_size}"),
+            ("num_warmup", self.num_warmup >= 0, f"warm-up steps must be >= 0, got {self.num_warmup}"),
+            ("num_measured", self.num_measured >= 1, f"measured steps must be >= 1, got {self.num_measured}"),
+            ("num_profiled", not self.profile or self.num_profiled >= 1, f"profiled steps must be >= 1 when profiling, got {self.num_profiled}"),
+            ("timeout_s", self.timeout_s > 0, f"timeout must be > 0 s, got {self.timeout_s}"),
+            ("backend", self.backend in ("gloo", "nccl"), f"backend must be 'gloo' or 'nccl', got {self.backend!r}"),
+            ("rank_program", ":" in self.rank_program, f"rank program must be 'module:function', got {self.rank_program!r}"),
+        ]
+        for name, ok, problem in checks:
+            if not ok:
+                raise TrialSpecError(f"trial spec: {problem}", field=name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (what ranks receive, and ``--write-spec`` writes for torchrun)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {"schema_version": self.SCHEMA_VERSION, "kind": self.KIND, **data, "config": config_to_dict(self.config), "out_dir": str(self.out_dir)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "trial spec") -> "TrialSpec":
+        data = dict(check_artifact(data, kind=cls.KIND, version=cls.SCHEMA_VERSION, source=source))
+        del data["kind"], data["schema_version"]
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise TrialSpecError(f"{source}: unknown field {unknown[0]!r} (known: {', '.join(sorted(names))})")
+        try:
+            return cls(**{**data, "config": config_from_dict(data["config"], source=source), "out_dir": Path(data["out_dir"])})
+        except (KeyError, TypeError) as e:
+            raise TrialSpecError(f"{source}: incomplete trial spec ({e})") from None
+
+    @classmethod
+    def read(cls, path: str | Path) -> "TrialSpec":
+        return cls.from_dict(read_artifact(path, kind=cls.KIND, version=cls.SCHEMA_VERSION), source=str(path))
+
+    def write(self, path: str | Path) -> Path:
+        return write_artifact(path, self.to_dict())

@@ -1,0 +1,118 @@
+"""The one writer of a trial dir (local launches and rank 0 under torchrun both call it).
+
+A trial dir holds (every file written atomically)::
+
+    metrics.json          :class:`~autotune.trials.metrics.TrialMetrics` (status, reason, per-rank
+                          and per-step unprofiled step times, their median, process peaks,
+                          losses, link-emulation totals, trace metrics)
+    config.toml           the runtime config the trial ran
+    env.json              torch version, backend, world size, host, python, CPU count, CUDA
+                          device name, link emulation used
+    trace_rank{r}.json.gz one chrome trace per rank (openable in Perfetto / chrome://tracing)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import socket
+from pathlib import Path
+from typing import Any
+
+from autotune.artifacts import write_artifact
+from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, TrialStatus
+from autotune.trials.spec import TrialSpec
+from fsdp_runtime import config_to_dict, save_config, validate_for_world
+
+ENV_KIND = "trial_env"
+ENV_SCHEMA_VERSION = 1
+_STALE_FILES = ("metrics.json", "env.json", "config.toml")
+
+
+def check_trial_spec(spec: TrialSpec) -> None:
+    """Checks that need no ranks: the profile exists, the mesh fits the world size, the cluster loads."""
+    from autotune.trials.workload import resolve_profile
+    from profiles import load_cluster_profile
+
+    resolve_profile(spec.model)
+    validate_for_world(spec.config, spec.world_size)
+    if spec.cluster is not None:
+        load_cluster_profile(spec.cluster)
+
+
+def prepare_trial_dir(spec: TrialSpec, *, check: bool = True) -> None:
+    """Create the trial dir, remove a previous trial's files, check the spec, write config.toml."""
+    out_dir = spec.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*_STALE_FILES, *(p.name for p in out_dir.glob("trace_rank*.json.gz"))]:
+        (out_dir / stale).unlink(missing_ok=True)
+    if check:
+        check_trial_spec(spec)
+    save_config(spec.config, out_dir / "config.toml")
+
+
+def to_rank_metrics(result: dict[str, Any]) -> RankMetrics:
+    """A rank program's return value (see :func:`autotune.trials.program.run_trial_rank`) as metrics."""
+    memory = result["memory"]
+    return RankMetrics(
+        rank=result["rank"], step_ms=result["step_ms"], profiled_step_ms=result["profiled_step_ms"], losses=result["losses"],
+        process_peak_bytes=memory["peak_bytes"], process_baseline_bytes=memory["baseline_bytes"], trace=result["trace"],
+        link_emulation=result["link_emulation"],
+    )  # fmt: skip
+
+
+def write_trial_dir(spec: TrialSpec, *, status: TrialStatus, reason: str, rank_results: list[dict[str, Any]], wall_s: float) -> TrialResult:
+    """Write ``metrics.json`` and ``env.json`` for a finished (or failed) trial; returns its result."""
+    ranks = [to_rank_metrics(r) for r in rank_results]
+    metrics = TrialMetrics.from_ranks(
+        ranks, status=status, reason=reason, model=spec.model, world_size=spec.world_size, backend=spec.backend, cluster=spec.cluster,
+        mesh=config_to_dict(spec.config)["mesh"], num_warmup=spec.num_warmup, num_measured=spec.num_measured,
+        num_profiled=spec.num_profiled if spec.profile else 0, memory_source=rank_results[0]["memory"]["source"] if rank_results else None,
+        wall_s=wall_s,
+    )  # fmt: skip
+    if metrics.traces and status == "ok":
+        metrics.trace_metrics, metrics.analysis_error = _analyze([spec.out_dir / t for t in metrics.traces])
+    write_artifact(spec.out_dir / "env.json", _get_env(spec, rank_results))
+    metrics.write(spec.out_dir / "metrics.json")
+    return TrialResult(status=status, reason=reason, out_dir=spec.out_dir, metrics=metrics, wall_s=wall_s)
+
+
+def _analyze(traces: list[Path]) -> tuple[dict[str, Any] | None, str | None]:
+    """``autotune.analysis.summarize_traces`` over the traces; a failure becomes an error string."""
+    from autotune.analysis import summarize_traces
+
+    try:
+        summary = summarize_traces([str(p) for p in traces])
+        json.dumps(summary)
+    except Exception as e:  # a bad trace or analysis bug is recorded; the trial's timings stand
+        return None, f"{type(e).__name__}: {e}"[:500]
+    return summary, None
+
+
+def _get_env(spec: TrialSpec, rank_results: list[dict[str, Any]]) -> dict[str, Any]:
+    rank_env = rank_results[0]["env"] if rank_results else {}
+    link_emulation = None
+    if spec.cluster is not None:
+        from profiles import load_cluster_profile
+
+        cluster = load_cluster_profile(spec.cluster)
+        links = {name: dataclasses.asdict(link) for name, link in cluster.links.items() if link.emulated}
+        link_emulation = {"cluster": cluster.name, "ranks_per_node": cluster.ranks_per_node, "links": links} if links else None
+    import torch
+
+    return {
+        "schema_version": ENV_SCHEMA_VERSION,
+        "kind": ENV_KIND,
+        "torch_version": rank_env.get("torch_version", torch.__version__),
+        "backend": spec.backend,
+        "world_size": spec.world_size,
+        "host": rank_env.get("host", socket.gethostname()),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "num_threads_per_rank": rank_env.get("num_threads"),
+        "device": rank_env.get("device"),
+        "cuda_device_name": rank_env.get("cuda_device_name"),
+        "link_emulation": link_emulation,
+    }
