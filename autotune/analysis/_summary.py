@@ -34,17 +34,17 @@ Medians skip nulls; a field that is null everywhere stays null.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 
+from autotune.analysis._events import RankEvents
 from autotune.analysis._step_analysis import STEP_COLUMNS, get_profiler_peak
 from autotune.analysis._unit_analysis import UNIT_COLUMNS
+from autotune.artifacts import check_artifact
 
-if TYPE_CHECKING:
-    from autotune.analysis._facade import FsdpTraceAnalysis
-
-SUMMARY_SCHEMA_VERSION = 1
+SUMMARY_KIND = "trace_metrics"
+SUMMARY_SCHEMA_VERSION = 2
 STEP_FIELDS = [c for c in STEP_COLUMNS if c not in ("rank", "step")]
 UNIT_FIELDS = [c for c in UNIT_COLUMNS if c not in ("rank", "step", "unit")]
 _INT_FIELDS = {"step", "num_collectives", "profiler_peak_allocated_bytes"}

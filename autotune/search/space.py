@@ -87,7 +87,7 @@ class SearchSpace:
             "mesh": mesh,
             "forward_prefetch": trial.suggest_categorical("forward_prefetch", PREFETCH_CHOICES),
             "backward_prefetch": trial.suggest_categorical("backward_prefetch", PREFETCH_CHOICES),
-            "reshard_after_forward": trial.suggest_categorical(self._get_reshard_key(shard), self._get_reshard_choices(shard)),
+            self._get_reshard_key(shard): trial.suggest_categorical(self._get_reshard_key(shard), self._get_reshard_choices(shard)),
             "reduce_scatter_buffers": trial.suggest_categorical("reduce_scatter_buffers", [1, 2]),
         }
         if self.device_type == "cpu":
@@ -123,8 +123,6 @@ class SearchSpace:
         for key in ("nosync_level_fsdp", "nosync_level_hsdp"):
             if key in params:
                 params["nosync_level"] = params.pop(key)
-        for key in [k for k in params if k.startswith("reshard_after_forward_shard")]:
-            params["reshard_after_forward"] = params.pop(key)
         blocks = list(self.block_names)
         mesh = params["mesh"]
         if mesh == "fsdp":
@@ -133,6 +131,7 @@ class SearchSpace:
             replicate, shard = (int(x) for x in mesh.split(":")[1].split("x"))
             mesh_config = MeshConfig(kind="hsdp", replicate=replicate, shard=shard)
         shard = self._get_shard_size(mesh)
+        reshard = params.get(self._get_reshard_key(shard), "true")
         fwd = _prefetch_lists(blocks, params["forward_prefetch"])
         bwd = _prefetch_lists(list(reversed(blocks)), params["backward_prefetch"])
         nosync = _select_blocks(blocks, params.get("nosync_blocks", "none"))
@@ -140,7 +139,7 @@ class SearchSpace:
         for i, name in enumerate(blocks):
             unit = UnitConfig(
                 name=name,
-                reshard_after_forward=_reshard_value(params["reshard_after_forward"], i, len(blocks), shard),
+                reshard_after_forward=_reshard_value(reshard, i, len(blocks), shard),
                 forward_prefetch=fwd.get(name),
                 backward_prefetch=bwd.get(name),
             )

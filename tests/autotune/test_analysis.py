@@ -16,7 +16,7 @@ import pytest
 from _fixtures import get_fixture_traces
 from _trace_builders import gloo, label, memory, span, step, trace, write
 
-from autotune.analysis import FsdpTraceAnalysis, TraceError, summarize_traces
+from autotune.analysis import SUMMARY_SCHEMA_VERSION, FsdpTraceAnalysis, TraceError, summarize_traces
 from autotune.analysis._events import get_collective_kind, get_label_unit
 from fsdp_runtime.errors import AutotuneError
 
@@ -177,8 +177,8 @@ def test_peak_memory_per_step(tmp_path):
         step(1, 0, 1000), step(2, 1000, 2000),
         memory(10, 500), memory(20, 900), memory(1500, 700),
     ])  # fmt: skip
-    assert rows[1]["peak_memory_bytes"] == 900
-    assert rows[2]["peak_memory_bytes"] == 700
+    assert rows[1]["profiler_peak_allocated_bytes"] == 900
+    assert rows[2]["profiler_peak_allocated_bytes"] == 700
     assert rows[1]["overlap_ratio"] is None  # no comm: undefined, not 0
 
 
@@ -244,10 +244,10 @@ def test_gpu_fixture_golden_and_matches_hta():
 # --- recorded CPU/gloo fixture: exact golden numbers ------------------------------------
 
 CPU_GOLDEN_STEPS = {
-    (0, 1): dict(step_ms=167.8633193359375, compute_ms=100.6637626953125, comm_ms=36.521337890625, all_gather_ms=27.565818359375, reduce_scatter_ms=8.95551953125, exposed_comm_ms=22.569521484375, overlap_ratio=0.38201821762481003, bound_ratio=1.667564522141136, num_collectives=8, peak_memory_bytes=1974300),
-    (0, 2): dict(step_ms=162.7226904296875, compute_ms=76.23315234375, comm_ms=54.68996484375, all_gather_ms=44.1629267578125, reduce_scatter_ms=18.55884765625, exposed_comm_ms=42.039021484375, overlap_ratio=0.23132110974141096, bound_ratio=2.134539703880268, num_collectives=8, peak_memory_bytes=2532124),
-    (1, 1): dict(step_ms=170.6218994140625, compute_ms=109.8611279296875, comm_ms=42.0098935546875, all_gather_ms=23.143466796875, reduce_scatter_ms=18.8664267578125, exposed_comm_ms=24.9340078125, overlap_ratio=0.4064729590413866, bound_ratio=1.5530688845945826, num_collectives=8, peak_memory_bytes=1875484),
-    (1, 2): dict(step_ms=162.0716806640625, compute_ms=99.5230146484375, comm_ms=49.7155263671875, all_gather_ms=34.5469580078125, reduce_scatter_ms=22.07612890625, exposed_comm_ms=22.4670361328125, overlap_ratio=0.5480881371570702, bound_ratio=1.6284844388664932, num_collectives=8, peak_memory_bytes=2400284),
+    (0, 1): dict(step_ms=167.8633193359375, compute_ms=100.6637626953125, comm_ms=36.521337890625, all_gather_ms=27.565818359375, reduce_scatter_ms=8.95551953125, exposed_comm_ms=22.569521484375, overlap_ratio=0.38201821762481003, bound_ratio=1.667564522141136, num_collectives=8, profiler_peak_allocated_bytes=1974300),
+    (0, 2): dict(step_ms=162.7226904296875, compute_ms=76.23315234375, comm_ms=54.68996484375, all_gather_ms=44.1629267578125, reduce_scatter_ms=18.55884765625, exposed_comm_ms=42.039021484375, overlap_ratio=0.23132110974141096, bound_ratio=2.134539703880268, num_collectives=8, profiler_peak_allocated_bytes=2532124),
+    (1, 1): dict(step_ms=170.6218994140625, compute_ms=109.8611279296875, comm_ms=42.0098935546875, all_gather_ms=23.143466796875, reduce_scatter_ms=18.8664267578125, exposed_comm_ms=24.9340078125, overlap_ratio=0.4064729590413866, bound_ratio=1.5530688845945826, num_collectives=8, profiler_peak_allocated_bytes=1875484),
+    (1, 2): dict(step_ms=162.0716806640625, compute_ms=99.5230146484375, comm_ms=49.7155263671875, all_gather_ms=34.5469580078125, reduce_scatter_ms=22.07612890625, exposed_comm_ms=22.4670361328125, overlap_ratio=0.5480881371570702, bound_ratio=1.6284844388664932, num_collectives=8, profiler_peak_allocated_bytes=2400284),
 }  # fmt: skip
 CPU_GOLDEN_UNITS_RANK0_STEP2 = {
     "root": dict(all_gather_ms=2.6394404296875, reduce_scatter_ms=3.9936298828125, exposed_comm_ms=6.6330703125, num_collectives=2, hook_ms=28.05594921875),
@@ -318,15 +318,15 @@ def test_cpu_fixture_comm_matches_raw_gloo_spans(cpu_analysis):
 def test_summary_schema_and_aggregate(cpu_analysis):
     summary = cpu_analysis.summarize()
     assert json.loads(json.dumps(summary)) == summary  # JSON-able, no NaN
-    assert (summary["schema_version"], summary["kind"], summary["device"], summary["num_ranks"]) == (1, "trace_metrics", "cpu", 2)
+    assert (summary["schema_version"], summary["kind"], summary["device"], summary["num_ranks"]) == (SUMMARY_SCHEMA_VERSION, "trace_metrics", "cpu", 2)
     rank0 = summary["per_rank"][0]
     assert rank0["trace"] == "trace_rank0.json.gz" and [s["step"] for s in rank0["steps"]] == [1, 2]
-    assert rank0["peak_memory_bytes"] == 2532124
+    assert rank0["profiler_peak_allocated_bytes"] == 2532124
     assert [u["unit"] for u in rank0["per_unit"]] == ["root", "layers.0", "layers.1"]
     assert rank0["per_unit"][0]["all_gather_ms"] == pytest.approx((7.638009765625 + 2.6394404296875) / 2, abs=EXACT)
     aggregate = summary["aggregate"]
     step_ms = sorted(v["step_ms"] for v in CPU_GOLDEN_STEPS.values())
     assert aggregate["num_steps"] == 4
     assert aggregate["step_ms"] == pytest.approx((step_ms[1] + step_ms[2]) / 2, abs=EXACT)
-    assert aggregate["peak_memory_bytes"] == 2532124
+    assert aggregate["profiler_peak_allocated_bytes"] == 2532124
     assert [u["unit"] for u in aggregate["per_unit"]] == ["root", "layers.0", "layers.1"]

@@ -54,10 +54,10 @@ def test_emulated_link_holds_collectives_and_keeps_losses_bitwise(pool2, tmp_pat
     slow = run_trial(TrialSpec(out_dir=tmp_path / "slow", cluster=str(cluster), **common), pool=pool2)
     assert plain.status == slow.status == "ok", (plain.reason, slow.reason)
 
-    for p, s in zip(plain.metrics["ranks"], slow.metrics["ranks"]):
-        assert p["losses"] == s["losses"]  # bitwise: the data still moved through gloo
-        assert p["link_emulation"] is None
-        stats = s["link_emulation"]
+    for p, s in zip(plain.metrics.ranks, slow.metrics.ranks):
+        assert p.losses == s.losses  # bitwise: the data still moved through gloo
+        assert p.link_emulation is None
+        stats = s.link_emulation
         # Only FSDP's traffic is emulated: not the trial's barriers, not its pruning vote.
         assert set(stats) == {"all_gather", "reduce_scatter"}
         for kind in stats.values():

@@ -44,12 +44,12 @@ def test_pool_runs_different_configs_back_to_back(pool2, tmp_path):
     for i, (name, config) in enumerate(configs.items()):
         result = run_trial(_spec(tmp_path, name, config, profile=i == 0, num_profiled=1), pool=pool2)
         assert result.status == "ok", f"{name}: {result.reason}"
-        assert result.rank_pids == pids and len(result.metrics["ranks"]) == 2
-        assert all(ms > 0 for r in result.metrics["ranks"] for ms in r["step_ms"])
+        assert result.rank_pids == pids and len(result.metrics.ranks) == 2
+        assert all(ms > 0 for r in result.metrics.ranks for ms in r.step_ms)
     # The same spec again after other configs: bitwise-equal losses, so no state leaks between jobs.
     again = run_trial(_spec(tmp_path, "default_again", configs["default"]), pool=pool2)
     first = json.loads((tmp_path / "default" / "metrics.json").read_text())
-    assert [r["losses"] for r in again.metrics["ranks"]] == [r["losses"][:3] for r in first["ranks"]]
+    assert [r.losses for r in again.metrics.ranks] == [r["losses"][:3] for r in first["ranks"]]
     assert (tmp_path / "default" / "trace_rank1.json.gz").exists()
     assert not (tmp_path / "accumulate" / "trace_rank0.json.gz").exists()
     assert pool2.num_starts == starts, "the pool restarted although every trial succeeded"
@@ -79,8 +79,8 @@ def test_pool_deadlock_times_out_then_recovers(pool2, tmp_path):
 def test_slow_trial_is_pruned_after_two_steps(pool2, tmp_path):
     result = run_trial(_spec(tmp_path, "pruned", default_config(UNITS), num_measured=5, profile=True, prune_if_slower_than_ms=1e-3), pool=pool2)
     assert result.status == "pruned"
-    assert [len(r["step_ms"]) for r in result.metrics["ranks"]] == [2, 2]
-    assert result.metrics["traces"] == [] and not list((tmp_path / "pruned").glob("trace_*"))
+    assert [len(r.step_ms) for r in result.metrics.ranks] == [2, 2]
+    assert result.metrics.traces == [] and not list((tmp_path / "pruned").glob("trace_*"))
 
 
 def test_rank_side_config_error_is_invalid_config(pool2, tmp_path):
@@ -102,7 +102,7 @@ def test_world4_pool_runs_hsdp_then_fsdp_and_shuts_down_cleanly(tmp_path):
     assert first.rank_pids == second.rank_pids == pids and pool.num_starts == 1
     # cpu-emulated-ib puts 2 ranks per node: shard groups {0,1},{2,3} stay inside a node,
     # replicate groups {0,2},{1,3} cross nodes.
-    emulated = first.metrics["ranks"][0]["link_emulation"]
+    emulated = first.metrics.ranks[0].link_emulation
     assert set(emulated["all_gather"]["count_by_link"]) == {"intra_node"}
     assert set(emulated["reduce_scatter"]["count_by_link"]) == {"intra_node"}
     assert set(emulated["all_reduce"]["count_by_link"]) == {"inter_node"}

@@ -12,16 +12,19 @@ from _fixtures import get_fixture_traces
 from typer.testing import CliRunner
 
 from autotune.analysis import summarize_traces
-from autotune.report import ReportError, load_report, write_report
+from autotune.report import ReportError, get_tables, load_report, write_report
+from autotune.search import SearchRecord, TrialRow
+from autotune.search.results import write_results
+from autotune.trials import TrialMetrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def write_metrics(trial_dir: Path, *, status: str = "ok", step_ms: float | None = 150.0, trace_metrics: dict | None = None, reason: str = "") -> None:
     trial_dir.mkdir(parents=True, exist_ok=True)
-    metrics = {"schema_version": 1, "kind": "trial_metrics", "status": status, "reason": reason, "step_ms": step_ms,
-               "peak_memory_bytes": 3 * 2**20, "trace_metrics": trace_metrics}  # fmt: skip
-    (trial_dir / "metrics.json").write_text(json.dumps(metrics))
+    metrics = TrialMetrics(status=status, reason=reason, model="tiny", world_size=2, backend="gloo", step_ms=step_ms,
+                           process_peak_bytes=3 * 2**20, trace_metrics=trace_metrics)  # fmt: skip
+    metrics.write(trial_dir / "metrics.json")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,7 @@ def trial_report(trial_dir):
 def test_trial_report_tables_and_json(trial_report):
     report = trial_report
     assert report.kind == "trial" and report.best is report.trials[0]
-    summary, steps, units = report.get_tables()
+    summary, steps, units = get_tables(report)
     assert dict(summary.rows)["status"] == "ok"
     assert dict(summary.rows)["step ms (unprofiled, median)"] == "150.0"
     assert dict(summary.rows)["profiled overlap (median)"] == "39.4%"
@@ -92,7 +95,7 @@ def test_search_report_lists_trials_and_best(search_dir, tmp_path):
     assert report.kind == "search"
     assert [t.name for t in report.trials] == ["t0", "t1", "t2", "t3"]
     assert report.best.name == "t1"  # t3 is faster but crashed
-    (table,) = report.get_tables()
+    (table,) = get_tables(report)
     assert table.title == "4 trials, best: t1"
     assert [row[0] for row in table.rows] == ["t3", "t1", "t0", "t2"]  # by step time, failures without one last
     assert table.rows[1][-1] == "best" and table.rows[3][-1] == "no result after 60s"
@@ -104,15 +107,25 @@ def test_search_report_lists_trials_and_best(search_dir, tmp_path):
 def test_search_report_takes_best_from_search_json(search_dir, tmp_path):
     folder = tmp_path / "search"
     shutil.copytree(search_dir, folder)
-    (folder / "search.json").write_text(json.dumps({"kind": "search_summary", "best": {"number": 0, "trial_dir": "trials/t0"}}))
+    best = TrialRow(number=0, state="COMPLETE", status="ok", step_ms=150.0, trial_dir="trials/t0")
+    SearchRecord(model="tiny", best=best).write(folder / "search.json")
     assert load_report(folder).best.name == "t0"  # the search knows better (e.g. t1 broke a memory budget)
+
+
+def test_search_report_without_search_json_applies_the_memory_budget(search_dir, tmp_path):
+    folder = tmp_path / "search"
+    shutil.copytree(search_dir, folder)
+    rows = [TrialRow(number=i, state="COMPLETE", status="ok", step_ms=ms, feasible=name != "t1", trial_dir=f"trials/{name}")
+            for i, (name, ms) in enumerate([("t0", 150.0), ("t1", 120.0)])]  # fmt: skip
+    write_results(rows, folder)
+    assert load_report(folder).best.name == "t0"  # t1 is faster but over the memory budget
 
 
 def test_failed_trial_with_a_truncated_trace_still_reports(tmp_path):
     write_metrics(tmp_path, status="timeout", step_ms=None, reason="no result after 60s (deadlock or too slow); all ranks killed")
     (tmp_path / "trace_rank0.json.gz").write_bytes(get_fixture_traces("cpu_tiny_2rank")[0].read_bytes()[:5000])
     report = load_report(tmp_path)
-    rows = dict(report.get_tables()[0].rows)
+    rows = dict(get_tables(report)[0].rows)
     assert rows["status"].startswith("timeout (no result after 60s")
     assert rows["trace metrics"].startswith("unavailable: ") and "truncated" in rows["trace metrics"]
     paths = write_report(report, tmp_path / "out")

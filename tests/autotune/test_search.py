@@ -13,14 +13,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 import pytest
 
 from _search_programs import INJECTED
 from autotune.trials import run_ranks
-from autotune.report import load_report
-from autotune.search import SearchError, SearchSettings, run_search
+from autotune.report import get_tables, load_report
+from autotune.search import SearchError, SearchSettings, SilentReporter, TrialRow, run_search
+from autotune.search.loop import plateaued
 from fsdp_runtime import config_to_dict, load_config
 
 FAST = {"model": "tiny", "world_size": 2, "num_warmup": 1, "num_measured": 2, "num_profiled": 1, "trial_timeout_s": 90.0, "patience": None}
@@ -35,13 +37,13 @@ def _settings(out: Path, **kw) -> SearchSettings:
 def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     summary = run_search(_settings(tmp_path, num_trials=4, num_confirm_pairs=1, memory_budget_bytes=2**40))
     rows = summary.rows
-    assert [r["number"] for r in rows] == [0, 1, 2, 3]
-    assert rows[0]["is_default"] and rows[0]["params"]["forward_prefetch"] == "implicit"
+    assert [r.number for r in rows] == [0, 1, 2, 3]
+    assert rows[0].is_default and rows[0].params["forward_prefetch"] == "implicit"
     # A trial slower than 1.5x the best in its first steps may be pruned (this box is noisy).
-    assert all(r["state"] == "PRUNED" or (r["state"] == "COMPLETE" and r["step_ms"] > 0) for r in rows), rows
-    assert rows[0]["state"] == "COMPLETE"
-    assert summary.best is not None and summary.best["step_ms"] == min(r["step_ms"] for r in rows)
-    if not summary.best["is_default"]:
+    assert all(r.state == "PRUNED" or (r.state == "COMPLETE" and r.step_ms > 0) for r in rows), rows
+    assert rows[0].state == "COMPLETE"
+    assert summary.best is not None and summary.best.step_ms == min(r.step_ms for r in rows if r.state == "COMPLETE")
+    if not summary.best.is_default:
         assert len(summary.confirmation["pairs"]) == 1 and summary.confirmation["emitted"] in ("best", "defaults")
     best = load_config(tmp_path / "best.toml")
     assert best == load_config(tmp_path / "best.json")
@@ -51,9 +53,9 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["trials"]) == 4
     assert (tmp_path / "results.csv").read_text().count("\n") == 5
-    assert all((tmp_path / r["trial_dir"] / "metrics.json").exists() for r in rows)
+    assert all((tmp_path / r.trial_dir / "metrics.json").exists() for r in rows)
     search_json = json.loads((tmp_path / "search.json").read_text())
-    assert search_json["best"]["number"] == summary.best["number"]
+    assert search_json["best"]["number"] == summary.best.number
     # Consolidation of the emitted config was timed once (all_gather and the broadcast baseline).
     assert "seconds" in search_json["consolidation"], search_json["consolidation"]
     seconds = search_json["consolidation"]["seconds"]
@@ -62,7 +64,7 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     assert best.checkpoint.consolidation == min(seconds, key=seconds.get) == search_json["consolidation"]["chosen"]
     # The search report shows it.
     report = load_report(tmp_path)
-    summary_rows = {row[0]: row[1] for row in report.get_tables()[0].rows}
+    summary_rows = {row[0]: row[1] for row in get_tables(report)[0].rows}
     assert "all_gather" in summary_rows["checkpoint consolidation"] and summary_rows["model"] == "tiny"
     assert (tmp_path / "report" / "report.html").exists() and search_json["report_error"] is None
     # The emitted config applies with fsdp_runtime unchanged and trains.
@@ -74,11 +76,11 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
 @pytest.mark.multirank
 def test_failed_trials_are_recorded_and_do_not_stop_the_search(tmp_path):
     summary = run_search(_settings(tmp_path, num_trials=4, num_confirm_pairs=0, sampler="random", seed=3, rank_program="_search_programs:crash_on_explicit_prefetch"))
-    states = [r["state"] for r in summary.rows]
+    states = [r.state for r in summary.rows]
     assert len(states) == 4 and "FAIL" in states and "COMPLETE" in states
-    failed = [r for r in summary.rows if r["state"] == "FAIL"]
-    assert all(r["status"] == "crash" and INJECTED in r["reason"] for r in failed)
-    assert summary.best is not None and summary.best["state"] == "COMPLETE"
+    failed = [r for r in summary.rows if r.state == "FAIL"]
+    assert all(r.status == "crash" and INJECTED in r.reason for r in failed)
+    assert summary.best is not None and summary.best.state == "COMPLETE"
 
 
 def test_existing_study_needs_resume(tmp_path):
@@ -86,7 +88,7 @@ def test_existing_study_needs_resume(tmp_path):
     optuna.create_study(study_name="s", storage=storage)
     with pytest.raises(SearchError, match=r"study 's' already exists .* \(use --resume to continue it"):
         run_search(_settings(tmp_path, num_trials=1, storage=storage, study_name="s"))
-    with pytest.raises(SearchError, match=r"--trials must be >= 1, got 0"):
+    with pytest.raises(SearchError, match=r"number of trials must be >= 1, got 0"):
         _settings(tmp_path, num_trials=0)
 
 
@@ -94,18 +96,20 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-c", "import cli; cli.main()", "search", *args]
 
 
-def _wait_for_complete_trials(db: Path, study: str, count: int, timeout_s: float) -> None:
+def _wait_for_trials(db: Path, study: str, *, complete: int, running: int, timeout_s: float) -> None:
+    """Until the study holds at least ``complete`` finished and ``running`` running trials."""
+    states = optuna.trial.TrialState
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if db.exists():
             try:
-                trials = optuna.load_study(study_name=study, storage=f"sqlite:///{db}").get_trials(states=(optuna.trial.TrialState.COMPLETE,))
-                if len(trials) >= count:
+                trials = optuna.load_study(study_name=study, storage=f"sqlite:///{db}").get_trials()
+                if sum(t.state == states.COMPLETE for t in trials) >= complete and sum(t.state == states.RUNNING for t in trials) >= running:
                     return
             except Exception:  # the schema may be half-created by the worker right now
                 pass
-        time.sleep(0.5)
-    raise AssertionError(f"no {count} complete trials within {timeout_s}s")
+        time.sleep(0.2)
+    raise AssertionError(f"no {complete} complete and {running} running trials within {timeout_s}s")
 
 
 @pytest.mark.multirank
@@ -113,12 +117,14 @@ def test_killed_search_resumes_without_losing_finished_trials(tmp_path):
     args = ["--model", "tiny", "--trials", "3", "--out", str(tmp_path), "--confirm-pairs", "0", "--patience", "0", "--study-name", "r"]
     proc = subprocess.Popen(_cli(*args), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        _wait_for_complete_trials(tmp_path / "study.db", "r", 1, timeout_s=150)
+        _wait_for_trials(tmp_path / "study.db", "r", complete=1, running=1, timeout_s=150)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    before = {t.number: t.value for t in optuna.load_study(study_name="r", storage=f"sqlite:///{tmp_path / 'study.db'}").get_trials() if t.state.is_finished() and t.value is not None}
-    assert before, "the first run finished at least one trial"
+    killed = optuna.load_study(study_name="r", storage=f"sqlite:///{tmp_path / 'study.db'}").get_trials()
+    before = {t.number: t.value for t in killed if t.state.is_finished() and t.value is not None}
+    running = {t.number for t in killed if t.state == optuna.trial.TrialState.RUNNING}
+    assert before and running, "killed with one trial finished and one running"
     done = subprocess.run(_cli(*args, "--resume", "--json"), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout)
@@ -128,8 +134,9 @@ def test_killed_search_resumes_without_losing_finished_trials(tmp_path):
     for number, value in before.items():
         assert after[number].value == value, "a finished trial changed on resume"
     assert all(t.state.is_finished() for t in after.values())
-    interrupted = [t for t in after.values() if t.user_attrs.get("status") == "interrupted"]
-    assert all(t.state == optuna.trial.TrialState.FAIL for t in interrupted)
+    for number in running:  # the dead worker's trial is closed, with the reason
+        assert after[number].state == optuna.trial.TrialState.FAIL and after[number].user_attrs["status"] == "interrupted"
+        assert "died before the trial finished" in after[number].user_attrs["reason"]
 
 
 @pytest.mark.multirank
@@ -155,3 +162,33 @@ def test_two_workers_share_one_study_without_duplicates(tmp_path):
     dirs = [p.name for i in range(2) for p in (tmp_path / f"w{i}" / "trials").glob("trial_*")]
     assert sorted(dirs) == [f"trial_{n:04d}" for n in sorted(numbers)]
     assert len({t.user_attrs["worker"] for t in trials}) == 2
+
+
+def _row(number: int, state: str, step_ms: float | None, feasible: bool = True) -> TrialRow:
+    return TrialRow(number=number, state=state, status=state.lower(), step_ms=step_ms, feasible=feasible)
+
+
+def test_plateau_counts_finished_trials_since_the_last_1pct_gain():
+    rows = [_row(0, "COMPLETE", 100.0), _row(1, "COMPLETE", 99.5), _row(2, "PRUNED", None), _row(3, "FAIL", None)]
+    assert plateaued(rows, 3)  # 99.5 is not a 1% gain over 100
+    assert not plateaued(rows, 4)
+    assert not plateaued([*rows[:1], _row(1, "COMPLETE", 98.0), *rows[2:]], 3)  # 98 is: the count restarts
+    assert not plateaued([_row(0, "COMPLETE", 100.0, feasible=False), _row(1, "FAIL", None)], 1)  # no feasible best yet
+    assert not plateaued([*rows, _row(4, "RUNNING", None)], 4)  # a running trial is not finished
+    assert not plateaued(rows, None)
+
+
+def test_search_loop_stops_on_the_plateau(monkeypatch):
+    from autotune.search import loop
+
+    told: list[TrialRow] = []
+
+    def fake_run_one(ctx, best):
+        told.append(_row(len(told), "COMPLETE", 100.0 - 0.1 * len(told)))  # 0.1% gains only
+        return told[-1]
+
+    monkeypatch.setattr(loop, "get_rows", lambda study: list(told))
+    monkeypatch.setattr(loop, "run_one", fake_run_one)
+    ctx = SimpleNamespace(settings=SimpleNamespace(num_trials=50, patience=3), reporter=SilentReporter(), study=None)
+    assert loop.search_loop(ctx) == "plateau: no >=1% improvement in 3 trials"
+    assert len(told) == 4  # the first trial sets the best, three more without a 1% gain

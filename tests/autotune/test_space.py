@@ -49,11 +49,23 @@ def test_patterns_expand_to_explicit_lists():
     assert units["root"].forward_prefetch is None
 
 
-def test_int_reshard_only_where_it_divides_the_shard():
-    space = _space()
+def test_int_reshard_is_only_offered_where_it_divides_the_shard():
+    space = _space()  # world 4: fsdp shards over 4 ranks, hsdp:2x2 over 2
     base = space.get_default_params()
-    assert space.build_config({**base, "reshard_after_forward": "int:2"}).units[0].reshard_after_forward == 2
-    assert space.build_config({**base, "mesh": "hsdp:2x2", "reshard_after_forward": "int:2"}).units[0].reshard_after_forward is None
+    assert space.build_config({**base, "reshard_after_forward_shard4": "int:2"}).units[0].reshard_after_forward == 2
+    # An int the mesh cannot use is an error, never a silent fall-back onto another point's config.
+    with pytest.raises(ValueError, match="proper divisor"):
+        space.build_config({**base, "mesh": "hsdp:2x2", "reshard_after_forward": "int:2"})
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    sampled_ints = 0
+    for _ in range(80):
+        trial = study.ask()
+        config = space.suggest(trial)
+        if trial.params["mesh"] == "hsdp:2x2":
+            assert "reshard_after_forward_shard4" not in trial.params and trial.params["reshard_after_forward"] in ("true", "false", "last_block_false")
+        sampled_ints += any(isinstance(u.reshard_after_forward, int) and not isinstance(u.reshard_after_forward, bool) for u in config.units)
+        study.tell(trial, 1.0)
+    assert sampled_ints > 0, "int reshard never sampled where it is valid"
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
