@@ -98,6 +98,23 @@ def _release_job_groups(before: list[object]) -> None:
     for group in _get_process_groups():
         if group not in before:
             dist.destroy_process_group(group)
+    _clear_sharding_caches()
+
+
+def _clear_sharding_caches() -> None:
+    """Forget DTensor sharding propagation results computed for the last job's meshes.
+
+    DTensor caches sharding propagation by op schema, and a ``DeviceMesh`` hashes and
+    compares by layout, not by its process groups. So the next job's mesh of the same
+    layout hit the cache and got back output specs holding the *previous* job's mesh,
+    whose groups were just destroyed: an HSDP job followed by HSDP consolidation failed
+    with "Could not resolve the process group registered under the name 1". torch has
+    no public hook for this; ``torch.distributed.tensor.debug`` has the one that clears
+    both the Python and the C++ fast-path caches.
+    """
+    from torch.distributed.tensor import debug
+
+    debug._clear_sharding_prop_cache()
 
 
 def _wait_for_job(jobs: Any, key: str) -> None:

@@ -8,9 +8,8 @@ import json
 import pytest
 
 from _trial_programs import CRASH_MESSAGE, get_survivors
-from autotune.trials import RankPool
-from autotune.trials import TrialSpec, run_trial
-from fsdp_runtime import MeshConfig, default_config
+from autotune.trials import RankPool, TrialSpec, run_trial
+from fsdp_runtime import MeshConfig, config_to_dict, default_config
 from profiles import load_model_profile
 
 UNITS = load_model_profile("tiny").unit_names
@@ -107,3 +106,15 @@ def test_world4_pool_runs_hsdp_then_fsdp_and_shuts_down_cleanly(tmp_path):
     assert set(emulated["reduce_scatter"]["count_by_link"]) == {"intra_node"}
     assert set(emulated["all_reduce"]["count_by_link"]) == {"inter_node"}
     assert get_survivors(pids) == []
+
+
+def test_pool_consolidates_after_an_hsdp_job(pool2, tmp_path):
+    """A pooled rank that ran an HSDP job can consolidate an HSDP model next: DTensor's sharding
+    cache must not hand the new job the previous job's (destroyed) process groups."""
+    hsdp = dataclasses.replace(default_config(UNITS), mesh=MeshConfig(kind="hsdp", replicate=2))
+    trial = run_trial(_spec(tmp_path, "hsdp", hsdp, profile=False, num_warmup=0, num_measured=1), pool=pool2)
+    assert trial.status == "ok", trial.reason
+    kwargs = {"model": "tiny", "config": config_to_dict(hsdp), "methods": ["all_gather", "broadcast"]}
+    run = pool2.run("autotune.search.consolidation:consolidation_timing", kwargs, timeout_s=120)
+    assert run.ok, f"{run.status}: {run.reason}"
+    assert run.results[0]["state_bytes"] > 0 and all(s[0] > 0 for s in run.results[0]["seconds"].values())

@@ -21,7 +21,7 @@ import pytest
 from _search_programs import INJECTED
 from autotune.trials import run_ranks
 from autotune.report import get_tables, load_report
-from autotune.search import SearchError, SearchSettings, SilentReporter, TrialRow, run_search
+from autotune.search import SearchError, SearchSettings, SearchSpace, SilentReporter, TrialRow, run_search
 from autotune.search.loop import plateaued
 from fsdp_runtime import config_to_dict, load_config
 
@@ -158,9 +158,12 @@ def test_two_workers_share_one_study_without_duplicates(tmp_path):
     # Finished, none failed (a noisy trial may be pruned against the other worker's best).
     assert all(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED) for t in trials)
     assert sum(t.user_attrs.get("is_default", False) for t in trials) == 1
-    # Every trial ran exactly once, in exactly one worker's run dir.
+    # Every trial ran exactly once, in exactly one worker's run dir; a point another trial
+    # already measured is not run again but recorded as its duplicate.
     dirs = [p.name for i in range(2) for p in (tmp_path / f"w{i}" / "trials").glob("trial_*")]
-    assert sorted(dirs) == [f"trial_{n:04d}" for n in sorted(numbers)]
+    ran = [t.number for t in trials if "duplicate_of" not in t.user_attrs]
+    assert sorted(dirs) == [f"trial_{n:04d}" for n in sorted(ran)]
+    assert all(t.user_attrs["duplicate_of"] in ran for t in trials if t.number not in ran)
     assert len({t.user_attrs["worker"] for t in trials}) == 2
 
 
@@ -192,3 +195,31 @@ def test_search_loop_stops_on_the_plateau(monkeypatch):
     ctx = SimpleNamespace(settings=SimpleNamespace(num_trials=50, patience=3), reporter=SilentReporter(), study=None)
     assert loop.search_loop(ctx) == "plateau: no >=1% improvement in 3 trials"
     assert len(told) == 4  # the first trial sets the best, three more without a 1% gain
+
+
+def test_an_effective_config_is_measured_once(monkeypatch, tmp_path):
+    """Two parameter sets that expand to one config: the second trial is told the first's result."""
+    from autotune.search import loop
+    from autotune.search.context import SearchContext
+    from autotune.trials import TrialMetrics, TrialResult
+
+    space = SearchSpace(block_names=("layers.0", "layers.1"), world_size=2, num_microbatches=1)
+    default = space.get_default_params()
+    # With two blocks, depth 2 and depth 3 prefetch expand to the same explicit lists.
+    assert space.build_config({**default, "forward_prefetch": "depth2"}) == space.build_config({**default, "forward_prefetch": "depth3"})
+    study = optuna.create_study(direction="minimize")
+    for depth in ("depth2", "depth3"):
+        study.enqueue_trial({**default, "forward_prefetch": depth})
+    runs = []
+
+    def fake_run_trial(spec, *, pool=None):
+        runs.append(spec.out_dir.name)
+        metrics = TrialMetrics(status="ok", model="tiny", world_size=2, backend="gloo", step_ms=42.0, process_peak_bytes=1)
+        return TrialResult(status="ok", out_dir=spec.out_dir, metrics=metrics)
+
+    monkeypatch.setattr(loop, "run_trial", fake_run_trial)
+    ctx = SearchContext(study=study, space=space, settings=_settings(tmp_path), plan=SimpleNamespace(trial_model="tiny"), reporter=SilentReporter())
+    first, second = loop.run_one(ctx, None), loop.run_one(ctx, None)
+    assert runs == ["trial_0000"]
+    assert (first.state, first.step_ms, second.state, second.step_ms) == ("COMPLETE", 42.0, "COMPLETE", 42.0)
+    assert study.trials[1].user_attrs["duplicate_of"] == 0 and second.trial_dir == first.trial_dir
