@@ -7,6 +7,7 @@ exit non-zero; set ``AUTOTUNE_DEBUG=1`` for the traceback.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -134,6 +135,7 @@ def search(
     patience: Annotated[int, typer.Option("--patience", help="Stop after this many trials without a 1% improvement (0: never).")] = 10,
     confirm_pairs: Annotated[int, typer.Option("--confirm-pairs", help="Alternating best/default re-measurements at the end.")] = 3,
     trial_timeout: Annotated[float, typer.Option("--trial-timeout", help="Seconds before a trial's ranks are killed.")] = 180.0,
+    storage_timeout: Annotated[float, typer.Option("--storage-timeout", help="Seconds a write waits for a locked SQLite study.")] = 120.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout (no progress).")] = False,
 ) -> None:
     """Search the FSDP2 knobs with Optuna; write the best config, a results table and the report."""
@@ -146,16 +148,31 @@ def search(
         study_name=study_name, resume=resume, sampler=sampler, seed=seed,
         memory_budget_bytes=int(memory_budget_gib * 2**30) if memory_budget_gib is not None else None,
         cluster=cluster, fixed_mesh=mesh, patience=patience or None, num_confirm_pairs=confirm_pairs, trial_timeout_s=trial_timeout,
+        storage_timeout_s=storage_timeout,
     )
     if not as_json:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-    summary = run_search(settings, reporter=SilentReporter() if as_json else _RichSearchReporter())
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM stops a search like Ctrl-C
+    try:
+        summary = run_search(settings, reporter=SilentReporter() if as_json else _RichSearchReporter())
+    except KeyboardInterrupt:
+        from autotune.search import describe_interrupted
+
+        err_console.print(describe_interrupted(settings), highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     if as_json:
         print(json.dumps(summary.to_dict(), indent=2))
-        return
-    _print_search_summary(summary)
+    else:
+        _print_search_summary(summary)
+    if summary.best is None:
+        err_console.print(f"[bold red]error:[/] no trial succeeded ({len(summary.rows)} trials); see {summary.out_dir / 'results.csv'} for the reasons", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _print_search_summary(summary) -> None:
@@ -225,7 +242,7 @@ _FLAGS = {
     "world_size": "--nproc", "num_trials": "--trials", "num_microbatches": "--microbatches", "prune_ratio": "--prune-ratio",
     "num_confirm_pairs": "--confirm-pairs", "patience": "--patience", "sampler": "--sampler", "trial_timeout_s": "--trial-timeout",
     "num_warmup": "--warmup", "num_measured": "--steps", "num_profiled": "--profiled-steps", "timeout_s": "--timeout", "backend": "--backend",
-    "storage": "--storage",
+    "storage": "--storage", "out_dir": "--out", "fixed_mesh": "--mesh", "storage_timeout_s": "--storage-timeout",
 }  # fmt: skip
 
 

@@ -39,7 +39,7 @@ def check_artifact(data: Any, *, kind: str, version: int, migrations: Mapping[in
     found_kind, found_version = data.get("kind"), data.get("schema_version")
     if found_kind != kind:
         raise ArtifactError(f"{source}: not a {kind} file (kind is {found_kind!r})")
-    if not isinstance(found_version, int) or found_version < 1:
+    if isinstance(found_version, bool) or not isinstance(found_version, int) or found_version < 1:
         raise ArtifactError(f"{source}: schema_version must be a positive integer, got {found_version!r}")
     if found_version > version:
         raise ArtifactError(f"{source}: {kind} schema_version {found_version} is newer than this fsdp-autotune reads ({version}); upgrade fsdp-autotune")
@@ -73,3 +73,20 @@ def write_artifact(path: str | Path, data: dict[str, Any]) -> Path:
     if "kind" not in data or "schema_version" not in data:
         raise ValueError("an artifact needs 'kind' and 'schema_version'")
     return write_json_atomic(path, data)
+
+
+def build_dataclass(cls: type, data: Any, *, source: str, what: str) -> Any:
+    """``cls(**data)``, refusing a non-object, an unknown field or a missing one with one line."""
+    import dataclasses
+
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{source}: {what} must be a JSON object, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ArtifactError(f"{source}: unknown field {unknown[0]!r} in {what}")
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.init]
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise ArtifactError(f"{source}: missing field {missing[0]!r} in {what}")
+    return cls(**data)

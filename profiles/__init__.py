@@ -48,6 +48,12 @@ class ModelProfile:
     """Sequences per rank per microbatch in a trial."""
     source: str = ""
 
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
     @property
     def block_names(self) -> list[str]:
         """FQNs of the transformer blocks, discovered on the model itself (built on the meta
@@ -95,9 +101,11 @@ class ClusterProfile:
 
 def _read_toml(path: Path, kind: str) -> dict[str, Any]:
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise ConfigError("", f"cannot read {kind} profile: {e.strerror}", source=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("", f"not UTF-8 text (byte {e.start}: {e.reason})", source=str(path)) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("", f"not valid TOML: {e}", source=str(path)) from None
 

@@ -32,6 +32,14 @@ class LlamaShape:
     max_seq_len: int = 8192
 
     def __post_init__(self) -> None:
+        for name in ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_dim", "vocab_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.dim % self.num_heads:
             raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:

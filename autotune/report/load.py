@@ -61,18 +61,20 @@ def _read_feasibility(root: Path) -> dict[str, bool]:
         raise ReportError(str(e)) from None
 
 
-def load_search(root: Path) -> Report:
+def load_search(root: Path, *, search: SearchRecord | None = None) -> Report:
+    """A search dir's report; ``search`` replaces its ``search.json`` (a worker reporting its own record)."""
     trial_dirs = sorted(p.parent for p in root.glob("trials/*/metrics.json"))
     feasible = _read_feasibility(root)
     trials = [load_trial(d, analyze_traces=False, feasible=feasible.get(d.name, True)) for d in trial_dirs]
-    record = _read_search(root)
+    record = search or _read_search(root)
     named = Path(record.best.trial_dir).name if record and record.best and record.best.trial_dir else None
     best = next((t for t in trials if t.name == named), None) if named else pick_best(trials)
     return Report(kind="search", root=root, trials=trials, best=best, search=record)
 
 
-def load_report(path: str | Path) -> Report:
-    """A trial report (``metrics.json`` or traces in ``path``) or a search report (``path/trials/*/metrics.json``)."""
+def load_report(path: str | Path, *, search: SearchRecord | None = None) -> Report:
+    """A trial report (``metrics.json`` or traces in ``path``) or a search report (``path/trials/*/metrics.json``;
+    ``search`` in place of its ``search.json``)."""
     root = Path(path)
     if not root.is_dir():
         raise ReportError(f"{root}: no such directory")
@@ -80,5 +82,5 @@ def load_report(path: str | Path) -> Report:
         trial = load_trial(root)
         return Report(kind="trial", root=root, trials=[trial], best=trial, trace_paths=sorted(root.glob(TRACE_GLOB)))
     if any(root.glob("trials/*/metrics.json")):
-        return load_search(root)
+        return load_search(root, search=search)
     raise ReportError(f"{root}: neither a trial dir (metrics.json or {TRACE_GLOB}) nor a search dir (trials/*/metrics.json)")

@@ -12,7 +12,7 @@ progress protocol) -> :mod:`~autotune.search.proxy` (real model or scale proxy) 
 
 from autotune.search.proxy import ModelPlan, plan_for_this_machine, plan_model
 from autotune.search.results import SearchRecord, TrialRow, pick_best, read_results
-from autotune.search.run import SearchSummary, run_search
+from autotune.search.run import SearchSummary, describe_interrupted, run_search
 from autotune.search.settings import SAMPLERS, SearchError, SearchReporter, SearchSettings, SilentReporter
 from autotune.search.space import SearchSpace, describe_params
 
@@ -27,6 +27,7 @@ __all__ = [
     "SearchSummary",
     "SilentReporter",
     "TrialRow",
+    "describe_interrupted",
     "describe_params",
     "pick_best",
     "plan_for_this_machine",

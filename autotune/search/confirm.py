@@ -16,7 +16,7 @@ def confirm(ctx: SearchContext, best: RuntimeConfig, default: RuntimeConfig) -> 
         times = {}
         order = (("default", default), ("best", best)) if i % 2 == 0 else (("best", best), ("default", default))
         for name, config in order:
-            spec = ctx.trial_spec(config, ctx.settings.out_dir / "confirm" / f"pair{i}_{name}", profile=False)
+            spec = ctx.trial_spec(config, ctx.write_dir / "confirm" / f"pair{i}_{name}", profile=False)
             result = run_trial(spec, pool=ctx.pool)
             times[name] = result.step_ms if result.ok else None
         pairs.append({"default": times["default"], "best": times["best"]})

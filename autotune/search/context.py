@@ -28,6 +28,13 @@ class SearchContext:
     reporter: "SearchReporter"
     pool: Any = None
     """A :class:`~autotune.trials.RankPool` shared by trials, confirmation and consolidation timing, or None."""
+    own_dir: Path | None = None
+    """Where this worker writes warm-up, confirmation, emitted config, tables and report
+    (``settings.out_dir`` unless another worker holds it; see ``study.claim_out_dir``)."""
+
+    @property
+    def write_dir(self) -> Path:
+        return self.own_dir or self.settings.out_dir
 
     def trial_spec(self, config: RuntimeConfig, out_dir: Path, *, profile: bool, prune_if_slower_than_ms: float | None = None) -> TrialSpec:
         """A trial of ``config`` measured as every trial of this search is."""

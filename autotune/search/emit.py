@@ -57,5 +57,5 @@ def emit_best(ctx: SearchContext, config: RuntimeConfig, *, best: TrialRow, defa
         metrics=_get_metrics(best, default, confirmation, consolidation, emitted_defaults),
     )
     config = dataclasses.replace(config, provenance=provenance)
-    save_config(config, ctx.settings.out_dir / "best.json")
-    return save_config(config, ctx.settings.out_dir / "best.toml")
+    save_config(config, ctx.write_dir / "best.json")
+    return save_config(config, ctx.write_dir / "best.toml")

@@ -24,6 +24,7 @@ from typing import Any
 import optuna
 
 from autotune.search.context import SearchContext
+from autotune.search.outcome import Outcome, record
 from autotune.search.results import TrialRow, pick_best
 from autotune.search.study import get_worker_id
 from autotune.trials import RankPool, TrialResult, run_trial
@@ -59,28 +60,23 @@ def _headline(result: TrialResult) -> dict[str, Any]:
     return {k: aggregate.get(k) for k in ("exposed_comm_ms", "overlap_ratio", "bound_ratio")}
 
 
-def _tell(ctx: SearchContext, trial: optuna.Trial, result: TrialResult) -> None:
-    trial.set_user_attr("status", result.status)
-    trial.set_user_attr("reason", result.reason[:1000])
+def get_outcome(ctx: SearchContext, number: int, result: TrialResult) -> Outcome:
+    """What trial ``number`` tells the study about ``result``."""
+    attrs: dict[str, Any] = {"status": result.status, "reason": result.reason[:1000]}
+    constraints = {}
     if result.step_ms is not None:
-        trial.set_user_attr("step_ms", result.step_ms)
+        attrs["step_ms"] = result.step_ms
     if result.process_peak_bytes is not None:
-        trial.set_user_attr("process_peak_bytes", result.process_peak_bytes)
+        attrs["process_peak_bytes"] = result.process_peak_bytes
         if ctx.settings.memory_budget_bytes is not None:
             over = float(result.process_peak_bytes - ctx.settings.memory_budget_bytes)
-            trial.set_user_attr("memory_over_budget", over)
-            trial.set_constraint("memory_over_budget", over)  # TPE learns feasibility from it
-    for key, value in _headline(result).items():
-        if value is not None:
-            trial.set_user_attr(key, value)
+            attrs["memory_over_budget"] = constraints["memory_over_budget"] = over  # TPE learns feasibility from it
+    attrs |= {k: v for k, v in _headline(result).items() if v is not None}
     if result.status == "ok" and result.step_ms is not None:
-        ctx.study.tell(trial, result.step_ms)
-    elif result.status == "pruned":
-        if result.step_ms is not None:
-            trial.report(result.step_ms, 0)
-        ctx.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-    else:
-        ctx.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        return Outcome(number=number, state="COMPLETE", value=result.step_ms, user_attrs=attrs, constraints=constraints)
+    if result.status == "pruned":
+        return Outcome(number=number, state="PRUNED", intermediate=result.step_ms, user_attrs=attrs, constraints=constraints)
+    return Outcome(number=number, state="FAIL", user_attrs=attrs, constraints=constraints)
 
 
 def _find_measured(study: optuna.Study, config_hash: str) -> optuna.trial.FrozenTrial | None:
@@ -92,17 +88,15 @@ def _find_measured(study: optuna.Study, config_hash: str) -> optuna.trial.Frozen
     return None
 
 
-def _tell_duplicate(ctx: SearchContext, trial: optuna.Trial, original: optuna.trial.FrozenTrial) -> None:
-    for key in _COPIED_ATTRS:
-        if key in original.user_attrs:
-            trial.set_user_attr(key, original.user_attrs[key])
-    trial.set_user_attr("duplicate_of", original.number)
-    if "memory_over_budget" in original.user_attrs:
-        trial.set_constraint("memory_over_budget", original.user_attrs["memory_over_budget"])
-    if original.state == optuna.trial.TrialState.COMPLETE:
-        ctx.study.tell(trial, original.value)
-    else:
-        ctx.study.tell(trial, state=original.state)
+def _duplicate_outcome(number: int, original: optuna.trial.FrozenTrial) -> Outcome:
+    attrs = {key: original.user_attrs[key] for key in _COPIED_ATTRS if key in original.user_attrs} | {"duplicate_of": original.number}
+    constraints = {"memory_over_budget": attrs["memory_over_budget"]} if "memory_over_budget" in attrs else {}
+    state = original.state.name if original.state.name in ("COMPLETE", "PRUNED") else "FAIL"
+    return Outcome(number=number, state=state, value=original.value if state == "COMPLETE" else None, user_attrs=attrs, constraints=constraints)
+
+
+def _interrupted_outcome(number: int) -> Outcome:
+    return Outcome(number=number, state="FAIL", user_attrs={"status": "interrupted", "reason": "the search was stopped (Ctrl-C or SIGTERM) while this trial ran"})
 
 
 def run_one(ctx: SearchContext, best: TrialRow | None) -> TrialRow:
@@ -114,12 +108,18 @@ def run_one(ctx: SearchContext, best: TrialRow | None) -> TrialRow:
     trial.set_user_attr("config_hash", config_hash)
     original = _find_measured(ctx.study, config_hash)
     if original is not None:
-        _tell_duplicate(ctx, trial, original)
+        outcome = _duplicate_outcome(trial.number, original)
     else:
         trial_dir = ctx.settings.out_dir / "trials" / f"trial_{trial.number:04d}"
         trial.set_user_attr("trial_dir", str(trial_dir.relative_to(ctx.settings.out_dir)))
         limit = best.step_ms * ctx.settings.prune_ratio if best and best.step_ms else None
-        _tell(ctx, trial, run_trial(ctx.trial_spec(config, trial_dir, profile=True, prune_if_slower_than_ms=limit), pool=ctx.pool))
+        try:
+            result = run_trial(ctx.trial_spec(config, trial_dir, profile=True, prune_if_slower_than_ms=limit), pool=ctx.pool)
+        except KeyboardInterrupt:
+            record(ctx.study, _interrupted_outcome(trial.number), pending_dir=ctx.settings.out_dir / "pending", retry_wait_s=0.1)
+            raise
+        outcome = get_outcome(ctx, trial.number, result)
+    record(ctx.study, outcome, pending_dir=ctx.settings.out_dir / "pending")
     return to_row(next(t for t in ctx.study.get_trials(deepcopy=False) if t.number == trial.number))
 
 
@@ -159,7 +159,7 @@ def warm_up(ctx: SearchContext) -> None:
     would otherwise be charged to trial 0, the defaults (measured 1.5-1.9x slower)."""
     ctx.reporter.on_phase("warming up the ranks (not recorded)")
     config = ctx.space.build_config(ctx.space.get_default_params())
-    run_trial(ctx.trial_spec(config, ctx.settings.out_dir / "warmup", profile=False), pool=ctx.pool)
+    run_trial(ctx.trial_spec(config, ctx.write_dir / "warmup", profile=False), pool=ctx.pool)
 
 
 def open_pool(settings: Any) -> contextlib.AbstractContextManager:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from autotune.artifacts import read_artifact, write_artifact
+from autotune.artifacts import ArtifactError, build_dataclass, read_artifact, write_artifact
 from fsdp_runtime.files import write_atomic
 
 RESULTS_KIND = "search_results"
@@ -70,9 +70,10 @@ class TrialRow:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrialRow":
+    def from_dict(cls, data: Any, *, source: str = "row", what: str = "trial row") -> "TrialRow":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        body = {k: v for k, v in data.items() if k in names} if isinstance(data, dict) else data
+        return build_dataclass(cls, body, source=source, what=what)
 
 
 def _migrate_row_v1(row: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -120,10 +121,10 @@ class SearchRecord:
     def read(cls, path: str | Path) -> "SearchRecord":
         data = read_artifact(path, kind=cls.KIND, version=cls.SCHEMA_VERSION, migrations=cls.MIGRATIONS)
         names = {f.name for f in dataclasses.fields(cls)}
-        body = {k: v for k, v in data.items() if k in names}
+        body = {k: v for k, v in data.items() if k in names}  # fields of newer minor additions are ignored
         for key in ("best", "default"):
-            body[key] = TrialRow.from_dict(body[key]) if body.get(key) else None
-        return cls(**body)
+            body[key] = TrialRow.from_dict(body[key], source=str(path), what=key) if body.get(key) else None
+        return build_dataclass(cls, body, source=str(path), what="search summary")
 
     def write(self, path: str | Path) -> Path:
         return write_artifact(path, self.to_dict())
@@ -143,7 +144,16 @@ def write_results(rows: list[TrialRow], out_dir: Path) -> None:
     write_atomic(out_dir / "results.csv", buffer.getvalue())
 
 
+def _migrate_results_v1(data: dict[str, Any]) -> dict[str, Any]:
+    trials = data.get("trials")
+    return {**data, "trials": [_migrate_row_v1(r) if isinstance(r, dict) else r for r in trials]} if isinstance(trials, list) else data
+
+
 def read_results(out_dir: Path) -> list[TrialRow]:
     """The rows of ``results.json``."""
-    data = read_artifact(out_dir / "results.json", kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: lambda d: {**d, "trials": [_migrate_row_v1(r) for r in d["trials"]]}})
-    return [TrialRow.from_dict(r) for r in data["trials"]]
+    path = out_dir / "results.json"
+    data = read_artifact(path, kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: _migrate_results_v1})
+    trials = data.get("trials")
+    if not isinstance(trials, list):
+        raise ArtifactError(f"{path}: 'trials' must be a list of rows")
+    return [TrialRow.from_dict(r, source=str(path), what=f"trials[{i}]") for i, r in enumerate(trials)]

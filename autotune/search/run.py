@@ -35,7 +35,9 @@ from autotune.search.proxy import ModelPlan
 from autotune.search.results import SearchRecord, TrialRow, pick_best, write_results
 from autotune.search.settings import SearchReporter, SearchSettings, SilentReporter
 from autotune.search.space import SearchSpace
-from autotune.search.study import close_interrupted, open_study, resolve_plan
+from autotune.search.outcome import apply_pending
+from autotune.search.preflight import preflight
+from autotune.search.study import claim_out_dir, close_interrupted, open_study, resolve_plan
 from fsdp_runtime import RuntimeConfig
 from fsdp_runtime.errors import AutotuneError
 from profiles import load_model_profile
@@ -71,9 +73,12 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
 
     reporter = reporter or SilentReporter()
     profile = load_model_profile(settings.model)
+    preflight(settings)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     study, created = open_study(settings, settings.get_study_name(profile.name))
+    own_dir, lock = claim_out_dir(settings.out_dir)  # ``lock`` stays referenced (held) until we return
     plan = resolve_plan(study, settings, profile, device_type)
+    apply_pending(study, settings.out_dir / "pending")
     close_interrupted(study)
     space = SearchSpace(block_names=tuple(plan.run.block_names), world_size=settings.world_size, num_microbatches=settings.num_microbatches, device_type=device_type, fixed_mesh=settings.fixed_mesh)
     if created:
@@ -82,7 +87,7 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
     # One pool for everything that runs ranks: trials, confirmation and consolidation timing
     # all see the same warmed-up processes (see warm_up).
     with open_pool(settings) as pool:
-        ctx = SearchContext(study=study, space=space, settings=settings, plan=plan, reporter=reporter, pool=pool)
+        ctx = SearchContext(study=study, space=space, settings=settings, plan=plan, reporter=reporter, pool=pool, own_dir=own_dir)
         warm_up(ctx)
         stopped = search_loop(ctx)
         reporter.on_trials_done(stopped)
@@ -124,7 +129,7 @@ def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
         model=plan.requested.name, proxy={"is_proxy": plan.is_proxy, "name": plan.proxy_name, "reason": plan.reason, "overrides": plan.overrides},
         num_trials=len(rows), stopped_because=stopped_because, best=best, default=next((r for r in rows if r.is_default), None),
     )  # fmt: skip
-    summary = SearchSummary(out_dir=ctx.settings.out_dir, plan=plan, rows=rows, record=record)
+    summary = SearchSummary(out_dir=ctx.write_dir, plan=plan, rows=rows, record=record)
     if best is not None:
         config, record.confirmation = _choose(ctx, best)
         config, record.consolidation = _with_fastest_consolidation(ctx, config)
@@ -147,3 +152,16 @@ def _write_search_report(out_dir: Path) -> tuple[list[Path], str | None]:
         return write_report(load_report(out_dir), out_dir / "report"), None
     except (AutotuneError, OSError, ValueError) as e:
         return [], f"{type(e).__name__}: {e}"
+
+
+def describe_interrupted(settings: SearchSettings) -> str:
+    """One line for a search stopped by Ctrl-C or SIGTERM: what the study kept and how to go on."""
+    import optuna
+
+    name = settings.get_study_name(load_model_profile(settings.model).name)
+    try:
+        trials = optuna.load_study(study_name=name, storage=settings.get_storage()).get_trials(deepcopy=False)
+        kept = f"{sum(t.state.is_finished() and t.user_attrs.get('status') != 'interrupted' for t in trials)} finished trial(s)"
+    except Exception:  # the study may not exist yet, or its storage be the thing that failed
+        kept = "every finished trial"
+    return f"interrupted: {kept} kept in study {name!r} ({settings.get_storage()}); the running trial was closed as FAIL; to continue, run the same command with --resume"

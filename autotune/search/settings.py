@@ -33,6 +33,8 @@ class SearchSettings:
     out_dir: Path = Path("runs/search")
     storage: str | None = None
     """Optuna storage URL; default ``sqlite:///<out_dir>/study.db``."""
+    storage_timeout_s: float = 120.0
+    """How long a write waits for a locked SQLite study (several workers share one file)."""
     study_name: str | None = None
     resume: bool = False
     sampler: SamplerName = "tpe"
@@ -66,6 +68,7 @@ class SearchSettings:
             ("patience", self.patience is None or self.patience >= 1, f"patience must be >= 1, got {self.patience}"),
             ("sampler", self.sampler in SAMPLERS, f"unknown sampler {self.sampler!r} (use {', '.join(SAMPLERS)})"),
             ("trial_timeout_s", self.trial_timeout_s > 0, f"trial timeout must be > 0 s, got {self.trial_timeout_s}"),
+            ("storage_timeout_s", self.storage_timeout_s > 0, f"storage timeout must be > 0 s, got {self.storage_timeout_s}"),
         ]
         for name, ok, problem in checks:
             if not ok:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import socket
 import time
 import warnings
+from pathlib import Path
+from typing import Any
 
 import optuna
 import sqlalchemy.exc
@@ -31,12 +34,22 @@ def make_sampler(name: SamplerName, seed: int) -> optuna.samplers.BaseSampler:
     raise SearchError(f"unknown sampler {name!r} (use tpe, random, cmaes or qmc)", field="sampler")
 
 
-def _make_storage(url: str) -> optuna.storages.BaseStorage | str:
+def _make_storage(url: str, timeout_s: float) -> optuna.storages.BaseStorage | str:
     """SQLite gets a long lock timeout: several workers write to one file, and sqlite3's default
     5 s wait raised "database is locked" under load."""
     if url.startswith("sqlite:"):
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": timeout_s}})
     return url
+
+
+def _check_out_dir_study(settings: SearchSettings, study_name: str, existing: set[str]) -> None:
+    """The default storage lives in ``--out``: one run dir holds one study, never two mixed."""
+    others = sorted(existing - {study_name})
+    if settings.storage is None and others:
+        raise SearchError(
+            f"{settings.out_dir} already holds study {others[0]!r}, not {study_name!r} (another model, world size or microbatch count); "
+            "use another --out, or the same settings with --resume", field="out_dir",
+        )  # fmt: skip
 
 
 def get_worker_seed(seed: int, worker_id: str) -> int:
@@ -58,8 +71,10 @@ def open_study(settings: SearchSettings, study_name: str) -> tuple[optuna.Study,
     joined_sampler = make_sampler(settings.sampler, get_worker_seed(settings.seed, get_worker_id()))
     for attempt in range(5):
         try:
-            storage = _make_storage(url)
-            exists = study_name in {s.study_name for s in optuna.get_all_study_summaries(storage)}
+            storage = _make_storage(url, settings.storage_timeout_s)
+            existing = {s.study_name for s in optuna.get_all_study_summaries(storage)}
+            _check_out_dir_study(settings, study_name, existing)
+            exists = study_name in existing
             if exists and not settings.resume:
                 raise SearchError(f"study {study_name!r} already exists in {url} (use --resume to continue it, or another --out / --study-name)")
             if not exists:
@@ -124,3 +139,23 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def claim_out_dir(out_dir: Path) -> tuple[Path, Any]:
+    """The directory this worker writes its warm-up, confirmation, emitted config, tables and
+    report into, and the lock that holds it.
+
+    The first worker in ``out_dir`` holds ``out_dir/.worker.lock`` (an flock, released when the
+    process ends, however it ends) and writes into ``out_dir`` itself; a worker that shares
+    ``out_dir`` with a running one writes into ``out_dir/workers/<host>-<pid>/``, so no worker
+    overwrites another's files. Trial dirs are study-wide (``out_dir/trials``) either way.
+    """
+    handle = open(out_dir / ".worker.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return out_dir, handle
+    except BlockingIOError:
+        handle.close()
+        own = out_dir / "workers" / get_worker_id().replace(":", "-")
+        own.mkdir(parents=True, exist_ok=True)
+        return own, None

@@ -68,15 +68,62 @@ def kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
+def read_oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed since boot (``/proc/vmstat``,
+    Linux >= 4.13), or None where that counter does not exist."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+_OOM_SIGNS = ("out of memory", "memoryerror", "not enough memory")
+"""How a rank's own stderr says it ran out of memory (CUDA, Python, torch's CPU allocator)."""
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _describe_exit(rank: int, code: int, tail: str, oom_kills: int | None) -> tuple[Status, str]:
+    """Status and reason of one rank that exited on its own with a non-zero ``code``."""
+    last = next((ln.strip() for ln in reversed(tail.splitlines()) if ln.strip()), "")
+    lowered = tail.lower()
+    if any(sign in lowered for sign in _OOM_SIGNS):
+        return "oom", f"rank {rank} ran out of memory: {last[:300]}"
+    if code < 0:
+        name = _signal_name(code)
+        if code == -signal.SIGKILL and oom_kills:
+            return "oom", f"rank {rank} was killed by the kernel's OOM killer ({name}; {oom_kills} OOM kill(s) during the trial)"
+        known = " (the kernel reported no OOM kill)" if code == -signal.SIGKILL and oom_kills == 0 else ""
+        return "crash", f"rank {rank} was killed by {name} from outside the trial{known}"
+    return "crash", f"rank {rank} exited with {code}: {last[:300]}"
+
+
 def classify_failure(
-    returncodes: list[int | None], tails: list[str], *, timed_out: bool, timeout_s: float, exit_order: list[int] | None = None
+    returncodes: list[int | None],
+    tails: list[str],
+    *,
+    timed_out: bool,
+    timeout_s: float,
+    exit_order: list[int] | None = None,
+    oom_kills: int | None = None,
 ) -> tuple[Status, str]:
     """Status and one-line reason of a failed run.
 
     ``returncodes`` holds ``None`` for ranks the parent killed (they did not fail on their
-    own: a SIGKILL from us is not an out-of-memory kill). ``exit_order`` lists the ranks
-    in the order they exited: the first rank to fail is the cause, its peers usually
-    only report the broken connection.
+    own). ``exit_order`` lists the ranks in the order they exited: the first rank to fail is
+    the cause, its peers usually only report the broken connection. ``oom_kills`` is how
+    many OOM kills the kernel counted while the run lasted (None: unknown): a rank killed
+    by SIGKILL is "out of memory" only when the kernel says so, or when the rank itself
+    reported running out of memory.
     """
     if timed_out:
         return "timeout", f"no result after {timeout_s:.0f}s (deadlock or too slow); all ranks killed"
@@ -88,14 +135,15 @@ def classify_failure(
             last = tail.strip().splitlines()[-1] if tail.strip() else "invalid config"
             return "invalid_config", f"rank {rank}: {last}"
     for rank in order:
-        code, tail = returncodes[rank], tails[rank]
-        if code not in (0, None):
-            lowered = tail.lower()
-            if code == -signal.SIGKILL or "out of memory" in lowered or "memoryerror" in lowered:
-                return "oom", f"rank {rank} exited with {code} (out of memory)"
-            last = next((ln for ln in reversed(tail.splitlines()) if ln.strip()), "")
-            return "crash", f"rank {rank} exited with {code}: {last.strip()[:300]}"
+        if returncodes[rank] not in (0, None):
+            return _describe_exit(rank, returncodes[rank], tails[rank], oom_kills)
     return "crash", "a rank exited without a result"
+
+
+def count_since(before: int | None) -> int | None:
+    """OOM kills since ``before`` (a :func:`read_oom_kills` value), or None when unknown."""
+    after = read_oom_kills()
+    return None if before is None or after is None else after - before
 
 
 def run_ranks(
@@ -118,6 +166,7 @@ def run_ranks(
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
     start = time.monotonic()
+    oom_before = read_oom_kills()
     store = TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="autotune-ranks-", dir=workdir) as tmp:
         tmpdir = Path(tmp)
@@ -143,7 +192,7 @@ def run_ranks(
         if not timed_out and all(c == 0 for c in codes):
             results = [pickle.loads((tmpdir / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
             return RankRun(status="ok", results=results, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
-        status, reason = classify_failure(codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order)
+        status, reason = classify_failure(codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order, oom_kills=count_since(oom_before))
         return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
 
 

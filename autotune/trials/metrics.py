@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from autotune.analysis import check_summary
-from autotune.artifacts import read_artifact, write_artifact
+from autotune.artifacts import ArtifactError, build_dataclass, read_artifact, write_artifact
 
 TrialStatus = Literal["ok", "pruned", "timeout", "crash", "oom", "invalid_config"]
 
@@ -62,6 +62,8 @@ def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
     data["process_peak_bytes"] = data.pop("peak_memory_bytes", None)
     ranks = []
     for r in data.get("ranks", []):
+        if not isinstance(r, dict):
+            return data  # left for from_dict to refuse
         r = dict(r)
         r["process_peak_bytes"] = r.pop("peak_memory_bytes", None)
         r["process_baseline_bytes"] = r.pop("baseline_memory_bytes", None)
@@ -120,10 +122,13 @@ class TrialMetrics:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "metrics") -> "TrialMetrics":
         body = {k: v for k, v in data.items() if k not in ("schema_version", "kind")}
-        body["ranks"] = [RankMetrics(**r) for r in body.get("ranks", [])]
+        ranks = body.get("ranks", [])
+        if not isinstance(ranks, list):
+            raise ArtifactError(f"{source}: ranks must be a list, got {type(ranks).__name__}")
+        body["ranks"] = [build_dataclass(RankMetrics, r, source=source, what=f"ranks[{i}]") for i, r in enumerate(ranks)]
         if body.get("trace_metrics") is not None:
             body["trace_metrics"] = check_summary(body["trace_metrics"], source=f"{source}: trace_metrics")
-        return cls(**body)
+        return build_dataclass(cls, body, source=source, what="trial metrics")
 
     @classmethod
     def read(cls, path: str | Path) -> "TrialMetrics":

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autotune.trials.launch import RankRun, classify_failure, kill_tree, read_tail, spawn_ranks
+from autotune.trials.launch import RankRun, classify_failure, count_since, kill_tree, read_oom_kills, read_tail, spawn_ranks
 
 _FAIL_GRACE_S = 1.0  # after a rank dies, how long its peers may run on to report their own error
 _SHUTDOWN_S = 5.0
@@ -67,6 +67,7 @@ class RankPool:
     def run(self, target: str, kwargs: dict[str, Any] | None = None, *, timeout_s: float = 120.0) -> RankRun:
         """Run ``target`` (``"module:function"``) on every rank; returns within ``timeout_s`` (start-up included)."""
         start = time.monotonic()
+        oom_before = read_oom_kills()
         if not self._procs:
             self._start()
         n = self._next_job
@@ -81,7 +82,7 @@ class RankPool:
                 self._jobs.delete_key(k)
             return RankRun(status="ok", results=results, returncodes=[None] * self.world_size, wall_s=time.monotonic() - start, pids=pids)
         codes, tails = self._stop_all(exit_order)
-        status, reason = classify_failure(codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order)
+        status, reason = classify_failure(codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order, oom_kills=count_since(oom_before))
         return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=time.monotonic() - start, pids=pids)
 
     def close(self) -> None:

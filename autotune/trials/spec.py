@@ -85,6 +85,8 @@ class TrialSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "trial spec") -> "TrialSpec":
+        if isinstance(data, dict) and "kind" not in data and "config" in data:
+            raise TrialSpecError(f"{source}: a trial spec written by an older fsdp-autotune (no 'kind'); write it again with `autotune trial --write-spec`")
         data = dict(check_artifact(data, kind=cls.KIND, version=cls.SCHEMA_VERSION, source=source))
         del data["kind"], data["schema_version"]
         names = {f.name for f in dataclasses.fields(cls)}
@@ -95,6 +97,8 @@ class TrialSpec:
             return cls(**{**data, "config": config_from_dict(data["config"], source=source), "out_dir": Path(data["out_dir"])})
         except (KeyError, TypeError) as e:
             raise TrialSpecError(f"{source}: incomplete trial spec ({e})") from None
+        except TrialSpecError as e:
+            raise TrialSpecError(f"{source}: {str(e).removeprefix('trial spec: ')}", field=e.field) from None
 
     @classmethod
     def read(cls, path: str | Path) -> "TrialSpec":

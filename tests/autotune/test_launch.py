@@ -19,9 +19,22 @@ def test_ranks_the_parent_killed_are_not_out_of_memory():
     assert status == "crash" and reason.endswith("ValueError: boom")
 
 
-def test_a_sigkill_nobody_sent_is_out_of_memory():
-    status, reason = classify_failure([-signal.SIGKILL, None], ["", ""], timed_out=False, timeout_s=60, exit_order=[0])
-    assert status == "oom" and reason.startswith("rank 0")
+def test_a_sigkill_is_out_of_memory_only_when_the_kernel_says_so():
+    killed = dict(timed_out=False, timeout_s=60, exit_order=[0])
+    status, reason = classify_failure([-signal.SIGKILL, None], ["", ""], oom_kills=0, **killed)
+    assert (status, reason) == ("crash", "rank 0 was killed by SIGKILL from outside the trial (the kernel reported no OOM kill)")
+    status, reason = classify_failure([-signal.SIGKILL, None], ["", ""], oom_kills=1, **killed)
+    assert status == "oom" and reason.startswith("rank 0 was killed by the kernel's OOM killer")
+    status, reason = classify_failure([-signal.SIGKILL, None], ["", ""], oom_kills=None, **killed)
+    assert (status, reason) == ("crash", "rank 0 was killed by SIGKILL from outside the trial")
+    status, reason = classify_failure([-signal.SIGTERM, None], ["", ""], oom_kills=3, **killed)
+    assert (status, reason) == ("crash", "rank 0 was killed by SIGTERM from outside the trial")
+
+
+def test_a_rank_that_reports_running_out_of_memory_is_oom():
+    tail = "Traceback ...\nRuntimeError: DefaultCPUAllocator: not enough memory: you tried to allocate 8589934592 bytes."
+    status, reason = classify_failure([1, None], [tail, ""], timed_out=False, timeout_s=60, exit_order=[0], oom_kills=0)
+    assert status == "oom" and reason.startswith("rank 0 ran out of memory: RuntimeError: DefaultCPUAllocator")
 
 
 def test_user_errors_win_and_timeouts_say_so():

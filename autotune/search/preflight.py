@@ -1,0 +1,67 @@
+"""Checks a search makes before it creates or runs anything: a bad flag costs one line, not a run dir."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from autotune.search.settings import SearchError, SearchSettings
+
+_HSDP = re.compile(r"^hsdp:(\d+)x(\d+)$")
+
+
+def check_mesh(mesh: str | None, world_size: int) -> None:
+    """``fsdp`` or ``hsdp:RxS`` with R >= 2 replicas and R * S equal to the world size."""
+    if mesh is None or mesh == "fsdp":
+        return
+    match = _HSDP.match(mesh)
+    if match is None:
+        raise SearchError(f"mesh {mesh!r} is neither 'fsdp' nor 'hsdp:RxS' (R replicas x S shards, e.g. hsdp:2x4)", field="fixed_mesh")
+    replicate, shard = int(match.group(1)), int(match.group(2))
+    if replicate < 2 or shard < 1:
+        raise SearchError(f"mesh {mesh!r} needs at least 2 replicas and 1 shard", field="fixed_mesh")
+    if replicate * shard != world_size:
+        raise SearchError(f"mesh {mesh!r} spans {replicate * shard} ranks but the world size is {world_size}", field="fixed_mesh")
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """The run dir exists or can be created, is a directory, and this process can write into it."""
+    for parent in [out_dir, *out_dir.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                where = "is a file" if parent == out_dir else f"is under {parent}, which is a file"
+                raise SearchError(f"{out_dir} {where}", field="out_dir")
+            break
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise SearchError(f"cannot write into {out_dir}: {e.strerror or e}", field="out_dir") from None
+
+
+def check_storage_url(url: str) -> None:
+    """A storage URL SQLAlchemy can parse, with a driver that imports."""
+    import sqlalchemy.engine
+    import sqlalchemy.exc
+
+    try:
+        sqlalchemy.engine.make_url(url).get_dialect()
+    except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError, ValueError, ImportError) as e:
+        raise SearchError(f"not a usable storage URL {url!r} ({type(e).__name__}: {str(e).splitlines()[0]})", field="storage") from None
+
+
+def preflight(settings: SearchSettings) -> None:
+    """Everything that can be checked before the run dir and the study exist."""
+    check_mesh(settings.fixed_mesh, settings.world_size)
+    if settings.storage is not None:
+        check_storage_url(settings.storage)
+    if settings.cluster is not None:
+        from profiles import load_cluster_profile
+
+        load_cluster_profile(settings.cluster)
+    check_out_dir(settings.out_dir)
+    if not os.access(settings.out_dir, os.W_OK):
+        raise SearchError(f"cannot write into {settings.out_dir}", field="out_dir")

@@ -1,0 +1,396 @@
+"""Versioned artifacts (see [Note: artifacts] in autotune/artifacts.py).
+
+The committed fixtures under ``tests/data/artifacts/`` are what released versions wrote
+(``*_v1.json``: the previous release's writers' shape; ``*_v2.json`` and
+``trial_spec_v1.json``: today's writers). All describe one search of ``tiny`` on 2 gloo
+ranks: 4 trials, trial 1 the best (its ``metrics.json`` is ``metrics_v*.json``, whose
+trace summary is that of ``tests/data/cpu_tiny_2rank``), trial 2 faster but over the
+memory budget. See ``tests/data/artifacts/README.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _fixtures import DATA
+
+from autotune.analysis import SUMMARY_SCHEMA_VERSION
+from autotune.artifacts import ArtifactError
+from autotune.report import get_tables, load_report
+from autotune.search import SearchRecord, TrialRow, read_results
+from autotune.trials import TrialMetrics, TrialSpec, TrialSpecError
+from fsdp_runtime import RuntimeConfig
+
+ARTIFACTS = DATA / "artifacts"
+
+# The numbers the fixtures hold (the trial measured 2 ranks; rank 0 has the larger peak).
+PROCESS_PEAK = 623411200
+RANK_PEAKS = [623411200, 618659840]
+RANK_BASELINES = [402653184, 401408000]
+STEP_MS = 138.91
+# Profiler peaks of tests/data/cpu_tiny_2rank: per rank, per step, aggregate (max).
+PROFILER_PEAKS = {0: (2532124, [1974300, 2532124]), 1: (2400284, [1875484, 2400284])}
+PROFILER_PEAK_AGGREGATE = 2532124
+
+
+def load_fixture(name: str) -> dict[str, Any]:
+    path = ARTIFACTS / name
+    if not path.exists():
+        pytest.fail(f"fixture {path} is missing (see tests/data/artifacts/README.md)", pytrace=False)
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_json(path: Path, data: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    return path
+
+
+def assert_refused(excinfo: pytest.ExceptionInfo, path: Path, *fragments: str) -> None:
+    """One line, naming the file first, holding every fragment."""
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"{path}:"), message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+# --------------------------------------------------------------------------- reading the fixtures
+
+
+def test_the_fixtures_are_the_versions_they_are_named_after():
+    """Guards the fixtures themselves: a regenerated v1 file must still be v1 through and through."""
+    metrics_v1 = load_fixture("metrics_v1.json")
+    assert (metrics_v1["kind"], metrics_v1["schema_version"]) == ("trial_metrics", 1)
+    assert (metrics_v1["trace_metrics"]["kind"], metrics_v1["trace_metrics"]["schema_version"]) == ("trace_metrics", 1)
+    for name in ("metrics_v1.json", "search_v1.json", "results_v1.json"):
+        text = (ARTIFACTS / name).read_text(encoding="utf-8")
+        assert "peak_memory_bytes" in text and "process_peak_bytes" not in text and "profiler_peak_allocated_bytes" not in text, name
+    for name, kind, version in [
+        ("metrics_v2.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
+        ("search_v2.json", "search_summary", SearchRecord.SCHEMA_VERSION),
+        ("trial_spec_v1.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
+    ]:
+        data = load_fixture(name)
+        assert (data["kind"], data["schema_version"]) == (kind, version), name
+        assert "peak_memory_bytes" not in (ARTIFACTS / name).read_text(encoding="utf-8"), name
+    assert load_fixture("metrics_v2.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
+
+
+@pytest.mark.parametrize("name", ["metrics_v1.json", "metrics_v2.json"])
+def test_metrics_of_every_released_version_read(name):
+    metrics = TrialMetrics.read(ARTIFACTS / name)
+
+    assert (metrics.status, metrics.model, metrics.world_size, metrics.backend, metrics.memory_source) == ("ok", "tiny", 2, "gloo", "peak_rss")
+    assert metrics.step_ms == STEP_MS and len(metrics.step_ms_per_step) == 5
+    assert metrics.process_peak_bytes == PROCESS_PEAK
+    assert [r.process_peak_bytes for r in metrics.ranks] == RANK_PEAKS
+    assert [r.process_baseline_bytes for r in metrics.ranks] == RANK_BASELINES
+    assert [r.median_step_ms for r in metrics.ranks] == [138.405, 138.91]
+    assert metrics.traces == ["trace_rank0.json.gz", "trace_rank1.json.gz"]
+
+    summary = metrics.trace_metrics
+    assert (summary["kind"], summary["schema_version"], summary["num_ranks"]) == ("trace_metrics", SUMMARY_SCHEMA_VERSION, 2)
+    for rank in summary["per_rank"]:
+        rank_peak, step_peaks = PROFILER_PEAKS[rank["rank"]]
+        assert rank["profiler_peak_allocated_bytes"] == rank_peak
+        assert [s["profiler_peak_allocated_bytes"] for s in rank["steps"]] == step_peaks
+        assert all("peak_memory_bytes" not in s for s in rank["steps"]) and "peak_memory_bytes" not in rank
+    assert summary["aggregate"]["profiler_peak_allocated_bytes"] == PROFILER_PEAK_AGGREGATE
+    assert "peak_memory_bytes" not in summary["aggregate"]
+
+
+def test_v1_metrics_migrate_to_exactly_what_today_writes():
+    """metrics_v1.json and metrics_v2.json hold the same trial: the migration loses nothing."""
+    assert TrialMetrics.read(ARTIFACTS / "metrics_v1.json") == TrialMetrics.read(ARTIFACTS / "metrics_v2.json")
+
+
+def test_metrics_round_trip_is_lossless(tmp_path):
+    original = load_fixture("metrics_v2.json")
+    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v2.json")
+    assert metrics.to_dict() == original
+
+    written = metrics.write(tmp_path / "metrics.json")
+    assert json.loads(written.read_text(encoding="utf-8")) == original
+    assert TrialMetrics.read(written).to_dict() == original
+
+
+def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
+    written = TrialMetrics.read(ARTIFACTS / "metrics_v1.json").write(tmp_path / "metrics.json")
+    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v2.json")
+
+
+@pytest.mark.parametrize("name", ["search_v1.json", "search_v2.json"])
+def test_search_summary_of_every_released_version_reads(name):
+    record = SearchRecord.read(ARTIFACTS / name)
+
+    assert (record.model, record.num_trials, record.stopped_because, record.proxy["is_proxy"]) == ("tiny", 4, "plateau", False)
+    assert isinstance(record.best, TrialRow) and isinstance(record.default, TrialRow)
+    assert (record.best.number, record.best.trial_dir, record.best.step_ms) == (1, "trials/trial_0001", STEP_MS)
+    assert record.best.process_peak_bytes == PROCESS_PEAK
+    assert (record.default.number, record.default.is_default, record.default.process_peak_bytes) == (0, True, 631799808)
+    assert record.confirmation["emitted"] == "best" and len(record.confirmation["pairs"]) == 3
+    assert record.consolidation["chosen"] == "broadcast"
+    assert record.best_config == "runs/tiny/best.toml"
+
+
+def test_v1_search_summary_migrates_to_what_today_writes():
+    """Same search; only the report list differs (v1 wrote search.json before the report)."""
+    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v2.json")
+    assert v1.report == [] and v2.report
+    assert dataclasses.replace(v1, report=v2.report) == v2
+
+
+def test_search_summary_round_trip_is_lossless(tmp_path):
+    original = load_fixture("search_v2.json")
+    record = SearchRecord.read(ARTIFACTS / "search_v2.json")
+    assert record.to_dict() == original
+    assert SearchRecord.read(record.write(tmp_path / "search.json")).to_dict() == original
+
+
+def test_results_v1_read(tmp_path):
+    shutil.copy(ARTIFACTS / "results_v1.json", tmp_path / "results.json")
+    rows = read_results(tmp_path)
+
+    assert [r.number for r in rows] == [0, 1, 2, 3]
+    assert [r.process_peak_bytes for r in rows] == [631799808, PROCESS_PEAK, 701235200, 640942080]
+    assert [r.feasible for r in rows] == [True, True, False, True]
+    assert [r.state for r in rows] == ["COMPLETE", "COMPLETE", "COMPLETE", "PRUNED"]
+    assert [r.trial_dir for r in rows] == [f"trials/trial_{n:04d}" for n in range(4)]
+    # The rows agree with search.json's best and default.
+    record = SearchRecord.read(ARTIFACTS / "search_v1.json")
+    assert (rows[1], rows[0]) == (record.best, record.default)
+
+
+def test_trial_spec_reads_and_round_trips(tmp_path):
+    original = load_fixture("trial_spec_v1.json")
+    spec = TrialSpec.read(ARTIFACTS / "trial_spec_v1.json")
+
+    assert (spec.model, spec.world_size, spec.backend, spec.out_dir) == ("tiny", 2, "gloo", Path("runs/tiny/trials/trial_0001"))
+    assert isinstance(spec.config, RuntimeConfig)
+    assert [u.name for u in spec.config.units] == ["layers.0", "layers.1", "layers.2", "layers.3", "root"]
+    assert spec.to_dict() == original
+    assert TrialSpec.read(spec.write(tmp_path / "spec.json")).to_dict() == original
+
+
+# --------------------------------------------------------------------------- refusing what is not one
+
+
+@dataclasses.dataclass(frozen=True)
+class Reader:
+    name: str
+    kind: str
+    version: int
+    file_name: str
+    fixture: str
+    read: Callable[[Path], Any]
+    other_kind: str
+    """A fixture of another kind, handed to this reader."""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+READERS = [
+    Reader("TrialMetrics.read", "trial_metrics", TrialMetrics.SCHEMA_VERSION, "metrics.json", "metrics_v2.json", TrialMetrics.read, "search_v2.json"),
+    Reader("SearchRecord.read", "search_summary", SearchRecord.SCHEMA_VERSION, "search.json", "search_v2.json", SearchRecord.read, "metrics_v2.json"),
+    Reader("read_results", "search_results", SearchRecord.SCHEMA_VERSION, "results.json", "results_v1.json", lambda p: read_results(p.parent), "search_v1.json"),
+    Reader("TrialSpec.read", "trial_spec", TrialSpec.SCHEMA_VERSION, "trial_spec.json", "trial_spec_v1.json", TrialSpec.read, "metrics_v2.json"),
+]
+
+
+@pytest.mark.parametrize("reader", READERS, ids=str)
+def test_reader_refuses_another_kind(reader, tmp_path):
+    other = load_fixture(reader.other_kind)
+    path = write_json(tmp_path / reader.file_name, other)
+    with pytest.raises(ArtifactError) as excinfo:
+        reader.read(path)
+    assert_refused(excinfo, path, f"not a {reader.kind} file", repr(other["kind"]))
+
+
+@pytest.mark.parametrize("reader", READERS, ids=str)
+def test_reader_refuses_a_newer_schema_version(reader, tmp_path):
+    path = write_json(tmp_path / reader.file_name, {**load_fixture(reader.fixture), "schema_version": reader.version + 1})
+    with pytest.raises(ArtifactError) as excinfo:
+        reader.read(path)
+    assert_refused(excinfo, path, f"schema_version {reader.version + 1} is newer", "upgrade fsdp-autotune")
+
+
+BAD_FILES = {
+    "not UTF-8": (b'{"kind": "caf\xe9"}', "not UTF-8"),
+    "invalid JSON": (b'{"schema_version": 2, "kind": "trial_m', "not valid JSON"),
+    "empty": (b"", "not valid JSON"),
+    "a JSON array": (b"[1, 2]", "a JSON list, expected an object"),
+    "a JSON string": (b'"metrics"', "a JSON str, expected an object"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+@pytest.mark.parametrize("reader", READERS, ids=str)
+def test_reader_refuses_a_file_that_is_not_a_json_object(reader, case, tmp_path):
+    content, fragment = BAD_FILES[case]
+    path = tmp_path / reader.file_name
+    path.write_bytes(content)
+    with pytest.raises(ArtifactError) as excinfo:
+        reader.read(path)
+    assert_refused(excinfo, path, fragment)
+
+
+@pytest.mark.parametrize("reader", READERS, ids=str)
+def test_reader_refuses_a_missing_file(reader, tmp_path):
+    path = tmp_path / reader.file_name
+    with pytest.raises(ArtifactError) as excinfo:
+        reader.read(path)
+    assert_refused(excinfo, path, "no such file")
+
+
+@pytest.mark.parametrize("version", [0, -1, "2", None, 1.5])
+def test_reader_refuses_a_bad_schema_version(version, tmp_path):
+    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v2.json"), "schema_version": version})
+    with pytest.raises(ArtifactError) as excinfo:
+        TrialMetrics.read(path)
+    assert_refused(excinfo, path, "schema_version must be a positive integer")
+
+
+def test_reader_refuses_a_boolean_schema_version(tmp_path):
+    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v1.json"), "schema_version": True})
+    with pytest.raises(ArtifactError):
+        TrialMetrics.read(path)
+
+
+def test_metrics_refuse_an_embedded_summary_from_a_newer_release(tmp_path):
+    data = load_fixture("metrics_v2.json")
+    data["trace_metrics"]["schema_version"] = SUMMARY_SCHEMA_VERSION + 1
+    path = write_json(tmp_path / "metrics.json", data)
+    with pytest.raises(ArtifactError) as excinfo:
+        TrialMetrics.read(path)
+    assert_refused(excinfo, path, "trace_metrics", "upgrade fsdp-autotune")
+
+
+def test_metrics_refuse_an_embedded_summary_of_another_kind(tmp_path):
+    data = load_fixture("metrics_v2.json")
+    data["trace_metrics"] = {"schema_version": 1, "kind": "trial_env"}
+    path = write_json(tmp_path / "metrics.json", data)
+    with pytest.raises(ArtifactError) as excinfo:
+        TrialMetrics.read(path)
+    assert_refused(excinfo, path, "trace_metrics", "not a trace_metrics file")
+
+
+# An artifact of the right kind and version whose body is not what the version defines.
+# The contract ([Note: artifacts]) is one line naming the file, never a traceback.
+
+
+def _without(data: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k != key}
+
+
+def _metrics_with_rank_field(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "ranks": [{**data["ranks"][0], "gpu_util": 0.9}, *data["ranks"][1:]]}
+
+
+def _bad_body(case_id: str, file_name: str, read: Callable[[Path], Any], make: Callable[[], Any], field_name: str) -> Any:
+    return pytest.param(file_name, read, make, field_name, id=case_id)
+
+
+BAD_BODIES = [
+    _bad_body("metrics-unknown-field", "metrics.json", TrialMetrics.read, lambda: {**load_fixture("metrics_v2.json"), "gpu_util": 0.9}, "gpu_util"),
+    _bad_body("metrics-missing-field", "metrics.json", TrialMetrics.read, lambda: _without(load_fixture("metrics_v2.json"), "status"), "status"),
+    _bad_body("metrics-rank-unknown-field", "metrics.json", TrialMetrics.read, lambda: _metrics_with_rank_field(load_fixture("metrics_v2.json")), "gpu_util"),
+    _bad_body("metrics-rank-not-an-object", "metrics.json", TrialMetrics.read, lambda: {**load_fixture("metrics_v1.json"), "ranks": ["rank0"]}, "ranks"),
+    _bad_body("search-missing-field", "search.json", SearchRecord.read, lambda: _without(load_fixture("search_v2.json"), "model"), "model"),
+    _bad_body("search-incomplete-row", "search.json", SearchRecord.read, lambda: {**load_fixture("search_v1.json"), "best": {"state": "COMPLETE"}}, "best"),
+    _bad_body("results-missing-trials", "results.json", lambda p: read_results(p.parent), lambda: _without(load_fixture("results_v1.json"), "trials"), "trials"),
+]
+
+
+@pytest.mark.parametrize(("file_name", "read", "make", "field_name"), BAD_BODIES)
+def test_reader_refuses_a_body_that_does_not_match_its_version(file_name, read, make, field_name, tmp_path):
+    path = write_json(tmp_path / file_name, make())
+    with pytest.raises(ArtifactError) as excinfo:
+        read(path)
+    assert_refused(excinfo, path, field_name)
+
+
+# --------------------------------------------------------------------------- the trial spec
+
+
+def test_old_trial_spec_without_kind_is_refused_clearly(tmp_path):
+    """The previous release's spec (``TrialSpec.to_dict`` at HEAD~2) had no kind nor schema_version."""
+    old = {k: v for k, v in load_fixture("trial_spec_v1.json").items() if k not in ("kind", "schema_version")}
+    old["rank_program"] = "autotune.trial_rank:run_trial_rank"  # the old module path
+    path = write_json(tmp_path / "trial_spec.json", old)
+    with pytest.raises(ArtifactError) as excinfo:
+        TrialSpec.read(path)
+    assert_refused(excinfo, path, "not a trial_spec file", "kind is None")
+
+
+def test_trial_spec_refuses_an_unknown_field_by_name(tmp_path):
+    data = {**load_fixture("trial_spec_v1.json"), "torch_version": "2.5.1"}
+    with pytest.raises(TrialSpecError) as excinfo:
+        TrialSpec.from_dict(data, source="spec.json")
+    assert_refused(excinfo, Path("spec.json"), "unknown field 'torch_version'")
+
+    path = write_json(tmp_path / "trial_spec.json", data)
+    with pytest.raises(TrialSpecError) as excinfo:
+        TrialSpec.read(path)
+    assert_refused(excinfo, path, "unknown field 'torch_version'")
+
+
+@pytest.mark.parametrize("missing", ["world_size", "config", "out_dir", "model"])
+def test_trial_spec_refuses_a_missing_field_naming_the_file(missing, tmp_path):
+    path = write_json(tmp_path / "trial_spec.json", _without(load_fixture("trial_spec_v1.json"), missing))
+    with pytest.raises(TrialSpecError) as excinfo:
+        TrialSpec.read(path)
+    assert_refused(excinfo, path, "incomplete trial spec", missing)
+
+
+def test_trial_spec_with_an_invalid_value_names_the_file(tmp_path):
+    path = write_json(tmp_path / "trial_spec.json", {**load_fixture("trial_spec_v1.json"), "world_size": 0})
+    with pytest.raises(TrialSpecError) as excinfo:
+        TrialSpec.read(path)
+    assert_refused(excinfo, path, "world size must be >= 1")
+
+
+# --------------------------------------------------------------------------- a previous release's search dir
+
+
+def make_v1_search_dir(root: Path) -> Path:
+    """A search dir as the previous release left it: trial 1 (the best) and trial 2 (faster, over budget)."""
+    search = load_fixture("search_v1.json")
+    write_json(root / "search.json", search)
+    write_json(root / "results.json", load_fixture("results_v1.json"))
+    best = load_fixture("metrics_v1.json")
+    write_json(root / search["best"]["trial_dir"] / "metrics.json", best)
+    over_budget = next(r for r in load_fixture("results_v1.json")["trials"] if not r["feasible"])
+    faster = {**best, "step_ms": over_budget["step_ms"], "peak_memory_bytes": over_budget["peak_memory_bytes"]}
+    write_json(root / over_budget["trial_dir"] / "metrics.json", faster)
+    return root
+
+
+def test_report_of_a_v1_search_dir(tmp_path):
+    report = load_report(make_v1_search_dir(tmp_path / "run"))
+
+    assert report.kind == "search"
+    assert [t.name for t in report.trials] == ["trial_0001", "trial_0002"]
+    assert report.best is not None and report.best.name == "trial_0001"
+    assert (report.best.step_ms, report.best.process_peak_bytes) == (STEP_MS, PROCESS_PEAK)
+    assert report.best.get_aggregate("profiler_peak_allocated_bytes") == PROFILER_PEAK_AGGREGATE
+    assert [t.feasible for t in report.trials] == [True, False]  # from results_v1.json
+    assert report.search is not None and report.search.best.process_peak_bytes == PROCESS_PEAK
+    assert get_tables(report)  # the tables render from migrated data
+
+
+def test_report_of_a_v1_search_dir_picks_the_best_without_search_json(tmp_path):
+    """Without search.json the best-trial rule runs on the trials, with results.json's feasibility."""
+    root = make_v1_search_dir(tmp_path / "run")
+    (root / "search.json").unlink()
+    report = load_report(root)
+
+    assert report.best is not None and report.best.name == "trial_0001"  # trial_0002 is faster but infeasible
+    assert report.best.process_peak_bytes == PROCESS_PEAK
