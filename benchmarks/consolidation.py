@@ -1,14 +1,15 @@
-"""Full-state consolidation: time and peak memory of all_gather vs broadcast vs DCP.
+"""Full-state consolidation: time and memory (RSS rise) of all_gather vs broadcast vs DCP.
 
     .venv/bin/python benchmarks/consolidation.py [--worlds 2 4] [--repeats 3] [--json out.json]
 
 For each model size and world size, one launch of ranks (FSDP, 1-D mesh) trains one step
 so that AdamW's state exists, then consolidates the full model + optimizer state onto
 rank 0 (CPU) with each method, ``--repeats`` times in rotating order, then once more per
-method to measure peak memory (see ``autotune.consolidation.consolidation_timing`` for
-how). Prints per method: rank 0's median seconds (min-max), the speedup of the median
-over broadcast's, rank 0's peak RSS rise and how much of it is not the consolidated
-state itself, and the largest peak RSS rise of any other rank.
+method to measure memory (``consolidation_rise_bytes``, the rise of peak RSS over RSS just
+before the call; see ``autotune.search.consolidation.consolidation_timing`` for how).
+Prints per method: rank 0's median seconds (min-max), the speedup of the median over
+broadcast's, rank 0's RSS rise and how much of it is not the consolidated state itself,
+and the largest RSS rise of any other rank.
 
 Models: ``small`` (dim 256, 4 blocks, 4.3M params) and ``small`` at dim 1024 / FFN 3072
 (55M params, the feasibility study's "big"), with 16-token sequences to keep the one
@@ -66,8 +67,8 @@ def summarize(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for case, seconds in rank0["seconds"].items():
         median = statistics.median(seconds)
-        peak0 = rank0["peak_bytes"].get(case)
-        others = [r["peak_bytes"].get(case) for r in per_rank[1:]]
+        rise0 = rank0["consolidation_rise_bytes"].get(case)
+        others = [r["consolidation_rise_bytes"].get(case) for r in per_rank[1:]]
         rows.append(
             {
                 "case": case,
@@ -75,9 +76,9 @@ def summarize(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "min_s": min(seconds),
                 "max_s": max(seconds),
                 "speedup_vs_broadcast": base / median,
-                "rank0_peak_mib": None if peak0 is None else peak0 / _MIB,
-                "rank0_overhead_mib": None if peak0 is None else (peak0 - rank0["state_bytes"]) / _MIB,
-                "other_ranks_peak_mib": None if None in others or not others else max(others) / _MIB,
+                "rank0_rise_mib": None if rise0 is None else rise0 / _MIB,
+                "rank0_overhead_mib": None if rise0 is None else (rise0 - rank0["state_bytes"]) / _MIB,
+                "other_ranks_rise_mib": None if None in others or not others else max(others) / _MIB,
                 "state_mib": rank0["state_bytes"] / _MIB,
                 "num_params": rank0["num_params"],
             }
@@ -90,13 +91,13 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    header = "| model | world | case | median s (min-max) | speedup vs broadcast | rank 0 peak MiB (beyond state) | other ranks peak MiB |"
+    header = "| model | world | case | median s (min-max) | speedup vs broadcast | rank 0 RSS rise MiB (beyond state) | other ranks RSS rise MiB |"
     lines = [header, "|---" * (header.count("|") - 1) + "|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['world']} | {r['case']} | {r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f}) "
-            f"| {r['speedup_vs_broadcast']:.2f}x | {_fmt(r['rank0_peak_mib'], '.0f')} ({_fmt(r['rank0_overhead_mib'], '+.0f')}) "
-            f"| {_fmt(r['other_ranks_peak_mib'], '.0f')} |"
+            f"| {r['speedup_vs_broadcast']:.2f}x | {_fmt(r['rank0_rise_mib'], '.0f')} ({_fmt(r['rank0_overhead_mib'], '+.0f')}) "
+            f"| {_fmt(r['other_ranks_rise_mib'], '.0f')} |"
         )
     return "\n".join(lines)
 

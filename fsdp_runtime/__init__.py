@@ -16,13 +16,7 @@ from fsdp_runtime.config import (
     Provenance,
     RuntimeConfig,
     UnitConfig,
-    config_from_dict,
-    config_to_dict,
     default_config,
-    dumps_config,
-    load_config,
-    loads_config,
-    save_config,
     validate_config,
     validate_for_world,
 )
@@ -33,6 +27,7 @@ from fsdp_runtime.consolidate import (
     save_consolidated_checkpoint,
 )
 from fsdp_runtime.errors import AutotuneError, ConfigError
+from fsdp_runtime.serialize import config_from_dict, config_to_dict, dumps_config, load_config, loads_config, save_config
 
 __all__ = [
     "CONSOLIDATION_METHODS",

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from fsdp_runtime import _fsdp_private
+from fsdp_runtime._fsdp_private import EagerConcat, set_unshard_async
 from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig, validate_config, validate_for_world
 from fsdp_runtime.errors import ConfigError
 
@@ -29,7 +29,7 @@ class AppliedFsdp:
     """The config with its units resolved against the model."""
     mesh: DeviceMesh
     units: dict[str, FSDPModule] = field(default_factory=dict)
-    eager_concat: dict[str, "_fsdp_private.EagerConcat"] = field(default_factory=dict)
+    eager_concat: dict[str, EagerConcat] = field(default_factory=dict)
 
     def get_module(self, name: str) -> FSDPModule:
         return self.units[name]
@@ -129,11 +129,11 @@ def _apply_runtime_knobs(applied: AppliedFsdp, device_type: str) -> None:
             module.set_modules_to_forward_prefetch([applied.units[n] for n in unit.forward_prefetch])
         if unit.backward_prefetch is not None:
             module.set_modules_to_backward_prefetch([applied.units[n] for n in unit.backward_prefetch])
-        _fsdp_private.set_unshard_async(module, unshard_async)
+        set_unshard_async(module, unshard_async)
         if config.reduce_scatter_max_input_buffers is not None:
             if hasattr(module, "set_reduce_scatter_max_input_buffers"):
                 module.set_reduce_scatter_max_input_buffers(config.reduce_scatter_max_input_buffers, recurse=False)
             else:
                 warnings.warn(f"reduce_scatter_max_input_buffers ignored: torch {torch.__version__} has no such FSDP2 setter", stacklevel=3)
         if not unit.defer_concat:
-            applied.eager_concat[unit.name] = _fsdp_private.EagerConcat(module)
+            applied.eager_concat[unit.name] = EagerConcat(module)

@@ -1,9 +1,9 @@
 """The runtime config: one versioned schema for every FSDP2 knob fsdp-autotune tunes.
 
 A config is plain data. It is written by ``autotune search`` (or by hand), saved as
-TOML or JSON, and applied to a model with :func:`fsdp_runtime.apply_fsdp`. Every
-artifact the project writes (trial dirs, emitted configs, reports) embeds it with its
-``schema_version``.
+TOML or JSON (:mod:`fsdp_runtime.serialize`), and applied to a model with
+:func:`fsdp_runtime.apply_fsdp`. Every artifact the project writes (trial dirs, emitted
+configs, reports) embeds it with its ``schema_version``.
 
 Structural checks happen in :func:`validate_config` (no model needed); checks that need
 the world size or the model happen in :func:`validate_for_world` and in ``apply_fsdp``.
@@ -12,25 +12,18 @@ Every error names the exact field path, e.g. ``units[3].forward_prefetch[0]``.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-from fsdp_runtime import _toml
 from fsdp_runtime.errors import ConfigError
-from fsdp_runtime.files import write_atomic
 
 SCHEMA_VERSION = 1
 ROOT_UNIT = "root"
+"""Name of the unit that is the model itself (``fully_shard(model)``)."""
 ConsolidationMethod = Literal["all_gather", "broadcast", "dcp"]
 CONSOLIDATION_METHODS: tuple[str, ...] = typing.get_args(ConsolidationMethod)
 """How a checkpoint is consolidated onto rank 0 (see ``fsdp_runtime.consolidate``)."""
-"""Name of the unit that is the model itself (``fully_shard(model)``)."""
 
 SyncLevel = Literal["every", "replica_last", "last"]
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
@@ -253,156 +246,3 @@ def validate_for_world(config: RuntimeConfig, world_size: int, *, source: str | 
         if isinstance(raf, int) and not isinstance(raf, bool) and (shard % raf or raf >= shard):
             raise ConfigError(f"units[{i}].reshard_after_forward", f"{raf} is not a proper divisor of the shard size {shard}", fix="use true, false, or a divisor d with 1 < d < shard size", source=source)
     return replicate, shard
-
-
-# ---------------------------------------------------------------------------
-# (De)serialization: strict, typed, with field paths in every error.
-
-
-def config_to_dict(config: RuntimeConfig) -> dict[str, Any]:
-    return dataclasses.asdict(config)
-
-
-def config_from_dict(data: Any, *, source: str | None = None) -> RuntimeConfig:
-    if not isinstance(data, dict):
-        raise ConfigError("", f"expected a table at the top level, got {type(data).__name__}", source=source)
-    if "schema_version" not in data:
-        raise ConfigError("schema_version", "is missing", fix=f"add schema_version = {SCHEMA_VERSION}", source=source)
-    version = data["schema_version"]
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ConfigError("schema_version", f"must be an integer, got {version!r}", source=source)
-    if version > SCHEMA_VERSION:
-        raise ConfigError("schema_version", f"{version} is newer than this fsdp-autotune understands ({SCHEMA_VERSION})", fix="upgrade fsdp-autotune", source=source)
-    config = _parse(RuntimeConfig, data, "", source)
-    return validate_config(config, source=source)
-
-
-def _parse(tp: Any, value: Any, path: str, source: str | None) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(path or "<top>", f"expected a table, got {type(value).__name__}", source=source)
-        hints = typing.get_type_hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp)}
-        for key in value:
-            if key not in fields:
-                raise ConfigError(_join(path, key), "unknown field", fix=f"known fields: {', '.join(fields)}", source=source)
-        kwargs = {}
-        for name, f in fields.items():
-            if name in value:
-                kwargs[name] = _parse(hints[name], value[name], _join(path, name), source)
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(_join(path, name), "is required", source=source)
-        return tp(**kwargs)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        # bool is tried before int so that `true` stays a bool in `bool | int`.
-        ordered = sorted((a for a in args if a is not type(None)), key=lambda a: a is not bool)
-        errors = []
-        for arg in ordered:
-            try:
-                return _parse(arg, value, path, source)
-            except ConfigError as e:
-                errors.append(e.problem)
-        names = " or ".join(_type_name(a) for a in args)
-        raise ConfigError(path, f"expected {names}, got {value!r}", source=source)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(path, f"{value!r} is not one of {', '.join(repr(a) for a in args)}", source=source)
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(path, f"expected a list, got {type(value).__name__}", source=source)
-        return [_parse(args[0], v, f"{path}[{i}]", source) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(path, f"expected a table, got {type(value).__name__}", source=source)
-        return {str(k): _parse(args[1], v, _join(path, str(k)), source) for k, v in value.items()}
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true/false, got {value!r}", source=source)
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"expected an integer, got {value!r}", source=source)
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"expected a number, got {value!r}", source=source)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {value!r}", source=source)
-        return value
-    raise TypeError(f"unsupported schema type {tp!r} at {path}")
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _type_name(tp: Any) -> str:
-    if tp is type(None):
-        return "nothing"
-    if typing.get_origin(tp) is list:
-        return "a list"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _drop_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_none(v) for v in value]
-    return value
-
-
-def dumps_config(config: RuntimeConfig, fmt: Literal["toml", "json"]) -> str:
-    validate_config(config)
-    data = config_to_dict(config)
-    if fmt == "json":
-        return json.dumps(data, indent=2) + "\n"
-    # TOML has no null: unset optional fields are omitted and read back as None.
-    return _toml.dumps(_drop_none(data))
-
-
-def loads_config(text: str, fmt: Literal["toml", "json"], *, source: str | None = None) -> RuntimeConfig:
-    try:
-        data = json.loads(text) if fmt == "json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError("", f"not valid {fmt.upper()}: {e}", source=source) from None
-    return config_from_dict(data, source=source)
-
-
-def _format_of(path: Path) -> Literal["toml", "json"]:
-    suffix = path.suffix.lower()
-    if suffix == ".toml":
-        return "toml"
-    if suffix == ".json":
-        return "json"
-    raise ConfigError("", f"unknown config format {suffix!r}", fix="use a .toml or .json file", source=str(path))
-
-
-def load_config(path: str | Path) -> RuntimeConfig:
-    """Read a ``.toml`` or ``.json`` runtime config, strictly validated."""
-    path = Path(path)
-    fmt = _format_of(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError("", f"cannot read config: {e.strerror}", source=str(path)) from None
-    except UnicodeDecodeError as e:
-        raise ConfigError("", f"not UTF-8 text (byte {e.start}: {e.reason})", source=str(path)) from None
-    return loads_config(text, fmt, source=str(path))
-
-
-def save_config(config: RuntimeConfig, path: str | Path) -> Path:
-    """Write atomically (temp file + rename): a failure never leaves a half-written config."""
-    path = Path(path)
-    text = dumps_config(config, _format_of(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_atomic(path, text)

@@ -16,7 +16,7 @@ from autotune.analysis import FsdpTraceAnalysis, TraceError
 from autotune.artifacts import ArtifactError
 from autotune.report.model import TRACE_GLOB, Report, ReportError, TrialSummary
 from autotune.search import SearchRecord, pick_best, read_results
-from autotune.trials import TrialMetrics
+from autotune.trials import INCOMPLETE_MARKER, TrialMetrics
 
 
 def load_trial(trial_dir: Path, *, analyze_traces: bool = True, feasible: bool = True) -> TrialSummary:
@@ -25,6 +25,9 @@ def load_trial(trial_dir: Path, *, analyze_traces: bool = True, feasible: bool =
     An unusable trace (e.g. a trial killed while writing it) becomes ``analysis_error``.
     """
     trial = TrialSummary(name=trial_dir.name, path=trial_dir, status="unknown", feasible=feasible)
+    marker = trial_dir / INCOMPLETE_MARKER
+    if marker.exists() and not (trial_dir / "metrics.json").exists():
+        trial.status, trial.reason = "incomplete", marker.read_text(encoding="utf-8", errors="replace").strip()
     if (trial_dir / "metrics.json").exists():
         try:
             metrics = TrialMetrics.read(trial_dir / "metrics.json")
@@ -63,7 +66,7 @@ def _read_feasibility(root: Path) -> dict[str, bool]:
 
 def load_search(root: Path, *, search: SearchRecord | None = None) -> Report:
     """A search dir's report; ``search`` replaces its ``search.json`` (a worker reporting its own record)."""
-    trial_dirs = sorted(p.parent for p in root.glob("trials/*/metrics.json"))
+    trial_dirs = sorted({p.parent for pattern in ("trials/*/metrics.json", f"trials/*/{INCOMPLETE_MARKER}") for p in root.glob(pattern)})
     feasible = _read_feasibility(root)
     trials = [load_trial(d, analyze_traces=False, feasible=feasible.get(d.name, True)) for d in trial_dirs]
     record = search or _read_search(root)

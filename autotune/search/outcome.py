@@ -26,7 +26,8 @@ from autotune.search.settings import SearchError
 from fsdp_runtime.files import write_json_atomic
 
 RETRIES = 3
-_STORAGE_ERRORS = (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError)
+STORAGE_ERRORS = (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError)
+"""What a study storage raises when it is locked, gone or broken."""
 
 
 @dataclass(kw_only=True)
@@ -73,7 +74,7 @@ def record(study: optuna.Study, outcome: Outcome, *, pending_dir: Path, retry_wa
         try:
             _write(study, outcome)
             return
-        except _STORAGE_ERRORS as e:
+        except STORAGE_ERRORS as e:
             error = e
             time.sleep(retry_wait_s * (attempt + 1))
     pending_dir.mkdir(parents=True, exist_ok=True)

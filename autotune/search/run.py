@@ -33,9 +33,9 @@ from autotune.search.emit import emit_best
 from autotune.search.loop import get_rows, open_pool, search_loop, warm_up
 from autotune.search.proxy import ModelPlan
 from autotune.search.results import SearchRecord, TrialRow, pick_best, write_results
-from autotune.search.settings import SearchReporter, SearchSettings, SilentReporter
+from autotune.search.settings import SearchError, SearchReporter, SearchSettings, SilentReporter
 from autotune.search.space import SearchSpace
-from autotune.search.outcome import apply_pending
+from autotune.search.outcome import STORAGE_ERRORS, apply_pending
 from autotune.search.preflight import preflight
 from autotune.search.study import claim_out_dir, close_interrupted, open_study, resolve_plan
 from fsdp_runtime import RuntimeConfig
@@ -89,9 +89,13 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
     with open_pool(settings) as pool:
         ctx = SearchContext(study=study, space=space, settings=settings, plan=plan, reporter=reporter, pool=pool, own_dir=own_dir)
         warm_up(ctx)
-        stopped = search_loop(ctx)
-        reporter.on_trials_done(stopped)
-        return finish_search(ctx, stopped_because=stopped)
+        try:
+            stopped = search_loop(ctx)
+            reporter.on_trials_done(stopped)
+            return finish_search(ctx, stopped_because=stopped)
+        except STORAGE_ERRORS as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise SearchError(f"the study storage became unavailable ({first}); every finished trial is kept: continue with --resume", field="storage") from None
 
 
 def _choose(ctx: SearchContext, best: TrialRow) -> tuple[RuntimeConfig, dict[str, Any] | None]:

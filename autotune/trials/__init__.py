@@ -14,12 +14,13 @@ from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, Tria
 from autotune.trials.pool import RankPool
 from autotune.trials.spec import DEFAULT_RANK_PROGRAM, TrialSpec, TrialSpecError
 from autotune.trials.trial import load_trial_config, run_trial
-from autotune.trials.trialdir import check_trial_spec
+from autotune.trials.trialdir import INCOMPLETE_MARKER, check_trial_spec
 from autotune.trials.workload import Training, build_training, resolve_profile
 
 __all__ = [
     "DEFAULT_RANK_PROGRAM",
     "EXIT_USER_ERROR",
+    "INCOMPLETE_MARKER",
     "LinkEmulator",
     "RankMetrics",
     "RankPool",

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,7 +170,8 @@ def run_ranks(
     start = time.monotonic()
     oom_before = read_oom_kills()
     store = TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory(prefix="autotune-ranks-", dir=workdir) as tmp:
+    remove_stale_temp_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}ranks-{os.getpid()}-", dir=workdir) as tmp:
         tmpdir = Path(tmp)
         spec = {
             "target": target,
@@ -180,10 +183,12 @@ def run_ranks(
             "pg_timeout_s": max(10.0, timeout_s),
         }
         procs = spawn_ranks("once", tmpdir, spec, env=env)
-        timed_out, exit_order = _wait_all(procs, start + timeout_s)
-        for proc in procs:
-            kill_tree(proc)
-            proc.wait()
+        try:
+            timed_out, exit_order = _wait_all(procs, start + timeout_s)
+        finally:  # Ctrl-C included: no rank outlives the call
+            for proc in procs:
+                kill_tree(proc)
+                proc.wait()
         # Ranks we killed report None: their SIGKILL is ours, not the OOM killer's.
         codes = [p.returncode if r in exit_order else None for r, p in enumerate(procs)]
         tails = [read_tail(tmpdir / f"stderr_{r}.txt") for r in range(world_size)]
@@ -194,6 +199,32 @@ def run_ranks(
             return RankRun(status="ok", results=results, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
         status, reason = classify_failure(codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order, oom_kills=count_since(oom_before))
         return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
+
+
+TEMP_PREFIX = "autotune-"
+_TEMP_DIR = re.compile(r"^autotune-(?:ranks|pool)-(\d+)-")
+
+
+def remove_stale_temp_dirs(root: str | Path | None = None) -> list[Path]:
+    """Remove rank temp dirs (stderr files, specs, results) left by a launcher process that
+    no longer exists (one killed with SIGKILL cannot clean up after itself)."""
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*"):
+        match = _TEMP_DIR.match(path.name)
+        if match and path.is_dir() and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def spawn_ranks(mode: Literal["once", "pool"], tmpdir: Path, spec: dict[str, Any], *, env: dict[str, str] | None = None) -> list[subprocess.Popen]:

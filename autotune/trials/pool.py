@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autotune.trials.launch import RankRun, classify_failure, count_since, kill_tree, read_oom_kills, read_tail, spawn_ranks
+from autotune.trials.launch import TEMP_PREFIX, RankRun, classify_failure, count_since, kill_tree, read_oom_kills, read_tail, remove_stale_temp_dirs, spawn_ranks
 
 _FAIL_GRACE_S = 1.0  # after a rank dies, how long its peers may run on to report their own error
 _SHUTDOWN_S = 5.0
@@ -74,7 +74,11 @@ class RankPool:
         self._next_job += 1
         self._jobs.set(f"job/{n}", pickle.dumps({"target": target, "kwargs": kwargs or {}}))
         keys = [f"result/{n}/{r}" for r in range(self.world_size)]
-        timed_out, exit_order = self._wait(keys, start + timeout_s)
+        try:
+            timed_out, exit_order = self._wait(keys, start + timeout_s)
+        except BaseException:  # Ctrl-C mid-job: the ranks are busy, asking them to exit would only wait
+            self._stop_all([])
+            raise
         pids = self.pids
         if not timed_out and not exit_order:
             results = [pickle.loads(self._jobs.get(k)) for k in keys]
@@ -106,7 +110,8 @@ class RankPool:
 
         if self._tmp is not None:
             self._tmp.cleanup()  # the previous ranks' stderr files
-        self._tmp = tempfile.TemporaryDirectory(prefix="autotune-pool-")
+        remove_stale_temp_dirs()
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}pool-{os.getpid()}-")
         tmpdir = Path(self._tmp.name)
         self._store = TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
         self._jobs = PrefixStore("pool/", self._store)

@@ -26,6 +26,9 @@ from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, Tria
 from autotune.trials.spec import TrialSpec
 from fsdp_runtime import config_to_dict, save_config, validate_for_world
 
+INCOMPLETE_MARKER = "INCOMPLETE"
+"""Present in a trial dir from the start of a trial until its ``metrics.json`` is written: a
+dir that still has it belongs to a trial whose launcher was killed."""
 ENV_KIND = "trial_env"
 ENV_SCHEMA_VERSION = 1
 _STALE_FILES = ("metrics.json", "env.json", "config.toml")
@@ -46,6 +49,7 @@ def prepare_trial_dir(spec: TrialSpec, *, check: bool = True) -> None:
     """Create the trial dir, remove a previous trial's files, check the spec, write config.toml."""
     out_dir = spec.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / INCOMPLETE_MARKER).write_text("this trial did not finish: the process running it stopped before writing metrics.json\n")
     for stale in [*_STALE_FILES, *(p.name for p in out_dir.glob("trace_rank*.json.gz"))]:
         (out_dir / stale).unlink(missing_ok=True)
     if check:
@@ -74,8 +78,10 @@ def write_trial_dir(spec: TrialSpec, *, status: TrialStatus, reason: str, rank_r
     )  # fmt: skip
     if metrics.traces and status == "ok":
         metrics.trace_metrics, metrics.analysis_error = _analyze([spec.out_dir / t for t in metrics.traces])
+    spec.out_dir.mkdir(parents=True, exist_ok=True)
     write_artifact(spec.out_dir / "env.json", _get_env(spec, rank_results))
     metrics.write(spec.out_dir / "metrics.json")
+    (spec.out_dir / INCOMPLETE_MARKER).unlink(missing_ok=True)
     return TrialResult(status=status, reason=reason, out_dir=spec.out_dir, metrics=metrics, wall_s=wall_s)
 
 

@@ -96,49 +96,6 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-c", "import cli; cli.main()", "search", *args]
 
 
-def _wait_for_trials(db: Path, study: str, *, complete: int, running: int, timeout_s: float) -> None:
-    """Until the study holds at least ``complete`` finished and ``running`` running trials."""
-    states = optuna.trial.TrialState
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if db.exists():
-            try:
-                trials = optuna.load_study(study_name=study, storage=f"sqlite:///{db}").get_trials()
-                if sum(t.state == states.COMPLETE for t in trials) >= complete and sum(t.state == states.RUNNING for t in trials) >= running:
-                    return
-            except Exception:  # the schema may be half-created by the worker right now
-                pass
-        time.sleep(0.2)
-    raise AssertionError(f"no {complete} complete and {running} running trials within {timeout_s}s")
-
-
-@pytest.mark.multirank
-def test_killed_search_resumes_without_losing_finished_trials(tmp_path):
-    args = ["--model", "tiny", "--trials", "3", "--out", str(tmp_path), "--confirm-pairs", "0", "--patience", "0", "--study-name", "r"]
-    proc = subprocess.Popen(_cli(*args), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        _wait_for_trials(tmp_path / "study.db", "r", complete=1, running=1, timeout_s=150)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    killed = optuna.load_study(study_name="r", storage=f"sqlite:///{tmp_path / 'study.db'}").get_trials()
-    before = {t.number: t.value for t in killed if t.state.is_finished() and t.value is not None}
-    running = {t.number for t in killed if t.state == optuna.trial.TrialState.RUNNING}
-    assert before and running, "killed with one trial finished and one running"
-    done = subprocess.run(_cli(*args, "--resume", "--json"), cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    summary = json.loads(done.stdout)
-    assert summary["num_trials"] >= 3
-    study = optuna.load_study(study_name="r", storage=f"sqlite:///{tmp_path / 'study.db'}")
-    after = {t.number: t for t in study.get_trials()}
-    for number, value in before.items():
-        assert after[number].value == value, "a finished trial changed on resume"
-    assert all(t.state.is_finished() for t in after.values())
-    for number in running:  # the dead worker's trial is closed, with the reason
-        assert after[number].state == optuna.trial.TrialState.FAIL and after[number].user_attrs["status"] == "interrupted"
-        assert "died before the trial finished" in after[number].user_attrs["reason"]
-
-
 @pytest.mark.multirank
 def test_two_workers_share_one_study_without_duplicates(tmp_path):
     storage = f"sqlite:///{tmp_path / 'shared.db'}"

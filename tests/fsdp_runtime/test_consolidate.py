@@ -6,9 +6,10 @@ w2, evenly sharded at world 2, gathered straight into its full tensor) give
 bitwise-identical model and optimizer state; a fresh model + optimizer loaded from the
 saved checkpoint (world 2, FSDP) or from rank 0's in-memory state (world 4, HSDP)
 continues training with bitwise-identical losses; a failed write or an unreadable file
-fails on every rank; and autotune.consolidation's timing program (the search's) runs.
-Two more launches kill rank 1 mid-consolidation (world 2) and rank 0 mid-write (world 1)
-and check that no file ever appears at the checkpoint path.
+fails on every rank; and autotune.search.consolidation's timing program (the search's)
+runs, on a model big enough for its memory measurement to be checked. Two more launches
+kill rank 1 mid-consolidation (world 2) and rank 0 mid-write (world 1) and check that no
+file ever appears at the checkpoint path.
 
 The model is the tiny Llama resized so that no dim-0 size divides by 4 and the vocab
 and FFN sizes are odd: rows 101, 75, 30 and 6 (wk/wv), so shards are uneven at world 2
@@ -30,10 +31,14 @@ from autotune.trials import run_ranks
 from autotune.trials import Training, build_training
 from fsdp_runtime import CheckpointError, ConfigError, consolidate_state, load_consolidated_checkpoint, save_consolidated_checkpoint
 from fsdp_runtime import consolidate as consolidate_module
+from fsdp_runtime.consolidate import CHECKPOINT_VERSION
 
 pytestmark = pytest.mark.multirank
 
 MODEL = {"name": "tiny", "dim": 30, "num_heads": 5, "num_kv_heads": 1, "ffn_hidden_dim": 75, "vocab_size": 101}
+TIMING_MODEL = {"name": "tiny", "dim": 256}
+"""For the timing program: a ~20 MB consolidated state, well above what RSS resolves
+(pages, allocator slack: ~0.2 MB of rise beyond the state on rank 0 with broadcast)."""
 FSDP = {"schema_version": 1}
 HSDP = {"schema_version": 1, "mesh": {"kind": "hsdp", "replicate": 2}}
 NUM_STEPS = 2
@@ -107,23 +112,30 @@ def _checks(rank: int, world_size: int, *, configs: dict[str, tuple[dict, str | 
         results["failures"] = _check_failures(rank, training, Path(ckpt_dir))
         # The search's rank program, here to share this launch: times the config's method.
         config = {"schema_version": 1, "checkpoint": {"consolidation": "broadcast"}}
-        results["timing"] = consolidation_timing(rank, world_size, model=MODEL, config=config, num_repeats=2, measure_memory=True)
+        results["timing"] = consolidation_timing(rank, world_size, model=TIMING_MODEL, config=config, num_repeats=2, measure_memory=True)
     return results
 
 
 def _die_mid_consolidation(rank: int, world_size: int, *, ckpt: str) -> None:
-    """Rank 1 exits hard while packing its second bucket (of the model state)."""
+    """Rank 1 exits hard as it issues its second all-gather (of the model state's buckets),
+    after the first one completed on every rank."""
     training = build_training(rank, world_size, model=MODEL, config=FSDP)
     if rank == 1:
-        real_pack, calls = consolidate_module._pack, []
+        calls = []
 
-        def pack_then_die(bucket, *args):
-            calls.append(bucket)
-            if len(calls) == 2:
-                os._exit(1)
-            return real_pack(bucket, *args)
+        def die_on_second_call(real):
+            def all_gather(*args, **kwargs):
+                calls.append(args)
+                if len(calls) == 2:
+                    os._exit(1)
+                return real(*args, **kwargs)
 
-        consolidate_module._pack = pack_then_die
+            return all_gather
+
+        # Whichever name consolidation calls (torch 2.13 renamed all_gather_into_tensor).
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            if hasattr(torch.distributed, name):
+                setattr(torch.distributed, name, die_on_second_call(getattr(torch.distributed, name)))
     save_consolidated_checkpoint(ckpt, training.model, bucket_bytes=TINY_BUCKET_BYTES)
 
 
@@ -204,7 +216,7 @@ def test_world2_fsdp_methods_agree_reload_resumes_and_failures_are_collective(tm
     results = _run_checks(2, {"fsdp": (FSDP, "file")}, tmp_path, check_failures=True, timeout_s=120)
     _assert_config_ok([r["fsdp"] for r in results], 2, "world 2 fsdp")
     saved = torch.load(tmp_path / "fsdp.pt", weights_only=True)
-    assert (saved["format"], saved["schema_version"], saved["world_size"], saved["metadata"]) == (consolidate_module.CHECKPOINT_FORMAT, 1, 2, {"step": NUM_STEPS})
+    assert (saved["format"], saved["schema_version"], saved["world_size"], saved["metadata"]) == (consolidate_module.CHECKPOINT_FORMAT, CHECKPOINT_VERSION, 2, {"step": NUM_STEPS})
     _assert_same_state((saved["model"], saved["optimizer"]), results[0]["fsdp"]["states"]["all_gather"], "file vs state")
     assert results[0]["failures"]["save"] == "OSError: disk full (simulated)"
     assert results[1]["failures"]["save"].startswith("CheckpointError: rank 0 failed to write")
@@ -215,10 +227,15 @@ def test_world2_fsdp_methods_agree_reload_resumes_and_failures_are_collective(tm
     timing = results[0]["timing"]
     assert list(timing["seconds"]) == ["broadcast"] and len(timing["seconds"]["broadcast"]) == 2
     assert all(s > 0 for s in timing["seconds"]["broadcast"])
-    # Rank 0 receives params + exp_avg + exp_avg_sq + one float32 step per param; rank 1
-    # nothing. (A 0.5 MB state is below what RSS can resolve: only check the peak ran.)
+    # Rank 0 receives params + exp_avg + exp_avg_sq + one float32 step per param (TIMING_MODEL
+    # has MODEL's blocks, so as many param tensors as the saved checkpoint); rank 1 nothing.
     assert timing["state_bytes"] == 4 * 3 * timing["num_params"] + 4 * len(saved["optimizer"]["state"])
-    assert results[1]["timing"]["state_bytes"] == 0 and isinstance(timing["peak_bytes"]["broadcast"], int)
+    assert results[1]["timing"]["state_bytes"] == 0
+    # Rank 0's RSS rises by at least the state it now holds (every page of it is written
+    # and still alive when the peak is read); rank 1, which keeps nothing, by far less.
+    rise0, rise1 = timing["consolidation_rise_bytes"]["broadcast"], results[1]["timing"]["consolidation_rise_bytes"]["broadcast"]
+    assert rise0 >= timing["state_bytes"] > 5 * 2**20, (rise0, timing["state_bytes"])
+    assert rise1 < timing["state_bytes"] / 2, (rise1, timing["state_bytes"])
 
 
 def test_world4_fsdp_and_hsdp_methods_agree_and_reload_resumes(tmp_path: Path) -> None:
@@ -236,12 +253,15 @@ def test_rank_dying_mid_consolidation_leaves_no_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_rank0_dying_mid_write_leaves_only_a_temporary_file(tmp_path: Path) -> None:
+def test_rank0_dying_mid_write_leaves_only_temporary_files(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt.pt"
     run = run_ranks(_TARGET.format("_die_mid_write"), world_size=1, kwargs={"ckpt": str(ckpt)}, timeout_s=60)
     assert run.status == "crash" and run.returncodes[0] == 1, f"{run.status}: {run.reason}"
-    leftovers = [p.name for p in tmp_path.iterdir()]
-    assert len(leftovers) == 1 and leftovers[0].startswith(".ckpt.pt.tmp-"), leftovers
+    # fsdp_runtime.files.atomic_path's hidden names: the reserved ".ckpt.<random>.pt.tmp"
+    # and the partial ".ckpt.<random>.pt" beside it; nothing at the checkpoint path.
+    leftovers = sorted(p.name for p in tmp_path.iterdir())
+    assert len(leftovers) == 2 and all(name.startswith(".ckpt.") for name in leftovers), leftovers
+    assert leftovers[1] == leftovers[0] + ".tmp", leftovers
     assert not ckpt.exists()
 
 

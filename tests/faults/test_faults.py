@@ -1,0 +1,331 @@
+"""Faults injected into the real CLI (``autotune search`` as a subprocess) and bad input.
+
+Each test asserts the exit code, the one-line message, and that the study still holds every
+trial finished before the fault with its measurement. Every subprocess has a hard time limit
+and is killed with its whole process group; nothing here can hang CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import optuna
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["--model", "tiny", "--confirm-pairs", "0", "--patience", "0", "--trial-timeout", "90"]
+States = optuna.trial.TrialState
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-c", "import cli; cli.main()", *args]
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(_cli(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float = 300) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _run(*args: str, timeout_s: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(_cli(*args), cwd=REPO, capture_output=True, text=True, timeout=timeout_s, **kw)
+
+
+def _study(db: Path, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{db}")
+
+
+def _wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except Exception:  # the study may be half-created by the worker right now
+            value = None
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _running_trial(db: Path, name: str, *, min_number: int = 0) -> optuna.trial.FrozenTrial | None:
+    """A RUNNING trial whose trial dir is set (its ranks are at work)."""
+    trials = _study(db, name).get_trials(deepcopy=False, states=(States.RUNNING,))
+    return next((t for t in trials if t.number >= min_number and "trial_dir" in t.user_attrs), None)
+
+
+def _rank_pids(parent: int) -> list[int]:
+    """Live rank processes started by ``parent`` (``python -m autotune.trials.rank``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"autotune.trials.rank" in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def _one_line_error(stderr: str, *needles: str) -> None:
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    assert lines and "Traceback" not in stderr, stderr
+    assert all(n in lines[-1] for n in needles), lines[-1]
+
+
+def _pool_temp_dirs(pid: int) -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob(f"autotune-*-{pid}-*"))
+
+
+# -- faults during a search -----------------------------------------------------------
+
+
+@pytest.mark.multirank
+def test_sigkill_of_a_rank_is_a_failed_trial_with_its_real_cause(tmp_path):
+    proc = _start("search", *FAST, "--trials", "4", "--out", str(tmp_path), "--study-name", "k")
+    db = tmp_path / "study.db"
+    trial = _wait_until(lambda: _running_trial(db, "k", min_number=1), 150, "a running trial")
+    victim = _wait_until(lambda: _rank_pids(proc.pid)[1:], 30, "the ranks")[0]
+    os.kill(victim, signal.SIGKILL)
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err[-2000:]
+    trials = _study(db, "k").get_trials()
+    failed = [t for t in trials if t.state == States.FAIL]
+    assert len(failed) == 1 and failed[0].number >= trial.number, [(t.number, t.state, t.user_attrs.get("reason")) for t in trials]
+    reason = failed[0].user_attrs["reason"]
+    assert "was killed by SIGKILL from outside the trial" in reason and "out of memory" not in reason, reason
+    assert failed[0].user_attrs["status"] == "crash"
+    assert sum(t.state == States.COMPLETE for t in trials) >= 2  # the search went on
+    assert not _pool_temp_dirs(proc.pid)
+
+
+@pytest.mark.multirank
+def test_sigint_closes_the_running_trial_and_says_how_to_resume(tmp_path):
+    proc = _start("search", *FAST, "--trials", "6", "--out", str(tmp_path), "--study-name", "i")
+    db = tmp_path / "study.db"
+    _wait_until(lambda: _study(db, "i").get_trials(states=(States.COMPLETE,)), 150, "a finished trial")
+    running = _wait_until(lambda: _running_trial(db, "i", min_number=1), 60, "a running trial")
+    ranks = _rank_pids(proc.pid)
+    finished = {t.number: t.value for t in _study(db, "i").get_trials() if t.state == States.COMPLETE}
+    proc.send_signal(signal.SIGINT)
+    out, err = _finish(proc, timeout_s=60)
+    assert proc.returncode == 130
+    _one_line_error(err, "interrupted:", "kept in study 'i'", "--resume")
+    trials = {t.number: t for t in _study(db, "i").get_trials()}
+    assert trials[running.number].state == States.FAIL and trials[running.number].user_attrs["status"] == "interrupted"
+    for number, value in finished.items():
+        assert trials[number].value == value
+    assert ranks and not [p for p in ranks if Path(f"/proc/{p}").exists()], "ranks outlived the search"
+    assert not _pool_temp_dirs(proc.pid)
+    assert (tmp_path / running.user_attrs["trial_dir"] / "INCOMPLETE").exists() or (tmp_path / running.user_attrs["trial_dir"] / "metrics.json").exists()
+
+
+@pytest.mark.multirank
+def test_sigkill_of_the_search_then_resume_keeps_every_finished_trial(tmp_path):
+    args = ["search", *FAST, "--trials", "3", "--out", str(tmp_path), "--study-name", "r"]
+    proc = _start(*args)
+    db = tmp_path / "study.db"
+    try:
+        _wait_until(lambda: _study(db, "r").get_trials(states=(States.COMPLETE,)) and _running_trial(db, "r"), 150, "one finished and one running trial")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    killed = _study(db, "r").get_trials()
+    before = {t.number: t.value for t in killed if t.state == States.COMPLETE}
+    running = {t.number for t in killed if t.state == States.RUNNING}
+    assert before and running
+    incomplete = [tmp_path / t.user_attrs["trial_dir"] for t in killed if t.number in running]
+    assert all((d / "INCOMPLETE").exists() and not (d / "metrics.json").exists() for d in incomplete)
+    done = _run(*args, "--resume", "--json", timeout_s=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["num_trials"] >= 3
+    after = {t.number: t for t in _study(db, "r").get_trials()}
+    for number, value in before.items():
+        assert after[number].value == value, "a finished trial changed on resume"
+    for number in running:  # the dead worker's trial is closed, with the reason
+        assert after[number].state == States.FAIL and after[number].user_attrs["status"] == "interrupted"
+        assert "died before the trial finished" in after[number].user_attrs["reason"]
+    assert not _pool_temp_dirs(proc.pid), "the next run removes a killed run's rank temp dirs"
+
+
+_LOCKER = """
+import sqlite3, sys, time
+con = sqlite3.connect(sys.argv[1], timeout=60, isolation_level=None)
+con.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.mark.multirank
+def test_a_study_locked_past_the_timeout_loses_no_measurement(tmp_path):
+    args = ["search", *FAST, "--trials", "3", "--out", str(tmp_path), "--study-name", "l", "--storage-timeout", "1"]
+    proc = _start(*args)
+    db = tmp_path / "study.db"
+    running = _wait_until(lambda: _running_trial(db, "l", min_number=1), 150, "a running trial")
+    locker = subprocess.Popen([sys.executable, "-c", _LOCKER, str(db), "120"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert locker.stdout.readline().strip() == "locked"
+        out, err = _finish(proc, timeout_s=200)
+    finally:
+        os.killpg(locker.pid, signal.SIGKILL)
+        locker.wait()
+    assert proc.returncode == 2, err[-2000:]
+    _one_line_error(err, "--storage:", "unavailable")
+    pending = list((tmp_path / "pending").glob("trial_*.json"))
+    if pending:  # the lock hit the trial's result: it was kept on disk ...
+        kept = json.loads(pending[0].read_text())
+        assert kept["number"] == running.number and "is recorded by --resume" in err
+    done = _run(*args, "--resume", "--json", timeout_s=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    trial = next(t for t in _study(db, "l").get_trials() if t.number == running.number)
+    if pending:  # ... and the resumed search recorded it as measured
+        assert trial.state.name == kept["state"] and trial.user_attrs["step_ms"] == kept["user_attrs"]["step_ms"]
+        assert not list((tmp_path / "pending").glob("trial_*.json"))
+    assert all(t.state.is_finished() for t in _study(db, "l").get_trials())
+
+
+# -- bad input: one line, non-zero exit, nothing created -------------------------------
+# ``cli.main()`` in-process (the same entry point as the console script, error mapping
+# included): a subprocess per case would spend most of its time importing torch.
+
+
+@pytest.fixture
+def cli_main(capsys, monkeypatch):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        import cli
+
+        monkeypatch.setattr(sys, "argv", ["autotune", *args])
+        code = 0
+        try:
+            cli.main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+    return run
+
+
+def _refused(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode != 0, result.stdout[-1000:]
+    _one_line_error(result.stderr, *needles)
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--mesh", "hsdp:3x3"], ["--mesh:", "hsdp:3x3", "world size is 2"]),
+        (["--mesh", "hsdp:axb"], ["--mesh:", "hsdp:axb"]),
+        (["--sampler", "nope"], ["--sampler:", "nope"]),
+        (["--storage", "nope://"], ["--storage:", "nope://"]),
+        (["--nproc", "0"], ["--nproc:", "world size must be >= 1"]),
+        (["--cluster", "nowhere"], ["nowhere"]),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_is_created(tmp_path, cli_main, args, needles):
+    out = tmp_path / "run"
+    _refused(cli_main("search", "--model", "tiny", "--out", str(out), *args), *needles)
+    assert not out.exists()
+
+
+def test_out_that_is_a_file_or_under_one_is_refused(tmp_path, cli_main):
+    (tmp_path / "file").write_text("x")
+    _refused(cli_main("search", "--model", "tiny", "--out", str(tmp_path / "file")), "--out:", "is a file")
+    _refused(cli_main("search", "--model", "tiny", "--out", str(tmp_path / "file" / "run")), "--out:", "which is a file")
+
+
+def test_read_only_out_is_refused(tmp_path):
+    parent = Path(tempfile.mkdtemp(prefix="autotune-ro-test-"))  # a place another user can reach
+    try:
+        os.chmod(parent, 0o755)
+        out = parent / "ro"
+        out.mkdir(mode=0o555)
+        os.chmod(out, 0o555)
+        # root writes anywhere: run the CLI as nobody so the permission bits count.
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        result = subprocess.run([*prefix, *_cli("search", "--model", "tiny", "--out", str(out))], cwd=REPO, capture_output=True, text=True, timeout=120)
+        _refused(result, "--out:", "cannot write into", str(out))
+        assert not list(out.iterdir())
+    finally:
+        os.chmod(parent / "ro", 0o755)
+        subprocess.run(["rm", "-rf", str(parent)], check=False)
+
+
+def _bad_model(tmp_path: Path, **shape) -> Path:
+    base = {"dim": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_dim": 128, "vocab_size": 256} | shape
+    body = 'name = "bad"\nseq_len = 16\nbatch_size = 1\n[shape]\n' + "".join(f"{k} = {v}\n" for k, v in base.items())
+    path = tmp_path / "bad.toml"
+    path.write_text(body)
+    return path
+
+
+@pytest.mark.parametrize(("field", "value"), [("dim", -64), ("num_layers", 0)])
+def test_a_model_toml_with_a_bad_width_or_depth_is_refused(tmp_path, cli_main, field, value):
+    path = _bad_model(tmp_path, **{field: value})
+    _refused(cli_main("search", "--model", str(path), "--out", str(tmp_path / "run")), str(path), f"{field} must be a positive integer, got {value}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_files_that_are_not_utf8_name_the_file(tmp_path, cli_main):
+    config = tmp_path / "cfg.toml"
+    config.write_bytes(b"schema_version = 1\n# caf\xe9\n")
+    _refused(cli_main("validate", str(config)), str(config), "not UTF-8")
+    model = tmp_path / "model.toml"
+    model.write_bytes(b'name = "m\xff"\n')
+    _refused(cli_main("search", "--model", str(model), "--out", str(tmp_path / "run")), str(model), "not UTF-8")
+
+
+def test_out_holding_another_models_study_is_refused(tmp_path, cli_main):
+    optuna.create_study(study_name="small-w2-mb2", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    before = (tmp_path / "study.db").read_bytes()
+    for extra in ([], ["--resume"]):
+        _refused(cli_main("search", "--model", "tiny", "--out", str(tmp_path), *extra), "--out:", "already holds study 'small-w2-mb2'")
+    assert (tmp_path / "study.db").read_bytes() == before
+    assert sqlite3.connect(tmp_path / "study.db").execute("select study_name from studies").fetchall() == [("small-w2-mb2",)]
+
+
+def test_resume_of_a_study_run_with_other_settings_is_refused(tmp_path, cli_main):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="s", storage=storage)
+    study.set_user_attr("plan", {"model": "tiny", "world_size": 4, "num_microbatches": 2, "is_proxy": False, "reason": "fits", "overrides": {},
+                                 "estimated_memory_per_rank": 1, "estimated_step_s": 0.1})  # fmt: skip
+    _refused(cli_main("search", "--model", "tiny", "--out", str(tmp_path), "--study-name", "s", "--resume"), "study 's' was run with world_size=4")
+
+
+def test_a_search_where_no_trial_succeeded_exits_1(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import cli
+    from autotune import search
+    from autotune.search import SearchRecord, SearchSummary, TrialRow
+
+    def failed_search(settings, *, reporter=None):
+        rows = [TrialRow(number=0, state="FAIL", status="crash", reason="rank 1 exited with 1: boom", is_default=True)]
+        plan = SimpleNamespace(is_proxy=False, proxy_name=None, requested=SimpleNamespace(name="tiny"))
+        return SearchSummary(out_dir=settings.out_dir, plan=plan, rows=rows, record=SearchRecord(model="tiny", num_trials=1, stopped_because="reached 1 trials"))
+
+    monkeypatch.setattr(search, "run_search", failed_search)
+    result = CliRunner().invoke(cli.app, ["search", "--model", "tiny", "--out", str(tmp_path), "--trials", "1"])
+    assert result.exit_code == 1
+    assert "no trial succeeded (1 trials)" in result.output
+
