@@ -104,8 +104,8 @@ class _RichSearchReporter:
     def on_trial_end(self, row, best) -> None:
         from autotune.report import fmt
 
-        status = row.status if not row.succeeded else f"{fmt(row.step_ms)} ms"
-        best_text = f"best {fmt(best.step_ms)} ms (trial {best.number})" if best else "no best yet"
+        status = row.status if not row.succeeded else f"{fmt(row.ratio, 'x')} the defaults ({fmt(row.step_ms)} ms)"
+        best_text = f"best {fmt(best.ratio, 'x')} (trial {best.number})" if best else "no best yet"
         self.progress.console.print(f"trial {row.number:>3}: {status}" + (f" - {row.reason[:120]}" if row.reason else ""), highlight=False)
         self.progress.update(self.task, advance=1, best=best_text)
 
@@ -141,7 +141,8 @@ def search(
     """Search the FSDP2 knobs with Optuna; write the best config, a results table and the report."""
     import json
 
-    from autotune.search import SearchSettings, SilentReporter, run_search
+    from autotune.pipeline import search_and_report
+    from autotune.search import SearchSettings, SilentReporter
 
     settings = SearchSettings(
         model=model, world_size=nproc, num_trials=trials, num_microbatches=microbatches, out_dir=out, storage=storage,
@@ -156,7 +157,7 @@ def search(
         optuna.logging.set_verbosity(optuna.logging.WARNING)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM stops a search like Ctrl-C
     try:
-        summary = run_search(settings, reporter=SilentReporter() if as_json else _RichSearchReporter())
+        summary = search_and_report(settings, reporter=SilentReporter() if as_json else _RichSearchReporter())
     except KeyboardInterrupt:
         from autotune.search import describe_interrupted
 

@@ -14,7 +14,7 @@ DataFrames) <- :mod:`~autotune.report.html` / :mod:`~autotune.report.png` <-
 from autotune.report.load import load_report, load_trial
 from autotune.report.model import REPORT_SCHEMA_VERSION, TRACE_GLOB, Report, ReportError, ReportTable, TrialSummary
 from autotune.report.tables import fmt, get_rank_table, get_search_outcome_lines, get_search_rows_table, get_tables
-from autotune.report.write import write_report
+from autotune.report.write import write_report, write_search_report
 
 __all__ = [
     "REPORT_SCHEMA_VERSION",
@@ -31,4 +31,5 @@ __all__ = [
     "load_report",
     "load_trial",
     "write_report",
+    "write_search_report",
 ]

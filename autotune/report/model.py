@@ -30,6 +30,11 @@ class TrialSummary:
     reason: str = ""
     step_ms: float | None = None
     """Median unprofiled step time (``metrics.json``); None without metrics.json."""
+    ratio: float | None = None
+    """A paired trial's median step-time ratio against the defaults (see [Note: paired measurement])."""
+    ratio_spread: float | None = None
+    profiler_overhead: float | None = None
+    """Profiled / unprofiled step time of the trial: how far its traces are from the timed steps."""
     process_peak_bytes: int | None = None
     feasible: bool = True
     """Within the search's memory budget (from ``results.json``; True without one)."""
@@ -41,12 +46,17 @@ class TrialSummary:
     def succeeded(self) -> bool:
         return self.status == "ok"
 
+    @property
+    def objective(self) -> float | None:
+        return self.ratio if self.ratio is not None else self.step_ms
+
     def get_aggregate(self, key: str) -> Any:
         return ((self.trace_metrics or {}).get("aggregate") or {}).get(key)
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "name": self.name, "status": self.status, "reason": self.reason, "step_ms": self.step_ms,
+            "name": self.name, "status": self.status, "reason": self.reason, "step_ms": self.step_ms, "ratio": self.ratio,
+            "ratio_spread": self.ratio_spread, "profiler_overhead": self.profiler_overhead,
             "process_peak_bytes": self.process_peak_bytes, "feasible": self.feasible, "analysis_error": self.analysis_error,
             "trace_metrics": self.trace_metrics,
         }  # fmt: skip

@@ -31,7 +31,7 @@ _SUMMARY_ONLY = ("AG", "RS", "AR", "barrier")  # kept out of the per-step table,
 
 
 def fmt(value: Any, kind: str = "ms") -> str:
-    """``ms``: 12.34; ``pct``: 56.7%; ``x``: 1.23x; ``mb``: bytes as MB; None: ``-``."""
+    """``ms``: 12.34; ``pct``: 56.7%; ``x``: 1.234x; ``mb``: bytes as MB; None: ``-``."""
     if value is None:
         return "-"
     match kind:
@@ -40,7 +40,7 @@ def fmt(value: Any, kind: str = "ms") -> str:
         case "pct":
             return f"{100 * value:.1f}%"
         case "x":
-            return f"{value:.2f}x"
+            return f"{value:.3f}x"
         case "mb":
             return f"{value / 2**20:.1f} MB"
         case _:
@@ -59,6 +59,10 @@ def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
     summary.rows += [["status", trial.status + (f" ({trial.reason})" if trial.reason else "")],
                      ["step ms (unprofiled, median)", fmt(trial.step_ms)],
                      ["process peak memory", fmt(trial.process_peak_bytes, "mb")]]  # fmt: skip
+    if trial.ratio is not None:
+        summary.rows.append(["step time / defaults (paired)", f"{fmt(trial.ratio, 'x')} (spread {fmt(trial.ratio_spread, 'pct')})"])
+    if trial.profiler_overhead is not None:
+        summary.rows.append(["profiler overhead", f"{fmt(trial.profiler_overhead, 'x')} (profiled / unprofiled step; the trace figures below come from the profiled steps)"])
     metrics = trial.trace_metrics
     if metrics is None:
         summary.rows.append(["trace metrics", f"unavailable{': ' + trial.analysis_error if trial.analysis_error else ''}"])
@@ -91,7 +95,7 @@ def get_search_summary_table(summary: SearchRecord) -> ReportTable:
         table.rows.append(["defaults", f"trial {default.number}: {fmt(default.step_ms)} ms"])
     conf = summary.confirmation or {}
     if conf.get("speedup_median") is not None:
-        table.rows.append(["speedup vs defaults", f"{conf['speedup_median']:.3f}x median of {len(conf['speedups'])} alternating pairs (min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f}); emitted: {conf.get('emitted', 'best')}"])
+        table.rows.append(["speedup vs defaults", _describe_speedup(conf)])
     cons = summary.consolidation or {}
     if cons.get("seconds"):
         parts = [f"{m} {sec * 1e3:.0f} ms" for m, sec in cons["seconds"].items()]
@@ -101,12 +105,22 @@ def get_search_summary_table(summary: SearchRecord) -> ReportTable:
     return table
 
 
+def _describe_speedup(conf: dict[str, Any]) -> str:
+    """The final round's verdict in one line (older records: the best-vs-defaults confirmation)."""
+    spread = f"interquartile {conf['speedup_q25']:.3f}-{conf['speedup_q75']:.3f}, " if "speedup_q25" in conf else ""
+    text = f"{conf['speedup_median']:.3f}x median of {len(conf['speedups'])} pairs ({spread}min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f})"
+    if conf.get("finalists"):
+        verdict = f"trial {conf['winner']}" if conf.get("winner") is not None else "the defaults (no finalist beat them)"
+        return f"{text}; {len(conf['finalists'])} finalists re-measured, emitted {verdict}"
+    return f"{text}; emitted: {conf.get('emitted', 'best')}"
+
+
 def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None, summary: SearchRecord | None = None) -> list[ReportTable]:
     table = ReportTable(title=f"{len(trials)} trials" + (f", best: {best.name}" if best else ", no successful trial"),
-                        columns=["trial", "status", "step ms", "overlap", "exposed", "/bound", "peak", "note"])  # fmt: skip
-    for t in sorted(trials, key=lambda t: (t.step_ms is None, t.step_ms or 0.0)):
+                        columns=["trial", "status", "step ms", "/defaults", "overlap", "exposed", "/bound", "peak", "note"])  # fmt: skip
+    for t in sorted(trials, key=lambda t: (t.objective is None, t.objective or 0.0)):
         note = "best" if t is best else t.reason or (t.analysis_error or "")
-        table.rows.append([t.name, t.status, fmt(t.step_ms), fmt(t.get_aggregate("overlap_ratio"), "pct"),
+        table.rows.append([t.name, t.status, fmt(t.step_ms), fmt(t.ratio, "x"), fmt(t.get_aggregate("overlap_ratio"), "pct"),
                            fmt(t.get_aggregate("exposed_comm_ms")), fmt(t.get_aggregate("bound_ratio"), "x"),
                            fmt(t.process_peak_bytes, "mb"), note[:80]])  # fmt: skip
     return [get_search_summary_table(summary), table] if summary else [table]
@@ -114,11 +128,12 @@ def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None, sum
 
 def get_search_rows_table(rows: list[TrialRow], best: TrialRow | None) -> ReportTable:
     """Every trial of a search with its knobs (the terminal summary of ``autotune search``)."""
-    table = ReportTable(title="trials", columns=["trial", "status", "step ms", "peak", "exposed ms", "overlap", "knobs"])
+    table = ReportTable(title="trials", columns=["trial", "status", "/defaults", "spread", "step ms", "peak", "exposed ms", "overlap", "knobs"])
     for row in rows:
         mark = " *" if best and row.number == best.number else (" (defaults)" if row.is_default else "")
-        table.rows.append([f"{row.number}{mark}", row.status, fmt(row.step_ms), fmt(row.process_peak_bytes, "mb"), fmt(row.exposed_comm_ms),
-                           fmt(row.overlap_ratio, "pct"), describe_params(row.params)])  # fmt: skip
+        status = row.status + (" (noisy)" if row.noisy else "") + (f" (= {row.duplicate_of})" if row.duplicate_of is not None else "")
+        table.rows.append([f"{row.number}{mark}", status, fmt(row.ratio, "x"), fmt(row.ratio_spread, "pct"), fmt(row.step_ms),
+                           fmt(row.process_peak_bytes, "mb"), fmt(row.exposed_comm_ms), fmt(row.overlap_ratio, "pct"), describe_params(row.params)])  # fmt: skip
     return table
 
 
@@ -127,8 +142,7 @@ def get_search_outcome_lines(summary: "SearchSummary") -> list[str]:
     lines = [f"stopped: {summary.record.stopped_because}"]
     conf = summary.confirmation
     if conf and conf["speedup_median"] is not None:
-        lines.append(f"best vs defaults, {len(conf['speedups'])} alternating pairs: speedup {conf['speedup_median']:.3f}x "
-                     f"(min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f})")  # fmt: skip
+        lines.append(f"emitted config vs defaults: {_describe_speedup(conf)}")
     if summary.plan.is_proxy:
         lines.append(f"measured on proxy {summary.plan.proxy_name}, not {summary.plan.requested.name}")
     if summary.best_config_path:

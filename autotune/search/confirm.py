@@ -1,31 +1,71 @@
-"""Side-by-side confirmation: re-measure the search's best and the defaults in alternation."""
+"""The final round: the search's top configs re-measured against the defaults, side by side.
+
+A search ranks hundreds of configs from short trials; the emitted config is decided by a
+longer, second measurement of the ``num_finalists`` best distinct configs, each paired with
+the defaults on the same ranks ([Note: paired measurement]) with ``2 * num_confirm_pairs``
+pairs. The finalist with the lowest median ratio wins; if even it is not faster than the
+defaults (median ratio >= 1), the defaults are emitted, and the record says why.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from autotune.search.context import SearchContext
+from autotune.search.results import TrialRow, pick_best
 from autotune.trials import median_or_none, run_trial
 from fsdp_runtime import RuntimeConfig
 
 
-def confirm(ctx: SearchContext, best: RuntimeConfig, default: RuntimeConfig) -> dict[str, Any]:
-    """Re-measure defaults and best alternately (ABBA order cancels drift); speedup = default / best per pair."""
-    pairs = []
-    for i in range(ctx.settings.num_confirm_pairs):
-        times = {}
-        order = (("default", default), ("best", best)) if i % 2 == 0 else (("best", best), ("default", default))
-        for name, config in order:
-            spec = ctx.trial_spec(config, ctx.write_dir / "confirm" / f"pair{i}_{name}", profile=False)
-            result = run_trial(spec, pool=ctx.pool)
-            times[name] = result.step_ms if result.ok else None
-        pairs.append({"default": times["default"], "best": times["best"]})
-    speedups = [p["default"] / p["best"] for p in pairs if p["default"] and p["best"]]
-    return {
-        "pairs": pairs,
-        "speedups": speedups,
-        "speedup_median": median_or_none(speedups),
-        "speedup_min": min(speedups) if speedups else None,
-        "speedup_max": max(speedups) if speedups else None,
-    }
+def get_finalists(rows: list[TrialRow], num_finalists: int) -> list[TrialRow]:
+    """The best distinct, feasible, finished configs (the defaults and duplicates left out), best first."""
+    candidates = [r for r in rows if not r.is_default and r.duplicate_of is None]
+    finalists: list[TrialRow] = []
+    while len(finalists) < num_finalists:
+        best = pick_best(r for r in candidates if r not in finalists)
+        if best is None:
+            break
+        finalists.append(best)
+    return finalists
 
+
+def _measure_finalist(ctx: SearchContext, row: TrialRow) -> dict[str, Any]:
+    config = ctx.space.build_config(row.params)
+    spec = ctx.trial_spec(config, ctx.write_dir / "final" / f"trial_{row.number:04d}", profile=False, num_pairs=2 * ctx.settings.num_confirm_pairs)
+    result = run_trial(spec, pool=ctx.pool)
+    paired = result.metrics.paired if result.metrics and result.ok else {}
+    reference_ms = median_or_none(result.metrics.reference_step_ms_per_step) if result.metrics else None
+    return {"trial": row.number, "status": result.status, "reason": result.reason, "search_ratio": row.ratio, "step_ms": result.step_ms,
+            "reference_step_ms": reference_ms, **paired}  # fmt: skip
+
+
+def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeConfig, dict[str, Any] | None]:
+    """The config to emit and the final round's record (None when there was nothing to compare)."""
+    finalists = get_finalists(rows, ctx.settings.num_finalists)
+    if ctx.settings.num_confirm_pairs == 0 or not finalists:
+        best = pick_best(rows)
+        return (ctx.space.build_config(best.params) if best else ctx.default_config), None
+    ctx.reporter.on_phase(f"final round: {len(finalists)} best configs vs the defaults, {2 * ctx.settings.num_confirm_pairs} pairs each")
+    measured = [_measure_finalist(ctx, row) for row in finalists]
+    ranked = sorted((m for m in measured if m.get("ratio") is not None), key=lambda m: m["ratio"])
+    record: dict[str, Any] = {"finalists": measured, "num_pairs": 2 * ctx.settings.num_confirm_pairs}
+    if not ranked or ranked[0]["ratio"] >= 1.0:
+        # Not one finalist beats the defaults side by side: the search's ranking was noise.
+        return ctx.default_config, record | {"emitted": "defaults", "winner": None, **_speedups(ranked[0] if ranked else None)}
+    winner = ranked[0]
+    row = next(r for r in finalists if r.number == winner["trial"])
+    return ctx.space.build_config(row.params), record | {"emitted": "best", "winner": winner["trial"], **_speedups(winner)}
+
+
+def _speedups(figures: dict[str, Any] | None) -> dict[str, Any]:
+    """Speedup over the defaults (defaults / config time): the inverse of the pair ratios."""
+    if not figures or figures.get("ratio") is None:
+        return {"speedup_median": None, "speedup_min": None, "speedup_max": None, "speedups": []}
+    return {
+        "speedup_median": 1.0 / figures["ratio"],
+        "speedup_q25": 1.0 / figures["ratio_q75"],
+        "speedup_q75": 1.0 / figures["ratio_q25"],
+        "speedup_min": 1.0 / figures["ratio_max"],
+        "speedup_max": 1.0 / figures["ratio_min"],
+        "speedups": [1.0 / r for r in figures["pair_ratios"]],
+    }

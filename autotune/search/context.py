@@ -36,12 +36,20 @@ class SearchContext:
     def write_dir(self) -> Path:
         return self.own_dir or self.settings.out_dir
 
-    def trial_spec(self, config: RuntimeConfig, out_dir: Path, *, profile: bool, prune_if_slower_than_ms: float | None = None) -> TrialSpec:
-        """A trial of ``config`` measured as every trial of this search is."""
+    @property
+    def default_config(self) -> RuntimeConfig:
+        """FSDP2's defaults in this space: the reference every trial is measured against."""
+        return self.space.build_config(self.space.get_default_params())
+
+    def trial_spec(
+        self, config: RuntimeConfig, out_dir: Path, *, profile: bool, paired: bool = True, num_pairs: int | None = None, prune_if_ratio_above: float | None = None
+    ) -> TrialSpec:
+        """A trial of ``config`` measured as every trial of this search is: against the defaults,
+        alternating on the same ranks (see [Note: paired measurement]), unless ``paired=False``."""
         s = self.settings
         extra = {"rank_program": s.rank_program} if s.rank_program else {}
         return TrialSpec(
             model=self.plan.trial_model, config=config, world_size=s.world_size, out_dir=out_dir, num_warmup=s.num_warmup,
-            num_measured=s.num_measured, num_profiled=s.num_profiled, profile=profile, seed=s.seed, timeout_s=s.trial_timeout_s,
-            cluster=s.cluster, prune_if_slower_than_ms=prune_if_slower_than_ms, **extra,
+            num_measured=num_pairs or s.num_measured, num_profiled=s.num_profiled, profile=profile, seed=s.seed, timeout_s=s.trial_timeout_s,
+            cluster=s.cluster, reference=self.default_config if paired else None, prune_if_ratio_above=prune_if_ratio_above, **extra,
         )  # fmt: skip

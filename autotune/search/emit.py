@@ -12,11 +12,14 @@ from autotune.search.results import TrialRow
 from fsdp_runtime import Provenance, RuntimeConfig, save_config
 
 
-def _get_notes(ctx: SearchContext, best: TrialRow, emitted_defaults: bool) -> list[str]:
+def _get_notes(ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] | None) -> list[str]:
     settings, plan = ctx.settings, ctx.plan
-    notes = [f"chosen by {settings.sampler} search over {settings.num_trials} trials (best: trial {best.number})"]
-    if emitted_defaults:
-        notes = [f"trial {best.number} measured fastest in the search but was slower than FSDP2's defaults in the side-by-side confirmation: these are the defaults"]
+    notes = [f"chosen by {settings.sampler} search over {settings.num_trials} trials (best in the search: trial {best.number})"]
+    if confirmation and confirmation.get("emitted") == "defaults":
+        notes = [f"no finalist of the search (best: trial {best.number}) was faster than FSDP2's defaults side by side in the final round: these are the defaults"]
+    elif confirmation and confirmation.get("winner") is not None:
+        notes.append(f"emitted: trial {confirmation['winner']}, the fastest of {len(confirmation['finalists'])} finalists re-measured against the defaults "
+                     f"({confirmation['speedup_median']:.3f}x, interquartile {confirmation['speedup_q25']:.3f}-{confirmation['speedup_q75']:.3f}x)")  # fmt: skip
     if plan.is_proxy:
         notes.append(
             f"trials ran on a scale proxy ({plan.proxy_name}) because {plan.requested.name} does not fit this machine "
@@ -28,12 +31,16 @@ def _get_notes(ctx: SearchContext, best: TrialRow, emitted_defaults: bool) -> li
 
 
 def _get_metrics(best: TrialRow, default: TrialRow | None, confirmation: dict[str, Any] | None, consolidation: dict[str, Any], emitted_defaults: bool) -> dict[str, float]:
-    metrics = {"search_best_step_ms": best.step_ms}
+    metrics = {"search_best_step_ms": best.step_ms, "search_best_ratio": best.ratio}
     if default is not None and default.step_ms:
         metrics["default_step_ms"] = default.step_ms
     metrics["step_ms"] = metrics.get("default_step_ms", best.step_ms) if emitted_defaults else best.step_ms
+    winner = next((f for f in (confirmation or {}).get("finalists", []) if f["trial"] == (confirmation or {}).get("winner")), None)
+    if winner is not None:  # the emitted config as the final round measured it
+        metrics["step_ms"], metrics["final_default_step_ms"] = winner["step_ms"], winner["reference_step_ms"]
     if confirmation and confirmation["speedup_median"] is not None:
-        metrics |= {k: confirmation[k] for k in ("speedup_median", "speedup_min", "speedup_max")}
+        metrics |= {k: confirmation[k] for k in ("speedup_median", "speedup_q25", "speedup_q75", "speedup_min", "speedup_max") if k in confirmation}
+    metrics = {k: v for k, v in metrics.items() if v is not None}
     for method, seconds in consolidation.get("seconds", {}).items():
         metrics[f"consolidation_s_{method}"] = seconds
     return metrics
@@ -53,7 +60,7 @@ def emit_best(ctx: SearchContext, config: RuntimeConfig, *, best: TrialRow, defa
         torch_version=torch.__version__,
         measured=True,
         created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        notes=_get_notes(ctx, best, emitted_defaults),
+        notes=_get_notes(ctx, best, confirmation),
         metrics=_get_metrics(best, default, confirmation, consolidation, emitted_defaults),
     )
     config = dataclasses.replace(config, provenance=provenance)

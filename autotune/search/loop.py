@@ -7,10 +7,16 @@
 - ``--resume`` continues a study: finished trials are kept, the model plan (proxy shape)
   stored with the study is reused so old and new trials measure the same thing, and this
   host's trials left RUNNING by a dead worker are closed as FAIL ("interrupted").
+- Every trial is measured against the defaults on the same ranks ([Note: paired
+  measurement] in :mod:`autotune.trials.paired`); its objective is the median step-time
+  ratio of its pairs, so background load cancels instead of deciding.
 - A failed trial (timeout, crash, OOM, invalid config) is told as FAIL with its reason and
-  never stops the search. A trial whose first measured steps are slower than
-  ``prune_ratio`` x the best so far is stopped early and told as PRUNED. A trial whose
-  peak memory exceeds the budget is infeasible (Optuna constraint > 0) and never best.
+  never stops the search. A trial is pruned only when *each* of its first pairs is slower
+  than the best trial's ratio times ``prune_ratio``, widened by the best trial's own
+  spread (:func:`get_prune_limit`). A trial whose pairs spread wider than
+  ``max_ratio_spread`` is measured again with twice the pairs before it is ranked (the
+  second measurement stands; still too wide: ``noisy``). A trial whose peak memory
+  exceeds the budget is infeasible (Optuna constraint > 0) and never best.
 - Two parameter sets that expand to the same effective config (``config_hash``) are
   measured once: the second is told the first one's result (``duplicate_of``).
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -31,7 +38,10 @@ from autotune.trials import RankPool, TrialResult, run_trial
 from fsdp_runtime import RuntimeConfig, dumps_config
 
 PLATEAU_MIN_GAIN = 0.01
-_COPIED_ATTRS = ("status", "reason", "step_ms", "process_peak_bytes", "memory_over_budget", "exposed_comm_ms", "overlap_ratio", "bound_ratio", "trial_dir")
+_COPIED_ATTRS = (
+    "status", "reason", "step_ms", "ratio", "ratio_q25", "ratio_q75", "ratio_spread", "noisy", "profiler_overhead", "process_peak_bytes",
+    "memory_over_budget", "exposed_comm_ms", "overlap_ratio", "bound_ratio", "trial_dir",
+)  # fmt: skip
 
 
 def get_config_hash(config: RuntimeConfig) -> str:
@@ -43,9 +53,11 @@ def to_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
     attrs = trial.user_attrs
     return TrialRow(
         number=trial.number, state=trial.state.name, status=attrs.get("status", trial.state.name.lower()), reason=attrs.get("reason", ""),
-        step_ms=attrs.get("step_ms"), process_peak_bytes=attrs.get("process_peak_bytes", attrs.get("peak_memory_bytes")),
+        step_ms=attrs.get("step_ms"), ratio=attrs.get("ratio"), ratio_q25=attrs.get("ratio_q25"), ratio_q75=attrs.get("ratio_q75"),
+        ratio_spread=attrs.get("ratio_spread"), noisy=bool(attrs.get("noisy", False)), profiler_overhead=attrs.get("profiler_overhead"),
+        process_peak_bytes=attrs.get("process_peak_bytes", attrs.get("peak_memory_bytes")),
         exposed_comm_ms=attrs.get("exposed_comm_ms"), overlap_ratio=attrs.get("overlap_ratio"), bound_ratio=attrs.get("bound_ratio"),
-        feasible=attrs.get("memory_over_budget", 0.0) <= 0.0, is_default=bool(attrs.get("is_default", False)),
+        feasible=attrs.get("memory_over_budget", 0.0) <= 0.0, is_default=bool(attrs.get("is_default", False)), duplicate_of=attrs.get("duplicate_of"),
         trial_dir=attrs.get("trial_dir"), params=dict(trial.params),
     )  # fmt: skip
 
@@ -72,10 +84,15 @@ def get_outcome(ctx: SearchContext, number: int, result: TrialResult) -> Outcome
             over = float(result.process_peak_bytes - ctx.settings.memory_budget_bytes)
             attrs["memory_over_budget"] = constraints["memory_over_budget"] = over  # TPE learns feasibility from it
     attrs |= {k: v for k, v in _headline(result).items() if v is not None}
-    if result.status == "ok" and result.step_ms is not None:
-        return Outcome(number=number, state="COMPLETE", value=result.step_ms, user_attrs=attrs, constraints=constraints)
+    paired = result.metrics.paired if result.metrics else {}
+    attrs |= {k: paired[k] for k in ("ratio", "ratio_q25", "ratio_q75", "ratio_spread") if paired.get(k) is not None}
+    if result.metrics and result.metrics.profiler_overhead is not None:
+        attrs["profiler_overhead"] = result.metrics.profiler_overhead
+    objective = paired.get("ratio", result.step_ms)
+    if result.status == "ok" and objective is not None:
+        return Outcome(number=number, state="COMPLETE", value=objective, user_attrs=attrs, constraints=constraints)
     if result.status == "pruned":
-        return Outcome(number=number, state="PRUNED", intermediate=result.step_ms, user_attrs=attrs, constraints=constraints)
+        return Outcome(number=number, state="PRUNED", intermediate=objective, user_attrs=attrs, constraints=constraints)
     return Outcome(number=number, state="FAIL", user_attrs=attrs, constraints=constraints)
 
 
@@ -112,31 +129,59 @@ def run_one(ctx: SearchContext, best: TrialRow | None) -> TrialRow:
     else:
         trial_dir = ctx.settings.out_dir / "trials" / f"trial_{trial.number:04d}"
         trial.set_user_attr("trial_dir", str(trial_dir.relative_to(ctx.settings.out_dir)))
-        limit = best.step_ms * ctx.settings.prune_ratio if best and best.step_ms else None
         try:
-            result = run_trial(ctx.trial_spec(config, trial_dir, profile=True, prune_if_slower_than_ms=limit), pool=ctx.pool)
+            result, attempts = _measure(ctx, config, trial_dir, get_prune_limit(best, ctx.settings.prune_ratio))
         except KeyboardInterrupt:
             record(ctx.study, _interrupted_outcome(trial.number), pending_dir=ctx.settings.out_dir / "pending", retry_wait_s=0.1)
             raise
         outcome = get_outcome(ctx, trial.number, result)
+        outcome.user_attrs |= attempts
     record(ctx.study, outcome, pending_dir=ctx.settings.out_dir / "pending")
     return to_row(next(t for t in ctx.study.get_trials(deepcopy=False) if t.number == trial.number))
+
+
+def get_prune_limit(best: TrialRow | None, prune_ratio: float) -> float | None:
+    """The ratio above which every first pair of a trial must lie for it to be pruned: the best
+    ratio times ``prune_ratio``, widened by three times the best trial's own relative spread."""
+    if best is None or best.ratio is None:
+        return None
+    return best.ratio * max(prune_ratio, 1.0 + 3.0 * (best.ratio_spread or 0.0))
+
+
+def _too_noisy(result: TrialResult, max_spread: float) -> bool:
+    spread = result.metrics.paired.get("ratio_spread") if result.metrics else None
+    return result.status == "ok" and spread is not None and spread > max_spread
+
+
+def _measure(ctx: SearchContext, config: RuntimeConfig, trial_dir: Path, prune_limit: float | None) -> tuple[TrialResult, dict[str, Any]]:
+    """Run the trial; measure it again, with twice the pairs and no pruning, if its pairs spread
+    too wide to rank. Returns the result that stands and what the attempts were."""
+    result = run_trial(ctx.trial_spec(config, trial_dir, profile=True, prune_if_ratio_above=prune_limit), pool=ctx.pool)
+    if not _too_noisy(result, ctx.settings.max_ratio_spread):
+        return result, {"attempts": 1}
+    first = result.metrics.paired
+    spec = ctx.trial_spec(config, trial_dir / "remeasured", profile=True, num_pairs=2 * ctx.settings.num_measured)
+    again = run_trial(spec, pool=ctx.pool)
+    if again.status != "ok":
+        return result, {"attempts": 2, "noisy": True, "remeasure_failed": again.reason[:300]}
+    attempts = {"attempts": 2, "first_ratio": first["ratio"], "first_ratio_spread": first["ratio_spread"], "trial_dir": str(again.out_dir.relative_to(ctx.settings.out_dir))}
+    return again, attempts | ({"noisy": True} if _too_noisy(again, ctx.settings.max_ratio_spread) else {})
 
 
 def plateaued(rows: list[TrialRow], patience: int | None) -> bool:
     """True when the last ``patience`` finished trials brought no >= 1% improvement."""
     if patience is None:
         return False
-    best_ms, since = None, 0
+    best_value, since = None, 0
     for r in rows:
         if r.state not in ("COMPLETE", "PRUNED", "FAIL"):
             continue
-        ms = r.step_ms if r.succeeded and r.feasible else None
-        if ms is not None and (best_ms is None or ms < best_ms * (1 - PLATEAU_MIN_GAIN)):
-            best_ms, since = ms, 0
+        value = r.objective if r.succeeded and r.feasible else None
+        if value is not None and (best_value is None or value < best_value * (1 - PLATEAU_MIN_GAIN)):
+            best_value, since = value, 0
         else:
             since += 1
-    return best_ms is not None and since >= patience
+    return best_value is not None and since >= patience
 
 
 def search_loop(ctx: SearchContext) -> str:
@@ -158,8 +203,7 @@ def warm_up(ctx: SearchContext) -> None:
     page faults for fresh heap (~3 ms/MB on this VM), gloo connections and autograd warm-up that
     would otherwise be charged to trial 0, the defaults (measured 1.5-1.9x slower)."""
     ctx.reporter.on_phase("warming up the ranks (not recorded)")
-    config = ctx.space.build_config(ctx.space.get_default_params())
-    run_trial(ctx.trial_spec(config, ctx.write_dir / "warmup", profile=False), pool=ctx.pool)
+    run_trial(ctx.trial_spec(ctx.default_config, ctx.write_dir / "warmup", profile=False, paired=False), pool=ctx.pool)
 
 
 def open_pool(settings: Any) -> contextlib.AbstractContextManager:

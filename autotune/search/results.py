@@ -29,16 +29,17 @@ class Rankable(Protocol):
     @property
     def feasible(self) -> bool: ...
     @property
-    def step_ms(self) -> float | None: ...
+    def objective(self) -> float | None: ...
 
 
 R = TypeVar("R", bound=Rankable)
 
 
 def pick_best(trials: Iterable[R]) -> R | None:
-    """The best trial: succeeded, feasible under the memory budget, then the fastest step."""
-    done = [t for t in trials if t.succeeded and t.feasible and t.step_ms is not None]
-    return min(done, key=lambda t: t.step_ms) if done else None
+    """The best trial: succeeded, feasible under the memory budget, then the lowest objective
+    (the paired step-time ratio against the defaults; the step time where a trial has no ratio)."""
+    done = [t for t in trials if t.succeeded and t.feasible and t.objective is not None]
+    return min(done, key=lambda t: t.objective) if done else None
 
 
 @dataclass(kw_only=True)
@@ -52,6 +53,14 @@ class TrialRow:
     """The trial's own status (ok, pruned, timeout, crash, oom, invalid_config, interrupted)."""
     reason: str = ""
     step_ms: float | None = None
+    ratio: float | None = None
+    """Median candidate/defaults step-time ratio of the trial's pairs (the search's objective)."""
+    ratio_q25: float | None = None
+    ratio_q75: float | None = None
+    ratio_spread: float | None = None
+    noisy: bool = False
+    """Its pairs still spread wider than ``max_ratio_spread`` after a re-measurement."""
+    profiler_overhead: float | None = None
     process_peak_bytes: int | None = None
     exposed_comm_ms: float | None = None
     overlap_ratio: float | None = None
@@ -59,12 +68,18 @@ class TrialRow:
     feasible: bool = True
     """Process peak within the memory budget (always True without a budget)."""
     is_default: bool = False
+    duplicate_of: int | None = None
+    """The trial that measured the same effective config (this one was not run again)."""
     trial_dir: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def succeeded(self) -> bool:
         return self.state == "COMPLETE"
+
+    @property
+    def objective(self) -> float | None:
+        return self.ratio if self.ratio is not None else self.step_ms
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -94,8 +109,8 @@ class SearchRecord:
     """``search.json``: what a search found (read back by ``autotune report``)."""
 
     KIND: ClassVar[str] = "search_summary"
-    SCHEMA_VERSION: ClassVar[int] = 2
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_summary_v1}
+    SCHEMA_VERSION: ClassVar[int] = 3
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_summary_v1, 2: lambda data: data}  # v3 rows gained fields with defaults
 
     model: str
     proxy: dict[str, Any] = field(default_factory=dict)
@@ -152,7 +167,7 @@ def _migrate_results_v1(data: dict[str, Any]) -> dict[str, Any]:
 def read_results(out_dir: Path) -> list[TrialRow]:
     """The rows of ``results.json``."""
     path = out_dir / "results.json"
-    data = read_artifact(path, kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: _migrate_results_v1})
+    data = read_artifact(path, kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: _migrate_results_v1, 2: lambda d: d})
     trials = data.get("trials")
     if not isinstance(trials, list):
         raise ArtifactError(f"{path}: 'trials' must be a list of rows")

@@ -5,7 +5,8 @@ Data flow: model profile + machine -> :func:`autotune.search.proxy.plan_for_this
 :class:`RuntimeConfig` -> :func:`autotune.trials.run_trial` -> metrics -> ``study.tell``
 (:mod:`autotune.search.loop`) -> best config -> side-by-side confirmation against the
 defaults (:mod:`autotune.search.confirm`) -> consolidation timing -> emitted config
-(:mod:`autotune.search.emit`) -> tables and report.
+(:mod:`autotune.search.emit`) -> tables. The report (``report/``) is the next stage's:
+:func:`autotune.report.write_search_report`; :func:`autotune.pipeline.search_and_report` runs both.
 
 A run directory holds::
 
@@ -14,7 +15,7 @@ A run directory holds::
     best.toml, best.json  the winning runtime config (applies with fsdp_runtime unchanged)
     results.csv, results.json   one row per trial
     search.json           summary (:class:`~autotune.search.results.SearchRecord`)
-    report/               ``autotune report`` of the run dir
+    report/               ``autotune report`` of the run dir (written by autotune.report)
 
 Robustness rules are in [Note: search robustness] (:mod:`autotune.search.loop`).
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.search.confirm import confirm
+from autotune.search.confirm import run_final_round
 from autotune.search.consolidation import time_consolidation
 from autotune.search.context import SearchContext
 from autotune.search.emit import emit_best
@@ -39,7 +40,6 @@ from autotune.search.outcome import STORAGE_ERRORS, apply_pending
 from autotune.search.preflight import preflight
 from autotune.search.study import claim_out_dir, close_interrupted, open_study, resolve_plan
 from fsdp_runtime import RuntimeConfig
-from fsdp_runtime.errors import AutotuneError
 from profiles import load_model_profile
 
 
@@ -48,12 +48,15 @@ class SearchSummary:
     """What :func:`run_search` returns: the run's rows and plan, and the record written as ``search.json``."""
 
     out_dir: Path
+    """Where this worker wrote its files (the run dir, or its own dir under ``workers/``)."""
+    study_dir: Path
+    """The run dir that holds the study's trials (``settings.out_dir``)."""
     plan: ModelPlan
     rows: list[TrialRow]
     record: SearchRecord
     best_config_path: Path | None = None
     report_paths: list[Path] = field(default_factory=list)
-    """``report/report.html`` and the PNGs written into the run dir."""
+    """``report/report.html`` and the PNGs, once :func:`autotune.report.write_search_report` wrote them."""
 
     @property
     def best(self) -> TrialRow | None:
@@ -98,20 +101,6 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
             raise SearchError(f"the study storage became unavailable ({first}); every finished trial is kept: continue with --resume", field="storage") from None
 
 
-def _choose(ctx: SearchContext, best: TrialRow) -> tuple[RuntimeConfig, dict[str, Any] | None]:
-    """The config to emit (best, or the defaults when they win side by side) and the confirmation."""
-    best_config = ctx.space.build_config(best.params)
-    if ctx.settings.num_confirm_pairs == 0 or best.is_default:
-        return best_config, None
-    default_config = ctx.space.build_config(ctx.space.get_default_params())
-    ctx.reporter.on_phase(f"confirming: best (trial {best.number}) vs defaults, {ctx.settings.num_confirm_pairs} alternating pairs")
-    confirmation = confirm(ctx, best_config, default_config)
-    if confirmation["speedup_median"] is not None and confirmation["speedup_median"] < 1.0:
-        # The search's best was a lucky measurement: the defaults win side by side.
-        return default_config, confirmation | {"emitted": "defaults"}
-    return best_config, confirmation | {"emitted": "best"}
-
-
 def _with_fastest_consolidation(ctx: SearchContext, config: RuntimeConfig) -> tuple[RuntimeConfig, dict[str, Any]]:
     """Time consolidation per method and emit the fastest measured here (on CPU gloo broadcast
     beats all_gather for large tensors; see [Note: all_gather consolidation])."""
@@ -125,7 +114,7 @@ def _with_fastest_consolidation(ctx: SearchContext, config: RuntimeConfig) -> tu
 
 
 def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
-    """Confirm best vs defaults side by side, write best config, tables, summary and report."""
+    """Confirm best vs defaults side by side; write the best config, the tables and ``search.json``."""
     rows = get_rows(ctx.study)
     best = pick_best(rows)
     plan = ctx.plan
@@ -133,29 +122,15 @@ def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
         model=plan.requested.name, proxy={"is_proxy": plan.is_proxy, "name": plan.proxy_name, "reason": plan.reason, "overrides": plan.overrides},
         num_trials=len(rows), stopped_because=stopped_because, best=best, default=next((r for r in rows if r.is_default), None),
     )  # fmt: skip
-    summary = SearchSummary(out_dir=ctx.write_dir, plan=plan, rows=rows, record=record)
+    summary = SearchSummary(out_dir=ctx.write_dir, study_dir=ctx.settings.out_dir, plan=plan, rows=rows, record=record)
     if best is not None:
-        config, record.confirmation = _choose(ctx, best)
+        config, record.confirmation = run_final_round(ctx, rows)
         config, record.consolidation = _with_fastest_consolidation(ctx, config)
         summary.best_config_path = emit_best(ctx, config, best=best, default=record.default, confirmation=record.confirmation, consolidation=record.consolidation)
         record.best_config = str(summary.best_config_path)
-    write_results(rows, ctx.settings.out_dir)
-    record.write(ctx.settings.out_dir / "search.json")
-    ctx.reporter.on_phase("writing the search report")
-    summary.report_paths, record.report_error = _write_search_report(ctx.settings.out_dir)
-    record.report = [str(p) for p in summary.report_paths]
-    record.write(ctx.settings.out_dir / "search.json")
+    write_results(rows, ctx.write_dir)
+    record.write(ctx.write_dir / "search.json")
     return summary
-
-
-def _write_search_report(out_dir: Path) -> tuple[list[Path], str | None]:
-    """``autotune report`` of the run dir into ``out_dir/report``; a failure is recorded, not raised."""
-    from autotune.report import load_report, write_report
-
-    try:
-        return write_report(load_report(out_dir), out_dir / "report"), None
-    except (AutotuneError, OSError, ValueError) as e:
-        return [], f"{type(e).__name__}: {e}"
 
 
 def describe_interrupted(settings: SearchSettings) -> str:

@@ -45,12 +45,21 @@ class SearchSettings:
     fixed_mesh: str | None = None
     num_warmup: int = 2
     num_measured: int = 4
+    """Pairs (candidate and reference step, see [Note: paired measurement]) per trial."""
     num_profiled: int = 2
     trial_timeout_s: float = 180.0
-    prune_ratio: float = 1.5
+    prune_ratio: float = 1.3
+    """Prune a trial when each of its first pairs is this much slower, relative to the reference,
+    than the best trial so far (widened by the best trial's own spread)."""
+    max_ratio_spread: float = 0.10
+    """A trial whose pair ratios spread wider than this (interquartile range / median) is
+    measured again with twice the pairs before it is ranked."""
+    num_finalists: int = 3
+    """Configs re-measured against the defaults at the end; the fastest of them is emitted."""
     patience: int | None = 10
     """Stop after this many finished trials without a >= 1% improvement; None: never."""
     num_confirm_pairs: int = 3
+    """Pairs per finalist in the final round (each an ABBA quartet of steps: twice this many pairs run)."""
     step_budget_s: float = 1.0
     """Per-microbatch step-time budget used to size a proxy on this machine."""
     use_pool: bool = True
@@ -65,6 +74,9 @@ class SearchSettings:
             ("num_microbatches", self.num_microbatches >= 1, f"microbatches must be >= 1, got {self.num_microbatches}"),
             ("prune_ratio", self.prune_ratio > 1.0, f"prune ratio must be > 1, got {self.prune_ratio}"),
             ("num_confirm_pairs", self.num_confirm_pairs >= 0, f"confirmation pairs must be >= 0, got {self.num_confirm_pairs}"),
+            ("num_finalists", self.num_finalists >= 1, f"finalists must be >= 1, got {self.num_finalists}"),
+            ("max_ratio_spread", self.max_ratio_spread > 0, f"max ratio spread must be > 0, got {self.max_ratio_spread}"),
+            ("num_measured", self.num_measured >= 2, f"measured pairs must be >= 2, got {self.num_measured}"),
             ("patience", self.patience is None or self.patience >= 1, f"patience must be >= 1, got {self.patience}"),
             ("sampler", self.sampler in SAMPLERS, f"unknown sampler {self.sampler!r} (use {', '.join(SAMPLERS)})"),
             ("trial_timeout_s", self.trial_timeout_s > 0, f"trial timeout must be > 0 s, got {self.trial_timeout_s}"),

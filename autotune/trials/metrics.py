@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from autotune.analysis import check_summary
 from autotune.artifacts import ArtifactError, build_dataclass, read_artifact, write_artifact
+from autotune.trials.paired import summarize_pairs
 
 TrialStatus = Literal["ok", "pruned", "timeout", "crash", "oom", "invalid_config"]
 
@@ -37,7 +38,9 @@ class RankMetrics:
 
     rank: int
     step_ms: list[float]
-    """Unprofiled, timed steps."""
+    """Unprofiled, timed steps (in a paired trial: the candidate's; each the slowest rank's)."""
+    reference_step_ms: list[float] = field(default_factory=list)
+    """A paired trial's reference steps, interleaved with ``step_ms`` (see [Note: paired measurement])."""
     profiled_step_ms: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     process_peak_bytes: int | None = None
@@ -54,6 +57,11 @@ class RankMetrics:
     @property
     def median_profiled_step_ms(self) -> float | None:
         return median_or_none(self.profiled_step_ms)
+
+
+def _slowest(per_rank: Any) -> list[float]:
+    """Per step, the slowest rank's time."""
+    return [max(steps) for steps in zip(*per_rank)]
 
 
 def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
@@ -77,8 +85,8 @@ class TrialMetrics:
     """The body of ``metrics.json``."""
 
     KIND: ClassVar[str] = "trial_metrics"
-    SCHEMA_VERSION: ClassVar[int] = 2
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1}
+    SCHEMA_VERSION: ClassVar[int] = 3
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, 2: lambda data: data}  # v3 added fields, all with defaults
 
     status: TrialStatus
     reason: str = ""
@@ -104,16 +112,34 @@ class TrialMetrics:
     trace_metrics: dict[str, Any] | None = None
     """``autotune.analysis.summarize_traces`` of the traces (its own versioned schema)."""
     analysis_error: str | None = None
+    reference_step_ms_per_step: list[float] = field(default_factory=list)
+    """A paired trial's reference steps (slowest rank), pair by pair with ``step_ms_per_step``."""
+    paired: dict[str, Any] = field(default_factory=dict)
+    """A paired trial's comparison: ``ratio`` (median candidate/reference), quartiles, extremes,
+    ``ratio_spread``, each side's noise (``autotune.trials.paired.summarize_pairs``); empty unpaired."""
+    profiled_step_ms: float | None = None
+    """Median step time inside the profiled window (slowest rank per step)."""
+    profiler_overhead: float | None = None
+    """``profiled_step_ms / step_ms``: how much the profiler slowed the steps its traces show."""
 
     @classmethod
     def from_ranks(cls, ranks: list[RankMetrics], **fields: Any) -> "TrialMetrics":
         """Metrics whose step figures are derived from the ranks' (the one place they are)."""
-        per_step = [max(steps) for steps in zip(*(r.step_ms for r in ranks))] if ranks else []
+        per_step = _slowest(r.step_ms for r in ranks)
+        reference = _slowest(r.reference_step_ms for r in ranks)
+        profiled = median_or_none(_slowest(r.profiled_step_ms for r in ranks))
+        step_ms = median_or_none(per_step)
         peaks = [r.process_peak_bytes for r in ranks if r.process_peak_bytes is not None]
         return cls(
-            ranks=ranks, step_ms_per_step=per_step, step_ms=median_or_none(per_step), process_peak_bytes=max(peaks) if peaks else None,
-            traces=[r.trace for r in ranks if r.trace], **fields,
+            ranks=ranks, step_ms_per_step=per_step, step_ms=step_ms, process_peak_bytes=max(peaks) if peaks else None,
+            traces=[r.trace for r in ranks if r.trace], reference_step_ms_per_step=reference, paired=summarize_pairs(per_step, reference),
+            profiled_step_ms=profiled, profiler_overhead=profiled / step_ms if profiled and step_ms else None, **fields,
         )  # fmt: skip
+
+    @property
+    def ratio(self) -> float | None:
+        """A paired trial's median candidate/reference step-time ratio (lower: faster than the reference)."""
+        return self.paired.get("ratio")
 
     def to_dict(self) -> dict[str, Any]:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

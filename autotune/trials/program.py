@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.trials.metrics import median_or_none
+from autotune.trials.paired import Side, get_pair_order, run_pairs, step_side
 from fsdp_runtime.files import atomic_path
 
 PRUNE_AFTER = 2
@@ -137,62 +138,100 @@ def _profiled_window(training: Any, first_step: int, num_active: int, device: to
     return step_ms, losses
 
 
-def _measured_steps(training: Any, spec: dict[str, Any], device: torch.device, emulator: Any) -> tuple[list[float], list[float], bool]:
-    """(step ms, losses, pruned) of the unprofiled, timed steps."""
-    step_ms: list[float] = []
-    losses: list[float] = []
-    limit = spec["prune_if_slower_than_ms"]
-    for i in range(spec["num_measured"]):
-        ms, loss = timed_step(training, spec["num_warmup"] + i, device, emulator)
-        step_ms.append(ms)
-        losses.append(loss)
-        if limit is not None and i + 1 == PRUNE_AFTER and _vote_prune(step_ms, limit, device):
-            return step_ms, losses, True
-    return step_ms, losses, False
-
-
 def _get_memory(device: torch.device, rss: _RssSampler) -> dict[str, Any]:
     if device.type == "cuda":
         return {"source": "cuda_max_allocated", "peak_bytes": torch.cuda.max_memory_allocated(device), "baseline_bytes": 0}
     return {"source": "peak_rss", "peak_bytes": rss.peak_bytes, "baseline_bytes": rss.baseline_bytes}
 
 
+def _build_sides(rank: int, world_size: int, spec: dict[str, Any], device: torch.device, emulators: tuple[Any, Any]) -> tuple[dict[str, Side], _RssSampler]:
+    """The candidate (process peak sampled from before its build through its warm-up) and,
+    with ``spec["reference"]``, the reference (built after: its memory is not the candidate's)."""
+    from autotune.trials.workload import build_training
+
+    with _RssSampler() as rss:
+        candidate = Side(training=build_training(rank, world_size, model=spec["model"], config=spec["config"], seed=spec["seed"], device=device), emulator=emulators[0])
+        for _ in range(spec["num_warmup"]):
+            step_side(candidate, device, timed_step)
+    sides = {"candidate": candidate}
+    reference = spec.get("reference")
+    if reference is not None:
+        if reference == spec["config"]:  # the defaults trial: one model, alternate steps measure the noise
+            sides["reference"] = candidate
+        else:
+            sides["reference"] = Side(training=build_training(rank, world_size, model=spec["model"], config=reference, seed=spec["seed"], device=device), emulator=emulators[1])
+            for _ in range(spec["num_warmup"]):
+                step_side(sides["reference"], device, timed_step)
+    for side in sides.values():  # warm-up steps are not measurements (their losses stay: the run's record)
+        side.step_ms.clear()
+    return sides, rss
+
+
+def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device) -> bool:
+    """The timed steps: paired with the reference when there is one; returns whether pruned."""
+    if "reference" in sides:
+        ratio_limit = spec.get("prune_if_ratio_above")
+        return run_pairs(sides, num_pairs=spec["num_measured"], device=device, timed_step=timed_step, prune_if_ratio_above=ratio_limit)
+    candidate, limit = sides["candidate"], spec["prune_if_slower_than_ms"]
+    for i in range(spec["num_measured"]):
+        step_side(candidate, device, timed_step)
+        if limit is not None and i + 1 == PRUNE_AFTER and _vote_prune(candidate.step_ms, limit, device):
+            return True
+    return False
+
+
 def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[str, Any]:
     """Rank program of a trial (``spec`` is :meth:`autotune.trials.spec.TrialSpec.to_dict`); returns this rank's measurements."""
     from autotune.trials.linkemu import LinkEmulator
-    from autotune.trials.workload import build_training
     from profiles import load_cluster_profile
 
     device = _get_device(spec["backend"], rank)
-    emulator = LinkEmulator.from_cluster(load_cluster_profile(spec["cluster"])) if spec["cluster"] else None
+    cluster = load_cluster_profile(spec["cluster"]) if spec["cluster"] else None
+    # One emulator per side: the candidate's link statistics are its own.
+    emulators = (LinkEmulator.from_cluster(cluster), LinkEmulator.from_cluster(cluster)) if cluster else (None, None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with _RssSampler() as rss:
-        training = build_training(rank, world_size, model=spec["model"], config=spec["config"], seed=spec["seed"], device=device)
-        losses = [timed_step(training, s, device, emulator)[1] for s in range(spec["num_warmup"])]
-        step_ms, measured_losses, pruned = _measured_steps(training, spec, device, emulator)
-        losses += measured_losses
+    sides, rss = _build_sides(rank, world_size, spec, device, emulators)
+    pruned = _measure(sides, spec, device)
     memory = _get_memory(device, rss)
+    candidate = sides["candidate"]
+    reference_ms = list(sides["reference"].step_ms) if "reference" in sides else []
+    step_ms, losses = list(candidate.step_ms), list(candidate.losses)
+    if sides.get("reference") is candidate:  # one model alternating: split its steps by pair order
+        step_ms, reference_ms = _split_self_pairs(step_ms)
     profiled_ms: list[float] = []
     trace = None
     if spec["profile"] and not pruned:
+        sides.pop("reference", None)
         trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
-        profiled_ms, profiled_losses = _profiled_window(training, len(losses), spec["num_profiled"], device, emulator, trace_path)
+        profiled_ms, profiled_losses = _profiled_window(candidate.training, candidate.next_step, spec["num_profiled"], device, candidate.emulator, trace_path)
         losses += profiled_losses
         trace = trace_path.name
-    del training
+    del sides, candidate
     _release_free_memory()
     return {
         "rank": rank,
         "step_ms": step_ms,
+        "reference_step_ms": reference_ms,
         "profiled_step_ms": profiled_ms,
         "losses": losses,
         "pruned": pruned,
         "memory": memory,
         "trace": trace,
-        "link_emulation": emulator.summary() if emulator is not None else None,
+        "link_emulation": emulators[0].summary() if emulators[0] is not None else None,
         "env": _get_rank_env(device),
     }
+
+
+def _split_self_pairs(step_ms: list[float]) -> tuple[list[float], list[float]]:
+    """Steps of a side paired with itself, in pair order (ref, cand | cand, ref ...): (candidate, reference)."""
+    candidate, reference = [], []
+    for i in range(0, len(step_ms) - 1, 2):
+        first, second = get_pair_order(i // 2)
+        by_name = {first: step_ms[i], second: step_ms[i + 1]}
+        candidate.append(by_name["candidate"])
+        reference.append(by_name["reference"])
+    return candidate, reference
 
 
 def _get_rank_env(device: torch.device) -> dict[str, Any]:

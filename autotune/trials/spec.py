@@ -33,7 +33,8 @@ class TrialSpec:
     """What to run in one trial, and where to write it."""
 
     KIND: ClassVar[str] = "trial_spec"
-    SCHEMA_VERSION: ClassVar[int] = 1
+    SCHEMA_VERSION: ClassVar[int] = 2
+    MIGRATIONS: ClassVar[dict] = {1: lambda data: {"reference": None, "prune_if_ratio_above": None, **data}}  # v2: paired measurement
 
     model: str | dict[str, Any]
     """Model profile name/path, or ``{"name": ..., **shape/seq_len/batch_size overrides}``."""
@@ -58,7 +59,12 @@ class TrialSpec:
     profile: bool = True
     """Run the profiled window and write traces."""
     prune_if_slower_than_ms: float | None = None
-    """Stop after the first measured steps (status ``pruned``) if their median is above this."""
+    """Unpaired trials: stop after the first measured steps (status ``pruned``) if their median is above this."""
+    reference: RuntimeConfig | None = None
+    """Measure the config against this one, alternating on the same ranks (see [Note: paired
+    measurement] in :mod:`autotune.trials.paired`); None: time the config alone."""
+    prune_if_ratio_above: float | None = None
+    """Paired trials: stop after the first pairs if every pair's candidate/reference ratio is above this."""
     rank_program: str = DEFAULT_RANK_PROGRAM
     """``module:function`` each rank runs as ``fn(rank, world_size, spec=dict)``; replace it to
     trial a custom workload that returns the same measurements."""
@@ -81,20 +87,22 @@ class TrialSpec:
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (what ranks receive, and ``--write-spec`` writes for torchrun)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {"schema_version": self.SCHEMA_VERSION, "kind": self.KIND, **data, "config": config_to_dict(self.config), "out_dir": str(self.out_dir)}
+        reference = config_to_dict(self.reference) if self.reference is not None else None
+        return {"schema_version": self.SCHEMA_VERSION, "kind": self.KIND, **data, "config": config_to_dict(self.config), "reference": reference, "out_dir": str(self.out_dir)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "trial spec") -> "TrialSpec":
         if isinstance(data, dict) and "kind" not in data and "config" in data:
             raise TrialSpecError(f"{source}: a trial spec written by an older fsdp-autotune (no 'kind'); write it again with `autotune trial --write-spec`")
-        data = dict(check_artifact(data, kind=cls.KIND, version=cls.SCHEMA_VERSION, source=source))
+        data = dict(check_artifact(data, kind=cls.KIND, version=cls.SCHEMA_VERSION, migrations=cls.MIGRATIONS, source=source))
         del data["kind"], data["schema_version"]
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise TrialSpecError(f"{source}: unknown field {unknown[0]!r} (known: {', '.join(sorted(names))})")
         try:
-            return cls(**{**data, "config": config_from_dict(data["config"], source=source), "out_dir": Path(data["out_dir"])})
+            reference = config_from_dict(data["reference"], source=source) if data.get("reference") is not None else None
+            return cls(**{**data, "config": config_from_dict(data["config"], source=source), "reference": reference, "out_dir": Path(data["out_dir"])})
         except (KeyError, TypeError) as e:
             raise TrialSpecError(f"{source}: incomplete trial spec ({e})") from None
         except TrialSpecError as e:
@@ -102,7 +110,7 @@ class TrialSpec:
 
     @classmethod
     def read(cls, path: str | Path) -> "TrialSpec":
-        return cls.from_dict(read_artifact(path, kind=cls.KIND, version=cls.SCHEMA_VERSION), source=str(path))
+        return cls.from_dict(read_artifact(path, kind=cls.KIND, version=cls.SCHEMA_VERSION, migrations=cls.MIGRATIONS), source=str(path))
 
     def write(self, path: str | Path) -> Path:
         return write_artifact(path, self.to_dict())

@@ -61,7 +61,7 @@ def to_rank_metrics(result: dict[str, Any]) -> RankMetrics:
     """A rank program's return value (see :func:`autotune.trials.program.run_trial_rank`) as metrics."""
     memory = result["memory"]
     return RankMetrics(
-        rank=result["rank"], step_ms=result["step_ms"], profiled_step_ms=result["profiled_step_ms"], losses=result["losses"],
+        rank=result["rank"], step_ms=result["step_ms"], reference_step_ms=result.get("reference_step_ms", []), profiled_step_ms=result["profiled_step_ms"], losses=result["losses"],
         process_peak_bytes=memory["peak_bytes"], process_baseline_bytes=memory["baseline_bytes"], trace=result["trace"],
         link_emulation=result["link_emulation"],
     )  # fmt: skip

@@ -1,8 +1,9 @@
 """Versioned artifacts (see [Note: artifacts] in autotune/artifacts.py).
 
 The committed fixtures under ``tests/data/artifacts/`` are what released versions wrote
-(``*_v1.json``: the previous release's writers' shape; ``*_v2.json`` and
-``trial_spec_v1.json``: today's writers). All describe one search of ``tiny`` on 2 gloo
+(``*_v1.json``: the first release's writers' shape; ``*_v2.json``: the second's (typed
+artifacts); ``*_v3.json`` and ``trial_spec_v2.json``: today's writers (``trial_spec_v1.json``: the second release's spec), with the paired
+measurement's fields). All describe one search of ``tiny`` on 2 gloo
 ranks: 4 trials, trial 1 the best (its ``metrics.json`` is ``metrics_v*.json``, whose
 trace summary is that of ``tests/data/cpu_tiny_2rank``), trial 2 faster but over the
 memory budget. See ``tests/data/artifacts/README.md``.
@@ -73,17 +74,17 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         text = (ARTIFACTS / name).read_text(encoding="utf-8")
         assert "peak_memory_bytes" in text and "process_peak_bytes" not in text and "profiler_peak_allocated_bytes" not in text, name
     for name, kind, version in [
-        ("metrics_v2.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
-        ("search_v2.json", "search_summary", SearchRecord.SCHEMA_VERSION),
-        ("trial_spec_v1.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
+        ("metrics_v3.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
+        ("search_v3.json", "search_summary", SearchRecord.SCHEMA_VERSION),
+        ("trial_spec_v2.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
     ]:
         data = load_fixture(name)
         assert (data["kind"], data["schema_version"]) == (kind, version), name
         assert "peak_memory_bytes" not in (ARTIFACTS / name).read_text(encoding="utf-8"), name
-    assert load_fixture("metrics_v2.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
+    assert load_fixture("metrics_v3.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
 
 
-@pytest.mark.parametrize("name", ["metrics_v1.json", "metrics_v2.json"])
+@pytest.mark.parametrize("name", ["metrics_v1.json", "metrics_v2.json", "metrics_v3.json"])
 def test_metrics_of_every_released_version_read(name):
     metrics = TrialMetrics.read(ARTIFACTS / name)
 
@@ -108,12 +109,12 @@ def test_metrics_of_every_released_version_read(name):
 
 def test_v1_metrics_migrate_to_exactly_what_today_writes():
     """metrics_v1.json and metrics_v2.json hold the same trial: the migration loses nothing."""
-    assert TrialMetrics.read(ARTIFACTS / "metrics_v1.json") == TrialMetrics.read(ARTIFACTS / "metrics_v2.json")
+    assert TrialMetrics.read(ARTIFACTS / "metrics_v1.json") == TrialMetrics.read(ARTIFACTS / "metrics_v2.json") == TrialMetrics.read(ARTIFACTS / "metrics_v3.json")
 
 
 def test_metrics_round_trip_is_lossless(tmp_path):
-    original = load_fixture("metrics_v2.json")
-    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v2.json")
+    original = load_fixture("metrics_v3.json")
+    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v3.json")
     assert metrics.to_dict() == original
 
     written = metrics.write(tmp_path / "metrics.json")
@@ -123,10 +124,10 @@ def test_metrics_round_trip_is_lossless(tmp_path):
 
 def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     written = TrialMetrics.read(ARTIFACTS / "metrics_v1.json").write(tmp_path / "metrics.json")
-    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v2.json")
+    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v3.json")
 
 
-@pytest.mark.parametrize("name", ["search_v1.json", "search_v2.json"])
+@pytest.mark.parametrize("name", ["search_v1.json", "search_v2.json", "search_v3.json"])
 def test_search_summary_of_every_released_version_reads(name):
     record = SearchRecord.read(ARTIFACTS / name)
 
@@ -142,14 +143,14 @@ def test_search_summary_of_every_released_version_reads(name):
 
 def test_v1_search_summary_migrates_to_what_today_writes():
     """Same search; only the report list differs (v1 wrote search.json before the report)."""
-    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v2.json")
+    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v3.json")
     assert v1.report == [] and v2.report
     assert dataclasses.replace(v1, report=v2.report) == v2
 
 
 def test_search_summary_round_trip_is_lossless(tmp_path):
-    original = load_fixture("search_v2.json")
-    record = SearchRecord.read(ARTIFACTS / "search_v2.json")
+    original = load_fixture("search_v3.json")
+    record = SearchRecord.read(ARTIFACTS / "search_v3.json")
     assert record.to_dict() == original
     assert SearchRecord.read(record.write(tmp_path / "search.json")).to_dict() == original
 
@@ -169,8 +170,8 @@ def test_results_v1_read(tmp_path):
 
 
 def test_trial_spec_reads_and_round_trips(tmp_path):
-    original = load_fixture("trial_spec_v1.json")
-    spec = TrialSpec.read(ARTIFACTS / "trial_spec_v1.json")
+    original = load_fixture("trial_spec_v2.json")
+    spec = TrialSpec.read(ARTIFACTS / "trial_spec_v2.json")
 
     assert (spec.model, spec.world_size, spec.backend, spec.out_dir) == ("tiny", 2, "gloo", Path("runs/tiny/trials/trial_0001"))
     assert isinstance(spec.config, RuntimeConfig)
@@ -198,10 +199,10 @@ class Reader:
 
 
 READERS = [
-    Reader("TrialMetrics.read", "trial_metrics", TrialMetrics.SCHEMA_VERSION, "metrics.json", "metrics_v2.json", TrialMetrics.read, "search_v2.json"),
-    Reader("SearchRecord.read", "search_summary", SearchRecord.SCHEMA_VERSION, "search.json", "search_v2.json", SearchRecord.read, "metrics_v2.json"),
+    Reader("TrialMetrics.read", "trial_metrics", TrialMetrics.SCHEMA_VERSION, "metrics.json", "metrics_v3.json", TrialMetrics.read, "search_v3.json"),
+    Reader("SearchRecord.read", "search_summary", SearchRecord.SCHEMA_VERSION, "search.json", "search_v3.json", SearchRecord.read, "metrics_v3.json"),
     Reader("read_results", "search_results", SearchRecord.SCHEMA_VERSION, "results.json", "results_v1.json", lambda p: read_results(p.parent), "search_v1.json"),
-    Reader("TrialSpec.read", "trial_spec", TrialSpec.SCHEMA_VERSION, "trial_spec.json", "trial_spec_v1.json", TrialSpec.read, "metrics_v2.json"),
+    Reader("TrialSpec.read", "trial_spec", TrialSpec.SCHEMA_VERSION, "trial_spec.json", "trial_spec_v2.json", TrialSpec.read, "metrics_v3.json"),
 ]
 
 
@@ -252,7 +253,7 @@ def test_reader_refuses_a_missing_file(reader, tmp_path):
 
 @pytest.mark.parametrize("version", [0, -1, "2", None, 1.5])
 def test_reader_refuses_a_bad_schema_version(version, tmp_path):
-    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v2.json"), "schema_version": version})
+    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v3.json"), "schema_version": version})
     with pytest.raises(ArtifactError) as excinfo:
         TrialMetrics.read(path)
     assert_refused(excinfo, path, "schema_version must be a positive integer")
@@ -265,7 +266,7 @@ def test_reader_refuses_a_boolean_schema_version(tmp_path):
 
 
 def test_metrics_refuse_an_embedded_summary_from_a_newer_release(tmp_path):
-    data = load_fixture("metrics_v2.json")
+    data = load_fixture("metrics_v3.json")
     data["trace_metrics"]["schema_version"] = SUMMARY_SCHEMA_VERSION + 1
     path = write_json(tmp_path / "metrics.json", data)
     with pytest.raises(ArtifactError) as excinfo:
@@ -274,7 +275,7 @@ def test_metrics_refuse_an_embedded_summary_from_a_newer_release(tmp_path):
 
 
 def test_metrics_refuse_an_embedded_summary_of_another_kind(tmp_path):
-    data = load_fixture("metrics_v2.json")
+    data = load_fixture("metrics_v3.json")
     data["trace_metrics"] = {"schema_version": 1, "kind": "trial_env"}
     path = write_json(tmp_path / "metrics.json", data)
     with pytest.raises(ArtifactError) as excinfo:
@@ -299,11 +300,11 @@ def _bad_body(case_id: str, file_name: str, read: Callable[[Path], Any], make: C
 
 
 BAD_BODIES = [
-    _bad_body("metrics-unknown-field", "metrics.json", TrialMetrics.read, lambda: {**load_fixture("metrics_v2.json"), "gpu_util": 0.9}, "gpu_util"),
-    _bad_body("metrics-missing-field", "metrics.json", TrialMetrics.read, lambda: _without(load_fixture("metrics_v2.json"), "status"), "status"),
-    _bad_body("metrics-rank-unknown-field", "metrics.json", TrialMetrics.read, lambda: _metrics_with_rank_field(load_fixture("metrics_v2.json")), "gpu_util"),
+    _bad_body("metrics-unknown-field", "metrics.json", TrialMetrics.read, lambda: {**load_fixture("metrics_v3.json"), "gpu_util": 0.9}, "gpu_util"),
+    _bad_body("metrics-missing-field", "metrics.json", TrialMetrics.read, lambda: _without(load_fixture("metrics_v3.json"), "status"), "status"),
+    _bad_body("metrics-rank-unknown-field", "metrics.json", TrialMetrics.read, lambda: _metrics_with_rank_field(load_fixture("metrics_v3.json")), "gpu_util"),
     _bad_body("metrics-rank-not-an-object", "metrics.json", TrialMetrics.read, lambda: {**load_fixture("metrics_v1.json"), "ranks": ["rank0"]}, "ranks"),
-    _bad_body("search-missing-field", "search.json", SearchRecord.read, lambda: _without(load_fixture("search_v2.json"), "model"), "model"),
+    _bad_body("search-missing-field", "search.json", SearchRecord.read, lambda: _without(load_fixture("search_v3.json"), "model"), "model"),
     _bad_body("search-incomplete-row", "search.json", SearchRecord.read, lambda: {**load_fixture("search_v1.json"), "best": {"state": "COMPLETE"}}, "best"),
     _bad_body("results-missing-trials", "results.json", lambda p: read_results(p.parent), lambda: _without(load_fixture("results_v1.json"), "trials"), "trials"),
 ]
@@ -322,7 +323,7 @@ def test_reader_refuses_a_body_that_does_not_match_its_version(file_name, read, 
 
 def test_old_trial_spec_without_kind_is_refused_clearly(tmp_path):
     """The previous release's spec (``TrialSpec.to_dict`` at HEAD~2) had no kind nor schema_version."""
-    old = {k: v for k, v in load_fixture("trial_spec_v1.json").items() if k not in ("kind", "schema_version")}
+    old = {k: v for k, v in load_fixture("trial_spec_v2.json").items() if k not in ("kind", "schema_version")}
     old["rank_program"] = "autotune.trial_rank:run_trial_rank"  # the old module path
     path = write_json(tmp_path / "trial_spec.json", old)
     with pytest.raises(ArtifactError) as excinfo:
@@ -331,7 +332,7 @@ def test_old_trial_spec_without_kind_is_refused_clearly(tmp_path):
 
 
 def test_trial_spec_refuses_an_unknown_field_by_name(tmp_path):
-    data = {**load_fixture("trial_spec_v1.json"), "torch_version": "2.5.1"}
+    data = {**load_fixture("trial_spec_v2.json"), "torch_version": "2.5.1"}
     with pytest.raises(TrialSpecError) as excinfo:
         TrialSpec.from_dict(data, source="spec.json")
     assert_refused(excinfo, Path("spec.json"), "unknown field 'torch_version'")
@@ -344,14 +345,14 @@ def test_trial_spec_refuses_an_unknown_field_by_name(tmp_path):
 
 @pytest.mark.parametrize("missing", ["world_size", "config", "out_dir", "model"])
 def test_trial_spec_refuses_a_missing_field_naming_the_file(missing, tmp_path):
-    path = write_json(tmp_path / "trial_spec.json", _without(load_fixture("trial_spec_v1.json"), missing))
+    path = write_json(tmp_path / "trial_spec.json", _without(load_fixture("trial_spec_v2.json"), missing))
     with pytest.raises(TrialSpecError) as excinfo:
         TrialSpec.read(path)
     assert_refused(excinfo, path, "incomplete trial spec", missing)
 
 
 def test_trial_spec_with_an_invalid_value_names_the_file(tmp_path):
-    path = write_json(tmp_path / "trial_spec.json", {**load_fixture("trial_spec_v1.json"), "world_size": 0})
+    path = write_json(tmp_path / "trial_spec.json", {**load_fixture("trial_spec_v2.json"), "world_size": 0})
     with pytest.raises(TrialSpecError) as excinfo:
         TrialSpec.read(path)
     assert_refused(excinfo, path, "world size must be >= 1")
@@ -394,3 +395,9 @@ def test_report_of_a_v1_search_dir_picks_the_best_without_search_json(tmp_path):
 
     assert report.best is not None and report.best.name == "trial_0001"  # trial_0002 is faster but infeasible
     assert report.best.process_peak_bytes == PROCESS_PEAK
+
+
+def test_trial_spec_v1_reads_as_an_unpaired_trial():
+    spec = TrialSpec.read(ARTIFACTS / "trial_spec_v1.json")
+    assert spec.reference is None and spec.prune_if_ratio_above is None
+    assert spec == TrialSpec.read(ARTIFACTS / "trial_spec_v2.json")

@@ -316,15 +316,16 @@ def test_a_search_where_no_trial_succeeded_exits_1(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     import cli
-    from autotune import search
+    from autotune import pipeline
     from autotune.search import SearchRecord, SearchSummary, TrialRow
 
     def failed_search(settings, *, reporter=None):
         rows = [TrialRow(number=0, state="FAIL", status="crash", reason="rank 1 exited with 1: boom", is_default=True)]
         plan = SimpleNamespace(is_proxy=False, proxy_name=None, requested=SimpleNamespace(name="tiny"))
-        return SearchSummary(out_dir=settings.out_dir, plan=plan, rows=rows, record=SearchRecord(model="tiny", num_trials=1, stopped_because="reached 1 trials"))
+        record = SearchRecord(model="tiny", num_trials=1, stopped_because="reached 1 trials")
+        return SearchSummary(out_dir=settings.out_dir, study_dir=settings.out_dir, plan=plan, rows=rows, record=record)
 
-    monkeypatch.setattr(search, "run_search", failed_search)
+    monkeypatch.setattr(pipeline, "search_and_report", failed_search)
     result = CliRunner().invoke(cli.app, ["search", "--model", "tiny", "--out", str(tmp_path), "--trials", "1"])
     assert result.exit_code == 1
     assert "no trial succeeded (1 trials)" in result.output

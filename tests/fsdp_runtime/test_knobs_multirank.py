@@ -110,10 +110,25 @@ def test_order_preserving_knobs_are_bitwise_equal_to_defaults(world2, knob):
 
 
 @pytest.mark.multirank
-def test_losses_decrease_and_ranks_differ(world2):
+def test_updates_lower_the_loss_on_their_data_and_ranks_differ(world2):
     losses = _losses(world2["default"])
     assert losses[0] != losses[1], "each rank must train on its own data"
     assert all(len(r) == NUM_STEPS for r in losses)
+    # Not "the last step's loss is below the first's": the tokens are uniform random, so
+    # there is nothing to learn beyond a uniform prediction, and the initial model is
+    # already within ~0.013 nats of that floor (ln 512 = 6.238; measured: initial loss
+    # 6.251 averaged over 80 batches, std 0.0095 for a 2-rank mean). Over 3 steps the
+    # batch-to-batch noise decides (single-process reference, rank means: 6.2644, 6.2730,
+    # 6.2676: it goes up), and any ordering it shows, deterministic as it is for fixed
+    # seeds, would hold by chance.
+    # What training must do is descend on the data it sees: re-evaluated after the 3
+    # updates, the last step's microbatches have a lower loss than when they were trained
+    # on. Same tokens before and after, so no data noise enters; measured in the reference
+    # for seeds 0-3: drops 0.093-0.104 per rank (0.19 after a single step; AdamW at lr 1e-3
+    # moves every weight by ~1e-3, and the last step's own gradient makes ~37% of the
+    # momentum). 0.03 is under a third of the smallest drop seen.
+    for rank, result in enumerate(world2["default"]):
+        assert result["losses"][-1] - result["refit_loss"] > 0.03, (rank, result["losses"], result["refit_loss"])
 
 
 @pytest.mark.multirank
