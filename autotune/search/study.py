@@ -16,6 +16,7 @@ import sqlalchemy.exc
 
 from autotune.search.proxy import ModelPlan, plan_for_this_machine
 from autotune.search.settings import SamplerName, SearchError, SearchSettings
+from autotune.trials import pid_alive
 from profiles import ModelProfile
 
 
@@ -124,21 +125,11 @@ def close_interrupted(study: optuna.Study) -> None:
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         worker = trial.user_attrs.get("worker", "")
         worker_host, _, pid = worker.rpartition(":")
-        if worker_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+        if worker_host == host and pid.isdigit() and not pid_alive(int(pid)):
             running = optuna.Trial(study, trial._trial_id)
             running.set_user_attr("status", "interrupted")
             running.set_user_attr("reason", f"worker {worker} died before the trial finished")
             study.tell(running, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def claim_out_dir(out_dir: Path) -> tuple[Path, Any]:

@@ -8,7 +8,7 @@ Data flow: :class:`TrialSpec` -> :func:`run_trial` -> ranks (:func:`run_ranks` f
 Several nodes: :mod:`autotune.trials.torchrun`.
 """
 
-from autotune.trials.launch import EXIT_USER_ERROR, RankRun, classify_failure, run_ranks
+from autotune.trials.launch import EXIT_USER_ERROR, RankRun, classify_failure, pid_alive, run_ranks
 from autotune.trials.linkemu import LinkEmulator, get_link_name
 from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, TrialStatus, median_or_none
 from autotune.trials.pool import RankPool
@@ -37,6 +37,7 @@ __all__ = [
     "get_link_name",
     "load_trial_config",
     "median_or_none",
+    "pid_alive",
     "resolve_profile",
     "run_ranks",
     "run_trial",

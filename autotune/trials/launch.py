@@ -211,13 +211,14 @@ def remove_stale_temp_dirs(root: str | Path | None = None) -> list[Path]:
     removed = []
     for path in Path(root or tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*"):
         match = _TEMP_DIR.match(path.name)
-        if match and path.is_dir() and not _pid_alive(int(match.group(1))):
+        if match and path.is_dir() and not pid_alive(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
