@@ -13,9 +13,11 @@
 - A failed trial (timeout, crash, OOM, invalid config) is told as FAIL with its reason and
   never stops the search. A trial is pruned only when *each* of its first pairs is slower
   than the best trial's ratio times ``prune_ratio``, widened by the best trial's own
-  spread (:func:`get_prune_limit`). A trial whose pairs spread wider than
-  ``max_ratio_spread`` is measured again with twice the pairs before it is ranked (the
-  second measurement stands; still too wide: ``noisy``). A trial whose peak memory
+  spread (:func:`get_prune_limit`), and only when a second window says so too: a trial
+  pruned in its first window, or whose pairs spread wider than ``max_ratio_spread``, is
+  measured again with twice the pairs before it is pruned or ranked (the second
+  measurement stands; still too wide: ``noisy``). One burst of load that hits the
+  candidate's steps and not the reference's cannot prune a config. A trial whose peak memory
   exceeds the budget is infeasible (Optuna constraint > 0) and never best.
 - Two parameter sets that expand to the same effective config (``config_hash``) are
   measured once: the second is told the first one's result (``duplicate_of``).
@@ -54,7 +56,8 @@ def to_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
     return TrialRow(
         number=trial.number, state=trial.state.name, status=attrs.get("status", trial.state.name.lower()), reason=attrs.get("reason", ""),
         step_ms=attrs.get("step_ms"), ratio=attrs.get("ratio"), ratio_q25=attrs.get("ratio_q25"), ratio_q75=attrs.get("ratio_q75"),
-        ratio_spread=attrs.get("ratio_spread"), noisy=bool(attrs.get("noisy", False)), profiler_overhead=attrs.get("profiler_overhead"),
+        ratio_spread=attrs.get("ratio_spread"), noisy=bool(attrs.get("noisy", False)),
+        attempts=int(attrs.get("attempts", 1)), first_status=attrs.get("first_status"), first_ratio=attrs.get("first_ratio"), profiler_overhead=attrs.get("profiler_overhead"),
         process_peak_bytes=attrs.get("process_peak_bytes", attrs.get("peak_memory_bytes")),
         exposed_comm_ms=attrs.get("exposed_comm_ms"), overlap_ratio=attrs.get("overlap_ratio"), bound_ratio=attrs.get("bound_ratio"),
         feasible=attrs.get("memory_over_budget", 0.0) <= 0.0, is_default=bool(attrs.get("is_default", False)), duplicate_of=attrs.get("duplicate_of"),
@@ -154,17 +157,25 @@ def _too_noisy(result: TrialResult, max_spread: float) -> bool:
 
 
 def _measure(ctx: SearchContext, config: RuntimeConfig, trial_dir: Path, prune_limit: float | None) -> tuple[TrialResult, dict[str, Any]]:
-    """Run the trial; measure it again, with twice the pairs and no pruning, if its pairs spread
-    too wide to rank. Returns the result that stands and what the attempts were."""
+    """Run the trial; measure it again in a second window, with twice the pairs, when the first
+    one pruned it or spread too wide to rank: no trial is pruned or ranked on one window.
+
+    The second measurement stands. After a prune it keeps the prune limit (a config that is
+    slow in both windows is stopped after the second window's first pairs, not measured in
+    full); after a noisy window it runs every pair. Returns the result and what the attempts were.
+    """
     result = run_trial(ctx.trial_spec(config, trial_dir, profile=True, prune_if_ratio_above=prune_limit), pool=ctx.pool)
-    if not _too_noisy(result, ctx.settings.max_ratio_spread):
+    pruned = result.status == "pruned"
+    if not pruned and not _too_noisy(result, ctx.settings.max_ratio_spread):
         return result, {"attempts": 1}
-    first = result.metrics.paired
-    spec = ctx.trial_spec(config, trial_dir / "remeasured", profile=True, num_pairs=2 * ctx.settings.num_measured)
+    first = (result.metrics.paired if result.metrics else None) or {}
+    limit = prune_limit if pruned else None
+    spec = ctx.trial_spec(config, trial_dir / "remeasured", profile=True, num_pairs=2 * ctx.settings.num_measured, prune_if_ratio_above=limit)
     again = run_trial(spec, pool=ctx.pool)
-    if again.status != "ok":
-        return result, {"attempts": 2, "noisy": True, "remeasure_failed": again.reason[:300]}
-    attempts = {"attempts": 2, "first_ratio": first["ratio"], "first_ratio_spread": first["ratio_spread"], "trial_dir": str(again.out_dir.relative_to(ctx.settings.out_dir))}
+    attempts = {"attempts": 2, "first_status": result.status, "first_ratio": first.get("ratio"), "first_ratio_spread": first.get("ratio_spread")}
+    if again.status not in ("ok", "pruned"):
+        return result, attempts | ({} if pruned else {"noisy": True}) | {"remeasure_failed": again.reason[:300]}
+    attempts["trial_dir"] = str(again.out_dir.relative_to(ctx.settings.out_dir))
     return again, attempts | ({"noisy": True} if _too_noisy(again, ctx.settings.max_ratio_spread) else {})
 
 

@@ -60,6 +60,11 @@ class TrialRow:
     ratio_spread: float | None = None
     noisy: bool = False
     """Its pairs still spread wider than ``max_ratio_spread`` after a re-measurement."""
+    attempts: int = 1
+    """Measurement windows: 2 when the first one pruned the trial or spread too wide to rank."""
+    first_status: str | None = None
+    """The first window's status (``ok`` or ``pruned``) when the trial was measured twice."""
+    first_ratio: float | None = None
     profiler_overhead: float | None = None
     process_peak_bytes: int | None = None
     exposed_comm_ms: float | None = None

@@ -12,3 +12,51 @@ def crash_on_explicit_prefetch(rank: int, world_size: int, *, spec: dict) -> dic
     if any(unit.get("forward_prefetch") for unit in spec["config"]["units"]):
         raise RuntimeError(INJECTED)
     return run_trial_rank(rank, world_size, spec=spec)
+
+
+NOISE_FACTOR = 4.0
+"""Rank 1 sleeps this many times the step's own duration: the step looks several times slower, whatever the load."""
+
+
+class _SleepyTraining:
+    """A training whose ``step`` sleeps after stepping, inside the rank's timed interval."""
+
+    def __init__(self, training) -> None:
+        self.training = training
+
+    def step(self, step: int) -> float:
+        import time
+
+        start = time.perf_counter()
+        loss = self.training.step(step)
+        time.sleep(NOISE_FACTOR * (time.perf_counter() - start))
+        return loss
+
+
+def noisy_first_window(rank: int, world_size: int, *, spec: dict) -> dict:
+    """The real trial workload, except that in a non-default trial's first window rank 1
+    sleeps inside the candidate's steps: trial 1 in every step (as if a burst of load hit
+    only the candidate: it would be pruned), trial 2 in every other step (its pairs spread
+    too wide to rank). Re-measured windows (``.../remeasured``) run clean."""
+    from pathlib import Path
+
+    from autotune.trials import program
+
+    out_dir = Path(spec["out_dir"])
+    trial = out_dir.name
+    if rank != 1 or spec["reference"] == spec["config"] or trial not in ("trial_0001", "trial_0002"):
+        return program.run_trial_rank(rank, world_size, spec=spec)
+    original, seen = program.timed_step, []
+
+    def timed_step(training, step, device, emulator=None):
+        if not seen:
+            seen.append(training)  # the candidate is built, and stepped, first
+        if training is seen[0] and (trial == "trial_0001" or step % 2 == 1):
+            training = _SleepyTraining(training)
+        return original(training, step, device, emulator)
+
+    program.timed_step = timed_step  # pooled ranks live on: restored below
+    try:
+        return program.run_trial_rank(rank, world_size, spec=spec)
+    finally:
+        program.timed_step = original

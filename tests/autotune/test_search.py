@@ -92,6 +92,29 @@ def test_failed_trials_are_recorded_and_do_not_stop_the_search(tmp_path):
     assert summary.best is not None and summary.best.state == "COMPLETE"
 
 
+@pytest.mark.multirank
+def test_a_noisy_window_is_measured_again_not_pruned_or_ranked(tmp_path):
+    # Rank 1 sleeps inside the candidate's steps of trials 1 and 2's first windows only
+    # (_search_programs.noisy_first_window): trial 1 in every step (its first pairs are all far
+    # above the prune limit), trial 2 in every other step (its pairs spread too wide to rank).
+    settings = _settings(tmp_path, num_trials=3, num_confirm_pairs=0, sampler="random", seed=5, rank_program="_search_programs:noisy_first_window")
+    rows = run_search(settings).rows
+    assert rows[0].is_default and rows[0].state == "COMPLETE"
+    slowed, spread = rows[1], rows[2]
+    assert slowed.duplicate_of is None and spread.duplicate_of is None, "the sampler repeated a config: pick another seed"
+    # Trial 1: the first window pruned it; the second, clean, window stands and ranks it.
+    first = json.loads((tmp_path / "trials" / "trial_0001" / "metrics.json").read_text())
+    assert first["status"] == "pruned" and first["paired"]["ratio"] > 2.2, first["paired"]
+    assert (slowed.state, slowed.attempts, slowed.first_status) == ("COMPLETE", 2, "pruned"), slowed
+    assert slowed.trial_dir == "trials/trial_0001/remeasured" and slowed.ratio < 1.8 < 2.2 < slowed.first_ratio
+    # Trial 2: not pruned (every other pair is clean), but too noisy to rank: measured again with twice the pairs.
+    first = json.loads((tmp_path / "trials" / "trial_0002" / "metrics.json").read_text())
+    assert first["status"] == "ok" and first["paired"]["ratio_spread"] > settings.max_ratio_spread
+    assert (spread.state, spread.attempts, spread.first_status) == ("COMPLETE", 2, "ok"), spread
+    again = json.loads((tmp_path / spread.trial_dir / "metrics.json").read_text())
+    assert again["paired"]["num_pairs"] == 2 * settings.num_measured and spread.ratio == again["paired"]["ratio"] < 1.8
+
+
 def test_existing_study_needs_resume(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     optuna.create_study(study_name="s", storage=storage)
