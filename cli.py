@@ -32,14 +32,21 @@ console = Console()
 def validate(
     config: Annotated[Path, typer.Argument(help="Runtime config (.toml or .json) to check.")],
     world_size: Annotated[Optional[int], typer.Option("--world-size", "-w", help="Also check the mesh against this world size.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Also check the units against this model (as in search), built on the meta device.")] = None,
 ) -> None:
     """Check a runtime config; print a one-line error naming the field if it is invalid."""
     from fsdp_runtime import load_config, validate_for_world
 
-    cfg = load_config(config)
+    cfg, notes = load_config(config), []
     if world_size is not None:
         validate_for_world(cfg, world_size, source=str(config))
-    console.print(f"{config}: ok (schema_version {cfg.schema_version}, {len(cfg.units) or 'default'} units)")
+    if model is not None:
+        from profiles.sources import resolve_config_for_model
+
+        cfg, notes = resolve_config_for_model(cfg, model, source=str(config))
+    console.print(f"{config}: ok (schema_version {cfg.schema_version}, {len(cfg.units) or 'default'} units{f' of {model}' if model else ''})", highlight=False)
+    for note in notes:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -91,7 +98,7 @@ class _RichSearchReporter:
         if plan.is_proxy:
             err_console.print(
                 f"[yellow]{plan.requested.name} does not fit this machine ({plan.reason}).[/] Trials run a scale proxy with the same "
-                f"{plan.run.shape.num_layers} blocks: [bold]{plan.proxy_name}[/]. Times below are the proxy's, not {plan.requested.name}'s.",
+                f"{len(plan.run.block_names)} blocks: [bold]{plan.proxy_name}[/]. Times below are the proxy's, not {plan.requested.name}'s.",
                 highlight=False,
             )
         err_console.print(f"study in {settings.get_storage()}" + (f" ({num_existing} trials already there)" if num_existing > 1 else ""), highlight=False)
@@ -119,7 +126,7 @@ class _RichSearchReporter:
 
 @app.command()
 def search(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model profile name (tiny, small, llama1b, llama8b, llama70b) or a TOML path.")] = "small",
+    model: Annotated[str, typer.Option("--model", "-m", help="Model profile (tiny, small, llama1b, llama8b, llama70b), a model TOML, package.module:function (a factory) or a Hugging Face config.json / model dir.")] = "small",
     nproc: Annotated[int, typer.Option("--nproc", "-n", help="Ranks (world size) of every trial.")] = 2,
     trials: Annotated[int, typer.Option("--trials", "-t", help="Total trials in the study, the defaults trial included.")] = 16,
     microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")] = 2,
@@ -133,6 +140,7 @@ def search(
     cluster: Annotated[Optional[str], typer.Option("--cluster", help="Cluster profile whose links are emulated (e.g. cpu-emulated-ib).")] = None,
     mesh: Annotated[Optional[str], typer.Option("--mesh", help="Fix the mesh: fsdp or hsdp:RxS.")] = None,
     patience: Annotated[int, typer.Option("--patience", help="Stop after this many trials without a 1% improvement (0: never).")] = 10,
+    refine: Annotated[Optional[int], typer.Option("--refine", help="Last trials that try neighbours of the best config instead of sampling; default: a third of --trials.")] = None,
     confirm_pairs: Annotated[int, typer.Option("--confirm-pairs", help="Alternating best/default re-measurements at the end.")] = 3,
     trial_timeout: Annotated[float, typer.Option("--trial-timeout", help="Seconds before a trial's ranks are killed.")] = 180.0,
     storage_timeout: Annotated[float, typer.Option("--storage-timeout", help="Seconds a write waits for a locked SQLite study.")] = 120.0,
@@ -148,7 +156,7 @@ def search(
         model=model, world_size=nproc, num_trials=trials, num_microbatches=microbatches, out_dir=out, storage=storage,
         study_name=study_name, resume=resume, sampler=sampler, seed=seed,
         memory_budget_bytes=int(memory_budget_gib * 2**30) if memory_budget_gib is not None else None,
-        cluster=cluster, fixed_mesh=mesh, patience=patience or None, num_confirm_pairs=confirm_pairs, trial_timeout_s=trial_timeout,
+        cluster=cluster, fixed_mesh=mesh, patience=patience or None, num_refine=refine, num_confirm_pairs=confirm_pairs, trial_timeout_s=trial_timeout,
         storage_timeout_s=storage_timeout,
     )
     if not as_json:
@@ -186,7 +194,7 @@ def _print_search_summary(summary) -> None:
 
 @app.command()
 def trial(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model profile name (tiny, small, llama1b, ...) or a TOML path.")],
+    model: Annotated[str, typer.Option("--model", "-m", help="Model profile (tiny, small, ...), a model TOML, package.module:function or a Hugging Face config.json / model dir.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Trial dir: traces, metrics.json, config.toml, env.json.")],
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Runtime config (.toml/.json); default: FSDP2 defaults for the model.")] = None,
     nproc: Annotated[int, typer.Option("--nproc", "-n", help="Ranks (world size).")] = 2,
@@ -240,11 +248,64 @@ def _print_trial_summary(result) -> None:
 
 # Library errors name settings in the library's terms (``AutotuneError.field``); users know the flags.
 _FLAGS = {
-    "world_size": "--nproc", "num_trials": "--trials", "num_microbatches": "--microbatches", "prune_ratio": "--prune-ratio",
+    "model": "--model", "world_size": "--nproc", "num_trials": "--trials", "num_microbatches": "--microbatches", "prune_ratio": "--prune-ratio", "num_refine": "--refine",
     "num_confirm_pairs": "--confirm-pairs", "patience": "--patience", "sampler": "--sampler", "trial_timeout_s": "--trial-timeout",
     "num_warmup": "--warmup", "num_measured": "--steps", "num_profiled": "--profiled-steps", "timeout_s": "--timeout", "backend": "--backend",
     "storage": "--storage", "out_dir": "--out", "fixed_mesh": "--mesh", "storage_timeout_s": "--storage-timeout",
 }  # fmt: skip
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Option("--model", "-m", help="Model profile (llama1b, llama8b, llama70b, ...) or a TOML path.")] = "llama8b",
+    cluster: Annotated[str, typer.Option("--cluster", help="GPU cluster profile: h100-node, h200-node, a100-node or a TOML path.")] = "h100-node",
+    nodes: Annotated[int, typer.Option("--nodes", help="Nodes of that profile (world size = nodes x ranks per node).")] = 1,
+    microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")] = 2,
+    ac: Annotated[str, typer.Option("--ac", help="Activation checkpointing in your training script: auto, none or full (per block).")] = "auto",
+    mesh: Annotated[Optional[str], typer.Option("--mesh", help="Fix the mesh: fsdp or hsdp:RxS.")] = None,
+    top: Annotated[int, typer.Option("--top", help="Configs to show.")] = 10,
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Simulating processes; default: CPU count (max 8).")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Where best.toml, best.json and plan.json go.")] = Path("runs/plan"),
+) -> None:
+    """Rank every config of the search space in the FSDP2 step simulator for a GPU cluster; emit the best (provenance: simulated)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from autotune.plan import PlanSettings, run_plan
+    from autotune.plan.tables import get_config_lines, get_plan_lines, get_plan_table, get_unit_table
+
+    settings = PlanSettings(model=model, cluster=cluster, num_nodes=nodes, num_microbatches=microbatches, out_dir=out, activation_checkpointing=ac,  # type: ignore[arg-type]
+                            fixed_mesh=mesh, num_top=top, **({"num_workers": workers} if workers is not None else {}))  # fmt: skip
+    progress = Progress(TextColumn("[bold]configs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=False)
+
+    class Reporter:
+        task = None
+
+        def on_phase(self, message: str) -> None:
+            err_console.print(message, highlight=False)
+
+        def on_start(self, total: int) -> None:
+            progress.start()
+            self.task = progress.add_task("simulate", total=total)
+
+        def on_advance(self, count: int) -> None:
+            progress.update(self.task, advance=count)
+
+    try:
+        result = run_plan(settings, reporter=Reporter())
+    finally:
+        if Reporter.task is not None or progress.tasks:
+            progress.stop()
+    _print_tables([get_plan_table(result)])
+    for line in get_config_lines(result):
+        console.print(line, highlight=False, soft_wrap=True)
+    _print_tables([t for t in (get_unit_table(result),) if t is not None])
+    for line in get_plan_lines(result):
+        console.print(line, highlight=False, soft_wrap=True)
+    if not result.ranked:
+        raise typer.Exit(1)
+
+
+_FLAGS.update(num_nodes="--nodes", num_top="--top", num_workers="--workers", activation_checkpointing="--ac", cluster="--cluster")
 
 
 def main() -> None:

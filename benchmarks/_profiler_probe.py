@@ -16,6 +16,7 @@ A *variant* is a dict (picklable, built by the benchmark):
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -33,7 +34,6 @@ def _mallinfo2_type() -> Any:
 def _malloc_state() -> dict[str, int]:
     """glibc ``mallinfo2`` (main arena + mmapped) and the resident set size, in bytes."""
     import ctypes
-    import os
 
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -42,46 +42,92 @@ def _malloc_state() -> dict[str, int]:
         state = {"arena": info.arena, "mmapped": info.hblkhd, "in_use": info.uordblks, "free": info.fordblks}
     except (OSError, AttributeError):
         state = {}
-    with open("/proc/self/statm") as f:
-        state["rss"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    state["rss"] = _rss()
     return state
 
 
-M_TRIM_THRESHOLD = -1
-_INT_MAX = 2**31 - 1
+def _rss() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def reserve_heap(prefault_mb: int) -> None:
-    """Keep freed heap memory resident and pre-fault ``prefault_mb`` MiB of the heap top (glibc).
+class PeakRss:
+    """The resident set size sampled every 5 ms, after ``malloc_trim``: what a trial reports as
+    ``process_peak_bytes`` (``autotune/trials/program.py``, [Note: what a trial measures])."""
 
-    Under torch.profiler the recorded events (~200 bytes each, ~20k per step) are small
-    mallocs interleaved with tensor allocations; they split freed tensor blocks, so new
-    tensors come from fresh heap-top pages, each first touched through a page fault.
-    With trimming off and the top pre-faulted, those pages are already resident.
-    """
-    import ctypes
+    def __init__(self) -> None:
+        import ctypes
+        import threading
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-    libc.mallopt(M_TRIM_THRESHOLD, _INT_MAX)
-    chunk = 64 * 1024  # below glibc's smallest mmap threshold: served from the heap
-    blocks = [libc.malloc(chunk) for _ in range(prefault_mb * 2**20 // chunk)]
-    for block in blocks:
-        if block:
-            libc.memset(block, 0, chunk)
-    for block in reversed(blocks):
-        libc.free(block)
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.baseline = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
 
 
-def release_heap(trim_threshold: int = 64 * 2**20) -> None:
-    """Undo :func:`reserve_heap`: trim again (glibc's steady-state threshold) and return free memory."""
-    import ctypes
+def measure_unit_costs(rounds: int = 15, num_ops: int = 4000) -> dict[str, float]:
+    """In this process (no ranks), ``c_op_<setting>``: extra CPU per recorded op under each profiler
+    setting (today's, record_shapes, with_stack, both, itt); ``c_fault``: CPU per first touch
+    of a fresh 4 KiB page (fresh vs reused tensor memory)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)
-    libc.malloc_trim(0)
+    torch.set_num_threads(1)
+    x = torch.ones(8)
+
+    def ops_us() -> float:
+        start = time.thread_time()
+        for _ in range(num_ops):
+            torch.add(x, x)
+        return (time.thread_time() - start) / num_ops * 1e6
+
+    makers = {
+        "plain": nullcontext,
+        "today": lambda: profile(activities=[ProfilerActivity.CPU]),
+        "shapes": lambda: profile(activities=[ProfilerActivity.CPU], record_shapes=True),
+        "stack": lambda: profile(activities=[ProfilerActivity.CPU], with_stack=True),
+        "shapes_stack": lambda: profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True),
+        "itt": lambda: torch.autograd.profiler.emit_itt(),
+    }
+    per_op: dict[str, list[float]] = {k: [] for k in makers}
+    for _ in range(rounds):
+        for name, make in makers.items():
+            with make():
+                per_op[name].append(ops_us())
+    nbytes = 64 * 2**20
+    fresh, reused = [], []
+    for _ in range(rounds):
+        t = torch.empty(nbytes, dtype=torch.uint8)  # >= glibc's mmap threshold: fresh pages
+        start = time.thread_time()
+        t.fill_(1)
+        fresh.append(time.thread_time() - start)
+        start = time.thread_time()
+        t.fill_(2)
+        reused.append(time.thread_time() - start)
+        del t
+    pages = nbytes // 4096
+    base = statistics.median(per_op["plain"])
+    return {
+        "plain_us_per_op": base,
+        **{f"c_op_{k}": statistics.median(v) - base for k, v in per_op.items() if k != "plain"},
+        "c_fault": (statistics.median(fresh) - statistics.median(reused)) / pages * 1e6,
+    }
 
 
 def _step_record(training: Any, step: int, device: Any) -> dict[str, float]:
@@ -92,7 +138,7 @@ def _step_record(training: Any, step: int, device: Any) -> dict[str, float]:
     before = resource.getrusage(resource.RUSAGE_SELF)
     proc = time.process_time()
     thread = time.thread_time()
-    wall = timed_step(training, step, device)[0]
+    wall = timed_step(training, step, device).ms
     thread_cpu = (time.thread_time() - thread) * 1e3
     proc_cpu = (time.process_time() - proc) * 1e3
     after = resource.getrusage(resource.RUSAGE_SELF)
@@ -123,10 +169,6 @@ def _run_kineto(training: Any, variant: dict[str, Any], first_step: int, active:
     warmup = variant.get("warmup", 1)
     steps: list[dict[str, float]] = []
     start = time.perf_counter()
-    if variant.get("prefault_mb") is not None:
-        reserve_heap(variant["prefault_mb"])
-        costs["reserve_ms"] = (time.perf_counter() - start) * 1e3
-        start = time.perf_counter()
     with profile(
         activities=[ProfilerActivity.CPU],
         schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
@@ -143,8 +185,6 @@ def _run_kineto(training: Any, variant: dict[str, Any], first_step: int, active:
             prof.step()  # after the last active step: stop, collect, on_trace_ready
             if i == warmup + active - 1:
                 costs["stop_and_export_ms"] = (time.perf_counter() - start) * 1e3
-    if variant.get("prefault_mb") is not None:
-        release_heap()
     costs["enter_ms"] = enter_ms
     costs["stop_ms"] = costs.get("stop_and_export_ms", 0.0) - costs.get("export_ms", 0.0)
     return {"steps": steps, **costs}
@@ -162,21 +202,27 @@ def alternate(
     warmup_steps: int,
     trace_dir: str,
     tag: str,
+    heap: str = "glibc",
 ) -> dict[str, Any]:
     """Per round, one block of every variant (``plain`` included), in an order rotated by round.
 
+    ``heap``: ``glibc`` (as the process starts) or ``trial`` (what a trial does: ``tune_heap``
+    at the start, ``prefault_heap`` before each profiled window).
     Returns this rank's step records per (round, variant) and the traces written.
     """
     import torch
 
     from autotune.trials import build_training
+    from autotune.trials.program import prefault_heap, tune_heap
 
     device = torch.device("cpu")
-    training = build_training(rank, world_size, model=model, config=config)
-    step = 0
-    for _ in range(warmup_steps):
-        _step_record(training, step, device)
-        step += 1
+    libc = tune_heap(device) if heap == "trial" else None
+    with PeakRss() as rss:  # as a trial samples its process peak: build and warm-up
+        training = build_training(rank, world_size, model=model, config=config)
+        step = 0
+        for _ in range(warmup_steps):
+            _step_record(training, step, device)
+            step += 1
     names = list(variants)
     blocks: list[dict[str, Any]] = []
     for r in range(rounds):
@@ -187,6 +233,8 @@ def alternate(
             if kind == "kineto":
                 suffix = {"gz": ".json.gz", "json": ".json"}.get(variant.get("export") or "", None)
                 trace_path = Path(trace_dir) / f"{tag}_{name}_r{r}_rank{rank}{suffix}" if suffix else None
+                if libc is not None:  # no malloc_trim after it: a trial trims at its end, then warms up
+                    prefault_heap(libc, world_size)
                 result = _run_kineto(training, variant, step, block, device, trace_path)
                 step += len(result["steps"])
                 result["trace"] = str(trace_path) if trace_path else None
@@ -203,4 +251,4 @@ def alternate(
             gc.collect()  # outside the timed steps: no block inherits another's garbage
             result["after_block"] = _malloc_state()
             blocks.append({"round": r, "variant": name, **result})
-    return {"rank": rank, "blocks": blocks, "num_threads": torch.get_num_threads()}
+    return {"rank": rank, "blocks": blocks, "num_threads": torch.get_num_threads(), "peak_rss": rss.peak, "baseline_rss": rss.baseline}

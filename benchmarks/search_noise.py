@@ -2,17 +2,21 @@
 
 Runs the same search three times on one workload: quiet (seed 0), and with a busy loop
 loading one core (seeds 1 and 2). Then re-measures each emitted config and a few
-hand-written configs against FSDP2's defaults, paired on the same ranks in one quiet
-pass (see [Note: paired measurement]), and prints per config the speedup over the
-defaults (median and interquartile range of the pairs).
+hand-written configs against FSDP2's defaults, paired on the same ranks (see [Note: paired
+measurement]), in ``--rounds`` interleaved rounds (config A, B, C ..., then again) so a
+load that drifts during the re-measurement touches every config alike, and prints per
+config the speedup over the defaults (median and interquartile range of all its pairs),
+the emitted knobs of each search, and whether the emitted speedups agree within 5%.
 
-    python benchmarks/search_noise.py --trials 10 --out runs/search_noise
+    python benchmarks/search_noise.py --trials 12 --out runs/search_noise
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
+import statistics
 import os
 import shutil
 import sys
@@ -32,7 +36,10 @@ HAND_WRITTEN = {
     "no sync + keep unsharded": {"nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True, "keep_unsharded": True},
     "async unshard + prefetch depth 1": {"unshard_async": "on", "forward_prefetch": "depth1", "backward_prefetch": "depth1"},
     "no reshard after forward": {"reshard_after_forward": "false"},
-}
+    "no sync + keep unsharded + no reshard after forward": {
+        "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True, "keep_unsharded": True, "reshard_after_forward": "false",
+    },
+}  # fmt: skip
 
 
 def _busy() -> None:
@@ -49,7 +56,13 @@ def _search(out: Path, *, seed: int, loaded: bool, args: argparse.Namespace) -> 
         settings = SearchSettings(model=args.model, world_size=2, num_trials=args.trials, num_microbatches=args.microbatches, out_dir=out, seed=seed, patience=None)
         start = time.monotonic()
         summary = search_and_report(settings)
-        print(f"search seed={seed} loaded={loaded}: {time.monotonic() - start:.0f} s, emitted {summary.record.confirmation and summary.record.confirmation.get('emitted')}", flush=True)
+        conf = summary.record.confirmation or {}
+        print(f"search seed={seed} loaded={loaded}: {time.monotonic() - start:.0f} s, {len(summary.rows)} trials, emitted {conf.get('emitted')} "
+              f"(final round speedup {conf.get('speedup_median')})", flush=True)
+        winner = conf.get("winner", (json.loads((summary.out_dir / "search.json").read_text()).get("best") or {}).get("number"))
+        row = next((r for r in summary.rows if r.number == winner), None)
+        if row is not None:
+            print(f"  emitted trial {winner}{f' ({row.refined_from})' if row.refined_from else ''}: {row.params}", flush=True)
         return summary.out_dir / "best.toml"
     finally:
         if busy:
@@ -61,7 +74,8 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--trials", type=int, default=10)
-    parser.add_argument("--pairs", type=int, default=8, help="pairs per config in the final quiet re-measurement")
+    parser.add_argument("--pairs", type=int, default=4, help="pairs per config per round of the final re-measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the final re-measurement")
     parser.add_argument("--out", type=Path, default=Path("runs/search_noise"))
     args = parser.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
@@ -76,20 +90,32 @@ def main() -> None:
     configs = {name: load_config(path) for name, path in emitted.items()}
     configs |= {name: space.build_config({**space.get_default_params(), **params}) for name, params in HAND_WRITTEN.items()}
     print(f"load before re-measuring: {os.getloadavg()}", flush=True)
-    rows = []
+    ratios: dict[str, list[float]] = {name: [] for name in configs}
     with RankPool(2) as pool:
-        for name, config in configs.items():
-            spec = TrialSpec(model=args.model, config=config, world_size=2, out_dir=args.out / "remeasure" / name.replace(" ", "_"), num_warmup=2,
-                             num_measured=args.pairs, profile=False, reference=defaults, timeout_s=600, backend="gloo")  # fmt: skip
-            result = run_trial(spec, pool=pool)
-            p = result.metrics.paired if result.ok else {}
-            rows.append((name, p))
-    print(f"\n{'config':48} {'speedup':>8} {'IQR':>15}  (defaults / config, {args.pairs} pairs, quiet)")
-    for name, p in rows:
-        if not p:
+        for r in range(args.rounds):
+            for name, config in configs.items():
+                out = args.out / "remeasure" / f"round{r}" / name.replace(" ", "_").replace(",", "")
+                spec = TrialSpec(model=args.model, config=config, world_size=2, out_dir=out, num_warmup=2, num_measured=args.pairs, profile=False,
+                                 reference=defaults, timeout_s=600, backend="gloo")  # fmt: skip
+                result = run_trial(spec, pool=pool)
+                ratios[name] += result.metrics.paired.get("pair_ratios", []) if result.ok else []
+    n = args.pairs * args.rounds
+    print(f"\n{'config':48} {'speedup':>8} {'IQR':>15}  (defaults / config, {n} pairs in {args.rounds} interleaved rounds)")
+    speedups = {}
+    for name, values in ratios.items():
+        if len(values) < 2:
             print(f"{name:48} failed")
             continue
-        print(f"{name:48} {1 / p['ratio']:8.3f} {1 / p['ratio_q75']:7.3f}-{1 / p['ratio_q25']:.3f}")
+        q25, _, q75 = statistics.quantiles(values, n=4, method="inclusive")
+        speedups[name] = 1 / statistics.median(values)
+        print(f"{name:48} {speedups[name]:8.3f} {1 / q75:7.3f}-{1 / q25:.3f}")
+    searched = [speedups[name] for name in emitted if name in speedups]
+    hand = max((speedups[name] for name in HAND_WRITTEN if name in speedups), default=None)
+    if searched:
+        spread = max(searched) / min(searched) - 1
+        print(f"\nemitted speedups agree within {100 * spread:.1f}% (target 5%)")
+        if hand is not None:
+            print(f"slowest emitted / best hand-written: {min(searched) / hand:.3f} (>= 1: every search at least as fast)")
     print(f"load after: {os.getloadavg()}")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -13,12 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdp_runtime._fsdp_private import EagerConcat, set_unshard_async
-from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig, validate_config, validate_for_world
+from fsdp_runtime.blocks import find_block_names, find_parameters_outside, resolve_units
+from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, validate_config, validate_for_world
 from fsdp_runtime.errors import ConfigError
 
-# Where the repeated blocks of common decoder implementations live.
-_BLOCK_CONTAINERS = ("layers", "model.layers", "transformer.h", "model.decoder.layers", "transformer.layers", "h", "blocks")
-
+__all__ = ["AppliedFsdp", "apply_fsdp", "build_mesh", "find_block_names", "resolve_units"]
 
 @dataclass(kw_only=True)
 class AppliedFsdp:
@@ -33,46 +31,6 @@ class AppliedFsdp:
 
     def get_module(self, name: str) -> FSDPModule:
         return self.units[name]
-
-
-def find_block_names(model: nn.Module) -> list[str]:
-    """FQNs of the transformer blocks of a Llama-style decoder (ours, HF, torchtitan, GPT-2)."""
-    modules = dict(model.named_modules())
-    for path in _BLOCK_CONTAINERS:
-        container = modules.get(path)
-        if isinstance(container, (nn.ModuleList, nn.ModuleDict)) and len(container) > 0:
-            return [f"{path}.{name}" for name, _ in container.named_children()]
-    # Fallback: the largest ModuleList whose children all share one class.
-    best: tuple[int, str] | None = None
-    for path, module in modules.items():
-        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(c) for c in module}) == 1:
-            if best is None or len(module) > best[0]:
-                best = (len(module), path)
-    if best is None:
-        raise ConfigError(
-            "units",
-            f"no transformer blocks found in {type(model).__name__} (looked for {', '.join(_BLOCK_CONTAINERS)} and any homogeneous ModuleList)",
-            fix="list the units explicitly in the config's [[units]] tables",
-        )
-    path = best[1]
-    return [f"{path}.{name}" for name, _ in modules[path].named_children()]
-
-
-def resolve_units(model: nn.Module, config: RuntimeConfig) -> RuntimeConfig:
-    """Fill in default units (one per block + root) and check every unit names a module."""
-    if not config.units:
-        units = [UnitConfig(name=n) for n in find_block_names(model)] + [UnitConfig(name=ROOT_UNIT)]
-        config = dataclasses.replace(config, units=units)
-        validate_config(config)
-    modules = dict(model.named_modules())
-    for i, unit in enumerate(config.units):
-        if unit.name != ROOT_UNIT and unit.name not in modules:
-            blocks = find_block_names(model)
-            hint = f"{blocks[0]}..{blocks[-1]}" if blocks else "none"
-            raise ConfigError(f"units[{i}].name", f"module {unit.name!r} not found in {type(model).__name__}", fix=f"blocks in this model: {hint}; the model itself is {ROOT_UNIT!r}")
-    if ROOT_UNIT not in config.unit_names:
-        config = dataclasses.replace(config, units=[*config.units, UnitConfig(name=ROOT_UNIT)])
-    return config
 
 
 def build_mesh(config: RuntimeConfig, device_type: str) -> DeviceMesh:
@@ -96,10 +54,13 @@ def apply_fsdp(model: nn.Module, config: RuntimeConfig, *, mesh: DeviceMesh | No
 
     Call after ``torch.distributed.init_process_group`` and before building the
     optimizer. Units are sharded innermost first, the root last. Returns the handle that
-    :class:`~fsdp_runtime.GradAccumulator` needs.
+    :class:`~fsdp_runtime.GradAccumulator` needs. Pass the whole model: a submodule whose
+    parent has parameters outside it is refused, as is a config naming unknown units or
+    covering fewer blocks than the model has ([Note: unit names] in :mod:`fsdp_runtime.blocks`).
     """
     validate_config(config)
     config = resolve_units(model, config)
+    _check_whole_model(model, config)
     if device_type is None:
         device_type = next((p.device.type for p in model.parameters()), "cpu")
     if mesh is None:
@@ -118,6 +79,19 @@ def apply_fsdp(model: nn.Module, config: RuntimeConfig, *, mesh: DeviceMesh | No
         applied.units[unit.name] = module  # type: ignore[assignment]
     _apply_runtime_knobs(applied, device_type)
     return applied
+
+
+def _check_whole_model(model: nn.Module, config: RuntimeConfig) -> None:
+    """Refuse a submodule whose parent holds trainable parameters no unit would cover (see [Note: unit names])."""
+    parent, outside = find_parameters_outside(model)
+    if outside:
+        shown = ", ".join(outside[:3]) + (f" and {len(outside) - 3} more" if len(outside) > 3 else "")
+        raise ConfigError(
+            f"units[{config.unit_names.index(ROOT_UNIT)}]",
+            f"the root unit is {type(model).__name__}, a submodule of {parent}, whose parameters {shown} would be in no unit: "
+            "their gradients would never be synchronised across ranks",
+            fix=f"call apply_fsdp on the whole model (the {parent.split(' ')[0]})",
+        )
 
 
 def _apply_runtime_knobs(applied: AppliedFsdp, device_type: str) -> None:

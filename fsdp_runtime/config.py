@@ -131,6 +131,10 @@ class RuntimeConfig:
     units: list[UnitConfig] = field(default_factory=list)
     """The ``fully_shard`` units. Empty: one per transformer block plus ``root``, all at
     FSDP2 defaults (resolved against the model by ``apply_fsdp``)."""
+    unlisted_blocks: Literal["error", "root"] = "error"
+    """A block of the model (``fsdp_runtime.find_block_names``) in no unit: ``error`` refuses
+    the config (it would silently shard that block with the root: another wrapping);
+    ``root`` shards such blocks with the root on purpose. See [Note: unit names]."""
     num_microbatches: int = 1
     """Gradient-accumulation microbatches per optimizer step."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)

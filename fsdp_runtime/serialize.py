@@ -30,7 +30,12 @@ Format = Literal["toml", "json"]
 
 
 def config_to_dict(config: RuntimeConfig) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+    data = dataclasses.asdict(config)
+    # Added to schema 1 with a default: written only when set, so configs (and the artifacts
+    # embedding them) that do not use it stay byte-identical and readable by older releases.
+    if data["unlisted_blocks"] == "error":
+        del data["unlisted_blocks"]
+    return data
 
 
 def config_from_dict(data: Any, *, source: str | None = None) -> RuntimeConfig:

@@ -3,7 +3,9 @@
 A model profile is a TOML file in ``profiles/models/`` (or any path given by the user)
 with a Llama 3 :class:`~profiles.llama.LlamaShape` and the per-rank training shape
 (``seq_len``, ``batch_size``). A cluster profile in ``profiles/clusters/`` names the
-backend, device, ranks per node and the link classes used by link emulation.
+backend, device, ranks per node and the link classes used by link emulation; GPU profiles
+add an ``[accelerator]`` table and ``collective_model = "ring"`` for the step simulator
+(``autotune plan``), each figure with its source in a comment.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from fsdp_runtime.errors import ConfigError
 from profiles.llama import Llama, LlamaShape
 
 __all__ = [
+    "COLLECTIVE_MODELS",
+    "AcceleratorSpec",
     "ClusterProfile",
     "LinkClass",
     "Llama",
@@ -33,6 +37,7 @@ __all__ = [
 ]
 
 _HERE = Path(__file__).parent
+COLLECTIVE_MODELS = ("flat", "ring")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -65,6 +70,18 @@ class ModelProfile:
         """The default FSDP units: one per block, then the root."""
         return [*self.block_names, ROOT_UNIT]
 
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size
+
+    def get_num_params(self) -> int:
+        return self.shape.get_num_params()
+
+    def build(self, *, device: str = "cpu", seed: int = 0) -> "Llama":
+        """The model on ``device`` (``meta``: nothing allocated); the same for every model source
+        (:mod:`profiles.sources`)."""
+        return build_model(self, device=device, seed=seed)
+
     def with_overrides(self, **changes: Any) -> "ModelProfile":
         shape_changes = {k: changes.pop(k) for k in list(changes) if k in {f.name for f in dataclasses.fields(LlamaShape)}}
         shape = dataclasses.replace(self.shape, **shape_changes) if shape_changes else self.shape
@@ -77,6 +94,13 @@ class LinkClass:
 
     latency_us: float = 0.0
     bandwidth_gbps: float = 0.0
+    efficiency: float = 1.0
+    """Fraction of ``bandwidth_gbps`` a large NCCL collective reaches as bus bandwidth
+    (nccl-tests' busbw); used by the simulator's ring model, not by link emulation."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency!r}")
 
     @property
     def emulated(self) -> bool:
@@ -85,6 +109,33 @@ class LinkClass:
     def get_seconds(self, num_bytes: int) -> float:
         transfer = num_bytes / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps > 0 else 0.0
         return self.latency_us * 1e-6 + transfer
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class AcceleratorSpec:
+    """One accelerator as the step simulator sees it (datasheets and microbenchmarks, not
+    end-to-end training throughput)."""
+
+    name: str
+    peak_tflops: dict[str, float]
+    """Dense peak per dtype name (``bfloat16``, ``float32``, ...)."""
+    gemm_efficiency: float
+    """Best measured large-matmul throughput / peak (MAMF)."""
+    attention_efficiency: float
+    """Flash attention throughput / peak, counting the causal half of the FLOPs."""
+    hbm_gbps: float
+    """HBM bandwidth, GB/s."""
+    hbm_efficiency: float = 0.9
+    """Fraction of ``hbm_gbps`` that elementwise kernels reach."""
+    reserved_gib: float = 0.0
+    """Device memory that tensors cannot use (CUDA context, NCCL buffers, workspaces)."""
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_efficiency", "attention_efficiency", "hbm_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if self.hbm_gbps <= 0 or not self.peak_tflops or min(self.peak_tflops.values()) <= 0:
+            raise ValueError("hbm_gbps and every peak_tflops value must be positive")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -97,6 +148,18 @@ class ClusterProfile:
     memory_per_rank_gib: float
     links: dict[str, LinkClass] = field(default_factory=dict)
     source: str = ""
+    collective_model: str = "flat"
+    """How the simulator prices a collective: ``flat`` = latency + full buffer / bandwidth
+    (what link emulation holds a collective to), ``ring`` = latency + buffer x (n-1)/n /
+    bus bandwidth (NCCL's ring algorithm)."""
+    accelerator: AcceleratorSpec | None = None
+    """The device's compute and memory figures; needed by ``autotune plan``."""
+
+    def __post_init__(self) -> None:
+        if self.collective_model not in COLLECTIVE_MODELS:
+            raise ValueError(f"collective_model must be one of {', '.join(COLLECTIVE_MODELS)}, got {self.collective_model!r}")
+        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive integer, got {self.ranks_per_node!r}")
 
 
 def _read_toml(path: Path, kind: str) -> dict[str, Any]:
@@ -145,6 +208,8 @@ def load_cluster_profile(name_or_path: str) -> ClusterProfile:
     path = _resolve(name_or_path, "clusters", "cluster")
     data = _read_toml(path, "cluster")
     links = {k: _build(LinkClass, v, f"links.{k}.", str(path)) for k, v in data.pop("links", {}).items()}
+    if "accelerator" in data:
+        data["accelerator"] = _build(AcceleratorSpec, data["accelerator"], "accelerator.", str(path))
     data.setdefault("description", "")
     return _build(ClusterProfile, {**data, "links": links, "source": str(path)}, "", str(path))
 

@@ -23,14 +23,21 @@ Times are interval unions: overlapping events are counted once.
   outside any op is the thread waiting (e.g. the all-gather wait hidden in
   ``FSDP::all_gather_copy_out``) or running Python between ops, and neither counts
   as compute. GPU traces: the union of the device kernels launched during the step
-  (``cat == "kernel"``), except ``nccl*`` kernels and Memcpy/Memset, as HTA does.
+  (``cat == "kernel"``), except ``nccl*`` kernels and Memcpy/Memset, as HTA does. A
+  kernel whose launch (the ``cuda_runtime``/``cuda_driver`` event with its
+  ``correlation``) is not in the trace is dropped, compute or collective, as HTA drops
+  it: with no launch it has no issue time, hence no step (such kernels were launched
+  before the profiler started; ``RankEvents.num_unlaunched_kernels`` counts them).
 - Collectives. CPU/gloo: each ``gloo:*`` span on a gloo worker thread is one
   collective; its duration is the real transfer (the main thread's ``c10d::`` op is
   only the enqueue). GPU: each ``nccl*`` kernel. A collective belongs to the step in
   which it was *issued*: the start of the ``c10d::`` op that enqueued it (CPU) or of the
   kernel launch with the same ``correlation`` id (GPU).
-- Kind (all_gather / reduce_scatter / all_reduce / other), from the name of the c10d op
-  or NCCL kernel. gloo runs ``reduce_scatter`` as an all-reduce, so its spans are named
+- Kind (all_gather / reduce_scatter / all_reduce / send_recv / other), from the name of
+  the c10d op or NCCL kernel. ``send_recv`` is point-to-point traffic
+  (``ncclDevKernel_SendRecv``, ``ncclKernel_SendRecv``, ``c10d::send``/``recv_``,
+  ``gloo:send``/``recv``): communication like the rest (in ``comm_ms``, exposed and
+  overlap figures), in a column of its own (``send_recv_ms``), not in ``other``. gloo runs ``reduce_scatter`` as an all-reduce, so its spans are named
   ``gloo:all_reduce`` either way: each gloo span is paired with the c10d op that
   enqueued it, first in first out among the c10d ops that gloo runs as that span's
   name (reduce-scatter and all-reduce ops both queue for ``gloo:all_reduce``), and
@@ -39,9 +46,18 @@ Times are interval unions: overlapping events are counted once.
   kind concurrently (HSDP) can swap the pairing; the totals are unaffected.
 - Emulated links (``autotune trial --cluster``): the time link emulation holds a
   collective beyond its real gloo transfer is a ``linkemu::hold_<kind>`` span on the
-  waiting training thread; it counts as communication of that kind (and, being a wait,
-  as exposed). Emulated link time that elapsed under compute leaves no span, so under
-  emulation ``comm_ms`` is a lower bound of the modelled communication time.
+  waiting training thread, from when the thread finds the transfer done to the modelled
+  end. The hold is not a collective of its own: it extends the collective it holds, which
+  then lasts from its gloo span's start to the hold's end (the link is modelled busy in
+  between, hidden where the thread computes), keeps the kind, step and unit of the c10d
+  op that issued it, and counts once; the hold itself, a wait, is exposed. A hold is
+  paired, by kind, with a collective whose transfer ended by its start: the one issued in
+  the FSDP unit of the label around the hold, else the transfer that ended within 1 ms
+  before it (the thread was blocked on it), else the oldest still unpaired (waits come
+  in issue order); a hold whose collective was issued before the profiled window counts
+  on its own, where it starts. A collective waited for after its modelled end leaves no
+  hold and counts its real transfer only, so under emulation ``comm_ms`` is a lower bound
+  of the modelled communication time.
 - Barriers (``c10d::barrier`` / ``gloo:barrier``) move no data: they are kept out of the
   communication figures and reported as ``barrier_ms`` (a harness that synchronizes the
   ranks inside a profiled step would otherwise show up as exposed communication). On
@@ -50,9 +66,29 @@ Times are interval unions: overlapping events are counted once.
 - ``comm_ms``: union of the step's collectives; ``<kind>_ms``: union per kind
   (so ``comm_ms`` <= their sum).
 - ``exposed_comm_ms``: the part of the communication union during which the training
-  thread (GPU: the device) is not computing, i.e. comm minus compute.
+  thread (GPU: the device) is not computing, i.e. comm minus compute. The compute that
+  hides a step's collectives is that of *every* profiled step: a collective issued in
+  step k that runs on under compute of step k+1 (a late reduce-scatter, a kernel queued
+  behind the next step's work) is hidden there, as in HTA, which takes the unions over
+  the whole trace. The step's ``compute_ms`` is still only its own compute.
   ``overlap_ratio`` = 1 - exposed / comm = the fraction of communication hidden under
-  compute; HTA's ``comp_comm_overlap_ratio`` is the same quantity on GPU kernels.
+  compute, per step (and per unit).
+- ``overlap_ratio_time_weighted`` (per rank and in the aggregate): the same fraction over
+  the whole profiled window, 1 - exposed / comm of the union of all the steps'
+  collectives (aggregate: both summed over ranks). This is the headline figure: it is
+  HTA's ``comp_comm_overlap_ratio`` and weighs each step by its communication time, so
+  the steps that communicate most count most. The aggregate ``overlap_ratio`` stays the
+  median over (rank, step) rows, robust to one odd step; both are reported. They differ
+  when steps differ in how much they communicate (e.g. a gradient-sync step among
+  accumulation steps), and the per-step figures can differ slightly from the window's
+  when collectives of two steps overlap each other.
+- Against HTA's ``get_comm_comp_overlap`` (``tests/autotune/test_hta_agreement.py``, on
+  HTA's own NCCL sample traces): the time-weighted ratio per rank agrees within 1 point.
+  What remains: HTA parses times into integer microseconds (truncating ``ts`` and
+  ``dur``), we keep the trace's fractions; on a trace of thousands of kernels of a few
+  microseconds that shortens HTA's compute union (``nccl_data.json.gz``: HTA 15.14%, we
+  15.61%). HTA also keeps kernels launched before the first ``ProfilerStep#N`` (it keeps
+  every launch up to the end of the last step); we count only the steps.
 - ``bound_ms`` = max(compute_ms, comm_ms): no schedule can make the step shorter (comm
   and compute can at best overlap fully). ``bound_ratio`` = step_ms / bound_ms >= 1 is
   the distance to it.

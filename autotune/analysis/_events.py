@@ -18,8 +18,8 @@ from autotune.analysis import _intervals as iv
 from autotune.analysis._load import RankTrace
 from fsdp_runtime import ROOT_UNIT
 
-COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "other")
-"""Collective kinds, in the order every table lists them."""
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "other")
+"""Collective kinds, in the order every table lists them (``send_recv``: point-to-point send/recv)."""
 BARRIER = "barrier"
 """Kind of a barrier: a synchronization that moves no data, kept out of the communication figures."""
 
@@ -28,22 +28,29 @@ _LABEL_FOR = re.compile(r"^FSDP::(?P<phase>\w+) for (?P<unit>\S+)$")
 _LABEL = re.compile(r"^FSDP::(?P<phase>\w+)(?: \((?P<unit>[^)]*)\))?$")
 _NOT_COMPUTE_OP = re.compile(r"^(?:c10d::|_?c10d_functional::|gloo:|nccl:|record_param_comms)|wait", re.IGNORECASE)
 _LINKEMU_HOLD = "linkemu::hold_"
-"""Prefix of the spans link emulation records while it holds a collective (autotune/linkemu.py)."""
+"""Prefix of the spans link emulation records while it holds a collective (autotune/trials/linkemu.py)."""
+_HOLD_FOLLOWS_US = 1000.0
+"""A hold starting this soon after a transfer's end follows it: the waiting thread was blocked on that transfer."""
 _MEMORY_KERNEL = re.compile(r"^(hip)?(Memcpy|Memset)")
+_NCCL_KERNEL = re.compile(r"^nccl")
+_FSDP_LABEL = re.compile(r"^FSDP::")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 # What gloo runs for each c10d collective kind (it runs reduce-scatter as an all-reduce).
-_GLOO_RUNS_AS = {"all_gather": "all_gather", "reduce_scatter": "all_reduce", "all_reduce": "all_reduce", "other": "other", BARRIER: BARRIER}
+_GLOO_RUNS_AS = {"all_gather": "all_gather", "reduce_scatter": "all_reduce", "all_reduce": "all_reduce", "send_recv": "send_recv", "other": "other", BARRIER: BARRIER}
+_SEND_RECV = re.compile(r"send|recv", re.IGNORECASE)
 
 
 def get_collective_kind(name: str) -> str:
-    """``all_gather``/``reduce_scatter``/``all_reduce``/``other`` (or ``barrier``) from a c10d op, gloo span or NCCL kernel name."""
+    """``all_gather``/``reduce_scatter``/``all_reduce``/``send_recv``/``other`` (or ``barrier``)
+    from a c10d op, gloo span or NCCL kernel name (``ncclDevKernel_SendRecv``, ``c10d::send``,
+    ``gloo:recv``, ... are ``send_recv``)."""
     flat = name.lower().replace("_", "")
     if "barrier" in flat:
         return BARRIER
     for kind in ("allgather", "reducescatter", "allreduce"):
         if kind in flat:
             return {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}[kind]
-    return "other"
+    return "send_recv" if _SEND_RECV.search(flat) else "other"
 
 
 def get_label_unit(name: str) -> tuple[str, str] | None:
@@ -75,36 +82,82 @@ class RankEvents:
     memory: pd.DataFrame
     units: list[str] = field(default_factory=list)
     """FSDP units in order of first appearance."""
+    num_unlaunched_kernels: int = 0
+    """GPU: kernels dropped because no host launch (``cuda_runtime``/``cuda_driver`` event with
+    their ``correlation``) is in the trace, as HTA drops them (see [Note: trace metrics])."""
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
+    """Per-step slices, computed once (``_steps.get_step_slices``)."""
+
+
+def get_name_mask(names: pd.Series, pattern: re.Pattern[str]) -> np.ndarray:
+    """``pattern.search`` of each event's name: once per distinct name when ``names`` is categorical."""
+    if isinstance(names.dtype, pd.CategoricalDtype):
+        hits = np.array([pattern.search(str(c)) is not None for c in names.cat.categories] + [False], dtype=bool)
+        return hits[names.cat.codes.to_numpy()]  # code -1 (missing) picks the trailing False
+    return np.array([pattern.search(str(n)) is not None for n in names], dtype=bool)
 
 
 def _training_thread(events: pd.DataFrame) -> tuple[object, object]:
-    steps = events[events["name"].str.match(_STEP.pattern) & (events["cat"] != "gpu_user_annotation")]
-    return steps.groupby(["pid", "tid"]).size().idxmax()
+    is_step = get_name_mask(events["name"], _STEP) & (events["cat"] != "gpu_user_annotation").to_numpy()
+    return events.loc[is_step, ["pid", "tid"]].groupby(["pid", "tid"], observed=True).size().idxmax()
 
 
-def _get_steps(main: pd.DataFrame) -> pd.DataFrame:
-    spans = main[main["name"].str.match(_STEP.pattern)]
-    steps = pd.DataFrame({"step": spans["name"].str.extract(_STEP.pattern)[0].astype(int), "start": spans["ts"], "end": spans["end"]})
-    return steps.sort_values("start").reset_index(drop=True)
+def _get_steps(events: pd.DataFrame, main_mask: np.ndarray) -> pd.DataFrame:
+    spans = events.loc[main_mask & get_name_mask(events["name"], _STEP), ["name", "ts", "end"]]
+    numbers = [int(_STEP.match(str(n)).group(1)) for n in spans["name"]]
+    steps = pd.DataFrame({"step": np.array(numbers, dtype=int), "start": spans["ts"].to_numpy(), "end": spans["end"].to_numpy()})
+    return steps.sort_values("start", kind="stable").reset_index(drop=True)
 
 
 def _get_labels(main: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for name, start, end in main.loc[main["name"].str.startswith("FSDP::"), ["name", "ts", "end"]].itertuples(index=False):
-        parsed = get_label_unit(name)
-        if parsed is not None:
-            rows.append((start, end, *parsed))
-    return pd.DataFrame.from_records(rows, columns=["start", "end", "phase", "unit"]).sort_values("start", kind="stable").reset_index(drop=True)
+    spans = main.loc[get_name_mask(main["name"], _FSDP_LABEL), ["name", "ts", "end"]]
+    parsed = {name: get_label_unit(str(name)) for name in pd.unique(spans["name"])}
+    labelled = [parsed[name] for name in spans["name"]]
+    keep = np.array([p is not None for p in labelled], dtype=bool)
+    kept = [p for p in labelled if p is not None]
+    frame = pd.DataFrame({
+        "start": spans["ts"].to_numpy()[keep], "end": spans["end"].to_numpy()[keep],
+        "phase": pd.Series([p[0] for p in kept], dtype=object), "unit": pd.Series([p[1] for p in kept], dtype=object),
+    })  # fmt: skip
+    return frame.sort_values("start", kind="stable").reset_index(drop=True)
 
 
 def _assign_units(issue_ts: np.ndarray, labels: pd.DataFrame) -> list[str | None]:
-    """The innermost (latest-starting) label that contains each issue time."""
-    starts, ends, units = labels["start"].to_numpy(), labels["end"].to_numpy(), labels["unit"].to_numpy()
-    out: list[str | None] = []
-    for t in issue_ts:
-        inside = np.flatnonzero((starts <= t) & (t < ends))
-        out.append(units[inside[np.argmax(starts[inside])]] if len(inside) else None)
-    return out
+    """The innermost label that contains each issue time: the latest-starting one (of those
+    starting together, the shortest).
+
+    Labels sorted by (start, -end); for a time t the candidate is the last label starting at
+    or before t (``searchsorted``). A candidate that ended by t hands over to the nearest
+    earlier label that ends later than it does (``_previous_longer``): the labels in between
+    end earlier still, so none of them contains t. Nested labels make that chain the
+    parents, so the loop runs once per nesting level, vectorized over all times.
+    """
+    issue_ts = np.asarray(issue_ts, dtype=float)
+    if len(labels) == 0 or len(issue_ts) == 0:
+        return [None] * len(issue_ts)
+    order = np.lexsort((-labels["end"].to_numpy(), labels["start"].to_numpy()))
+    starts, ends = labels["start"].to_numpy()[order], labels["end"].to_numpy()[order]
+    units = labels["unit"].to_numpy()[order]
+    previous = _previous_longer(ends)
+    at = np.searchsorted(starts, issue_ts, side="right") - 1
+    while True:
+        ended = (at >= 0) & (ends[np.maximum(at, 0)] <= issue_ts)
+        if not ended.any():
+            break
+        at[ended] = previous[at[ended]]
+    return [units[i] if i >= 0 else None for i in at]
+
+
+def _previous_longer(ends: np.ndarray) -> np.ndarray:
+    """For each label, the nearest earlier one that ends strictly later (-1 if none): a monotonic stack."""
+    previous = np.full(len(ends), -1, dtype=np.int64)
+    stack: list[int] = []
+    for i, end in enumerate(ends.tolist()):
+        while stack and ends[stack[-1]] <= end:
+            stack.pop()
+        previous[i] = stack[-1] if stack else -1
+        stack.append(i)
+    return previous
 
 
 def _cpu_compute(main: pd.DataFrame) -> pd.DataFrame:
@@ -145,72 +198,95 @@ def _cpu_comm(events: pd.DataFrame, main_mask: pd.Series) -> pd.DataFrame:
     enqueues = events[is_enqueue & main_mask].sort_values("ts", kind="stable")
     kinds, issue = _match_gloo_to_enqueue(spans, enqueues)
     gloo = pd.DataFrame({"start": spans["ts"].to_numpy(), "end": spans["end"].to_numpy(), "issue_ts": issue, "kind": kinds})
-    holds = events[events["name"].str.startswith(_LINKEMU_HOLD) & main_mask]
+    holds = events[events["name"].str.startswith(_LINKEMU_HOLD) & main_mask].sort_values("ts", kind="stable")
     if holds.empty:
         return gloo
-    emulated = pd.DataFrame({
-        "start": holds["ts"].to_numpy(), "end": holds["end"].to_numpy(), "issue_ts": holds["ts"].to_numpy(),
-        "kind": [name.removeprefix(_LINKEMU_HOLD) if name.removeprefix(_LINKEMU_HOLD) in COMM_KINDS else "other" for name in holds["name"]],
-    })  # fmt: skip
-    return pd.concat([gloo, emulated], ignore_index=True).sort_values("start", kind="stable").reset_index(drop=True)
+    return _attach_holds(gloo, holds, _get_labels(events[main_mask]))
 
 
-def _gpu_kernels(events: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(compute, comm) kernels; each kernel's issue time is its launch's start on the host."""
-    launches = events[events["cat"].isin(_LAUNCH_CATS) & (events["correlation"] >= 0)]
-    launch_ts = dict(zip(launches["correlation"], launches["ts"]))
-    kernels = events[events["cat"] == "kernel"]
-    issue = np.array([launch_ts.get(c, ts) for c, ts in zip(kernels["correlation"], kernels["ts"])], dtype=float)
-    frame = pd.DataFrame({"start": kernels["ts"].to_numpy(), "end": kernels["end"].to_numpy(), "issue_ts": issue, "name": kernels["name"].to_numpy()})
-    is_comm = frame["name"].str.startswith("nccl")
-    compute = frame[~is_comm & ~frame["name"].str.match(_MEMORY_KERNEL.pattern)][["start", "end", "issue_ts"]]
-    comm = frame[is_comm].assign(kind=[get_collective_kind(n) for n in frame.loc[is_comm, "name"]])
-    return compute.reset_index(drop=True), comm[["start", "end", "issue_ts", "kind"]].reset_index(drop=True)
+def _attach_holds(gloo: pd.DataFrame, holds: pd.DataFrame, labels: pd.DataFrame) -> pd.DataFrame:
+    """Extend each emulated collective to the end of its ``linkemu::hold_<kind>`` span
+    (the "Emulated links" item of [Note: trace metrics]: the pairing rules are there).
+
+    ``gloo``: the collectives (``start, end, issue_ts, kind``); ``holds``: the hold spans,
+    in start order; ``labels``: the training thread's FSDP labels. Returns ``gloo`` with
+    each held collective's ``end`` moved to its hold's end, plus a row per unpaired hold.
+    Once a hold is paired, the unpaired collectives of its kind issued before its own are
+    retired: they were waited for earlier, without a hold.
+    """
+    gloo = gloo.reset_index(drop=True)
+    issue, kinds, transfer_end = gloo["issue_ts"].to_numpy(), gloo["kind"].to_numpy(), gloo["end"].to_numpy()
+    ends = transfer_end.astype(float)
+    units = np.array(_assign_units(issue, labels), dtype=object)
+    hold_units = _assign_units(holds["ts"].to_numpy(), labels)
+    waiting = np.ones(len(gloo), dtype=bool)
+    own = []
+    for (name, hold_start, hold_end), hold_unit in zip(holds[["name", "ts", "end"]].itertuples(index=False), hold_units):
+        kind = name.removeprefix(_LINKEMU_HOLD)
+        kind = kind if kind in COMM_KINDS else "other"
+        candidates = np.flatnonzero(waiting & (kinds == kind) & (issue <= hold_start) & (transfer_end <= hold_start + _HOLD_FOLLOWS_US))
+        if len(candidates) == 0:
+            own.append((hold_start, hold_end, hold_start, kind))
+            continue
+        same_unit = candidates[units[candidates] == hold_unit] if hold_unit is not None else candidates[:0]
+        follows = candidates[transfer_end[candidates] >= hold_start - _HOLD_FOLLOWS_US]
+        if len(same_unit):
+            chosen = same_unit[np.argmax(issue[same_unit])]
+        elif len(follows):
+            chosen = follows[np.argmax(transfer_end[follows])]
+        else:
+            chosen = candidates[np.argmin(issue[candidates])]
+        ends[chosen] = max(ends[chosen], hold_end)
+        waiting[candidates[issue[candidates] <= issue[chosen]]] = False
+    out = gloo.assign(end=ends)
+    if own:
+        out = pd.concat([out, pd.DataFrame.from_records(own, columns=list(gloo.columns))], ignore_index=True)
+    return out.sort_values("start", kind="stable").reset_index(drop=True)
+
+
+def _gpu_kernels(events: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+    """(compute, comm, number dropped): kernels with their launch's start on the host as issue
+    time; kernels whose launch is not in the trace are dropped (as HTA does)."""
+    launches = events.loc[events["cat"].isin(_LAUNCH_CATS).to_numpy() & (events["correlation"].to_numpy() >= 0), ["correlation", "ts"]]
+    order = np.argsort(launches["correlation"].to_numpy(), kind="stable")
+    launch_corr, launch_ts = launches["correlation"].to_numpy()[order], launches["ts"].to_numpy()[order]
+    kernels = events[(events["cat"] == "kernel").to_numpy()]
+    corr = kernels["correlation"].to_numpy()
+    at = np.searchsorted(launch_corr, corr, side="right") - 1  # the last launch with that correlation
+    launched = (at >= 0) & (launch_corr[np.maximum(at, 0)] == corr) if len(launch_corr) else np.zeros(len(corr), dtype=bool)
+    kernels = kernels[launched]
+    frame = pd.DataFrame({"start": kernels["ts"].to_numpy(), "end": kernels["end"].to_numpy(), "issue_ts": launch_ts[at[launched]]})
+    is_comm = get_name_mask(kernels["name"], _NCCL_KERNEL)
+    is_compute = ~is_comm & ~get_name_mask(kernels["name"], _MEMORY_KERNEL)
+    comm = frame[is_comm].assign(kind=[get_collective_kind(str(n)) for n in kernels["name"].to_numpy()[is_comm]])
+    return frame[is_compute].reset_index(drop=True), comm.reset_index(drop=True), int((~launched).sum())
 
 
 def classify_events(trace: RankTrace) -> RankEvents:
     """Reduce a loaded trace to steps, compute, collectives and FSDP labels (see [Note: trace metrics])."""
     events = trace.events
     pid, tid = _training_thread(events)
-    main_mask = (events["pid"] == pid) & (events["tid"] == tid) & (events["cat"] != "gpu_user_annotation")
-    main = events[main_mask]
-    labels = _get_labels(main)
+    main_mask = ((events["pid"] == pid) & (events["tid"] == tid) & (events["cat"] != "gpu_user_annotation")).to_numpy()
+    labels = _get_labels(events[main_mask])
+    num_unlaunched = 0
     if trace.device == "gpu":
-        compute, comm = _gpu_kernels(events)
+        compute, comm, num_unlaunched = _gpu_kernels(events)
     else:
-        compute, comm = _cpu_compute(main), _cpu_comm(events, main_mask)
-    is_barrier = comm["kind"] == BARRIER
+        compute, comm = _cpu_compute(events[main_mask]), _cpu_comm(events, pd.Series(main_mask, index=events.index))
+    is_barrier = (comm["kind"] == BARRIER).to_numpy()
     barriers = comm[is_barrier][["start", "end", "issue_ts"]].reset_index(drop=True)
     comm = comm[~is_barrier].sort_values("start", kind="stable").reset_index(drop=True)
-    comm["unit"] = _assign_units(comm["issue_ts"].to_numpy(), labels)
+    comm["unit"] = pd.Series(_assign_units(comm["issue_ts"].to_numpy(), labels), dtype=object)
     return RankEvents(
         rank=trace.rank,
         path=trace.path,
         device=trace.device,
-        steps=_get_steps(main),
+        steps=_get_steps(events, main_mask),
         compute=compute,
-        comm=comm,
+        comm=comm[["start", "end", "issue_ts", "kind", "unit"]],
         barriers=barriers,
         labels=labels,
         memory=trace.memory,
         units=list(dict.fromkeys(labels["unit"])),
+        num_unlaunched_kernels=num_unlaunched,
     )
-
-
-def get_step_compute(events: RankEvents, start: float, end: float) -> np.ndarray:
-    """Merged compute intervals of the step ``[start, end)``.
-
-    CPU: the training thread's compute, clipped to the step. GPU: the kernels launched
-    during the step (kernels run behind their launches, so they are not clipped).
-    """
-    compute = events.compute
-    if events.device == "cpu":
-        return iv.clip(compute[["start", "end"]].to_numpy(), start, end)
-    issued = compute[(compute["issue_ts"] >= start) & (compute["issue_ts"] < end)]
-    return iv.union(issued[["start", "end"]].to_numpy())
-
-
-def get_step_comm(events: RankEvents, start: float, end: float, *, barriers: bool = False) -> pd.DataFrame:
-    """The collectives (or barriers) issued during the step ``[start, end)``: a collective belongs to the step that issued it."""
-    comm = events.barriers if barriers else events.comm
-    return comm[(comm["issue_ts"] >= start) & (comm["issue_ts"] < end)]

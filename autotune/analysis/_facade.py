@@ -11,7 +11,7 @@ from autotune.analysis._errors import TraceError
 from autotune.analysis._events import RankEvents, classify_events
 from autotune.analysis._hta_overlap import HtaOverlapAnalyzer
 from autotune.analysis._load import RankTrace, load_trace
-from autotune.analysis._step_analysis import StepAnalyzer
+from autotune.analysis._step_analysis import WINDOW_COLUMNS, StepAnalyzer
 from autotune.analysis._timeline_analysis import TimelineAnalyzer
 from autotune.analysis._summary import build_summary
 from autotune.analysis._unit_analysis import UnitAnalyzer
@@ -25,9 +25,10 @@ class FsdpTraceAnalysis:
     (``overlap_ratio``) or >= 1 (``bound_ratio``); None where undefined (no comm).
 
     Args:
-        trace_paths: ``.json`` or ``.json.gz`` chrome traces, one per rank (any order;
-            the rank comes from the trace's ``distributedInfo``, else ``rank<N>`` in the
-            file name, else the position in the list).
+        trace_paths: ``.json`` or ``.json.gz`` chrome traces, one per rank (any order, any
+            names; the rank comes from the trace's ``distributedInfo``, else ``rank<N>`` in
+            the file name; traces that say neither take the smallest ranks no other trace
+            claims, in list order).
 
     Raises:
         TraceError: a file is missing, empty, truncated, not a chrome trace, has no
@@ -38,11 +39,19 @@ class FsdpTraceAnalysis:
         if not trace_paths:
             raise TraceError("<trace list>", "no trace files given (expected one trace_rank<N>.json[.gz] per rank)")
         self.traces: dict[int, RankTrace] = {}
-        for position, path in enumerate(trace_paths):
-            trace = load_trace(path, default_rank=position)
-            if trace.rank in self.traces:
+        anonymous: list[RankTrace] = []
+        for path in trace_paths:
+            trace = load_trace(path, default_rank=-1)
+            if trace.rank_source == "position":
+                anonymous.append(trace)
+            elif trace.rank in self.traces:
                 raise TraceError(path, f"rank {trace.rank} already loaded from {self.traces[trace.rank].path}")
-            self.traces[trace.rank] = trace
+            else:
+                self.traces[trace.rank] = trace
+        free = (r for r in range(len(self.traces) + len(anonymous)) if r not in self.traces)
+        for trace, rank in zip(anonymous, free):
+            trace.rank = rank
+            self.traces[rank] = trace
         self.traces = dict(sorted(self.traces.items()))
         self.events: dict[int, RankEvents] = {rank: classify_events(t) for rank, t in self.traces.items()}
 
@@ -64,6 +73,12 @@ class FsdpTraceAnalysis:
         """One row per (rank, profiled step, FSDP unit); columns ``_unit_analysis.UNIT_COLUMNS``."""
         return pd.concat([UnitAnalyzer.get_unit_metrics(e) for e in self.events.values()], ignore_index=True)
 
+    def get_window_metrics(self) -> pd.DataFrame:
+        """One row per rank over all its profiled steps; columns ``_step_analysis.WINDOW_COLUMNS``:
+        ``comm_ms`` and ``exposed_comm_ms`` of the union of every step's collectives, and
+        ``overlap_ratio_time_weighted`` (HTA's ``comp_comm_overlap_ratio``)."""
+        return pd.DataFrame([StepAnalyzer.get_window_metrics(e) for e in self.events.values()], columns=WINDOW_COLUMNS)
+
     def get_timeline(self) -> pd.DataFrame:
         """Merged compute / per-kind comm / exposed intervals per (rank, step), ms from each rank's first step."""
         return pd.concat([TimelineAnalyzer.get_timeline(e) for e in self.events.values()], ignore_index=True)
@@ -74,4 +89,4 @@ class FsdpTraceAnalysis:
 
     def summarize(self) -> dict:
         """The JSON-able summary documented in ``autotune.analysis._summary``."""
-        return build_summary(self.events, self.get_step_metrics(), self.get_unit_metrics(), device=self.device)
+        return build_summary(self.events, self.get_step_metrics(), self.get_unit_metrics(), self.get_window_metrics(), device=self.device)

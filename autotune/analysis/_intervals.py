@@ -31,27 +31,38 @@ def clip(intervals: np.ndarray, lo: float, hi: float) -> np.ndarray:
     return iv[iv[:, 1] > iv[:, 0]]
 
 
+def _sweep(a: np.ndarray, b: np.ndarray, *, keep_b: bool) -> np.ndarray:
+    """The part of set ``a`` covered (``keep_b``) or not covered by set ``b``, by one sorted sweep.
+
+    Every boundary moves a 0/1 coverage count of its set; between two consecutive
+    boundaries the coverage is constant, so a piece is kept or not as a whole.
+    """
+    lo, hi = np.searchsorted(b[:, 1], a[0, 0], side="right"), np.searchsorted(b[:, 0], a[-1, 1], side="left")
+    b = b[lo:hi]  # only the part of b that can meet a
+    if len(b) == 0:
+        return a.copy() if not keep_b else EMPTY.copy()
+    n, m = len(a), len(b)
+    points = np.concatenate([a[:, 0], a[:, 1], b[:, 0], b[:, 1]])
+    in_a = np.concatenate([np.ones(n), -np.ones(n), np.zeros(2 * m)])
+    in_b = np.concatenate([np.zeros(2 * n), np.ones(m), -np.ones(m)])
+    order = np.argsort(points, kind="stable")
+    points, in_a, in_b = points[order], np.cumsum(in_a[order]), np.cumsum(in_b[order])
+    kept = (in_a[:-1] > 0) & ((in_b[:-1] > 0) if keep_b else (in_b[:-1] <= 0))
+    return union(np.column_stack([points[:-1][kept], points[1:][kept]]))
+
+
 def subtract(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The part of set ``a`` not covered by set ``b``."""
     if len(a) == 0 or len(b) == 0:
         return a.copy()
-    out: list[tuple[float, float]] = []
-    first_after = np.searchsorted(b[:, 1], a[:, 0], side="right")  # first b ending after a's start
-    last_before = np.searchsorted(b[:, 0], a[:, 1], side="left")  # b starting before a's end
-    for (start, end), i, j in zip(a, first_after, last_before):
-        cursor = start
-        for b_start, b_end in b[i:j]:
-            if b_start > cursor:
-                out.append((cursor, b_start))
-            cursor = max(cursor, b_end)
-        if cursor < end:
-            out.append((cursor, end))
-    return np.array(out, dtype=float).reshape(-1, 2)
+    return _sweep(a, b, keep_b=False)
 
 
 def intersect(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The part of set ``a`` also covered by set ``b``."""
-    return subtract(a, subtract(a, b))
+    if len(a) == 0 or len(b) == 0:
+        return EMPTY.copy()
+    return _sweep(a, b, keep_b=True)
 
 
 def total(intervals: np.ndarray) -> float:

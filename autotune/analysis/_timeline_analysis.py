@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from autotune.analysis import _intervals as iv
 from autotune.analysis._comm_metrics import US_PER_MS
-from autotune.analysis._events import COMM_KINDS, RankEvents, get_step_comm, get_step_compute
+from autotune.analysis._events import COMM_KINDS, RankEvents
+from autotune.analysis._steps import get_step_slices, get_window_compute
 
 TIMELINE_COLUMNS = ["rank", "step", "lane", "start_ms", "end_ms"]
 LANES = ("compute", *COMM_KINDS, "exposed")
@@ -19,17 +21,20 @@ class TimelineAnalyzer:
     @classmethod
     def get_timeline(cls, events: RankEvents) -> pd.DataFrame:
         origin = events.steps["start"].min()
+        hiding = get_window_compute(events)
         frames = []
-        for step, start, end in events.steps.itertuples(index=False):
-            compute = get_step_compute(events, start, end)
-            comm = get_step_comm(events, start, end)
-            lanes = {"compute": compute}
+        for s in get_step_slices(events):
+            lanes = {"compute": s.compute}
             for kind in COMM_KINDS:
-                lanes[kind] = iv.union(comm.loc[comm["kind"] == kind, ["start", "end"]].to_numpy())
-            lanes["exposed"] = iv.subtract(iv.union(comm[["start", "end"]].to_numpy()), compute)
+                lanes[kind] = iv.union(s.comm[s.kinds == kind])
+            lanes["exposed"] = iv.subtract(iv.union(s.comm), hiding)
             for lane, spans in lanes.items():
+                if len(spans) == 0:
+                    continue
                 frames.append(pd.DataFrame({
-                    "rank": events.rank, "step": step, "lane": lane,
+                    "rank": events.rank, "step": s.step, "lane": lane,
                     "start_ms": (spans[:, 0] - origin) / US_PER_MS, "end_ms": (spans[:, 1] - origin) / US_PER_MS,
                 }))  # fmt: skip
-        return pd.concat(frames, ignore_index=True)[TIMELINE_COLUMNS] if frames else pd.DataFrame(columns=TIMELINE_COLUMNS)
+        if not frames:
+            return pd.DataFrame({c: np.array([], dtype=float if c.endswith("_ms") else object) for c in TIMELINE_COLUMNS})
+        return pd.concat(frames, ignore_index=True)[TIMELINE_COLUMNS]

@@ -6,7 +6,8 @@ import pandas as pd
 
 from autotune.analysis import _intervals as iv
 from autotune.analysis._comm_metrics import KIND_COLUMNS, US_PER_MS, get_comm_figures
-from autotune.analysis._events import RankEvents, get_step_comm, get_step_compute
+from autotune.analysis._events import RankEvents
+from autotune.analysis._steps import get_step_slices, get_window_compute
 
 UNIT_COLUMNS = [
     "rank", "step", "unit", "comm_ms", *KIND_COLUMNS, "exposed_comm_ms", "overlap_ratio",
@@ -21,12 +22,11 @@ class UnitAnalyzer:
     def get_unit_metrics(cls, events: RankEvents) -> pd.DataFrame:
         rows = []
         hooks = {unit: iv.union(spans[["start", "end"]].to_numpy()) for unit, spans in events.labels.groupby("unit", sort=False)}
-        for step, start, end in events.steps.itertuples(index=False):
-            compute = get_step_compute(events, start, end)
-            comm = get_step_comm(events, start, end)
-            by_unit = dict(tuple(comm.groupby("unit", sort=False)))
+        hiding = get_window_compute(events)
+        for s in get_step_slices(events):
             for unit in events.units:
-                hook_ms = iv.total(iv.clip(hooks[unit], start, end)) / US_PER_MS
-                figures = get_comm_figures(by_unit.get(unit, comm.iloc[:0]), compute)
-                rows.append({"rank": events.rank, "step": step, "unit": unit, **figures, "hook_ms": hook_ms})
+                hook_ms = iv.total(iv.clip(hooks[unit], s.start, s.end)) / US_PER_MS
+                mine = s.units == unit
+                figures = get_comm_figures(s.comm[mine], s.kinds[mine], hiding)
+                rows.append({"rank": events.rank, "step": s.step, "unit": unit, **figures, "hook_ms": hook_ms})
         return pd.DataFrame(rows, columns=UNIT_COLUMNS)

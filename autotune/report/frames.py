@@ -21,14 +21,14 @@ def get_lanes(timeline: pd.DataFrame) -> pd.DataFrame:
 
 
 def get_step_frame(trial: TrialSummary) -> pd.DataFrame:
-    """One row per (rank, profiled step) of the trace summary."""
-    rows = [{"rank": r["rank"], **s} for r in (trial.trace_metrics or {}).get("per_rank", []) for s in r["steps"]]
+    """One row per (rank, profiled step) of the trace summary as the report shows it (times scaled, see [Note: scaled trace times])."""
+    rows = [{"rank": r["rank"], **s} for r in (trial.shown_trace_metrics or {}).get("per_rank", []) for s in r["steps"]]
     return pd.DataFrame(rows)
 
 
 def get_unit_frame(trial: TrialSummary) -> pd.DataFrame:
-    """The aggregate per-unit rows, with ``hidden_comm_ms`` = comm - exposed."""
-    frame = pd.DataFrame(((trial.trace_metrics or {}).get("aggregate") or {}).get("per_unit", []))
+    """The shown aggregate per-unit rows, with ``hidden_comm_ms`` = comm - exposed."""
+    frame = pd.DataFrame(((trial.shown_trace_metrics or {}).get("aggregate") or {}).get("per_unit", []))
     if not frame.empty:
         frame["hidden_comm_ms"] = frame["comm_ms"] - frame["exposed_comm_ms"]
     return frame

@@ -29,7 +29,8 @@ def get_timeline_figure(report: Report) -> go.Figure | None:
             continue
         fig.add_bar(x=rows["end_ms"] - rows["start_ms"], base=rows["start_ms"], y=rows["y"], orientation="h", name=lane,
                     marker={"color": color, "line": {"width": 0}}, hovertemplate="%{y}<br>%{base:.3f} ms +%{x:.3f} ms<extra></extra>")  # fmt: skip
-    fig.update_layout(title="Timeline: compute vs communication (red: exposed communication)", barmode="overlay", bargap=0.2,
+    title = "Timeline: compute vs communication (red: exposed communication)" + (", as traced (not scaled)" if report.trials[0].trace_scale else "")
+    fig.update_layout(title=title, barmode="overlay", bargap=0.2,
                       xaxis_title="ms from the first profiled step", height=120 + 28 * lanes["y"].nunique())  # fmt: skip
     fig.update_yaxes(categoryorder="array", categoryarray=list(dict.fromkeys(lanes["y"]))[::-1])
     return fig
@@ -43,7 +44,8 @@ def get_unit_figure(report: Report) -> go.Figure | None:
     fig = go.Figure()
     fig.add_bar(x=units["unit"], y=units["hidden_comm_ms"], name="hidden", marker_color=LANE_COLORS["compute"])
     fig.add_bar(x=units["unit"], y=units["exposed_comm_ms"], name="exposed", marker_color=LANE_COLORS["exposed"])
-    fig.update_layout(title="Communication per FSDP unit (median per step)", barmode="stack", yaxis_title="ms")
+    scaled = ", scaled to the unprofiled step" if report.trials[0].trace_scale else ""
+    fig.update_layout(title=f"Communication per FSDP unit (median per step{scaled})", barmode="stack", yaxis_title="ms")
     return fig
 
 

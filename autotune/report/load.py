@@ -54,7 +54,7 @@ def find_traces(folder: Path) -> list[Path]:
     then says what is wrong with them); any other ``*.json`` / ``*.json.gz`` counts when its
     content is a chrome trace. fsdp-autotune's own artifacts (:data:`ARTIFACT_NAMES`) never
     do. Each trace's rank comes from its ``distributedInfo``, else ``rank<N>`` in its name,
-    else its position in this list.
+    else it takes the smallest rank no other trace claims (in this list's order).
     """
     found = []
     for path in sorted(p for p in folder.iterdir() if p.name.endswith((".json", ".json.gz"))):
@@ -81,6 +81,7 @@ def load_trial(trial_dir: Path, *, analyze_traces: bool = True, feasible: bool =
             raise ReportError(str(e)) from None
         trial.status, trial.reason, trial.step_ms = metrics.status, metrics.reason, metrics.step_ms
         trial.ratio, trial.ratio_spread, trial.profiler_overhead = metrics.ratio, metrics.paired.get("ratio_spread"), metrics.profiler_overhead
+        trial.profiler_cpu_overhead, trial.profiler = metrics.profiler_cpu_overhead, metrics.profiler
         trial.process_peak_bytes, trial.trace_metrics, trial.analysis_error = metrics.process_peak_bytes, metrics.trace_metrics, metrics.analysis_error
     traces = find_traces(trial_dir)
     if trial.trace_metrics is None and traces and analyze_traces:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -14,6 +16,9 @@ from fsdp_runtime.errors import AutotuneError
 
 REPORT_SCHEMA_VERSION = 1
 TRACE_GLOB = "trace_rank*.json*"
+OVERHEAD_TOLERANCE = 0.03
+"""A trial whose profiled steps are further than this from its unprofiled ones (wall) has its
+trace times scaled in the report (see [Note: scaled trace times])."""
 
 
 class ReportError(AutotuneError):
@@ -35,6 +40,10 @@ class TrialSummary:
     ratio_spread: float | None = None
     profiler_overhead: float | None = None
     """Profiled / unprofiled step time of the trial: how far its traces are from the timed steps."""
+    profiler_cpu_overhead: float | None = None
+    """The same for the training threads' CPU time."""
+    profiler: dict[str, Any] = field(default_factory=dict)
+    """``metrics.json``'s ``profiler`` (page faults, per-rank figures with ``trace_scale``); empty before v4."""
     process_peak_bytes: int | None = None
     feasible: bool = True
     """Within the search's memory budget (from ``results.json``; True without one)."""
@@ -50,16 +59,70 @@ class TrialSummary:
     def objective(self) -> float | None:
         return self.ratio if self.ratio is not None else self.step_ms
 
+    @property
+    def trace_scale(self) -> dict[int, float] | None:
+        """Per rank, the factor this trial's trace times are shown scaled by, or None when they are
+        shown as measured (overhead within :data:`OVERHEAD_TOLERANCE`, or no per-rank figures)."""
+        per_rank = self.profiler.get("per_rank") or []
+        if not per_rank or self.profiler_overhead is None or abs(self.profiler_overhead - 1) <= OVERHEAD_TOLERANCE:
+            return None
+        return {r["rank"]: r["trace_scale"] for r in per_rank}
+
+    @property
+    def shown_trace_metrics(self) -> dict[str, Any] | None:
+        """The trace summary the report shows: :attr:`trace_metrics` scaled by :attr:`trace_scale`."""
+        scale = self.trace_scale
+        return scale_trace_metrics(self.trace_metrics, scale) if self.trace_metrics is not None and scale else self.trace_metrics
+
     def get_aggregate(self, key: str) -> Any:
-        return ((self.trace_metrics or {}).get("aggregate") or {}).get(key)
+        """A field of the shown trace summary's cross-rank aggregate."""
+        return ((self.shown_trace_metrics or {}).get("aggregate") or {}).get(key)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name, "status": self.status, "reason": self.reason, "step_ms": self.step_ms, "ratio": self.ratio,
-            "ratio_spread": self.ratio_spread, "profiler_overhead": self.profiler_overhead,
+            "ratio_spread": self.ratio_spread, "profiler_overhead": self.profiler_overhead, "profiler_cpu_overhead": self.profiler_cpu_overhead,
             "process_peak_bytes": self.process_peak_bytes, "feasible": self.feasible, "analysis_error": self.analysis_error,
-            "trace_metrics": self.trace_metrics,
+            "trace_metrics": self.trace_metrics, "trace_scale": self.trace_scale,
         }  # fmt: skip
+
+
+def _scale_row(row: dict[str, Any], factor: float) -> dict[str, Any]:
+    return {k: v * factor if k.endswith("_ms") and isinstance(v, (int, float)) else v for k, v in row.items()}
+
+
+def scale_trace_metrics(summary: dict[str, Any], scale: dict[int, float]) -> dict[str, Any]:
+    """``summary`` with every time (``*_ms``) of rank r's steps and units multiplied by ``scale[r]``.
+
+    [Note: scaled trace times]
+    The profiler slows the steps it traces (on CPU: +10-30% wall, mostly page faults, see
+    [Note: what a trial measures]), so raw trace times describe a slower step than the one
+    timed: compute alone could exceed the unprofiled step. Where the trial's overhead is
+    beyond :data:`OVERHEAD_TOLERANCE`, the report shows every trace *time* of rank r (step,
+    compute, comm per kind, exposed, barrier, bound, per unit) times s_r = rank r's median
+    unprofiled step / its median profiled step (both its own wall times), and leaves
+    ratios (overlap, step / bound), counts and bytes as measured. The cross-rank aggregate's
+    step figures are the medians of the scaled rows (as the analysis defines them); its
+    per-unit figures (the summary keeps no per-step unit rows) are scaled by the median s_r.
+    Uniform scaling assumes the profiler's cost is spread over the step in proportion to
+    time (its per-op recording and page faults are: both follow the ops); comm on gloo's own
+    threads is scaled too. ``metrics.json`` keeps the raw summary: scaling is presentation
+    only, and the report says how it scaled in one line (:func:`autotune.report.tables.describe_profiler`).
+    """
+    scaled = copy.deepcopy(summary)
+    middle = statistics.median(scale.values())
+    for rank in scaled.get("per_rank", []):
+        factor = scale.get(rank["rank"], middle)
+        rank["steps"] = [_scale_row(step, factor) for step in rank.get("steps", [])]
+        rank["per_unit"] = [_scale_row(unit, factor) for unit in rank.get("per_unit", [])]
+    aggregate = scaled.get("aggregate")
+    if aggregate:
+        rows = [step for rank in scaled.get("per_rank", []) for step in rank["steps"]]
+        for key in [k for k in aggregate if k.endswith("_ms")]:
+            values = [row[key] for row in rows if isinstance(row.get(key), (int, float))]
+            aggregate[key] = statistics.median(values) if values else _scale_row({key: aggregate[key]}, middle)[key]
+        aggregate["per_unit"] = [_scale_row(unit, middle) for unit in aggregate.get("per_unit", [])]
+    return scaled
 
 
 @dataclass(kw_only=True)

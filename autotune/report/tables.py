@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from autotune.report.model import Report, ReportTable, TrialSummary
+from autotune.report.model import OVERHEAD_TOLERANCE, Report, ReportTable, TrialSummary
 from autotune.search import SearchRecord, TrialRow, describe_params
 
 if TYPE_CHECKING:
@@ -31,10 +31,13 @@ _SUMMARY_ONLY = ("AG", "RS", "AR", "barrier")  # kept out of the per-step table,
 
 
 def fmt(value: Any, kind: str = "ms") -> str:
-    """``ms``: 12.34; ``pct``: 56.7%; ``x``: 1.234x; ``mb``: bytes as MB; None: ``-``."""
+    """``ms``: 12.34; ``pct``: 56.7%; ``x``: 1.234x; ``mb``: bytes as MB; ``over``: a ratio as
+    +15% (1.15) or -6% (0.94); None: ``-``."""
     if value is None:
         return "-"
     match kind:
+        case "over":
+            return f"{100 * (value - 1):+.0f}%"
         case "ms":
             return f"{value:.1f}" if abs(value) >= 100 else f"{value:.2f}"
         case "pct":
@@ -54,6 +57,27 @@ def get_tables(report: Report) -> list[ReportTable]:
     return get_search_tables(report.trials, report.best, report.search)
 
 
+def describe_profiler(trial: TrialSummary) -> str | None:
+    """One line: whether and how the trace times are scaled, and what profiling cost; e.g.
+    ``trace times scaled to the unprofiled step: ×0.87 rank 0, ×0.91 rank 1; profiler overhead
+    +15% wall, +12% CPU, page faults ×3.1`` (see [Note: scaled trace times])."""
+    if trial.profiler_overhead is None:
+        return None
+    cost = [f"{fmt(trial.profiler_overhead, 'over')} wall"]
+    if trial.profiler_cpu_overhead is not None:
+        cost.append(f"{fmt(trial.profiler_cpu_overhead, 'over')} CPU")
+    if trial.profiler.get("page_fault_ratio") is not None:
+        cost.append(f"page faults ×{trial.profiler['page_fault_ratio']:.1f}")
+    scale = trial.trace_scale
+    if scale:
+        how = "trace times scaled to the unprofiled step: " + ", ".join(f"×{s:.2f} rank {r}" for r, s in sorted(scale.items()))
+    elif trial.profiler.get("per_rank"):
+        how = f"trace times as measured (within {100 * OVERHEAD_TOLERANCE:.0f}% of the unprofiled step)"
+    else:
+        how = "trace times as measured (this metrics.json has no per-rank unprofiled figures to scale by)"
+    return f"{how}; profiler overhead {', '.join(cost)}"
+
+
 def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
     summary = ReportTable(title=f"Trial {trial.name}", columns=["metric", "value"])
     summary.rows += [["status", trial.status + (f" ({trial.reason})" if trial.reason else "")],
@@ -61,20 +85,22 @@ def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
                      ["process peak memory", fmt(trial.process_peak_bytes, "mb")]]  # fmt: skip
     if trial.ratio is not None:
         summary.rows.append(["step time / defaults (paired)", f"{fmt(trial.ratio, 'x')} (spread {fmt(trial.ratio_spread, 'pct')})"])
-    if trial.profiler_overhead is not None:
-        summary.rows.append(["profiler overhead", f"{fmt(trial.profiler_overhead, 'x')} (profiled / unprofiled step; the trace figures below come from the profiled steps)"])
-    metrics = trial.trace_metrics
+    profiler = describe_profiler(trial)
+    if profiler is not None:
+        summary.rows.append(["profiler", profiler])
+    metrics = trial.shown_trace_metrics
     if metrics is None:
         summary.rows.append(["trace metrics", f"unavailable{': ' + trial.analysis_error if trial.analysis_error else ''}"])
         return [summary]
+    note = ", scaled" if trial.trace_scale is not None else ""  # times only: ratios stay as measured
     aggregate = metrics["aggregate"]
-    summary.rows += [[f"profiled {title} (median)", fmt(aggregate[key], kind)] for _, title, key, kind in STEP_TABLE]
+    summary.rows += [[f"profiled {title} (median{note if kind == 'ms' else ''})", fmt(aggregate[key], kind)] for _, title, key, kind in STEP_TABLE]
     columns = [c for c in STEP_TABLE if c[0] not in _SUMMARY_ONLY]
-    steps = ReportTable(title="Per rank and profiled step (ms)", columns=["rank", "step#", *(t for t, _, _, _ in columns)])
+    steps = ReportTable(title=f"Per rank and profiled step (ms{note})", columns=["rank", "step#", *(t for t, _, _, _ in columns)])
     for rank in metrics["per_rank"]:
         for step in rank["steps"]:
             steps.rows.append([str(rank["rank"]), str(step["step"]), *(fmt(step[k], kind) for _, _, k, kind in columns)])
-    units = ReportTable(title=f"Per FSDP unit, median over ranks and steps ({_LEGEND})", columns=["unit", *(t for t, _, _, _ in UNIT_TABLE)])
+    units = ReportTable(title=f"Per FSDP unit, median over ranks and steps ({_LEGEND}{note})", columns=["unit", *(t for t, _, _, _ in UNIT_TABLE)])
     for unit in aggregate["per_unit"]:
         units.rows.append([unit["unit"], *(fmt(unit[k], kind) for _, _, k, kind in UNIT_TABLE)])
     return [summary, steps, units]
@@ -116,23 +142,28 @@ def _describe_speedup(conf: dict[str, Any]) -> str:
 
 
 def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None, summary: SearchRecord | None = None) -> list[ReportTable]:
+    """Every trial: step, paired ratio, profiler overhead (``prof``, profiled / unprofiled wall) and
+    trace figures (times scaled to the unprofiled step where ``prof`` is beyond 3%, marked ``*``)."""
     table = ReportTable(title=f"{len(trials)} trials" + (f", best: {best.name}" if best else ", no successful trial"),
-                        columns=["trial", "status", "step ms", "/defaults", "overlap", "exposed", "/bound", "peak", "note"])  # fmt: skip
+                        columns=["trial", "status", "step ms", "/defaults", "prof", "overlap", "exposed", "/bound", "peak", "note"])  # fmt: skip
     for t in sorted(trials, key=lambda t: (t.objective is None, t.objective or 0.0)):
         note = "best" if t is best else t.reason or (t.analysis_error or "")
-        table.rows.append([t.name, t.status, fmt(t.step_ms), fmt(t.ratio, "x"), fmt(t.get_aggregate("overlap_ratio"), "pct"),
-                           fmt(t.get_aggregate("exposed_comm_ms")), fmt(t.get_aggregate("bound_ratio"), "x"),
-                           fmt(t.process_peak_bytes, "mb"), note[:80]])  # fmt: skip
+        exposed = fmt(t.get_aggregate("exposed_comm_ms")) + ("*" if t.trace_scale else "")
+        table.rows.append([t.name, t.status, fmt(t.step_ms), fmt(t.ratio, "x"), fmt(t.profiler_overhead, "over"), fmt(t.get_aggregate("overlap_ratio"), "pct"),
+                           exposed, fmt(t.get_aggregate("bound_ratio"), "x"), fmt(t.process_peak_bytes, "mb"), note[:80]])  # fmt: skip
+    if any(t.trace_scale for t in trials):
+        table.title += "; * trace times scaled to the unprofiled step"
     return [get_search_summary_table(summary), table] if summary else [table]
 
 
 def get_search_rows_table(rows: list[TrialRow], best: TrialRow | None) -> ReportTable:
-    """Every trial of a search with its knobs (the terminal summary of ``autotune search``)."""
-    table = ReportTable(title="trials", columns=["trial", "status", "/defaults", "spread", "step ms", "peak", "exposed ms", "overlap", "knobs"])
+    """Every trial of a search with its knobs (the terminal summary of ``autotune search``);
+    ``prof``: profiler overhead (profiled / unprofiled step); exposed and overlap as traced."""
+    table = ReportTable(title="trials", columns=["trial", "status", "/defaults", "spread", "step ms", "prof", "peak", "exposed ms", "overlap", "knobs"])
     for row in rows:
         mark = " *" if best and row.number == best.number else (" (defaults)" if row.is_default else "")
         status = row.status + (" (noisy)" if row.noisy else "") + (f" (= {row.duplicate_of})" if row.duplicate_of is not None else "")
-        table.rows.append([f"{row.number}{mark}", status, fmt(row.ratio, "x"), fmt(row.ratio_spread, "pct"), fmt(row.step_ms),
+        table.rows.append([f"{row.number}{mark}", status, fmt(row.ratio, "x"), fmt(row.ratio_spread, "pct"), fmt(row.step_ms), fmt(row.profiler_overhead, "over"),
                            fmt(row.process_peak_bytes, "mb"), fmt(row.exposed_comm_ms), fmt(row.overlap_ratio, "pct"), describe_params(row.params)])  # fmt: skip
     return table
 
@@ -154,8 +185,12 @@ def get_search_outcome_lines(summary: "SearchSummary") -> list[str]:
 
 
 def get_rank_table(metrics: "TrialMetrics") -> ReportTable:
-    """Per rank of one trial: median unprofiled and profiled step, process peak."""
-    table = ReportTable(title=f"step {fmt(metrics.step_ms)} ms (median of the slowest rank per step)", columns=["rank", "median step ms", "profiled step ms", "peak"])
+    """Per rank of one trial: median unprofiled and profiled step, profiler overhead (wall, CPU, page faults), process peak."""
+    table = ReportTable(title=f"step {fmt(metrics.step_ms)} ms (median of the slowest rank per step)",
+                        columns=["rank", "median step ms", "profiled step ms", "prof wall", "prof CPU", "faults/step", "peak"])  # fmt: skip
     for r in metrics.ranks:
-        table.rows.append([str(r.rank), fmt(r.median_step_ms), fmt(r.median_profiled_step_ms), fmt(r.process_peak_bytes, "mb")])
+        cost = r.get_profiler_figures() or {}
+        faults = f"{cost['page_faults']:.0f} -> {cost['profiled_page_faults']:.0f}" if cost.get("page_faults") is not None else "-"
+        table.rows.append([str(r.rank), fmt(r.median_step_ms), fmt(r.median_profiled_step_ms), fmt(cost.get("wall"), "over"),
+                           fmt(cost.get("cpu"), "over"), faults, fmt(r.process_peak_bytes, "mb")])  # fmt: skip
     return table

@@ -88,7 +88,7 @@ def consolidation_timing(
     rise = {}
     if measure_memory:
         rise = {name: _measure_rise_once(training, to_cpu=runtime.checkpoint.to_cpu, **cases[name]) for name in names}
-    return {"seconds": seconds, "consolidation_rise_bytes": rise, "state_bytes": state_bytes, "num_params": training.profile.shape.get_num_params()}
+    return {"seconds": seconds, "consolidation_rise_bytes": rise, "state_bytes": state_bytes, "num_params": training.profile.get_num_params()}
 
 
 def _time_once(training: Training, **kwargs: Any) -> tuple[float, int]:

@@ -34,6 +34,7 @@ import optuna
 
 from autotune.search.context import SearchContext
 from autotune.search.outcome import Outcome, record
+from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour
 from autotune.search.results import TrialRow, pick_best
 from autotune.search.study import get_worker_id
 from autotune.trials import RankPool, TrialResult, run_trial
@@ -57,7 +58,7 @@ def to_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
         number=trial.number, state=trial.state.name, status=attrs.get("status", trial.state.name.lower()), reason=attrs.get("reason", ""),
         step_ms=attrs.get("step_ms"), ratio=attrs.get("ratio"), ratio_q25=attrs.get("ratio_q25"), ratio_q75=attrs.get("ratio_q75"),
         ratio_spread=attrs.get("ratio_spread"), noisy=bool(attrs.get("noisy", False)),
-        attempts=int(attrs.get("attempts", 1)), first_status=attrs.get("first_status"), first_ratio=attrs.get("first_ratio"), profiler_overhead=attrs.get("profiler_overhead"),
+        attempts=int(attrs.get("attempts", 1)), refined_from=attrs.get(ORIGIN_ATTR), first_status=attrs.get("first_status"), first_ratio=attrs.get("first_ratio"), profiler_overhead=attrs.get("profiler_overhead"),
         process_peak_bytes=attrs.get("process_peak_bytes", attrs.get("peak_memory_bytes")),
         exposed_comm_ms=attrs.get("exposed_comm_ms"), overlap_ratio=attrs.get("overlap_ratio"), bound_ratio=attrs.get("bound_ratio"),
         feasible=attrs.get("memory_over_budget", 0.0) <= 0.0, is_default=bool(attrs.get("is_default", False)), duplicate_of=attrs.get("duplicate_of"),
@@ -196,14 +197,20 @@ def plateaued(rows: list[TrialRow], patience: int | None) -> bool:
 
 
 def search_loop(ctx: SearchContext) -> str:
-    """Run trials until the study holds ``num_trials`` or the search plateaus; returns why it stopped."""
+    """Run trials until the study holds ``num_trials`` or the search plateaus and has no
+    refinement left to try ([Note: refinement]); returns why it stopped."""
     settings = ctx.settings
+    num_refine = settings.get_num_refine()
     while True:
         rows = get_rows(ctx.study)
         if len(rows) >= settings.num_trials:
             return f"reached {settings.num_trials} trials"
-        if plateaued(rows, settings.patience):
-            return f"plateau: no >=1% improvement in {settings.patience} trials"
+        plateau = plateaued(rows, settings.patience)
+        if plateau or len(rows) >= settings.num_trials - num_refine:
+            refined = sum(r.refined_from is not None for r in rows if r.state != "WAITING")
+            origin = enqueue_neighbour(ctx.study, ctx.space, rows, get_config_hash) if refined < num_refine else None
+            if origin is None and plateau:
+                return f"plateau: no >=1% improvement in {settings.patience} trials"
         ctx.reporter.on_trial_start(len(rows), settings.num_trials)
         row = run_one(ctx, pick_best(rows))
         ctx.reporter.on_trial_end(row, pick_best([*rows, row]))

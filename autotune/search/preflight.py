@@ -53,8 +53,16 @@ def check_storage_url(url: str) -> None:
         raise SearchError(f"not a usable storage URL {url!r} ({type(e).__name__}: {str(e).splitlines()[0]})", field="storage") from None
 
 
+def check_model(model: str) -> None:
+    """The model loads and builds on the meta device with repeated blocks (else one line naming ``model``)."""
+    from profiles.sources import load_model_source
+
+    load_model_source(model).block_names  # noqa: B018 (the meta-device build is the check)
+
+
 def preflight(settings: SearchSettings) -> None:
     """Everything that can be checked before the run dir and the study exist."""
+    check_model(settings.model)
     check_mesh(settings.fixed_mesh, settings.world_size)
     if settings.storage is not None:
         check_storage_url(settings.storage)

@@ -12,14 +12,25 @@ config says so in its provenance; its measured times are the proxy's, never the
 model's. Relative effects (which knobs overlap better) transfer only approximately: the
 compute/communication ratio of a block changes with width, which is why link emulation
 (``--cluster``) exists.
+
+The same holds for a Hugging Face config (``--model path/config.json``): its width fields
+(``hidden_size``, ``intermediate_size``, heads, ``vocab_size``) shrink by one factor, its
+``num_hidden_layers`` and so its unit names (``model.layers.N``) stay. A model factory
+(``package.module:function``) is opaque: it is measured as it is where it fits (parameter
+count from a meta-device build; activations, unknown, are not counted), and refused with
+one line where it does not (:class:`~profiles.factory.ModelSourceError`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from profiles import ModelProfile
+from profiles.factory import FactoryModel, ModelSourceError
+from profiles.hf import HFModel
+from profiles.sources import ModelSource
 
 BYTES_PER_PARAM_TRAINING = 16  # fp32 param + grad + AdamW exp_avg + exp_avg_sq
 MIN_DIM = 64
@@ -29,8 +40,8 @@ MIN_DIM = 64
 class ModelPlan:
     """What trials will run: the profile itself or a proxy, and why."""
 
-    requested: ModelProfile
-    run: ModelProfile
+    requested: ModelSource
+    run: ModelSource
     is_proxy: bool
     reason: str
     estimated_memory_per_rank: int
@@ -50,25 +61,41 @@ class ModelPlan:
         return {"name": self.requested.source or self.requested.name, **self.overrides} if self.is_proxy else (self.requested.source or self.requested.name)
 
 
-def estimate_memory_per_rank(profile: ModelProfile, world_size: int) -> int:
+def _get_widths(profile: ModelSource) -> dict[str, Any] | None:
+    """The widths a proxy shrinks (``dim``, ``ffn_hidden_dim``, heads, vocabulary), or None (a factory)."""
+    if isinstance(profile, ModelProfile):
+        s = profile.shape
+        return {"dim": s.dim, "ffn_hidden_dim": s.ffn_hidden_dim, "num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads,
+                "vocab_size": s.vocab_size, "tie_embeddings": s.tie_embeddings, "num_layers": s.num_layers}  # fmt: skip
+    if isinstance(profile, HFModel):
+        return profile.get_widths()
+    return None
+
+
+def estimate_memory_per_rank(profile: ModelSource, world_size: int) -> int:
     """Bytes per rank: sharded training state, unsharded grads under no-sync accumulation,
-    two unsharded blocks in flight, and fp32 activations kept for backward."""
-    s = profile.shape
-    params = s.get_num_params()
-    block = (params - s.vocab_size * s.dim * (1 if s.tie_embeddings else 2)) // max(1, s.num_layers)
+    two unsharded blocks in flight, and fp32 activations kept for backward (not for a factory)."""
+    params = profile.get_num_params()
+    w = _get_widths(profile)
+    if w is None:
+        block = params // max(1, len(profile.block_names))
+        return BYTES_PER_PARAM_TRAINING * params // world_size + 4 * params // world_size + 2 * 4 * block
+    block = (params - w["vocab_size"] * w["dim"] * (1 if w["tie_embeddings"] else 2)) // max(1, w["num_layers"])
     tokens = profile.batch_size * profile.seq_len
-    per_layer_act = tokens * (14 * s.dim + 4 * s.ffn_hidden_dim) * 4 + profile.batch_size * s.num_heads * profile.seq_len**2 * 4
-    logits = tokens * s.vocab_size * 4 * 3
-    return BYTES_PER_PARAM_TRAINING * params // world_size + 4 * params // world_size + 2 * 4 * block + s.num_layers * per_layer_act + logits
+    per_layer_act = tokens * (14 * w["dim"] + 4 * w["ffn_hidden_dim"]) * 4 + profile.batch_size * w["num_heads"] * profile.seq_len**2 * 4
+    logits = tokens * w["vocab_size"] * 4 * 3
+    return BYTES_PER_PARAM_TRAINING * params // world_size + 4 * params // world_size + 2 * 4 * block + w["num_layers"] * per_layer_act + logits
 
 
-def estimate_step_seconds(profile: ModelProfile, flops_per_second: float) -> float:
+def estimate_step_seconds(profile: ModelSource, flops_per_second: float) -> float:
     """Forward + backward time of one microbatch per rank from 6 * params * tokens + attention."""
-    s = profile.shape
     tokens = profile.batch_size * profile.seq_len
+    w = _get_widths(profile)
+    if w is None:
+        return 6 * profile.get_num_params() * tokens / flops_per_second
     # The embedding lookup costs no matmul FLOPs; the output head does.
-    dense = 6 * (s.get_num_params() - s.vocab_size * s.dim * (0 if s.tie_embeddings else 1)) * tokens
-    attention = 12 * s.num_layers * profile.batch_size * profile.seq_len**2 * s.dim
+    dense = 6 * (profile.get_num_params() - w["vocab_size"] * w["dim"] * (0 if w["tie_embeddings"] else 1)) * tokens
+    attention = 12 * w["num_layers"] * profile.batch_size * profile.seq_len**2 * w["dim"]
     return (dense + attention) / flops_per_second
 
 
@@ -78,28 +105,38 @@ def estimate_step_seconds(profile: ModelProfile, flops_per_second: float) -> flo
 CPU_FLOPS_PER_CORE = 25e9
 
 
-def _shrink(profile: ModelProfile, factor: int, seq_len: int) -> tuple[ModelProfile, dict[str, int]]:
-    s = profile.shape
-    dim = max(MIN_DIM, s.dim // factor)
-    gqa = s.num_heads // s.num_kv_heads
-    heads = max(gqa, min(s.num_heads, dim // 32))
+def _shrink(profile: ModelSource, factor: int, seq_len: int) -> tuple[ModelSource, dict[str, int]]:
+    w = _get_widths(profile)
+    assert w is not None
+    dim = max(MIN_DIM, w["dim"] // factor)
+    gqa = w["num_heads"] // w["num_kv_heads"]
+    heads = max(gqa, min(w["num_heads"], dim // 32))
     heads -= heads % gqa
     while dim % heads:
         heads -= gqa
-    overrides = {
+    widths = {
         "dim": dim,
-        "ffn_hidden_dim": max(8, round(s.ffn_hidden_dim * dim / s.dim / 8) * 8),
-        "vocab_size": max(256, s.vocab_size * dim // s.dim),
+        "ffn_hidden_dim": max(8, round(w["ffn_hidden_dim"] * dim / w["dim"] / 8) * 8),
+        "vocab_size": max(256, w["vocab_size"] * dim // w["dim"]),
         "num_heads": heads,
         "num_kv_heads": heads // gqa,
-        "seq_len": seq_len,
-        "batch_size": 1 if factor > 1 or seq_len < profile.seq_len else profile.batch_size,
     }
+    if isinstance(profile, HFModel):
+        widths = profile.get_width_overrides(**widths)
+    overrides = {**widths, "seq_len": seq_len, "batch_size": 1 if factor > 1 or seq_len < profile.seq_len else profile.batch_size}
     return profile.with_overrides(**overrides), overrides
 
 
+def _refuse_opaque(profile: FactoryModel, why: list[str]) -> ModelSourceError:
+    return ModelSourceError(
+        f"the model of factory {profile.ref!r} ({profile.get_num_params() / 1e6:.1f}M params) does not fit this machine ({'; '.join(why)}), "
+        "and a factory's widths cannot be shrunk into a scale proxy: search a narrower model of the same depth from another factory, "
+        "use more ranks (--nproc), or pass the model's Hugging Face config.json, which can be scaled"
+    )
+
+
 def plan_model(
-    profile: ModelProfile,
+    profile: ModelSource,
     *,
     world_size: int,
     memory_per_rank: int,
@@ -116,6 +153,11 @@ def plan_model(
         why.append(f"needs ~{mem / 2**30:.1f} GiB per rank, {memory_per_rank / 2**30:.1f} GiB available")
     if step > step_budget_s:
         why.append(f"~{step:.1f} s per microbatch step, budget {step_budget_s:.1f} s")
+    if isinstance(profile, FactoryModel):
+        if mem > memory_per_rank:
+            raise _refuse_opaque(profile, why)
+        # Slower than the budget but in memory: a factory cannot be shrunk, so its trials are just slow.
+        return ModelPlan(requested=profile, run=profile, is_proxy=False, reason="; ".join(why) + " (a factory runs as it is)", estimated_memory_per_rank=mem, estimated_step_s=step)
     seq_choices = [s for s in (profile.seq_len, 512, 256, 128, 64) if s <= profile.seq_len]
     factor = 2
     while True:
@@ -123,7 +165,7 @@ def plan_model(
             candidate, overrides = _shrink(profile, factor, seq)
             cmem = estimate_memory_per_rank(candidate, world_size)
             cstep = estimate_step_seconds(candidate, flops_per_rank)
-            smallest = overrides["dim"] == MIN_DIM and seq == seq_choices[-1]
+            smallest = _get_widths(candidate)["dim"] == MIN_DIM and seq == seq_choices[-1]
             if (cmem <= memory_per_rank and cstep <= step_budget_s) or smallest:
                 return ModelPlan(
                     requested=profile,
@@ -149,7 +191,7 @@ def get_available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan_for_this_machine(profile: ModelProfile, *, world_size: int, device_type: str, step_budget_s: float) -> ModelPlan:
+def plan_for_this_machine(profile: ModelSource, *, world_size: int, device_type: str, step_budget_s: float) -> ModelPlan:
     """Plan against this machine: GPU memory per device, or a share of host memory."""
     if device_type == "cuda":
         import torch

@@ -65,6 +65,8 @@ class TrialRow:
     first_status: str | None = None
     """The first window's status (``ok`` or ``pruned``) when the trial was measured twice."""
     first_ratio: float | None = None
+    refined_from: str | None = None
+    """How a refinement trial was made from the incumbent ([Note: refinement]); None: sampled."""
     profiler_overhead: float | None = None
     process_peak_bytes: int | None = None
     exposed_comm_ms: float | None = None
@@ -114,8 +116,9 @@ class SearchRecord:
     """``search.json``: what a search found (read back by ``autotune report``)."""
 
     KIND: ClassVar[str] = "search_summary"
-    SCHEMA_VERSION: ClassVar[int] = 3
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_summary_v1, 2: lambda data: data}  # v3 rows gained fields with defaults
+    SCHEMA_VERSION: ClassVar[int] = 4
+    # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin: all with defaults.
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_summary_v1, 2: lambda data: data, 3: lambda data: data}
 
     model: str
     proxy: dict[str, Any] = field(default_factory=dict)
@@ -172,7 +175,7 @@ def _migrate_results_v1(data: dict[str, Any]) -> dict[str, Any]:
 def read_results(out_dir: Path) -> list[TrialRow]:
     """The rows of ``results.json``."""
     path = out_dir / "results.json"
-    data = read_artifact(path, kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: _migrate_results_v1, 2: lambda d: d})
+    data = read_artifact(path, kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: _migrate_results_v1, 2: lambda d: d, 3: lambda d: d})
     trials = data.get("trials")
     if not isinstance(trials, list):
         raise ArtifactError(f"{path}: 'trials' must be a list of rows")

@@ -1,6 +1,6 @@
 """``autotune search``: Optuna ask/tell over the FSDP2 knobs, driving the trial launcher.
 
-Data flow: model profile + machine -> :func:`autotune.search.proxy.plan_for_this_machine`
+Data flow: model (a profile, factory or HF config: :mod:`profiles.sources`) + machine -> :func:`autotune.search.proxy.plan_for_this_machine`
 (real model or scale proxy) -> :class:`autotune.search.space.SearchSpace` -> per trial a
 :class:`RuntimeConfig` -> :func:`autotune.trials.run_trial` -> metrics -> ``study.tell``
 (:mod:`autotune.search.loop`) -> best config -> side-by-side confirmation against the
@@ -40,7 +40,7 @@ from autotune.search.outcome import STORAGE_ERRORS, apply_pending
 from autotune.search.preflight import preflight
 from autotune.search.study import claim_out_dir, close_interrupted, open_study, resolve_plan
 from fsdp_runtime import RuntimeConfig
-from profiles import load_model_profile
+from profiles.sources import load_model_source
 
 
 @dataclass(kw_only=True)
@@ -75,7 +75,7 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
     import torch
 
     reporter = reporter or SilentReporter()
-    profile = load_model_profile(settings.model)
+    profile = load_model_source(settings.model)
     preflight(settings)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     study, created = open_study(settings, settings.get_study_name(profile.name))
@@ -137,7 +137,7 @@ def describe_interrupted(settings: SearchSettings) -> str:
     """One line for a search stopped by Ctrl-C or SIGTERM: what the study kept and how to go on."""
     import optuna
 
-    name = settings.get_study_name(load_model_profile(settings.model).name)
+    name = settings.get_study_name(load_model_source(settings.model).name)
     try:
         trials = optuna.load_study(study_name=name, storage=settings.get_storage()).get_trials(deepcopy=False)
         kept = f"{sum(t.state.is_finished() and t.user_attrs.get('status') != 'interrupted' for t in trials)} finished trial(s)"

@@ -25,7 +25,8 @@ class SearchSettings:
     """Everything a search needs; the CLI's options map one-to-one onto these fields."""
 
     model: str = "small"
-    """Model profile name or TOML path."""
+    """Model profile name or TOML path, ``package.module:function`` (a model factory) or a
+    Hugging Face ``config.json`` / local model dir ([Note: model sources] in :mod:`profiles.sources`)."""
     world_size: int = 2
     num_trials: int = 16
     """Total trials in the study (across resumes and workers), the defaults trial included."""
@@ -57,7 +58,11 @@ class SearchSettings:
     num_finalists: int = 3
     """Configs re-measured against the defaults at the end; the fastest of them is emitted."""
     patience: int | None = 10
-    """Stop after this many finished trials without a >= 1% improvement; None: never."""
+    """Stop after this many finished trials without a >= 1% improvement; None: never
+    (a plateau first moves the search on to its refinement trials)."""
+    num_refine: int | None = None
+    """Trials at the end that try neighbours of the best config instead of sampling
+    ([Note: refinement] in :mod:`autotune.search.refine`); None: a third of ``num_trials``."""
     num_confirm_pairs: int = 3
     """Pairs per finalist in the final round (each an ABBA quartet of steps: twice this many pairs run)."""
     step_budget_s: float = 1.0
@@ -77,6 +82,7 @@ class SearchSettings:
             ("num_finalists", self.num_finalists >= 1, f"finalists must be >= 1, got {self.num_finalists}"),
             ("max_ratio_spread", self.max_ratio_spread > 0, f"max ratio spread must be > 0, got {self.max_ratio_spread}"),
             ("num_measured", self.num_measured >= 2, f"measured pairs must be >= 2, got {self.num_measured}"),
+            ("num_refine", self.num_refine is None or self.num_refine >= 0, f"refinement trials must be >= 0, got {self.num_refine}"),
             ("patience", self.patience is None or self.patience >= 1, f"patience must be >= 1, got {self.patience}"),
             ("sampler", self.sampler in SAMPLERS, f"unknown sampler {self.sampler!r} (use {', '.join(SAMPLERS)})"),
             ("trial_timeout_s", self.trial_timeout_s > 0, f"trial timeout must be > 0 s, got {self.trial_timeout_s}"),
@@ -85,6 +91,9 @@ class SearchSettings:
         for name, ok, problem in checks:
             if not ok:
                 raise SearchError(problem, field=name)
+
+    def get_num_refine(self) -> int:
+        return self.num_trials // 3 if self.num_refine is None else self.num_refine
 
     def get_storage(self) -> str:
         return self.storage or f"sqlite:///{(self.out_dir / 'study.db').resolve()}"

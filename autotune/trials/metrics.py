@@ -42,6 +42,7 @@ class RankMetrics:
     reference_step_ms: list[float] = field(default_factory=list)
     """A paired trial's reference steps, interleaved with ``step_ms`` (see [Note: paired measurement])."""
     profiled_step_ms: list[float] = field(default_factory=list)
+    """This rank's own time of each traced step (see [Note: what a trial measures])."""
     losses: list[float] = field(default_factory=list)
     process_peak_bytes: int | None = None
     process_baseline_bytes: int | None = None
@@ -49,6 +50,16 @@ class RankMetrics:
     trace: str | None = None
     """File name of this rank's trace in the trial dir."""
     link_emulation: dict[str, Any] | None = None
+    own_step_ms: list[float] = field(default_factory=list)
+    """This rank's own time of each unprofiled step in ``step_ms`` (which holds the slowest rank's)."""
+    step_cpu_ms: list[float] = field(default_factory=list)
+    """Training-thread CPU time (``time.thread_time``) of each unprofiled step in ``step_ms``."""
+    step_page_faults: list[int] = field(default_factory=list)
+    """Minor page faults of the rank process during each unprofiled step in ``step_ms``."""
+    profiled_cpu_ms: list[float] = field(default_factory=list)
+    """Training-thread CPU time of each traced step."""
+    profiled_page_faults: list[int] = field(default_factory=list)
+    """Minor page faults of the rank process during each traced step."""
 
     @property
     def median_step_ms(self) -> float | None:
@@ -58,10 +69,49 @@ class RankMetrics:
     def median_profiled_step_ms(self) -> float | None:
         return median_or_none(self.profiled_step_ms)
 
+    def get_profiler_figures(self) -> dict[str, Any] | None:
+        """This rank's profiled vs unprofiled medians (own wall, thread CPU, page faults), their
+        ratios, and ``trace_scale`` (unprofiled / profiled own step: what the report scales this
+        rank's trace times by); None without both kinds of steps (older metrics, pruned trials)."""
+        step, profiled = median_or_none(self.own_step_ms), median_or_none(self.profiled_step_ms)
+        if not step or not profiled:
+            return None
+        cpu, profiled_cpu = median_or_none(self.step_cpu_ms), median_or_none(self.profiled_cpu_ms)
+        faults, profiled_faults = median_or_none(self.step_page_faults), median_or_none(self.profiled_page_faults)
+        return {
+            "rank": self.rank, "step_ms": step, "profiled_step_ms": profiled, "wall": profiled / step, "trace_scale": step / profiled,
+            "cpu_ms": cpu, "profiled_cpu_ms": profiled_cpu, "cpu": _ratio(profiled_cpu, cpu),
+            "page_faults": faults, "profiled_page_faults": profiled_faults, "page_fault_ratio": _ratio(profiled_faults, faults),
+        }  # fmt: skip
+
 
 def _slowest(per_rank: Any) -> list[float]:
     """Per step, the slowest rank's time."""
     return [max(steps) for steps in zip(*per_rank)]
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def _summed_median(per_rank: Any) -> float | None:
+    """Median over steps of the ranks' sum (CPU time, page faults: the trial's total per step)."""
+    return median_or_none([sum(steps) for steps in zip(*per_rank)])
+
+
+def summarize_profiler(ranks: list[RankMetrics]) -> dict[str, Any]:
+    """What profiling cost the trial (the ``profiler`` field of :class:`TrialMetrics`); empty
+    without profiled and unprofiled steps with CPU times on every rank (metrics before v4)."""
+    per_rank = [r.get_profiler_figures() for r in ranks]
+    if not per_rank or any(f is None or f["cpu"] is None for f in per_rank):
+        return {}
+    cpu = _summed_median(r.step_cpu_ms for r in ranks)
+    faults, profiled_faults = _summed_median(r.step_page_faults for r in ranks), _summed_median(r.profiled_page_faults for r in ranks)
+    return {
+        "cpu_ms": cpu, "profiled_cpu_ms": _summed_median(r.profiled_cpu_ms for r in ranks),
+        "page_faults": faults, "profiled_page_faults": profiled_faults, "page_fault_ratio": _ratio(profiled_faults, faults),
+        "per_rank": per_rank,
+    }  # fmt: skip
 
 
 def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
@@ -85,8 +135,8 @@ class TrialMetrics:
     """The body of ``metrics.json``."""
 
     KIND: ClassVar[str] = "trial_metrics"
-    SCHEMA_VERSION: ClassVar[int] = 3
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, 2: lambda data: data}  # v3 added fields, all with defaults
+    SCHEMA_VERSION: ClassVar[int] = 4
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, 2: lambda data: data, 3: lambda data: data}  # v3, v4 added fields, all with defaults
 
     status: TrialStatus
     reason: str = ""
@@ -121,6 +171,12 @@ class TrialMetrics:
     """Median step time inside the profiled window (slowest rank per step)."""
     profiler_overhead: float | None = None
     """``profiled_step_ms / step_ms``: how much the profiler slowed the steps its traces show."""
+    profiler_cpu_overhead: float | None = None
+    """``profiler["profiled_cpu_ms"] / profiler["cpu_ms"]``: the same for the training threads' CPU time."""
+    profiler: dict[str, Any] = field(default_factory=dict)
+    """What profiling cost (``summarize_profiler``): per step, the ranks' summed training-thread
+    CPU ms and minor page faults, unprofiled and profiled, and ``per_rank`` figures (own wall,
+    CPU, faults, ratios, ``trace_scale``); empty before v4 and for unprofiled trials."""
 
     @classmethod
     def from_ranks(cls, ranks: list[RankMetrics], **fields: Any) -> "TrialMetrics":
@@ -130,10 +186,12 @@ class TrialMetrics:
         profiled = median_or_none(_slowest(r.profiled_step_ms for r in ranks))
         step_ms = median_or_none(per_step)
         peaks = [r.process_peak_bytes for r in ranks if r.process_peak_bytes is not None]
+        profiler = summarize_profiler(ranks)
         return cls(
             ranks=ranks, step_ms_per_step=per_step, step_ms=step_ms, process_peak_bytes=max(peaks) if peaks else None,
             traces=[r.trace for r in ranks if r.trace], reference_step_ms_per_step=reference, paired=summarize_pairs(per_step, reference),
-            profiled_step_ms=profiled, profiler_overhead=profiled / step_ms if profiled and step_ms else None, **fields,
+            profiled_step_ms=profiled, profiler_overhead=profiled / step_ms if profiled and step_ms else None,
+            profiler_cpu_overhead=_ratio(profiler.get("profiled_cpu_ms"), profiler.get("cpu_ms")), profiler=profiler, **fields,
         )  # fmt: skip
 
     @property

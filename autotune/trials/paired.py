@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,15 +40,37 @@ PRUNE_AFTER_PAIRS = 2
 """Pairs after which the ranks decide on pruning."""
 
 
+class StepTiming(NamedTuple):
+    """What :func:`autotune.trials.program.timed_step` measured of one step on this rank."""
+
+    ms: float
+    """This rank's wall time (``perf_counter``)."""
+    loss: float
+    cpu_ms: float
+    """The training thread's CPU time (``time.thread_time``)."""
+    page_faults: int
+    """Minor page faults of the whole rank process (``getrusage``), gloo's threads included."""
+
+
 @dataclass
 class Side:
-    """One side of the comparison: its training, its step counter, its link emulator."""
+    """One side of the comparison: its training, its step counter, its link emulator, its steps."""
 
     training: Any
     emulator: Any = None
     next_step: int = 0
     step_ms: list[float] = field(default_factory=list)
+    """Each step's slowest-rank time (the same on every rank)."""
     losses: list[float] = field(default_factory=list)
+    own_ms: list[float] = field(default_factory=list)
+    """Each step's time on this rank (what its profiled steps are compared with)."""
+    cpu_ms: list[float] = field(default_factory=list)
+    page_faults: list[int] = field(default_factory=list)
+
+    def clear(self) -> None:
+        """Forget the steps so far (warm-up steps are not measurements; their losses stay)."""
+        for steps in (self.step_ms, self.own_ms, self.cpu_ms, self.page_faults):
+            steps.clear()
 
 
 def _slowest_ms(ms: float, device: torch.device) -> float:
@@ -60,11 +82,14 @@ def _slowest_ms(ms: float, device: torch.device) -> float:
 
 def step_side(side: Side, device: torch.device, timed_step: Any) -> float:
     """One timed step of ``side``; returns (and records) the slowest rank's milliseconds."""
-    ms, loss = timed_step(side.training, side.next_step, device, side.emulator)
+    timing = timed_step(side.training, side.next_step, device, side.emulator)
     side.next_step += 1
-    ms = _slowest_ms(ms, device)
+    ms = _slowest_ms(timing.ms, device)
     side.step_ms.append(ms)
-    side.losses.append(loss)
+    side.losses.append(timing.loss)
+    side.own_ms.append(timing.ms)
+    side.cpu_ms.append(timing.cpu_ms)
+    side.page_faults.append(timing.page_faults)
     return ms
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import resource
 import socket
 import threading
 import time
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.trials.metrics import median_or_none
-from autotune.trials.paired import Side, get_pair_order, run_pairs, step_side
+from autotune.trials.paired import Side, StepTiming, get_pair_order, run_pairs, step_side
 from fsdp_runtime.files import atomic_path
 
 PRUNE_AFTER = 2
@@ -90,6 +91,45 @@ def _release_free_memory() -> None:
         pass  # not glibc: the baseline just includes freed-but-kept memory
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_MMAP_THRESHOLD = 32 * 2**20
+"""The largest mmap threshold glibc accepts on 64-bit: smaller blocks come from the heap."""
+_NO_TRIM = 2**31 - 1
+PREFAULT_BYTES = 512 * 2**20
+"""Heap touched before the profiled window (at most a quarter of the free memory per rank)."""
+NO_HEAP_TUNING_ENV = "AUTOTUNE_GLIBC_MALLOC"
+"""Set to ``default`` to leave glibc's allocator as it is (benchmarks compare both)."""
+
+
+def tune_heap(device: torch.device) -> Any:
+    """On CPU with glibc: fixed thresholds, so freed memory stays mapped (libc, or None: untouched);
+    see [Note: what a trial measures]."""
+    if device.type != "cpu" or os.environ.get(NO_HEAP_TUNING_ENV) == "default":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        libc.mallopt(_M_TRIM_THRESHOLD, _NO_TRIM)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def prefault_heap(libc: Any, world_size: int) -> None:
+    """Touch heap pages and free them (kept resident: trimming is off) for the profiled window to reuse."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    chunk = 2**20  # below the mmap threshold: from the heap
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    blocks = [libc.malloc(chunk) for _ in range(min(PREFAULT_BYTES, available // (4 * world_size)) // chunk)]
+    for block in blocks:
+        if block:
+            libc.memset(block, 0, chunk)
+    for block in reversed(blocks):  # top first: the blocks merge back into the heap's top
+        libc.free(block)
+
+
 def _get_device(backend: str, rank: int) -> torch.device:
     if backend != "nccl":
         return torch.device("cpu")
@@ -98,18 +138,24 @@ def _get_device(backend: str, rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def timed_step(training: Any, step: int, device: torch.device, emulator: Any = None) -> tuple[float, float]:
-    """(milliseconds, loss) of ``training.step(step)``, started together on all ranks (a barrier)
-    and, with a :class:`~autotune.trials.linkemu.LinkEmulator`, under link emulation."""
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed_step(training: Any, step: int, device: torch.device, emulator: Any = None) -> StepTiming:
+    """``training.step(step)`` timed (:class:`~autotune.trials.paired.StepTiming`: wall ms, loss,
+    training-thread CPU ms, page faults), started together on all ranks (a barrier) and, with a
+    :class:`~autotune.trials.linkemu.LinkEmulator`, under link emulation."""
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    faults, cpu, start = _minor_faults(), time.thread_time(), time.perf_counter()
     with emulator if emulator is not None else nullcontext():
         loss = training.step(step)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1e3, loss
+    ms = (time.perf_counter() - start) * 1e3
+    return StepTiming(ms, loss, (time.thread_time() - cpu) * 1e3, _minor_faults() - faults)
 
 
 def _vote_prune(step_ms: list[float], limit_ms: float, device: torch.device) -> bool:
@@ -119,7 +165,8 @@ def _vote_prune(step_ms: list[float], limit_ms: float, device: torch.device) -> 
     return bool(slow.item() > 0)
 
 
-def _profiled_window(training: Any, first_step: int, num_active: int, device: torch.device, emulator: Any, trace_path: Path) -> tuple[list[float], list[float]]:
+def _profiled_window(training: Any, first_step: int, num_active: int, device: torch.device, emulator: Any, trace_path: Path) -> list[StepTiming]:
+    """The traced steps (after one untraced warm-up step of the schedule, whose loss is kept too)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     def export(prof: Any) -> None:
@@ -127,15 +174,12 @@ def _profiled_window(training: Any, first_step: int, num_active: int, device: to
             prof.export_chrome_trace(str(tmp))
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    step_ms, losses = [], []
+    steps = []
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=num_active, repeat=1), on_trace_ready=export) as prof:
         for i in range(1 + num_active):
-            ms, loss = timed_step(training, first_step + i, device, emulator)
-            losses.append(loss)
-            if i > 0:
-                step_ms.append(ms)
+            steps.append(timed_step(training, first_step + i, device, emulator))
             prof.step()
-    return step_ms, losses
+    return steps
 
 
 def _get_memory(device: torch.device, rss: _RssSampler) -> dict[str, Any]:
@@ -163,7 +207,7 @@ def _build_sides(rank: int, world_size: int, spec: dict[str, Any], device: torch
             for _ in range(spec["num_warmup"]):
                 step_side(sides["reference"], device, timed_step)
     for side in sides.values():  # warm-up steps are not measurements (their losses stay: the run's record)
-        side.step_ms.clear()
+        side.clear()
     return sides, rss
 
 
@@ -191,29 +235,37 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     emulators = (LinkEmulator.from_cluster(cluster), LinkEmulator.from_cluster(cluster)) if cluster else (None, None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    libc = tune_heap(device)
     sides, rss = _build_sides(rank, world_size, spec, device, emulators)
     pruned = _measure(sides, spec, device)
     memory = _get_memory(device, rss)
     candidate = sides["candidate"]
     reference_ms = list(sides["reference"].step_ms) if "reference" in sides else []
-    step_ms, losses = list(candidate.step_ms), list(candidate.losses)
+    unprofiled = {"step_ms": candidate.step_ms, "own_step_ms": candidate.own_ms, "step_cpu_ms": candidate.cpu_ms, "step_page_faults": candidate.page_faults}
     if sides.get("reference") is candidate:  # one model alternating: split its steps by pair order
-        step_ms, reference_ms = _split_self_pairs(step_ms)
-    profiled_ms: list[float] = []
+        reference_ms = _split_self_pairs(candidate.step_ms)[1]
+        unprofiled = {key: _split_self_pairs(steps)[0] for key, steps in unprofiled.items()}
+    losses = list(candidate.losses)
+    profiled: list[StepTiming] = []
     trace = None
     if spec["profile"] and not pruned:
         sides.pop("reference", None)
         trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
-        profiled_ms, profiled_losses = _profiled_window(candidate.training, candidate.next_step, spec["num_profiled"], device, candidate.emulator, trace_path)
-        losses += profiled_losses
+        if libc is not None:
+            prefault_heap(libc, world_size)
+        window = _profiled_window(candidate.training, candidate.next_step, spec["num_profiled"], device, candidate.emulator, trace_path)
+        losses += [s.loss for s in window]
+        profiled = window[1:]  # the schedule's warm-up step is not traced
         trace = trace_path.name
     del sides, candidate
-    _release_free_memory()
+    _release_free_memory()  # the prefaulted heap too
     return {
         "rank": rank,
-        "step_ms": step_ms,
+        **{key: list(steps) for key, steps in unprofiled.items()},
         "reference_step_ms": reference_ms,
-        "profiled_step_ms": profiled_ms,
+        "profiled_step_ms": [s.ms for s in profiled],
+        "profiled_cpu_ms": [s.cpu_ms for s in profiled],
+        "profiled_page_faults": [s.page_faults for s in profiled],
         "losses": losses,
         "pruned": pruned,
         "memory": memory,
@@ -223,12 +275,12 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     }
 
 
-def _split_self_pairs(step_ms: list[float]) -> tuple[list[float], list[float]]:
+def _split_self_pairs(steps: list[Any]) -> tuple[list[Any], list[Any]]:
     """Steps of a side paired with itself, in pair order (ref, cand | cand, ref ...): (candidate, reference)."""
     candidate, reference = [], []
-    for i in range(0, len(step_ms) - 1, 2):
+    for i in range(0, len(steps) - 1, 2):
         first, second = get_pair_order(i // 2)
-        by_name = {first: step_ms[i], second: step_ms[i + 1]}
+        by_name = {first: steps[i], second: steps[i + 1]}
         candidate.append(by_name["candidate"])
         reference.append(by_name["reference"])
     return candidate, reference

@@ -32,6 +32,7 @@ dir that still has it belongs to a trial whose launcher was killed."""
 ENV_KIND = "trial_env"
 ENV_SCHEMA_VERSION = 1
 _STALE_FILES = ("metrics.json", "env.json", "config.toml")
+_STEP_COST_KEYS = ("own_step_ms", "step_cpu_ms", "step_page_faults", "profiled_cpu_ms", "profiled_page_faults")
 
 
 def check_trial_spec(spec: TrialSpec) -> None:
@@ -63,7 +64,7 @@ def to_rank_metrics(result: dict[str, Any]) -> RankMetrics:
     return RankMetrics(
         rank=result["rank"], step_ms=result["step_ms"], reference_step_ms=result.get("reference_step_ms", []), profiled_step_ms=result["profiled_step_ms"], losses=result["losses"],
         process_peak_bytes=memory["peak_bytes"], process_baseline_bytes=memory["baseline_bytes"], trace=result["trace"],
-        link_emulation=result["link_emulation"],
+        link_emulation=result["link_emulation"], **{k: result[k] for k in _STEP_COST_KEYS if k in result},
     )  # fmt: skip
 
 

@@ -1,8 +1,11 @@
 """The training workload that trials and multi-rank tests run on every rank.
 
-Data is synthetic and deterministic: microbatch ``m`` of step ``s`` on data-parallel rank
-``r`` is drawn from a generator seeded by ``(seed, s, m, r)``, so a single-process
-reference can rebuild the exact global batch.
+Any model ``--model`` names ([Note: model sources] in :mod:`profiles.sources`) trains here
+with the batch and loss of [Note: model factory protocol] (:mod:`profiles.factory`): token
+ids and next-token cross-entropy by default, the model's own ``make_autotune_batch`` /
+``compute_autotune_loss`` where it has them. Data is synthetic and deterministic:
+microbatch ``m`` of step ``s`` on data-parallel rank ``r`` is drawn from a generator
+seeded by ``(seed, s, m, r)``, so a single-process reference can rebuild the exact global batch.
 """
 
 from __future__ import annotations
@@ -15,28 +18,58 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_runtime import AppliedFsdp, GradAccumulator, apply_fsdp, config_from_dict
-from profiles import ModelProfile, build_model, load_model_profile
+from profiles.factory import BATCH_HOOK, LOSS_HOOK, ModelSourceError
+from profiles.sources import ModelSource, load_model_source
 
 LEARNING_RATE = 1e-3
 
 
-def make_microbatch(profile: ModelProfile, *, seed: int, step: int, microbatch: int, dp_rank: int) -> torch.Tensor:
-    """Token ids ``(batch_size, seq_len + 1)``: inputs are ``[:, :-1]``, targets ``[:, 1:]``."""
+def make_microbatch(profile: ModelSource, *, seed: int, step: int, microbatch: int, dp_rank: int, model: nn.Module | None = None) -> Any:
+    """Token ids ``(batch_size, seq_len + 1)`` (inputs ``[:, :-1]``, targets ``[:, 1:]``), or
+    ``model.make_autotune_batch(...)`` where ``model`` has it; on CPU."""
     key = ((seed * 1_000_003 + step) * 1_000_003 + microbatch) * 1_000_003 + dp_rank
     gen = torch.Generator().manual_seed(key % (2**62))
-    return torch.randint(0, profile.shape.vocab_size, (profile.batch_size, profile.seq_len + 1), generator=gen)
+    hook = getattr(model, BATCH_HOOK, None)
+    if callable(hook):
+        return hook(generator=gen, batch_size=profile.batch_size, seq_len=profile.seq_len)
+    if profile.vocab_size is None:
+        raise ModelSourceError(f"{profile.name}: the vocabulary size is unknown and the model has no {BATCH_HOOK} (see [Note: model factory protocol])")
+    return torch.randint(0, profile.vocab_size, (profile.batch_size, profile.seq_len + 1), generator=gen)
 
 
-def compute_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+def move_batch(batch: Any, device: torch.device) -> Any:
+    """A tensor, or a tuple/list/dict of them, on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: move_batch(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(move_batch(v, device) for v in batch)
+    return batch
+
+
+def compute_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """``model.compute_autotune_loss(batch)``, or the causal-LM default: the output's ``.loss``,
+    else fp32 cross-entropy of its logits (the output, or ``.logits``) against the next token."""
+    hook = getattr(model, LOSS_HOOK, None)
+    if callable(hook):
+        return hook(batch)
+    out = model(batch[:, :-1])
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise ModelSourceError(f"{type(model).__name__}(token ids) returned {type(out).__name__}: expected logits, or an object with .logits or .loss (see [Note: model factory protocol])")
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 
 @dataclass(kw_only=True)
 class Training:
     """A sharded model, its optimizer and accumulation driver, ready to step."""
 
-    profile: ModelProfile
+    profile: ModelSource
+    """Where the model came from (a Llama profile, a factory or an HF config)."""
     applied: AppliedFsdp
     optimizer: torch.optim.Optimizer
     accumulator: GradAccumulator
@@ -48,14 +81,18 @@ class Training:
     def model(self) -> nn.Module:
         return self.applied.model
 
+    def get_microbatch(self, step: int, microbatch: int) -> Any:
+        batch = make_microbatch(self.profile, seed=self.seed, step=step, microbatch=microbatch, dp_rank=self.dp_rank, model=self.model)
+        return move_batch(batch, self.device)
+
     def step(self, step: int) -> float:
         """One optimizer step over all microbatches; returns this rank's loss (sum of microbatch losses)."""
         total = torch.zeros((), device=self.device)
         num = self.accumulator.num_microbatches
         for m in range(num):
-            tokens = make_microbatch(self.profile, seed=self.seed, step=step, microbatch=m, dp_rank=self.dp_rank).to(self.device)
+            batch = self.get_microbatch(step, m)
             with self.accumulator.microbatch(m):
-                loss = compute_loss(self.model, tokens) / num
+                loss = compute_loss(self.model, batch) / num
                 loss.backward()
             total += loss.detach()
         self.optimizer.step()
@@ -63,24 +100,22 @@ class Training:
         return total.item()
 
 
-def resolve_profile(model: str | dict[str, Any]) -> ModelProfile:
-    """A profile name/path, or ``{"name": ..., **overrides}`` for a resized proxy."""
-    if isinstance(model, str):
-        return load_model_profile(model)
-    overrides = dict(model)
-    return load_model_profile(overrides.pop("name")).with_overrides(**overrides)
+def resolve_profile(model: str | dict[str, Any]) -> ModelSource:
+    """The model ``model`` names: a profile name/path, a factory, an HF config, or
+    ``{"name": ..., **overrides}`` for a resized proxy (:func:`profiles.sources.load_model_source`)."""
+    return load_model_source(model)
 
 
 def build_training(
     rank: int, world_size: int, *, model: str | dict[str, Any], config: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu"
 ) -> Training:
-    """Build the profile's model on ``device``, shard it as ``config`` says, and add AdamW."""
-    profile = resolve_profile(model)
+    """Build the model on ``device``, shard it as ``config`` says, and add AdamW."""
+    source = resolve_profile(model)
     runtime_config = config_from_dict(config)
     torch.manual_seed(seed)
-    module = build_model(profile, device=str(device), seed=seed)
+    module = source.build(device=str(device), seed=seed)
     applied = apply_fsdp(module, runtime_config)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
     return Training(
-        profile=profile, applied=applied, optimizer=optimizer, accumulator=GradAccumulator(applied), seed=seed, dp_rank=rank, device=torch.device(device)
+        profile=source, applied=applied, optimizer=optimizer, accumulator=GradAccumulator(applied), seed=seed, dp_rank=rank, device=torch.device(device)
     )

@@ -15,7 +15,10 @@ def crash_on_explicit_prefetch(rank: int, world_size: int, *, spec: dict) -> dic
 
 
 NOISE_FACTOR = 4.0
-"""Rank 1 sleeps this many times the step's own duration: the step looks several times slower, whatever the load."""
+NOISE_MIN_S = 1.0
+"""Rank 1 sleeps this many times the step's own duration, and at least ``NOISE_MIN_S``: the step
+looks several times slower than a clean one even when a load spike stalls the clean one (at load 9
+a reference step once took 7x its usual time)."""
 
 
 class _SleepyTraining:
@@ -29,15 +32,16 @@ class _SleepyTraining:
 
         start = time.perf_counter()
         loss = self.training.step(step)
-        time.sleep(NOISE_FACTOR * (time.perf_counter() - start))
+        time.sleep(max(NOISE_FACTOR * (time.perf_counter() - start), NOISE_MIN_S))
         return loss
 
 
 def noisy_first_window(rank: int, world_size: int, *, spec: dict) -> dict:
     """The real trial workload, except that in a non-default trial's first window rank 1
-    sleeps inside the candidate's steps: trial 1 in every step (as if a burst of load hit
-    only the candidate: it would be pruned), trial 2 in every other step (its pairs spread
-    too wide to rank). Re-measured windows (``.../remeasured``) run clean."""
+    sleeps inside some steps: trial 1 in every candidate step (as if a burst of load hit only
+    the candidate: it would be pruned), trial 2 in every other *reference* step (its pairs
+    spread too wide to rank, and the fast-looking ones keep it from being pruned whatever
+    the best is). Re-measured windows (``.../remeasured``) run clean."""
     from pathlib import Path
 
     from autotune.trials import program
@@ -51,7 +55,8 @@ def noisy_first_window(rank: int, world_size: int, *, spec: dict) -> dict:
     def timed_step(training, step, device, emulator=None):
         if not seen:
             seen.append(training)  # the candidate is built, and stepped, first
-        if training is seen[0] and (trial == "trial_0001" or step % 2 == 1):
+        is_candidate = training is seen[0]
+        if (trial == "trial_0001" and is_candidate) or (trial == "trial_0002" and not is_candidate and step % 2 == 1):
             training = _SleepyTraining(training)
         return original(training, step, device, emulator)
 

@@ -2,8 +2,9 @@
 
 The committed fixtures under ``tests/data/artifacts/`` are what released versions wrote
 (``*_v1.json``: the first release's writers' shape; ``*_v2.json``: the second's (typed
-artifacts); ``*_v3.json`` and ``trial_spec_v2.json``: today's writers (``trial_spec_v1.json``: the second release's spec), with the paired
-measurement's fields). All describe one search of ``tiny`` on 2 gloo
+artifacts); ``*_v3.json``: the third's, with the paired measurement's fields; ``metrics_v4.json``,
+``search_v3.json`` and ``trial_spec_v2.json``: today's writers, metrics with the profiler's cost
+(``trial_spec_v1.json``: the second release's spec)). All describe one search of ``tiny`` on 2 gloo
 ranks: 4 trials, trial 1 the best (its ``metrics.json`` is ``metrics_v*.json``, whose
 trace summary is that of ``tests/data/cpu_tiny_2rank``), trial 2 faster but over the
 memory budget. See ``tests/data/artifacts/README.md``.
@@ -74,17 +75,17 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         text = (ARTIFACTS / name).read_text(encoding="utf-8")
         assert "peak_memory_bytes" in text and "process_peak_bytes" not in text and "profiler_peak_allocated_bytes" not in text, name
     for name, kind, version in [
-        ("metrics_v3.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
-        ("search_v3.json", "search_summary", SearchRecord.SCHEMA_VERSION),
+        ("metrics_v4.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
+        ("search_v4.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v2.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
     ]:
         data = load_fixture(name)
         assert (data["kind"], data["schema_version"]) == (kind, version), name
         assert "peak_memory_bytes" not in (ARTIFACTS / name).read_text(encoding="utf-8"), name
-    assert load_fixture("metrics_v3.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
+    assert load_fixture("metrics_v4.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
 
 
-@pytest.mark.parametrize("name", ["metrics_v1.json", "metrics_v2.json", "metrics_v3.json"])
+@pytest.mark.parametrize("name", ["metrics_v1.json", "metrics_v2.json", "metrics_v3.json", "metrics_v4.json"])
 def test_metrics_of_every_released_version_read(name):
     metrics = TrialMetrics.read(ARTIFACTS / name)
 
@@ -110,11 +111,38 @@ def test_metrics_of_every_released_version_read(name):
 def test_v1_metrics_migrate_to_exactly_what_today_writes():
     """metrics_v1.json and metrics_v2.json hold the same trial: the migration loses nothing."""
     assert TrialMetrics.read(ARTIFACTS / "metrics_v1.json") == TrialMetrics.read(ARTIFACTS / "metrics_v2.json") == TrialMetrics.read(ARTIFACTS / "metrics_v3.json")
+    assert TrialMetrics.read(ARTIFACTS / "metrics_v3.json") == TrialMetrics.read(ARTIFACTS / "metrics_v4.json")
+
+
+def test_v3_metrics_read_without_profiler_costs():
+    """v4 added each rank's CPU time and page faults per step and the profiler's cost: a v3 file has none."""
+    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v3.json")
+    assert (metrics.profiler, metrics.profiler_cpu_overhead) == ({}, None)
+    assert all(r.own_step_ms == r.step_cpu_ms == r.profiled_page_faults == [] and r.get_profiler_figures() is None for r in metrics.ranks)
+    assert metrics.to_dict()["schema_version"] == 4 and metrics.to_dict()["profiler"] == {}
+
+
+def test_v2_trace_summaries_read_as_v3():
+    """Summary v3 added ``send_recv_ms`` (v2 counted send/recv as other: null, not measured apart)
+    and ``overlap_ratio_time_weighted``, derived from a v2 summary's steps."""
+    stored = load_fixture("metrics_v3.json")["trace_metrics"]
+    assert stored["schema_version"] == 2 and "send_recv_ms" not in json.dumps(stored)
+    summary = TrialMetrics.read(ARTIFACTS / "metrics_v3.json").trace_metrics
+    assert summary["schema_version"] == SUMMARY_SCHEMA_VERSION == 3
+    for rank, old in zip(summary["per_rank"], stored["per_rank"]):
+        assert all(s["send_recv_ms"] is None for s in rank["steps"]) and all(u["send_recv_ms"] is None for u in rank["per_unit"])
+        expected = 1 - sum(s["exposed_comm_ms"] for s in old["steps"]) / sum(s["comm_ms"] for s in old["steps"])
+        assert rank["overlap_ratio_time_weighted"] == pytest.approx(expected, abs=1e-12)
+    all_steps = [s for r in stored["per_rank"] for s in r["steps"]]
+    expected = 1 - sum(s["exposed_comm_ms"] for s in all_steps) / sum(s["comm_ms"] for s in all_steps)
+    assert summary["aggregate"]["overlap_ratio_time_weighted"] == pytest.approx(expected, abs=1e-12)
+    assert summary["aggregate"]["send_recv_ms"] is None and summary["aggregate"]["overlap_ratio"] == stored["aggregate"]["overlap_ratio"]
+    assert summary == load_fixture("metrics_v4.json")["trace_metrics"]  # what today's writer stores
 
 
 def test_metrics_round_trip_is_lossless(tmp_path):
-    original = load_fixture("metrics_v3.json")
-    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v3.json")
+    original = load_fixture("metrics_v4.json")
+    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v4.json")
     assert metrics.to_dict() == original
 
     written = metrics.write(tmp_path / "metrics.json")
@@ -124,10 +152,10 @@ def test_metrics_round_trip_is_lossless(tmp_path):
 
 def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     written = TrialMetrics.read(ARTIFACTS / "metrics_v1.json").write(tmp_path / "metrics.json")
-    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v3.json")
+    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v4.json")
 
 
-@pytest.mark.parametrize("name", ["search_v1.json", "search_v2.json", "search_v3.json"])
+@pytest.mark.parametrize("name", ["search_v1.json", "search_v2.json", "search_v3.json", "search_v4.json"])
 def test_search_summary_of_every_released_version_reads(name):
     record = SearchRecord.read(ARTIFACTS / name)
 
@@ -143,14 +171,14 @@ def test_search_summary_of_every_released_version_reads(name):
 
 def test_v1_search_summary_migrates_to_what_today_writes():
     """Same search; only the report list differs (v1 wrote search.json before the report)."""
-    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v3.json")
+    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v4.json")
     assert v1.report == [] and v2.report
     assert dataclasses.replace(v1, report=v2.report) == v2
 
 
 def test_search_summary_round_trip_is_lossless(tmp_path):
-    original = load_fixture("search_v3.json")
-    record = SearchRecord.read(ARTIFACTS / "search_v3.json")
+    original = load_fixture("search_v4.json")
+    record = SearchRecord.read(ARTIFACTS / "search_v4.json")
     assert record.to_dict() == original
     assert SearchRecord.read(record.write(tmp_path / "search.json")).to_dict() == original
 
@@ -199,8 +227,8 @@ class Reader:
 
 
 READERS = [
-    Reader("TrialMetrics.read", "trial_metrics", TrialMetrics.SCHEMA_VERSION, "metrics.json", "metrics_v3.json", TrialMetrics.read, "search_v3.json"),
-    Reader("SearchRecord.read", "search_summary", SearchRecord.SCHEMA_VERSION, "search.json", "search_v3.json", SearchRecord.read, "metrics_v3.json"),
+    Reader("TrialMetrics.read", "trial_metrics", TrialMetrics.SCHEMA_VERSION, "metrics.json", "metrics_v4.json", TrialMetrics.read, "search_v3.json"),
+    Reader("SearchRecord.read", "search_summary", SearchRecord.SCHEMA_VERSION, "search.json", "search_v4.json", SearchRecord.read, "metrics_v3.json"),
     Reader("read_results", "search_results", SearchRecord.SCHEMA_VERSION, "results.json", "results_v1.json", lambda p: read_results(p.parent), "search_v1.json"),
     Reader("TrialSpec.read", "trial_spec", TrialSpec.SCHEMA_VERSION, "trial_spec.json", "trial_spec_v2.json", TrialSpec.read, "metrics_v3.json"),
 ]
@@ -253,7 +281,7 @@ def test_reader_refuses_a_missing_file(reader, tmp_path):
 
 @pytest.mark.parametrize("version", [0, -1, "2", None, 1.5])
 def test_reader_refuses_a_bad_schema_version(version, tmp_path):
-    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v3.json"), "schema_version": version})
+    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v4.json"), "schema_version": version})
     with pytest.raises(ArtifactError) as excinfo:
         TrialMetrics.read(path)
     assert_refused(excinfo, path, "schema_version must be a positive integer")
@@ -266,7 +294,7 @@ def test_reader_refuses_a_boolean_schema_version(tmp_path):
 
 
 def test_metrics_refuse_an_embedded_summary_from_a_newer_release(tmp_path):
-    data = load_fixture("metrics_v3.json")
+    data = load_fixture("metrics_v4.json")
     data["trace_metrics"]["schema_version"] = SUMMARY_SCHEMA_VERSION + 1
     path = write_json(tmp_path / "metrics.json", data)
     with pytest.raises(ArtifactError) as excinfo:
@@ -275,7 +303,7 @@ def test_metrics_refuse_an_embedded_summary_from_a_newer_release(tmp_path):
 
 
 def test_metrics_refuse_an_embedded_summary_of_another_kind(tmp_path):
-    data = load_fixture("metrics_v3.json")
+    data = load_fixture("metrics_v4.json")
     data["trace_metrics"] = {"schema_version": 1, "kind": "trial_env"}
     path = write_json(tmp_path / "metrics.json", data)
     with pytest.raises(ArtifactError) as excinfo:
@@ -300,9 +328,9 @@ def _bad_body(case_id: str, file_name: str, read: Callable[[Path], Any], make: C
 
 
 BAD_BODIES = [
-    _bad_body("metrics-unknown-field", "metrics.json", TrialMetrics.read, lambda: {**load_fixture("metrics_v3.json"), "gpu_util": 0.9}, "gpu_util"),
-    _bad_body("metrics-missing-field", "metrics.json", TrialMetrics.read, lambda: _without(load_fixture("metrics_v3.json"), "status"), "status"),
-    _bad_body("metrics-rank-unknown-field", "metrics.json", TrialMetrics.read, lambda: _metrics_with_rank_field(load_fixture("metrics_v3.json")), "gpu_util"),
+    _bad_body("metrics-unknown-field", "metrics.json", TrialMetrics.read, lambda: {**load_fixture("metrics_v4.json"), "gpu_util": 0.9}, "gpu_util"),
+    _bad_body("metrics-missing-field", "metrics.json", TrialMetrics.read, lambda: _without(load_fixture("metrics_v4.json"), "status"), "status"),
+    _bad_body("metrics-rank-unknown-field", "metrics.json", TrialMetrics.read, lambda: _metrics_with_rank_field(load_fixture("metrics_v4.json")), "gpu_util"),
     _bad_body("metrics-rank-not-an-object", "metrics.json", TrialMetrics.read, lambda: {**load_fixture("metrics_v1.json"), "ranks": ["rank0"]}, "ranks"),
     _bad_body("search-missing-field", "search.json", SearchRecord.read, lambda: _without(load_fixture("search_v3.json"), "model"), "model"),
     _bad_body("search-incomplete-row", "search.json", SearchRecord.read, lambda: {**load_fixture("search_v1.json"), "best": {"state": "COMPLETE"}}, "best"),

@@ -120,4 +120,4 @@ def test_emulated_link_holds_collectives_and_keeps_losses_bitwise(pool2, tmp_pat
     assert added_s >= 0.8 * modeled_step_s, (slow.metrics.step_ms, plain.metrics.step_ms, modeled_step_s)
     env = json.loads((tmp_path / "slow" / "env.json").read_text())
     assert env["link_emulation"]["cluster"] == "slow-test-link"
-    assert env["link_emulation"]["links"] == {"inter_node": {"latency_us": LATENCY_US, "bandwidth_gbps": BANDWIDTH_GBPS}}
+    assert env["link_emulation"]["links"] == {"inter_node": {"latency_us": LATENCY_US, "bandwidth_gbps": BANDWIDTH_GBPS, "efficiency": 1.0}}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -168,3 +169,123 @@ def test_cli_report_writes_files_and_maps_errors(search_dir, tmp_path, monkeypat
         main()
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {tmp_path / 'nope'}: no such directory"]
+
+
+# --------------------------------------------------------------------------- profiler overhead: trace times scaled
+
+
+def _profiled_trial(trial_dir: Path, trace_metrics: dict, *, rank1_profiled_ms: float = 110.0, rank0_profiled_ms: float = 125.0) -> TrialMetrics:
+    """A trial whose profiled steps took 125/100 (rank 0) and 110/99 (rank 1) of its unprofiled ones,
+    with 15% more training-thread CPU and 3.1x the page faults (ranks summed)."""
+    from autotune.trials import RankMetrics
+
+    ranks = [
+        RankMetrics(rank=0, step_ms=[100.0, 100.0, 100.0], own_step_ms=[100.0, 98.0, 100.0], profiled_step_ms=[rank0_profiled_ms] * 2,
+                    step_cpu_ms=[80.0] * 3, profiled_cpu_ms=[96.0] * 2, step_page_faults=[100] * 3, profiled_page_faults=[300] * 2),
+        RankMetrics(rank=1, step_ms=[100.0, 100.0, 100.0], own_step_ms=[99.0] * 3, profiled_step_ms=[rank1_profiled_ms] * 2,
+                    step_cpu_ms=[80.0] * 3, profiled_cpu_ms=[88.0] * 2, step_page_faults=[100] * 3, profiled_page_faults=[320] * 2),
+    ]  # fmt: skip
+    metrics = TrialMetrics.from_ranks(ranks, status="ok", model="tiny", world_size=2, backend="gloo", trace_metrics=trace_metrics)
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    metrics.write(trial_dir / "metrics.json")
+    return metrics
+
+
+def test_trial_report_scales_trace_times_to_the_unprofiled_step_and_says_how(trial_dir, tmp_path):
+    raw = json.loads((trial_dir / "metrics.json").read_text())["trace_metrics"]
+    _profiled_trial(tmp_path / "t", raw)
+    report = load_report(tmp_path / "t")
+    trial = report.trials[0]
+    assert trial.trace_scale == {0: 100.0 / 125.0, 1: 99.0 / 110.0}
+    summary, steps, units = get_tables(report)
+    rows = dict(summary.rows)
+    assert rows["profiler"] == "trace times scaled to the unprofiled step: ×0.80 rank 0, ×0.90 rank 1; profiler overhead +25% wall, +15% CPU, page faults ×3.1"
+    # Times scale per rank; ratios stay as measured; metrics.json keeps the raw summary.
+    first = raw["per_rank"][0]["steps"][0]
+    assert steps.rows[0][:4] == ["0", str(first["step"]), f"{first['step_ms'] * 0.8:.1f}", f"{first['compute_ms'] * 0.8:.2f}"]
+    rank1 = raw["per_rank"][1]["steps"][0]
+    shown = trial.shown_trace_metrics
+    assert shown["per_rank"][1]["steps"][0]["exposed_comm_ms"] == pytest.approx(rank1["exposed_comm_ms"] * 0.9)
+    assert shown["per_rank"][1]["steps"][0]["overlap_ratio"] == rank1["overlap_ratio"]
+    scaled_steps = [s["step_ms"] for r in shown["per_rank"] for s in r["steps"]]
+    assert shown["aggregate"]["step_ms"] == pytest.approx(statistics.median(scaled_steps))
+    assert rows["profiled overlap (median)"] == f"{100 * raw['aggregate']['overlap_ratio']:.1f}%"
+    assert rows["profiled step ms (median, scaled)"] == f"{shown['aggregate']['step_ms']:.1f}"
+    assert shown["aggregate"]["per_unit"][0]["comm_ms"] == pytest.approx(raw["aggregate"]["per_unit"][0]["comm_ms"] * statistics.median([0.8, 0.9]))
+    assert "scaled" in steps.title and "scaled" in units.title
+    assert TrialMetrics.read(tmp_path / "t" / "metrics.json").trace_metrics == raw
+    assert report.to_json()["trace_metrics"] == raw and report.to_json()["trace_scale"] == {0: 0.8, 1: 0.9}
+    write_report(report, tmp_path / "out")
+    assert "×0.80 rank 0, ×0.90 rank 1" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_trial_report_within_3_percent_shows_trace_times_as_measured(trial_dir, tmp_path):
+    raw = json.loads((trial_dir / "metrics.json").read_text())["trace_metrics"]
+    _profiled_trial(tmp_path / "t", raw, rank0_profiled_ms=102.0, rank1_profiled_ms=101.0)
+    trial = load_report(tmp_path / "t").trials[0]
+    assert trial.trace_scale is None and trial.shown_trace_metrics == raw
+    rows = dict(get_tables(load_report(tmp_path / "t"))[0].rows)
+    assert rows["profiler"].startswith("trace times as measured (within 3% of the unprofiled step); profiler overhead +2% wall")
+    assert rows["profiled overlap (median)"] == f"{100 * raw['aggregate']['overlap_ratio']:.1f}%"
+
+
+def test_search_tables_show_each_trial_s_profiler_overhead(trial_dir, tmp_path):
+    from autotune.report import get_search_rows_table
+
+    raw = json.loads((trial_dir / "metrics.json").read_text())["trace_metrics"]
+    _profiled_trial(tmp_path / "s" / "trials" / "t0", raw)
+    write_metrics(tmp_path / "s" / "trials" / "t1", step_ms=200.0, trace_metrics=raw)
+    (table,) = get_tables(load_report(tmp_path / "s"))
+    prof, exposed = table.columns.index("prof"), table.columns.index("exposed")
+    by_name = {row[0]: row for row in table.rows}
+    assert (by_name["t0"][prof], by_name["t1"][prof]) == ("+25%", "-")
+    assert by_name["t0"][exposed].endswith("*") and not by_name["t1"][exposed].endswith("*")
+    assert table.title.endswith("* trace times scaled to the unprofiled step")
+    rows = get_search_rows_table([TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, profiler_overhead=1.18)], None)
+    assert rows.rows[0][rows.columns.index("prof")] == "+18%"
+
+
+# --------------------------------------------------------------------------- any directory of chrome traces
+
+
+def _run_cli(*args: str) -> "subprocess.CompletedProcess[str]":
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-c", "import cli; cli.main()", *args], cwd=repo, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_report_on_a_dir_of_traces_with_foreign_names(tmp_path):
+    """``autotune report DIR`` on traces named as other tools name them, one per rank, beside other JSON."""
+    import gzip
+
+    folder = tmp_path / "my traces"
+    folder.mkdir()
+    rank0, rank1 = get_fixture_traces("cpu_tiny_2rank")
+    anonymous = {k: v for k, v in json.loads(gzip.decompress(rank1.read_bytes())).items() if k != "distributedInfo"}
+    # tensorboard_trace_handler's name, no distributedInfo: sorted first, it takes the rank no other trace claims (2)
+    (folder / "host-b_123.1700000000.pt.trace.json.gz").write_bytes(gzip.compress(json.dumps(anonymous).encode()))
+    (folder / "rank_1.json").write_text(json.dumps(anonymous))  # rank from the file name
+    (folder / "worker0.pt.trace.json").write_bytes(gzip.decompress(rank0.read_bytes()))  # rank 0 from its distributedInfo
+    (folder / "config.json").write_text(json.dumps({"lr": 3e-4, "traceEvents_note": "not a trace"}))
+    (folder / "losses.json").write_text("[1.5, 1.25]")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    result = _run_cli("report", str(folder), "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)["trace_metrics"]
+    assert summary["num_ranks"] == 3
+    names = {r["rank"]: r["trace"] for r in summary["per_rank"]}
+    assert names == {0: "worker0.pt.trace.json", 1: "rank_1.json", 2: "host-b_123.1700000000.pt.trace.json.gz"}
+    expected = summarize_traces([rank0, rank1])["per_rank"]
+    for rank, want in ((0, expected[0]), (1, expected[1]), (2, expected[1])):
+        got = summary["per_rank"][rank]
+        assert [s["step"] for s in got["steps"]] == [1, 2]
+        for field in ("step_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "overlap_ratio"):
+            assert [s[field] for s in got["steps"]] == pytest.approx([s[field] for s in want["steps"]], abs=1e-9), (rank, field)
+        assert got["overlap_ratio_time_weighted"] == pytest.approx(want["overlap_ratio_time_weighted"], abs=1e-12)
+
+    result = _run_cli("report", str(folder))
+    assert result.returncode == 0, result.stderr
+    assert (folder / "report" / "report.html").exists()
+    assert before == {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "report"}  # traces untouched

@@ -21,7 +21,7 @@ from _search_programs import INJECTED
 from autotune.trials import run_ranks
 from autotune.pipeline import search_and_report
 from autotune.report import get_tables, load_report
-from autotune.search import SearchError, SearchSettings, SearchSpace, SilentReporter, TrialRow, run_search
+from autotune.search import SearchError, pick_best, SearchSettings, SearchSpace, SilentReporter, TrialRow, run_search
 from autotune.search.loop import plateaued
 from fsdp_runtime import config_to_dict, load_config
 
@@ -42,6 +42,9 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     # Every trial is paired with the defaults: its objective is the median step-time ratio.
     assert all(r.state == "PRUNED" or (r.state == "COMPLETE" and r.step_ms > 0 and r.ratio > 0) for r in rows), rows
     assert rows[0].state == "COMPLETE"
+    # The last third (one trial of four) is a neighbour of the incumbent ([Note: refinement]), not sampled.
+    assert [r.refined_from is not None for r in rows] == [False, False, False, True], [r.refined_from for r in rows]
+    assert rows[3].refined_from.startswith(f"trial {pick_best(rows[:3]).number} + ")
     assert summary.best is not None and summary.best.ratio == min(r.ratio for r in rows if r.state == "COMPLETE")
     metrics = json.loads((tmp_path / rows[1].trial_dir / "metrics.json").read_text())
     assert len(metrics["reference_step_ms_per_step"]) == len(metrics["step_ms_per_step"]) == metrics["num_measured"]  # one per pair
@@ -94,10 +97,11 @@ def test_failed_trials_are_recorded_and_do_not_stop_the_search(tmp_path):
 
 @pytest.mark.multirank
 def test_a_noisy_window_is_measured_again_not_pruned_or_ranked(tmp_path):
-    # Rank 1 sleeps inside the candidate's steps of trials 1 and 2's first windows only
-    # (_search_programs.noisy_first_window): trial 1 in every step (its first pairs are all far
-    # above the prune limit), trial 2 in every other step (its pairs spread too wide to rank).
-    settings = _settings(tmp_path, num_trials=3, num_confirm_pairs=0, sampler="random", seed=5, rank_program="_search_programs:noisy_first_window")
+    # Rank 1 sleeps inside steps of trials 1 and 2's first windows only
+    # (_search_programs.noisy_first_window): trial 1 in every candidate step (its first pairs are
+    # all far above the prune limit), trial 2 in every other reference step (its pairs spread too
+    # wide to rank).
+    settings = _settings(tmp_path, num_trials=3, num_refine=0, num_confirm_pairs=0, sampler="random", seed=5, rank_program="_search_programs:noisy_first_window")
     rows = run_search(settings).rows
     assert rows[0].is_default and rows[0].state == "COMPLETE"
     slowed, spread = rows[1], rows[2]
@@ -107,7 +111,7 @@ def test_a_noisy_window_is_measured_again_not_pruned_or_ranked(tmp_path):
     assert first["status"] == "pruned" and first["paired"]["ratio"] > 2.2, first["paired"]
     assert (slowed.state, slowed.attempts, slowed.first_status) == ("COMPLETE", 2, "pruned"), slowed
     assert slowed.trial_dir == "trials/trial_0001/remeasured" and slowed.ratio < 1.8 < 2.2 < slowed.first_ratio
-    # Trial 2: not pruned (every other pair is clean), but too noisy to rank: measured again with twice the pairs.
+    # Trial 2: not pruned (half its pairs look fast), but too noisy to rank: measured again with twice the pairs.
     first = json.loads((tmp_path / "trials" / "trial_0002" / "metrics.json").read_text())
     assert first["status"] == "ok" and first["paired"]["ratio_spread"] > settings.max_ratio_spread
     assert (spread.state, spread.attempts, spread.first_status) == ("COMPLETE", 2, "ok"), spread
@@ -170,20 +174,32 @@ def test_plateau_counts_finished_trials_since_the_last_1pct_gain():
     assert not plateaued(rows, None)
 
 
-def test_search_loop_stops_on_the_plateau(monkeypatch):
+def test_search_loop_refines_on_the_plateau_then_stops(monkeypatch):
+    from dataclasses import replace
+
     from autotune.search import loop
 
     told: list[TrialRow] = []
+    queued: list[str] = []
+
+    def fake_enqueue(study, space, rows, config_hash):
+        queued.append(f"neighbour {sum(r.refined_from is not None for r in rows)}")
+        return queued[-1]
 
     def fake_run_one(ctx, best):
-        told.append(_row(len(told), "COMPLETE", 100.0 - 0.1 * len(told)))  # 0.1% gains only
+        origin = queued.pop() if queued else None  # the enqueued neighbour is the next trial asked
+        told.append(replace(_row(len(told), "COMPLETE", 100.0 - 0.1 * len(told)), refined_from=origin))  # 0.1% gains only
         return told[-1]
 
     monkeypatch.setattr(loop, "get_rows", lambda study: list(told))
     monkeypatch.setattr(loop, "run_one", fake_run_one)
-    ctx = SimpleNamespace(settings=SimpleNamespace(num_trials=50, patience=3), reporter=SilentReporter(), study=None)
+    monkeypatch.setattr(loop, "enqueue_neighbour", fake_enqueue)
+    settings = SimpleNamespace(num_trials=50, patience=3, get_num_refine=lambda: 2)
+    ctx = SimpleNamespace(settings=settings, reporter=SilentReporter(), study=None, space=None)
     assert loop.search_loop(ctx) == "plateau: no >=1% improvement in 3 trials"
-    assert len(told) == 4  # the first trial sets the best, three more without a 1% gain
+    # The first trial sets the best, three more without a 1% gain: plateau. Then the two
+    # refinement trials the settings allow, and only then the search stops.
+    assert [r.refined_from for r in told] == [None] * 4 + ["neighbour 0", "neighbour 1"]
 
 
 def test_an_effective_config_is_measured_once(monkeypatch, tmp_path):

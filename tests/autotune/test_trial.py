@@ -68,6 +68,69 @@ def test_trial_writes_traces_metrics_config_and_env(tmp_path):
     assert get_survivors(result.rank_pids) == []
 
 
+def test_trial_records_cpu_time_and_page_faults_of_unprofiled_and_profiled_steps(tmp_path):
+    """Per rank and step: own wall, training-thread CPU and page faults, for the measured steps (here
+    the defaults paired with themselves, split by pair order) and the traced ones; and what they cost."""
+    config = default_config(UNITS)
+    result = run_trial(_spec(tmp_path, reference=config, num_measured=4, num_profiled=2))
+    assert result.status == "ok", result.reason
+    metrics = result.metrics
+    for r in metrics.ranks:
+        assert len(r.step_ms) == len(r.own_step_ms) == len(r.step_cpu_ms) == len(r.step_page_faults) == 4
+        assert len(r.profiled_step_ms) == len(r.profiled_cpu_ms) == len(r.profiled_page_faults) == 2
+        assert all(ms > 0 for ms in r.step_cpu_ms + r.profiled_cpu_ms)
+        assert all(isinstance(n, int) and n >= 0 for n in r.step_page_faults + r.profiled_page_faults)
+    # step_ms holds each step's slowest rank: the largest of the ranks' own times, step by step.
+    assert [max(own) for own in zip(*(r.own_step_ms for r in metrics.ranks))] == metrics.ranks[0].step_ms == metrics.step_ms_per_step
+
+    figures = metrics.profiler
+    assert [f["rank"] for f in figures["per_rank"]] == [0, 1]
+    for r, f in zip(metrics.ranks, figures["per_rank"]):
+        assert f["wall"] == statistics.median(r.profiled_step_ms) / statistics.median(r.own_step_ms) == pytest.approx(1 / f["trace_scale"], rel=1e-12)
+        assert f["cpu"] == statistics.median(r.profiled_cpu_ms) / statistics.median(r.step_cpu_ms)
+        assert f["page_faults"] == statistics.median(r.step_page_faults)
+    summed = [a + b for a, b in zip(*(r.step_cpu_ms for r in metrics.ranks))]
+    assert figures["cpu_ms"] == statistics.median(summed)
+    assert metrics.profiler_cpu_overhead == figures["profiled_cpu_ms"] / figures["cpu_ms"] > 0
+    assert metrics.profiler_overhead == metrics.profiled_step_ms / metrics.step_ms
+    assert TrialResult.load(result.out_dir).metrics == metrics
+
+
+_HEAP_PROBE = """
+import json, ctypes, os, torch
+from autotune.trials.program import PREFAULT_BYTES, prefault_heap, tune_heap
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+libc = tune_heap(torch.device("cpu"))
+if libc is None:
+    print(json.dumps(None)); raise SystemExit
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+before = rss()
+prefault_heap(libc, 2)
+kept = rss()
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+print(json.dumps({"kept": kept - before, "after_trim": rss() - before, "prefault": PREFAULT_BYTES}))
+"""
+
+
+def _heap_probe(**env: str) -> dict | None:
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **env})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_rank_heap_keeps_the_prefaulted_pages_for_the_profiled_window():
+    """A trial's ranks turn glibc's trimming off and touch heap pages before the profiled window:
+    freed, they stay resident (the window's allocations reuse them instead of faulting fresh
+    pages) until the trial's malloc_trim returns them; AUTOTUNE_GLIBC_MALLOC=default opts out."""
+    heap = _heap_probe()
+    expected = min(heap["prefault"], os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8)
+    assert heap["kept"] >= 0.9 * expected, heap
+    assert heap["after_trim"] < 0.1 * expected, heap
+    assert _heap_probe(AUTOTUNE_GLIBC_MALLOC="default") is None
+
+
 def test_invalid_mesh_is_recorded_without_launching(tmp_path):
     config = dataclasses.replace(default_config(UNITS), mesh=MeshConfig(kind="hsdp", replicate=3))
     result = run_trial(_spec(tmp_path, config=config))

@@ -72,7 +72,7 @@ def test_find_block_names_common_shapes():
     assert find_block_names(_HFCausalLM()) == ["model.layers.0", "model.layers.1", "model.layers.2"]
     assert find_block_names(_GPT2()) == ["transformer.h.0", "transformer.h.1"]
     assert find_block_names(_Custom()) == [f"stack.{i}" for i in range(5)]
-    with pytest.raises(ConfigError, match="no transformer blocks found"):
+    with pytest.raises(ConfigError, match="no repeated blocks found"):
         find_block_names(nn.Linear(2, 2))
 
 
@@ -111,6 +111,67 @@ def test_unknown_unit_names_the_field():
     config = RuntimeConfig(units=[UnitConfig(name="layers.9"), UnitConfig(name="root")])
     with pytest.raises(ConfigError, match=r"units\[0\]\.name: module 'layers.9' not found in Llama .*layers.0..layers.3"):
         apply_fsdp(_tiny(), config)
+
+
+def test_a_config_covering_fewer_blocks_than_the_model_is_refused():
+    two = default_config(["layers.0", "layers.1"])
+    with pytest.raises(ConfigError, match=r"^units: cover 2 of the 4 blocks of Llama: layers.2, layers.3 would be sharded with the root .*unlisted_blocks = \"root\""):
+        apply_fsdp(_tiny(), two)
+    # Said explicitly, the other blocks go with the root.
+    applied = apply_fsdp(_tiny(), dataclasses.replace(two, unlisted_blocks="root"))
+    assert applied.config.unit_names == ["layers.0", "layers.1", "root"]
+    # A unit inside a block, or around all of them, covers it.
+    inner = RuntimeConfig(units=[UnitConfig(name=f"layers.{i}.attention") for i in range(4)] + [UnitConfig(name="root")])
+    assert apply_fsdp(_tiny(), inner).config.unit_names[:4] == [f"layers.{i}.attention" for i in range(4)]
+
+
+def test_unlisted_blocks_is_written_only_when_set(tmp_path):
+    from fsdp_runtime import config_to_dict, load_config, save_config
+
+    assert "unlisted_blocks" not in config_to_dict(default_config(["layers.0"]))  # old readers still read what does not use it
+    partial = dataclasses.replace(default_config(["layers.0"]), unlisted_blocks="root")
+    for suffix in ("toml", "json"):
+        assert load_config(save_config(partial, tmp_path / f"c.{suffix}")) == partial
+    assert 'unlisted_blocks = "root"' in (tmp_path / "c.toml").read_text()
+
+
+def test_a_same_depth_config_with_other_names_resolves_by_position():
+    # Searched on our Llama profile (layers.N), applied to an HF-style model (model.layers.N).
+    config = default_config(["layers.0", "layers.1", "layers.2"])
+    units = [dataclasses.replace(u, forward_prefetch=["layers.1"]) if u.name == "layers.0" else u for u in config.units]
+    with pytest.warns(UserWarning, match=r"config units layers.0..layers.2 are not modules of _HFCausalLM: resolved by position onto its 3 blocks model.layers.0..model.layers.2"):
+        applied = apply_fsdp(_HFCausalLM(), dataclasses.replace(config, units=units))
+    assert applied.config.unit_names == ["model.layers.0", "model.layers.1", "model.layers.2", "root"]
+    assert applied.config.get_unit("model.layers.0").forward_prefetch == ["model.layers.1"]
+    state = {name: module._get_fsdp_state() for name, module in applied.units.items()}
+    assert state["model.layers.0"]._states_to_forward_prefetch == [state["model.layers.1"]]
+    # Another depth, or names of which some exist, are not guessed.
+    with pytest.raises(ConfigError, match=r"units\[0\]\.name: module 'layers.0' not found .*2 block units for 3 blocks, so none is matched by position"):
+        apply_fsdp(_HFCausalLM(), default_config(["layers.0", "layers.1"]))
+    with pytest.raises(ConfigError, match=r"units\[1\]\.name: module 'layers.1' not found"):
+        apply_fsdp(_HFCausalLM(), default_config(["model.layers.0", "layers.1", "model.layers.2"]))
+
+
+def test_a_config_applied_to_a_submodule_is_refused():
+    model = _HFCausalLM()
+    config = default_config(["layers.0", "layers.1", "layers.2"])
+    with pytest.raises(ConfigError, match=r"^units\[3\]: the root unit is _HFInner, a submodule of _HFCausalLM \(it is 'model' there\), whose parameters lm_head.weight, lm_head.bias would be in no unit: their gradients would never be synchronised"):
+        apply_fsdp(model.model, config)
+    assert not isinstance(model.model, FSDPModule)  # refused before anything was sharded
+    model.lm_head.requires_grad_(False)  # frozen parameters need no synchronisation
+    assert apply_fsdp(model.model, config).config.unit_names == ["layers.0", "layers.1", "layers.2", "root"]
+
+
+def test_an_hf_config_applied_to_the_inner_model_is_refused(tmp_path):
+    """The issue's case: a config searched on LlamaForCausalLM, applied to ``model.model`` (lm_head left out)."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=32))
+    config = default_config(["model.layers.0", "model.layers.1"])
+    with pytest.warns(UserWarning, match="resolved by position"), pytest.raises(ConfigError, match=r"submodule of LlamaForCausalLM \(it is 'model' there\), whose parameters lm_head.weight would be in no unit"):
+        apply_fsdp(model.model, config)
+    assert apply_fsdp(model, config).config.unit_names == ["model.layers.0", "model.layers.1", "root"]
 
 
 def test_mesh_must_match_world_size():

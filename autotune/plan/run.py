@@ -1,0 +1,250 @@
+"""``autotune plan``: rank the whole search space in the simulator for a cluster; emit the best config."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from autotune.plan.points import KnobFactory, get_forward_key, iter_space_params
+from autotune.search import SearchSpace, describe_params
+from autotune.search.preflight import check_mesh
+from autotune.sim import Hardware, ModelWork, Simulator, StepPrediction, get_model_work
+from fsdp_runtime import MixedPrecisionConfig, Provenance, RuntimeConfig, save_config
+from fsdp_runtime.errors import AutotuneError
+from profiles import load_cluster_profile, load_model_profile
+
+ActivationCheckpointing = Literal["auto", "none", "full"]
+AUTO_AC_HEADROOM = 0.05
+"""``--ac auto`` plans without checkpointing only if FSDP2's defaults leave this share of memory free:
+the memory model is within a few percent of FSDPMemTracker, and the allocator fragments."""
+
+
+class PlanError(AutotuneError):
+    """``autotune plan`` cannot run with these settings."""
+
+
+@dataclass(kw_only=True)
+class PlanSettings:
+    model: str = "llama8b"
+    cluster: str = "h100-node"
+    num_nodes: int = 1
+    num_microbatches: int = 2
+    out_dir: Path = Path("runs/plan")
+    activation_checkpointing: ActivationCheckpointing = "auto"
+    """The training script's activation checkpointing, per block: ``none``, ``full``, or
+    ``auto`` (none if FSDP2's defaults fit in memory without it with ``AUTO_AC_HEADROOM`` to spare, else full)."""
+    fixed_mesh: str | None = None
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    num_top: int = 10
+    num_workers: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
+    """Processes simulating in parallel."""
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+        for name, ok, problem in (
+            ("num_nodes", self.num_nodes >= 1, f"nodes must be >= 1, got {self.num_nodes}"),
+            ("num_microbatches", self.num_microbatches >= 1, f"microbatches must be >= 1, got {self.num_microbatches}"),
+            ("num_top", self.num_top >= 1, f"top must be >= 1, got {self.num_top}"),
+            ("num_workers", self.num_workers >= 1, f"workers must be >= 1, got {self.num_workers}"),
+            ("activation_checkpointing", self.activation_checkpointing in ("auto", "none", "full"), f"activation checkpointing must be auto, none or full, got {self.activation_checkpointing!r}"),
+        ):  # fmt: skip
+            if not ok:
+                raise PlanError(problem, field=name)
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise PlanError(f"{self.out_dir} exists and is not a directory", field="out_dir")
+
+
+class PlanReporter(Protocol):
+    def on_phase(self, message: str) -> None: ...
+    def on_start(self, total: int) -> None: ...
+    def on_advance(self, count: int) -> None: ...
+
+
+class SilentPlanReporter:
+    def on_phase(self, message: str) -> None:
+        pass
+
+    def on_start(self, total: int) -> None:
+        pass
+
+    def on_advance(self, count: int) -> None:
+        pass
+
+
+@dataclass(kw_only=True)
+class PlanRow:
+    params: dict[str, Any]
+    prediction: StepPrediction
+
+    @property
+    def description(self) -> str:
+        return describe_params(self.params)
+
+
+@dataclass(kw_only=True)
+class PlanResult:
+    settings: PlanSettings
+    world_size: int
+    activation_checkpointing: bool
+    ac_reason: str
+    ranked: list[PlanRow]
+    """Configs that fit, fastest first."""
+    dropped: list[PlanRow]
+    """Configs over memory, least over first."""
+    num_evaluated: int
+    evaluate_s: float
+    default: PlanRow
+    best_config: RuntimeConfig | None = None
+    best_detail: StepPrediction | None = None
+    out_files: list[Path] = field(default_factory=list)
+
+    def get_distinct_top(self) -> list[tuple[PlanRow, int]]:
+        """The best configs with distinct predictions (step to the microsecond, peak memory to the
+        MiB), each the simplest of its kind (the ranking's tie-break), with how many configs
+        predict the same."""
+        distinct: dict[tuple[int, int], list[Any]] = {}
+        for row in self.ranked:
+            key = (round(row.prediction.step_s * 1e6), round(row.prediction.peak_memory_bytes / 2**20))
+            if key in distinct:
+                distinct[key][1] += 1
+            elif len(distinct) < self.settings.num_top:
+                distinct[key] = [row, 1]
+        return [(row, count) for row, count in distinct.values()]
+
+    @property
+    def configs_per_s(self) -> float:
+        return self.num_evaluated / self.evaluate_s if self.evaluate_s > 0 else float("inf")
+
+
+def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) -> PlanResult:
+    """Simulate every point of the search space on the cluster, rank, and emit the best config."""
+    reporter = reporter or SilentPlanReporter()
+    profile = load_model_profile(settings.model)
+    hardware = Hardware(load_cluster_profile(settings.cluster), settings.num_nodes)
+    _ = hardware.accelerator  # a profile without one fails here, in one line
+    check_mesh(settings.fixed_mesh, hardware.world_size)
+    reporter.on_phase(f"tracing {profile.name} on fake tensors (FLOPs, bytes, activation memory per unit)")
+    work = get_model_work(profile, settings.param_dtype)
+    space = SearchSpace(
+        block_names=work.block_names, world_size=hardware.world_size, num_microbatches=settings.num_microbatches, device_type=hardware.cluster.device,
+        fixed_mesh=settings.fixed_mesh,
+    )  # fmt: skip
+    mp = MixedPrecisionConfig(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
+    factory = KnobFactory(space, world_size=hardware.world_size, device=hardware.cluster.device, mixed_precision=mp)
+    points = list(iter_space_params(space))
+    ac, ac_reason = _choose_checkpointing(settings, factory, work, hardware, space)
+    simulator = Simulator(work, hardware, activation_checkpointing=ac)
+    reporter.on_phase(f"simulating {len(points)} configs of {profile.name} on {settings.num_nodes} x {hardware.cluster.name} "
+                      f"({hardware.world_size} ranks, {settings.num_microbatches} microbatches, activation checkpointing {'full' if ac else 'none'})")  # fmt: skip
+    started = time.perf_counter()
+    rows = _evaluate(points, factory, simulator, reporter, settings.num_workers)
+    elapsed = time.perf_counter() - started
+    default_params = space.get_default_params()
+    default = next(row for row in rows if row.params == default_params)
+    ranked = sorted((r for r in rows if r.prediction.fits), key=lambda r: _get_rank_key(r, default_params))
+    dropped = sorted((r for r in rows if not r.prediction.fits), key=lambda r: r.prediction.peak_memory_bytes)
+    result = PlanResult(
+        settings=settings, world_size=hardware.world_size, activation_checkpointing=ac, ac_reason=ac_reason, ranked=ranked, dropped=dropped,
+        num_evaluated=len(rows), evaluate_s=elapsed, default=default,
+    )  # fmt: skip
+    if ranked:
+        result.best_config = factory.build_config(ranked[0].params)
+        result.best_detail = simulator.simulate(result.best_config)
+        result.out_files = _emit(result, profile.name, hardware)
+    return result
+
+
+def _get_rank_key(row: PlanRow, default_params: dict[str, Any]) -> tuple[float, int, float]:
+    """Fastest first; among configs within a microsecond, the fewest knobs changed from the defaults, then the least memory."""
+    changed = sum(1 for k, v in row.params.items() if default_params.get(k) != v)
+    return round(row.prediction.step_s * 1e6), changed, row.prediction.peak_memory_bytes
+
+
+def _choose_checkpointing(settings: PlanSettings, factory: KnobFactory, work: ModelWork, hardware: Hardware, space: SearchSpace) -> tuple[bool, str]:
+    if settings.activation_checkpointing != "auto":
+        return settings.activation_checkpointing == "full", f"--ac {settings.activation_checkpointing}"
+    knobs = factory.get_knobs(space.get_default_params())
+    prediction = Simulator(work, hardware).simulate_knobs([knobs])[0]
+    if prediction.memory_headroom_bytes >= AUTO_AC_HEADROOM * prediction.memory_capacity_bytes:
+        return False, f"FSDP2's defaults fit without it with {AUTO_AC_HEADROOM:.0%} to spare"
+    return True, f"without it FSDP2's defaults have less than {AUTO_AC_HEADROOM:.0%} to spare: {prediction.describe_memory()}; --ac none ranks without it"
+
+
+_WORKER: tuple[KnobFactory, Simulator] | None = None  # set before forking the pool
+
+
+def _simulate_group(group: list[dict[str, Any]]) -> list[StepPrediction]:
+    assert _WORKER is not None
+    factory, simulator = _WORKER
+    return simulator.simulate_knobs([factory.get_knobs(p) for p in group])
+
+
+def _evaluate(points: list[dict[str, Any]], factory: KnobFactory, simulator: Simulator, reporter: PlanReporter, num_workers: int) -> list[PlanRow]:
+    """Simulate every point; points sharing a first forward go together (one fork each)."""
+    global _WORKER
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for params in points:
+        groups.setdefault(get_forward_key(params), []).append(params)
+    reporter.on_start(len(points))
+    rows: list[PlanRow] = []
+    _WORKER = (factory, simulator)
+    try:
+        if num_workers <= 1 or len(groups) < 2:
+            results = map(_simulate_group, groups.values())
+            pool = None
+        else:  # pure-Python simulation: forked workers need nothing but the parent's objects
+            pool = concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("fork"))
+            results = pool.map(_simulate_group, groups.values())
+        for group, predictions in zip(groups.values(), results):
+            rows.extend(PlanRow(params=p, prediction=pred) for p, pred in zip(group, predictions))
+            reporter.on_advance(len(group))
+        if pool is not None:
+            pool.shutdown()
+    finally:
+        _WORKER = None
+    return rows
+
+
+def _emit(result: PlanResult, model_name: str, hardware: Hardware) -> list[Path]:
+    """``best.toml``/``best.json`` (provenance: simulated, the cluster) and ``plan.json``."""
+    import torch
+
+    best, detail, settings = result.ranked[0], result.best_detail, result.settings
+    assert result.best_config is not None and detail is not None
+    speedup = result.default.prediction.step_s / detail.step_s if result.default.prediction.fits else None
+    notes = [
+        f"simulated, not measured: autotune plan ranked {result.num_evaluated} configs on {settings.num_nodes} x {hardware.cluster.name} "
+        f"({result.world_size} ranks of {hardware.accelerator.name}) with the FSDP2 step simulator (autotune.sim)",
+        f"assumes activation checkpointing {'full (every block)' if result.activation_checkpointing else 'none'} in the training script ({result.ac_reason}); this config does not set it",
+        f"chosen: {best.description}",
+    ]
+    if speedup is not None:
+        notes.append(f"predicted {speedup:.3f}x FSDP2's defaults ({1e3 * result.default.prediction.step_s:.0f} ms -> {1e3 * detail.step_s:.0f} ms per step)")
+    provenance = Provenance(
+        produced_by="autotune plan (simulated)", model=model_name, world_size=result.world_size, backend=hardware.cluster.backend,
+        torch_version=torch.__version__, measured=False, created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        notes=notes, metrics={**detail.to_metrics(), **({"predicted_speedup_vs_default": speedup} if speedup else {})},
+    )  # fmt: skip
+    config = dataclasses.replace(result.best_config, provenance=provenance)
+    out = settings.out_dir
+    files = [save_config(config, out / "best.toml"), save_config(config, out / "best.json")]
+    summary = {
+        "kind": "autotune-plan", "model": model_name, "cluster": hardware.cluster.name, "num_nodes": settings.num_nodes, "world_size": result.world_size,
+        "num_microbatches": settings.num_microbatches, "activation_checkpointing": "full" if result.activation_checkpointing else "none",
+        "num_evaluated": result.num_evaluated, "num_fit": len(result.ranked), "num_dropped": len(result.dropped), "configs_per_s": result.configs_per_s,
+        "default": {"config": result.default.description, **result.default.prediction.to_dict()},
+        "best": {"config": best.description, "params": best.params, **detail.to_dict()},
+        "top": [{"config": r.description, "params": r.params, "num_alike": n, **r.prediction.to_metrics()} for r, n in result.get_distinct_top()],
+    }  # fmt: skip
+    path = out / "plan.json"
+    path.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    return [*files, path]

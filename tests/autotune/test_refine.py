@@ -1,0 +1,79 @@
+"""Refinement ([Note: refinement]): the last trials are neighbours of the incumbent, made from
+its runner-ups' knobs first, never a config already measured."""
+
+from __future__ import annotations
+
+import optuna
+
+from autotune.search import SearchSpace
+from autotune.search.loop import get_config_hash, get_rows
+from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour, get_candidates
+
+BLOCKS = tuple(f"layers.{i}" for i in range(4))
+
+
+def _study_with(space: SearchSpace, trials: list[tuple[dict, float]]) -> optuna.Study:
+    """A study holding finished trials with these params and objectives, as the search records them."""
+    study = optuna.create_study()
+    for i, (params, value) in enumerate(trials):
+        study.enqueue_trial(params, user_attrs={"is_default": i == 0})
+        trial = study.ask()
+        config = space.suggest(trial)
+        trial.set_user_attr("config_hash", get_config_hash(config))
+        trial.set_user_attr("ratio", value)
+        study.tell(trial, value)
+    return study
+
+
+def _space() -> SearchSpace:
+    return SearchSpace(block_names=BLOCKS, world_size=2, num_microbatches=4)
+
+
+def test_the_incumbent_takes_a_runner_ups_knob_first():
+    space = _space()
+    defaults = space.get_default_params()
+    best = {**defaults, "reshard_after_forward": "false"}
+    runner_up = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": True, "defer_concat": True}
+    study = _study_with(space, [(defaults, 1.0), (best, 0.8), (runner_up, 0.9)])
+    rows = get_rows(study)
+    candidates = get_candidates(rows, {})
+    params, fallback, origin = candidates[0]
+    # The runner-up's departure from the defaults comes first (not its reshard_after_forward=true).
+    assert params == {**best, "nosync_blocks": "all"} and fallback == runner_up
+    assert origin == "trial 1 + nosync_blocks=all from trial 2"
+    assert [c[2] for c in candidates[1:3]] == ["trial 1 + reshard_after_forward=true from trial 2", "trial 1 + reshard_after_forward=true from trial 0"]
+
+    origin = enqueue_neighbour(study, space, rows, get_config_hash)
+    assert origin == "trial 1 + nosync_blocks=all from trial 2"
+    queued = study.ask()
+    # The knobs that only matter once blocks skip sync came from the donor.
+    config = space.suggest(queued)
+    assert queued.params == {**best, "nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": True, "defer_concat": True}
+    assert queued.user_attrs[ORIGIN_ATTR] == origin
+    assert all(u.sync == "last" and u.reshard_after_forward is False for u in config.units if u.name != "root")
+
+
+def test_measured_neighbours_are_skipped_then_one_knob_moves():
+    space = _space()
+    defaults = space.get_default_params()
+    best = {**defaults, "reshard_after_forward": "false"}
+    runner_up = {**defaults, "reduce_scatter_buffers": 2}
+    combined = {**best, "reduce_scatter_buffers": 2}  # the donor move, already measured
+    study = _study_with(space, [(defaults, 1.0), (best, 0.8), (runner_up, 0.9), (combined, 0.85)])
+    rows = get_rows(study)
+    origin = enqueue_neighbour(study, space, rows, get_config_hash)
+    # Donor moves from trials 2 and 3 give configs measured already (3 is best + runner-up's knob;
+    # 0's knob gives 0 back): the first one-knob move of the incumbent is next.
+    assert origin is not None and "from trial" not in origin and origin.startswith("trial 1 + ")
+    queued = study.ask()
+    assert get_config_hash(space.suggest(queued)) not in {t.user_attrs.get("config_hash") for t in study.trials if t.number != queued.number}
+    # While a neighbour waits, no second one is queued.
+    study.enqueue_trial(best)
+    assert enqueue_neighbour(study, space, get_rows(study), get_config_hash) == "queued"
+    assert len(study.get_trials(states=(optuna.trial.TrialState.WAITING,))) == 1
+
+
+def test_no_incumbent_no_neighbour():
+    space = _space()
+    study = optuna.create_study()
+    assert enqueue_neighbour(study, space, get_rows(study), get_config_hash) is None

@@ -1,0 +1,133 @@
+"""The simulator's inputs and outputs: traced work vs torch's FlopCounterMode, collective prices by hand,
+monotonicity in link and device speed, and one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from autotune.search import SearchSpace
+from autotune.sim import Hardware, SimError, Simulator, get_model_work, simulate
+from autotune.sim.hardware import get_group
+from fsdp_runtime import ConfigError, MixedPrecisionConfig, UnitConfig, default_config
+from profiles import build_model, load_cluster_profile, load_model_profile
+
+BF16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
+
+
+def test_traced_flops_match_flop_counter_mode_on_the_meta_model():
+    # FlopCounterMode on the meta device runs SDPA's math path: attention backward as 4 bmm (2x forward); the
+    # traced flash kernel's formula counts 5 (2.5x forward: the backward recomputes the scores). Matmuls: equal.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    profile = load_model_profile("small")
+    work = get_model_work(profile, "float32")
+    model = build_model(profile, device="meta")
+    tokens = torch.randint(0, profile.shape.vocab_size, (profile.batch_size, profile.seq_len + 1), device="meta")
+    with FlopCounterMode(display=False) as counter:
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    attention_forward = profile.shape.num_layers * work.work["block", "forward"].attention_flops
+    assert counter.get_total_flops() == work.get_flops_per_microbatch() - 0.5 * attention_forward
+    assert work.work["block", "backward"].attention_flops == 2.5 * work.work["block", "forward"].attention_flops
+
+
+def test_llama8b_work_and_activations_have_the_published_shape():
+    work = get_model_work(load_model_profile("llama8b"), "bfloat16")
+    tokens = 8192
+    block_params = 218_103_808  # 4096 x (2 x 4096 + 2 x 1024) + 3 x 4096 x 14336 matmul weights
+    assert work.work["block", "forward"].gemm_flops == 2 * tokens * block_params
+    assert work.work["block", "backward"].gemm_flops == 2 * work.work["block", "forward"].gemm_flops
+    assert work.tokens == tokens and len(work.block_names) == 32
+    # flash attention: a block keeps ~2 GiB at 8k tokens in this model (float32 norm/RoPE intermediates), not the 8 GiB score matrix
+    assert 1.5 * 2**30 < work.activations.block_saved < 2.5 * 2**30
+    assert work.activations.block_input == tokens * 4096 * 2
+    assert work.root_head_fraction == pytest.approx(0.5, abs=1e-3)  # untied: embeddings are half the root
+
+
+def test_ring_collective_prices_by_hand():
+    cluster = load_cluster_profile("h100-node")
+    hw = Hardware(cluster, 2)
+    intra, inter = get_group(8, 1, 8), get_group(16, 1, 8)
+    assert (intra.num_nodes, inter.num_nodes, inter.members_per_node) == (1, 2, 8)
+    gb = 1e9
+    # latency + bytes (n-1)/n / (bandwidth x efficiency): NVLink 450 x 0.8; IB 8 NICs x 50 x 0.9 = 360, under NVLink's 360
+    assert hw.get_collective_seconds("all_gather", gb, intra) == pytest.approx(10e-6 + gb * 7 / 8 / 360e9)
+    assert hw.get_collective_seconds("reduce_scatter", gb, inter) == pytest.approx(20e-6 + gb * 15 / 16 / 360e9)
+    assert hw.get_collective_seconds("all_reduce", gb, get_group(2, 8, 8)) == pytest.approx(2 * (20e-6 + gb / 2 / 45e9))
+    shard, replicate = hw.get_mesh_groups(2, 8)  # HSDP 2x8 on 2 nodes: shard groups in a node, replicas across
+    assert (shard.link_name, replicate.link_name, replicate.members_per_node) == ("intra_node", "inter_node", 1)
+    assert hw.get_collective_seconds("all_gather", gb, get_group(1, 1, 8)) == 0.0
+
+
+def test_flat_profiles_price_like_link_emulation():
+    cluster = load_cluster_profile("cpu-emulated-ib")
+    hw = Hardware(cluster, 2)
+    link = cluster.links["inter_node"]
+    assert hw.get_collective_seconds("reduce_scatter", 1e6, get_group(4, 1, 2)) == pytest.approx(link.get_seconds(1_000_000))
+
+
+def _sample_configs(work, world_size: int, count: int) -> list:
+    space = SearchSpace(block_names=work.block_names, world_size=world_size, num_microbatches=2, device_type="cuda")
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    configs = []
+    for _ in range(count):
+        config = space.suggest(study.ask())
+        configs.append(dataclasses.replace(config, mixed_precision=BF16))
+    return configs
+
+
+@pytest.mark.parametrize("what", ["intra_node", "inter_node", "device"])
+def test_a_faster_link_or_device_never_predicts_a_slower_step(what):
+    work = get_model_work(load_model_profile("llama1b"), "bfloat16")
+    base = load_cluster_profile("h100-node")
+    if what == "device":
+        acc = base.accelerator
+        faster = dataclasses.replace(base, accelerator=dataclasses.replace(acc, peak_tflops={k: 2 * v for k, v in acc.peak_tflops.items()}, hbm_gbps=2 * acc.hbm_gbps))
+    else:
+        link = base.links[what]
+        faster = dataclasses.replace(base, links={**base.links, what: dataclasses.replace(link, bandwidth_gbps=4 * link.bandwidth_gbps, latency_us=link.latency_us / 2)})
+    slow, fast = Simulator(work, Hardware(base, 2), activation_checkpointing=True), Simulator(work, Hardware(faster, 2), activation_checkpointing=True)
+    for config in _sample_configs(work, 16, 25):
+        assert fast.simulate(config).step_s <= slow.simulate(config).step_s * (1 + 1e-9), config
+
+
+def test_prediction_outputs_for_llama8b_on_a_node():
+    work = get_model_work(load_model_profile("llama8b"), "bfloat16")
+    config = default_config(list(work.block_names), num_microbatches=2, mixed_precision=BF16)
+    hw = Hardware(load_cluster_profile("h100-node"), 1)
+    plain, checkpointed = simulate(config, work, hw), simulate(config, work, hw, activation_checkpointing=True)
+    assert not plain.fits and checkpointed.fits  # 32 x ~2 GiB of activations do not fit in 80 GB without checkpointing
+    assert checkpointed.step_s > plain.step_s  # the recomputed forward
+    assert [u.name for u in checkpointed.units] == [*work.block_names, "root"]
+    assert 0.3 < checkpointed.mfu < 0.6
+    assert checkpointed.tokens_per_s_per_device == pytest.approx(2 * 8192 / checkpointed.step_s)
+    root = checkpointed.units[-1]
+    assert root.exposed_s == pytest.approx(root.comm_s)  # its all-gather opens each microbatch, its reduce-scatter closes it
+    assert checkpointed.exposed_comm_s <= checkpointed.comm_s and checkpointed.compute_s <= checkpointed.step_s
+
+
+def test_bad_input_is_one_line():
+    work = get_model_work(load_model_profile("tiny"), "float32")
+    with pytest.raises(SimError, match=r"cpu-gloo.*no accelerator table"):
+        simulate(default_config(list(work.block_names)), work, Hardware(load_cluster_profile("cpu-gloo"), 1))
+    hw = Hardware(load_cluster_profile("h100-node"), 1)
+    with pytest.raises(ConfigError, match=r"units\[0\]\.name: unit 'layers\.9' is not a unit of this model"):
+        simulate(dataclasses.replace(default_config([]), units=[UnitConfig(name="layers.9")]), work, hw)
+    with pytest.raises(SimError, match="param_dtype is bfloat16 but the workload was traced in float32"):
+        simulate(default_config(list(work.block_names), mixed_precision=BF16), work, hw)
+
+
+def test_random_configs_simulate_without_error():
+    work = get_model_work(load_model_profile("tiny"), "bfloat16")
+    simulator = Simulator(work, Hardware(load_cluster_profile("a100-node"), 2))
+    for config in _sample_configs(work, 16, 40):
+        prediction = simulator.simulate(config)
+        assert prediction.step_s > 0 and prediction.peak_memory_bytes > 0
+    random.seed(0)
