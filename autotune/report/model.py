@@ -95,9 +95,10 @@ def scale_trace_metrics(summary: dict[str, Any], scale: dict[int, float]) -> dic
     """``summary`` with every time (``*_ms``) of rank r's steps and units multiplied by ``scale[r]``.
 
     [Note: scaled trace times]
-    The profiler slows the steps it traces (on CPU: +10-30% wall, mostly page faults, see
-    [Note: what a trial measures]), so raw trace times describe a slower step than the one
-    timed: compute alone could exceed the unprofiled step. Where the trial's overhead is
+    The traced steps are not the timed ones: the profiler slows them (on CPU a few % of CPU
+    time once the heap is prefaulted, and the load on a shared box can move by more between
+    the two windows; see [Note: what a trial measures]), so raw trace times can describe a
+    slower step than the one timed: compute alone could exceed it. Where the trial's overhead is
     beyond :data:`OVERHEAD_TOLERANCE`, the report shows every trace *time* of rank r (step,
     compute, comm per kind, exposed, barrier, bound, per unit) times s_r = rank r's median
     unprofiled step / its median profiled step (both its own wall times), and leaves

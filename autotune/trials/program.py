@@ -4,13 +4,46 @@ Local trials call it through :func:`autotune.trials.launch.run_ranks` or a
 :class:`autotune.trials.pool.RankPool`; several nodes through :mod:`autotune.trials.torchrun`.
 
 [Note: what a trial measures]
-- *Step time* comes from unprofiled steps only (the profiler inflates CPU step time by
-  30-45%, shared/FINDINGS.md). Before each measured step all ranks meet at a barrier
-  (and synchronize the device on CUDA); each rank then times its own step with
-  ``perf_counter``. The trial's step time per step is the slowest rank's.
+- *Step time* comes from unprofiled steps only. Before each measured step all ranks meet
+  at a barrier (and synchronize the device on CUDA); each rank then times its own step
+  with ``perf_counter`` and also records, for the step, its training thread's CPU time
+  (``time.thread_time``) and the process's minor page faults (``getrusage``). The trial's
+  step time per step is the slowest rank's; each rank keeps its own times too.
 - *Traces* come from a separate window after the measured steps: ``torch.profiler`` with
   ``schedule(wait=0, warmup=1, active=num_profiled)``, CPU activity (+ CUDA on GPU), no
-  shapes or stacks (they add overhead), one gzipped chrome trace per rank.
+  shapes or stacks, one gzipped chrome trace per rank; the traced steps are timed the same
+  way. ``metrics.json`` records how far they are from the timed ones: ``profiler_overhead``
+  (profiled / unprofiled median step, slowest rank), ``profiler_cpu_overhead`` (the same
+  for CPU time, ranks summed) and ``profiler`` (page faults, and per rank its own wall,
+  CPU and fault figures and ``trace_scale``); the report scales trace times by
+  ``trace_scale`` where the wall overhead is beyond 3% ([Note: scaled trace times] in
+  :mod:`autotune.report.model`).
+- *Where the profiler's cost comes from* (``benchmarks/profiler_overhead.py``, ``small``,
+  2 ranks, 4 microbatches, the configs a search trials, at load 4-10 on 2 cores). Per
+  recorded op: 0.48 us of CPU with the trial's settings (0.25 us of it the RecordFunction
+  callbacks alone, ``emit_itt``), 0.71 with ``record_shapes``, 0.81 with ``with_stack``,
+  1.00 with both; ~18.4-19.5k ops per rank and step make ~9 ms (~1% of the step's CPU).
+  ``record_shapes`` also adds 2.5-9k page faults per step. Stopping the profiler (0.2-0.4 s)
+  and the gzipped export (3-5 s) fall outside the timed steps. The dominant cost was page
+  faults: the profiler's small allocations, between tensors, keep freed blocks from being
+  reused, so the heap grows into fresh pages, each zeroed on first touch (1.84 us per
+  4 KiB): a trial's one window, with glibc's defaults, took 28-50k faults per step (ranks
+  summed; 7-19k unprofiled), ~30-45 ms per rank and step, and CPU overhead 0.81-1.27
+  (median 1.06, 17 trials). Wall overhead on this shared box is mostly the load moving
+  between the two windows (0.55-1.72), so no setting can be shown within 3% here.
+- *The heap* (CPU, glibc; ``AUTOTUNE_GLIBC_MALLOC=default`` opts out): each trial fixes
+  glibc's mmap threshold at 32 MiB and turns trimming off (``mallopt``), so freed memory
+  stays mapped and is reused, and before the profiled window touches ``PREFAULT_BYTES``
+  (512 MiB, at most a quarter of the free memory per rank) of heap and frees it, so the
+  window's growth lands on resident pages; ``malloc_trim`` returns all of it at the end.
+  Real trials, 4 configs, 9 trials (``benchmarks/profiler_overhead.py`` section 6):
+  profiled steps 2-4 page faults per step (was 28-50k), CPU overhead 0.97-1.16 (median
+  1.04, was 1.06). It changes the measured steps too, in the same way for every config and every
+  trial of a pool: glibc's dynamic trimming returned and re-faulted 7-19k pages per step
+  there, an amount that depends on the process's history (0 to 23.5k per step for one config
+  in different processes); now 5 to 1,557. Unprofiled CPU per step: median 1917 vs 1951 ms
+  (ranks summed; within the noise). Peak RSS: 596-623 vs 579-612 MiB (+2%: freed memory is
+  no longer returned during build and warm-up).
 - *Peak memory*, over the build, warm-up and measured steps (not the profiled window,
   whose buffers would count against configs that were profiled): on CUDA
   ``torch.cuda.max_memory_allocated``. On CPU there is no allocator counter for all of
@@ -96,7 +129,8 @@ _MMAP_THRESHOLD = 32 * 2**20
 """The largest mmap threshold glibc accepts on 64-bit: smaller blocks come from the heap."""
 _NO_TRIM = 2**31 - 1
 PREFAULT_BYTES = 512 * 2**20
-"""Heap touched before the profiled window (at most a quarter of the free memory per rank)."""
+"""Heap touched before the profiled window (at most a quarter of the free memory per rank):
+more than a ``small`` trial's window grows (28-50k pages per step, ranks summed)."""
 NO_HEAP_TUNING_ENV = "AUTOTUNE_GLIBC_MALLOC"
 """Set to ``default`` to leave glibc's allocator as it is (benchmarks compare both)."""
 

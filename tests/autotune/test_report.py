@@ -289,3 +289,13 @@ def test_cli_report_on_a_dir_of_traces_with_foreign_names(tmp_path):
     assert result.returncode == 0, result.stderr
     assert (folder / "report" / "report.html").exists()
     assert before == {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "report"}  # traces untouched
+
+
+def test_trial_report_of_metrics_without_per_rank_profiler_figures_says_so(tmp_path):
+    """metrics.json before v4 has the trial's overhead but no per-rank steps to scale by."""
+    TrialMetrics(status="ok", model="tiny", world_size=2, backend="gloo", step_ms=100.0, profiler_overhead=1.2).write(tmp_path / "metrics.json")
+    trial = load_report(tmp_path).trials[0]
+    assert trial.trace_scale is None
+    assert dict(get_tables(load_report(tmp_path))[0].rows)["profiler"] == (
+        "trace times as measured (this metrics.json has no per-rank unprofiled figures to scale by); profiler overhead +20% wall"
+    )
