@@ -231,10 +231,13 @@ def test_world2_fsdp_methods_agree_reload_resumes_and_failures_are_collective(tm
     # has MODEL's blocks, so as many param tensors as the saved checkpoint); rank 1 nothing.
     assert timing["state_bytes"] == 4 * 3 * timing["num_params"] + 4 * len(saved["optimizer"]["state"])
     assert results[1]["timing"]["state_bytes"] == 0
-    # Rank 0's RSS rises by at least the state it now holds (every page of it is written
-    # and still alive when the peak is read); rank 1, which keeps nothing, by far less.
+    # Rank 0's RSS rises by about the state it now holds (every page of it is written and
+    # still alive when the peak is read); rank 1, which keeps nothing, by far less. 10% slack
+    # below: the allocator may reuse pages freed earlier in the process (a CI run measured
+    # 11 KB of 19.7 MB already resident), so "at least every byte" would be flaky.
     rise0, rise1 = timing["consolidation_rise_bytes"]["broadcast"], results[1]["timing"]["consolidation_rise_bytes"]["broadcast"]
-    assert rise0 >= timing["state_bytes"] > 5 * 2**20, (rise0, timing["state_bytes"])
+    assert timing["state_bytes"] > 5 * 2**20, timing["state_bytes"]
+    assert rise0 >= 0.9 * timing["state_bytes"], (rise0, timing["state_bytes"])
     assert rise1 < timing["state_bytes"] / 2, (rise1, timing["state_bytes"])
 
 
