@@ -5,10 +5,20 @@ longer, second measurement of the ``num_finalists`` best distinct configs, each 
 the defaults on the same ranks ([Note: paired measurement]) with ``2 * num_confirm_pairs``
 pairs. The finalist with the lowest median ratio wins; if even it is not faster than the
 defaults (median ratio >= 1), the defaults are emitted, and the record says why.
+
+A contested final round is measured once more before it is decided: when the leader's pairs
+spread wider than ``max_ratio_spread``, or a runner-up's median lies inside the leader's
+interquartile range, the leader and those runners-up each get a second window of as many
+pairs, and each is ranked on all its pairs pooled. Why: the lowest of a few noisy medians is
+biased low (the winner's curse). Measured in ``benchmarks/search_noise.py``: a final round
+whose reference slowed by a quarter under a package install emitted a winner at 1.42x with
+pairs from 0.90x to 1.80x, while its runner-up measured a tight 1.22x; re-measured side by side
+later, the winner was 1.24x.
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from autotune.search.context import SearchContext
@@ -29,9 +39,10 @@ def get_finalists(rows: list[TrialRow], num_finalists: int) -> list[TrialRow]:
     return finalists
 
 
-def _measure_finalist(ctx: SearchContext, row: TrialRow) -> dict[str, Any]:
+def _measure_finalist(ctx: SearchContext, row: TrialRow, *, window: int = 0) -> dict[str, Any]:
     config = ctx.space.build_config(row.params)
-    spec = ctx.trial_spec(config, ctx.write_dir / "final" / f"trial_{row.number:04d}", profile=False, num_pairs=2 * ctx.settings.num_confirm_pairs)
+    name = f"trial_{row.number:04d}" + (f"_window{window}" if window else "")
+    spec = ctx.trial_spec(config, ctx.write_dir / "final" / name, profile=False, num_pairs=2 * ctx.settings.num_confirm_pairs)
     result = run_trial(spec, pool=ctx.pool)
     paired = result.metrics.paired if result.metrics and result.ok else {}
     reference_ms = median_or_none(result.metrics.reference_step_ms_per_step) if result.metrics else None
@@ -47,14 +58,48 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
         return (ctx.space.build_config(best.params) if best else ctx.default_config), None
     ctx.reporter.on_phase(f"final round: {len(finalists)} best configs vs the defaults, {2 * ctx.settings.num_confirm_pairs} pairs each")
     measured = [_measure_finalist(ctx, row) for row in finalists]
+    contested = get_contested(measured, ctx.settings.max_ratio_spread)
+    if contested:
+        ctx.reporter.on_phase(f"final round contested (trials {', '.join(str(n) for n in contested)}): a second window each")
+        by_number = {row.number: row for row in finalists}
+        measured = [pool_windows(m, _measure_finalist(ctx, by_number[m["trial"]], window=1)) if m["trial"] in contested else m for m in measured]
     ranked = sorted((m for m in measured if m.get("ratio") is not None), key=lambda m: m["ratio"])
-    record: dict[str, Any] = {"finalists": measured, "num_pairs": 2 * ctx.settings.num_confirm_pairs}
+    record: dict[str, Any] = {"finalists": measured, "num_pairs": 2 * ctx.settings.num_confirm_pairs, "contested": contested}
     if not ranked or ranked[0]["ratio"] >= 1.0:
         # Not one finalist beats the defaults side by side: the search's ranking was noise.
         return ctx.default_config, record | {"emitted": "defaults", "winner": None, **_speedups(ranked[0] if ranked else None)}
     winner = ranked[0]
     row = next(r for r in finalists if r.number == winner["trial"])
     return ctx.space.build_config(row.params), record | {"emitted": "best", "winner": winner["trial"], **_speedups(winner)}
+
+
+def get_contested(measured: list[dict[str, Any]], max_spread: float) -> list[int]:
+    """The finalists to measure again: the leader and every runner-up whose median lies inside
+    the leader's interquartile range, when the leader is noisy or has such a runner-up; else none."""
+    ranked = sorted((m for m in measured if m.get("ratio") is not None), key=lambda m: m["ratio"])
+    if len(ranked) == 0:
+        return []
+    leader = ranked[0]
+    close = [m["trial"] for m in ranked[1:] if m["ratio"] <= leader["ratio_q75"]]
+    noisy = leader.get("ratio_spread") is not None and leader["ratio_spread"] > max_spread
+    return [leader["trial"], *close] if (close or noisy) else []
+
+
+def pool_windows(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """One finalist's figures over the pairs of both its windows (a failed window adds none)."""
+    ratios = list(first.get("pair_ratios", [])) + list(second.get("pair_ratios", []))
+    if not ratios:
+        return first | {"windows": 2}
+    q25, _, q75 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0], 0, ratios[0])
+    median = statistics.median(ratios)
+    noise = [x for x in (first.get("candidate_noise"), second.get("candidate_noise")) if x is not None]
+    reference_noise = [x for x in (first.get("reference_noise"), second.get("reference_noise")) if x is not None]
+    return first | {
+        "ratio": median, "ratio_q25": q25, "ratio_q75": q75, "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "ratio_spread": (q75 - q25) / median if median > 0 else None, "pair_ratios": ratios, "num_pairs": len(ratios),
+        "candidate_noise": max(noise, default=None), "reference_noise": max(reference_noise, default=None),
+        "windows": 2, "first_window_ratio": first.get("ratio"), "second_window_status": second.get("status"),
+    }  # fmt: skip
 
 
 def _speedups(figures: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,0 +1,63 @@
+"""The final round's decision rules (autotune/search/confirm.py): when it is contested, and
+how a second window's pairs are pooled. Pure functions: no ranks."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from autotune.search.confirm import get_contested, pool_windows
+from autotune.trials.paired import summarize_pairs
+
+
+def _finalist(trial: int, ratios: list[float]) -> dict:
+    # summarize_pairs takes step times; a reference of 1.0 ms per pair makes the ratios exact.
+    return {"trial": trial, "status": "ok", **summarize_pairs(ratios, [1.0] * len(ratios))}
+
+
+def test_a_clear_tight_winner_is_not_contested():
+    measured = [_finalist(3, [0.80, 0.81, 0.82, 0.80, 0.81, 0.82]), _finalist(5, [0.90, 0.91, 0.92, 0.90, 0.91, 0.92])]
+    assert get_contested(measured, max_spread=0.10) == []
+
+
+def test_a_noisy_leader_is_contested_alone_when_no_runner_up_is_close():
+    # The final round this rule came from: the leader's pairs spread from 0.56 to 1.11.
+    leader = _finalist(11, [0.556, 0.676, 0.831, 0.673, 1.111, 0.730])
+    far = _finalist(10, [0.95, 0.96, 0.95, 0.96, 0.95, 0.96])
+    assert leader["ratio_spread"] > 0.10
+    assert get_contested([far, leader], max_spread=0.10) == [11]
+
+
+def test_a_runner_up_inside_the_leader_s_interquartile_range_is_contested_with_it():
+    leader = _finalist(11, [0.556, 0.676, 0.831, 0.673, 1.111, 0.730])
+    close = _finalist(10, [0.700, 1.000, 0.760, 0.780, 0.790, 0.800])  # median 0.785 <= the leader's q75 (0.806)
+    assert close["ratio"] <= leader["ratio_q75"]
+    assert get_contested([leader, close], max_spread=0.10) == [11, 10]
+    # A tight leader with a runner-up inside its (narrow) range is contested too.
+    tight = _finalist(1, [0.800, 0.810, 0.820, 0.830])
+    assert get_contested([tight, _finalist(2, [0.81, 0.815, 0.82, 0.825])], max_spread=0.10) == [1, 2]
+
+
+def test_failed_finalists_are_ignored():
+    assert get_contested([{"trial": 4, "status": "timeout"}], max_spread=0.10) == []
+
+
+def test_pooling_ranks_on_every_pair_of_both_windows():
+    first, second = _finalist(11, [0.556, 0.676, 0.831, 0.673, 1.111, 0.730]), _finalist(11, [0.80, 0.81, 0.82, 0.81, 0.80, 0.82])
+    pooled = pool_windows(first, second)
+    ratios = first["pair_ratios"] + second["pair_ratios"]
+    assert pooled["pair_ratios"] == ratios and pooled["num_pairs"] == 12 and pooled["windows"] == 2
+    assert pooled["ratio"] == pytest.approx(statistics.median(ratios))
+    q25, _, q75 = statistics.quantiles(ratios, n=4, method="inclusive")
+    assert (pooled["ratio_q25"], pooled["ratio_q75"]) == pytest.approx((q25, q75))
+    assert pooled["ratio_spread"] == pytest.approx((q75 - q25) / pooled["ratio"])
+    assert (pooled["ratio_min"], pooled["ratio_max"]) == (0.556, 1.111)
+    assert pooled["first_window_ratio"] == first["ratio"] and pooled["trial"] == 11
+
+
+def test_a_failed_second_window_keeps_the_first_window_s_figures():
+    first = _finalist(7, [0.9, 0.8, 0.85])
+    pooled = pool_windows(first, {"trial": 7, "status": "timeout", "reason": "hung"})
+    assert pooled["pair_ratios"] == first["pair_ratios"] and pooled["ratio"] == first["ratio"]
+    assert pooled["second_window_status"] == "timeout" and pooled["windows"] == 2
