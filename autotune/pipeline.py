@@ -15,4 +15,7 @@ def search_and_report(settings: SearchSettings, *, reporter: SearchReporter | No
     reporter = reporter or SilentReporter()
     summary = run_search(settings, reporter=reporter)
     reporter.on_phase("writing the search report")
-    return write_search_report(summary)
+    # The study the report draws Optuna's figures from: wherever the search kept it (PostgreSQL,
+    # a journal file, or the default <out>/study.db).
+    study_name = settings.get_study_name(summary.plan.requested.name)
+    return write_search_report(summary, storage=settings.get_storage(), study_name=study_name)

@@ -7,8 +7,12 @@
 
 Modules: :mod:`~autotune.report.model` (the data) <- :mod:`~autotune.report.load` (reads the
 artifacts) <- :mod:`~autotune.report.tables` / :mod:`~autotune.report.frames` (rows and
-DataFrames) <- :mod:`~autotune.report.html` / :mod:`~autotune.report.png` <-
-:mod:`~autotune.report.write` (the one dispatcher). Nothing imports back up this chain.
+DataFrames) <- a search report's figure sections: :mod:`~autotune.report.compare` (best vs
+defaults), :mod:`~autotune.report.study` (Optuna's figures of the study),
+:mod:`~autotune.report.hta` (HTA on GPU traces) <- :mod:`~autotune.report.html` /
+:mod:`~autotune.report.png` <- :mod:`~autotune.report.write` (the one dispatcher) <-
+:mod:`~autotune.report.browser` (the page checked in headless Chromium,
+``python -m autotune.report.browser report.html``). Nothing imports back up this chain.
 """
 
 from autotune.report.load import load_report, load_trial

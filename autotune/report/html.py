@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from autotune.report.frames import LANE_COLORS, get_lanes, get_step_frame, get_trials_frame, get_unit_frame
+from autotune.report.compare import COMPARE_FIGURES, get_compare_section, get_compared_traces
+from autotune.report.frames import LANE_COLORS, FigureSection, get_lanes, get_step_frame, get_trials_frame, get_unit_frame
+from autotune.report.hta import HTA_FIGURES, get_hta_section
 from autotune.report.model import Report, ReportTable
+from autotune.report.study import OPTUNA_FIGURES, get_study_section
 from autotune.report.tables import get_tables
+
+FIGURES_META = "autotune-figures"
+"""The ``<meta>`` whose content lists, comma-separated, every figure the page draws."""
 
 
 _STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
-td:first-child,th:first-child{text-align:left}h1{font-size:1.4em}caption{font-weight:bold;text-align:left}"""
+td:first-child,th:first-child,td.text{text-align:left}h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em}
+caption{font-weight:bold;text-align:left}p.absent{color:#a33}p.lead{font-weight:bold}"""
 
 
 def get_timeline_figure(report: Report) -> go.Figure | None:
@@ -73,7 +82,7 @@ def get_search_figure(report: Report) -> go.Figure | None:
     if trials.empty:
         return None
     colors = [LANE_COLORS["exposed"] if b else LANE_COLORS["compute"] for b in trials["best"]]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("Step time per trial (red: best)", "Overlap vs step time"))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("Step time per trial (red: the lowest objective)", "Overlap vs step time"))
     fig.add_bar(x=trials["name"], y=trials["step_ms"], marker_color=colors, name="step ms", row=1, col=1)
     fig.add_scatter(x=trials["step_ms"], y=100 * trials["overlap_ratio"].astype(float), mode="markers", text=trials["name"],
                     marker={"color": colors, "size": 9}, name="trials", row=1, col=2)  # fmt: skip
@@ -93,23 +102,71 @@ def get_figures(report: Report) -> dict[str, go.Figure]:
     return {name: fig for name, fig in figures.items() if fig is not None}
 
 
+_NUMBER = re.compile(r"^[-+]?[\d.,]+(x|%| MB)?\*?$|^-$")
+
+
+def _cell_html(value: str) -> str:
+    return f"<td>{html.escape(value)}</td>" if _NUMBER.match(value) else f"<td class='text'>{html.escape(value)}</td>"
+
+
 def _table_html(table: ReportTable) -> str:
+    """Numbers right-aligned, text (knobs, notes) left-aligned."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in table.columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in table.rows)
+    body = "".join("<tr>" + "".join(_cell_html(v) for v in row) + "</tr>" for row in table.rows)
     return f"<table><caption>{html.escape(table.title)}</caption><tr>{head}</tr>{body}</table>"
+
+
+def get_search_sections(report: Report) -> list[FigureSection]:
+    """A search report's figure sections, in page order: best vs defaults, Optuna's, the trials, HTA's."""
+    compared = get_compared_traces(report.comparison)
+    trials = FigureSection(title="Trials (their own trial dirs)", figures=get_figures(report))
+    return [get_compare_section(report, compared), get_study_section(report), trials, get_hta_section(compared)]
+
+
+_DESCRIPTIONS = {**COMPARE_FIGURES, **OPTUNA_FIGURES, **HTA_FIGURES}
+
+
+class _Page:
+    """The body being written: plotly.js goes inline with the first figure only; each figure sits in a
+    ``div.figure[data-figure=NAME]`` and the head lists every name (what ``autotune.report.browser`` checks)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.names: list[str] = []
+
+    def add_figure(self, name: str, fig: go.Figure) -> None:
+        body = fig.to_html(full_html=False, include_plotlyjs=not self.names, div_id=f"figure-{name}")
+        self.parts.append(f"<div class='figure' data-figure='{name}'>{body}</div>")
+        self.names.append(name)
+
+    def add_section(self, section: FigureSection) -> None:
+        self.parts.append(f"<h2>{html.escape(section.title)}</h2>")
+        self.parts += [f"<p>{html.escape(line)}</p>" for line in section.lines]
+        for name, fig in section.figures.items():
+            self.add_figure(name, fig)
+        for name, reason in section.absent.items():
+            what = _DESCRIPTIONS.get(name, name)
+            self.parts.append(f"<p class='absent' data-absent='{name}'>No {html.escape(what)} figure: {html.escape(reason)}</p>")
 
 
 def write_html(report: Report, path: Path) -> Path:
     """Write the report; the first figure carries plotly.js inline so the file opens offline."""
-    parts = [f"<h1>fsdp-autotune {report.kind} report: {html.escape(str(report.root))}</h1>"]
-    parts += [_table_html(t) for t in get_tables(report)]
-    for i, fig in enumerate(get_figures(report).values()):
-        parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))
+    page = _Page()
+    page.parts.append(f"<h1>fsdp-autotune {report.kind} report: {html.escape(str(report.root))}</h1>")
+    if report.comparison is not None:
+        page.parts.append(f"<p class='lead'>{html.escape(report.comparison.note[0].upper() + report.comparison.note[1:])}.</p>")
+    page.parts += [_table_html(t) for t in get_tables(report)]
+    if report.kind == "search":
+        for section in get_search_sections(report):
+            page.add_section(section)
+    else:
+        for name, fig in get_figures(report).items():
+            page.add_figure(name, fig)
     if report.timeline_error:
-        parts.append(f"<p>Timeline unavailable: {html.escape(report.timeline_error)}</p>")
+        page.parts.append(f"<p>Timeline unavailable: {html.escape(report.timeline_error)}</p>")
     if report.kind == "trial" and report.trace_paths:
-        parts.append("<p>Raw traces: open the trial dir's <code>trace_rank*.json.gz</code> files in "
-                     "<a href='https://ui.perfetto.dev'>Perfetto</a> or chrome://tracing.</p>")  # fmt: skip
-    doc = f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>fsdp-autotune report</title><style>{_STYLE}</style></head><body>{''.join(parts)}</body></html>"
-    path.write_text(doc, encoding="utf-8")
+        page.parts.append("<p>Raw traces: open the trial dir's <code>trace_rank*.json.gz</code> files in "
+                          "<a href='https://ui.perfetto.dev'>Perfetto</a> or chrome://tracing.</p>")  # fmt: skip
+    head = f"<meta charset='utf-8'><meta name='{FIGURES_META}' content='{','.join(page.names)}'><title>fsdp-autotune report</title><style>{_STYLE}</style>"
+    path.write_text(f"<!DOCTYPE html><html><head>{head}</head><body>{''.join(page.parts)}</body></html>", encoding="utf-8")
     return path

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from autotune.analysis import FsdpTraceAnalysis, TraceError
 from autotune.artifacts import ArtifactError
-from autotune.report.model import TRACE_GLOB, Report, ReportError, TrialSummary
-from autotune.search import SearchRecord, pick_best, read_results
+from autotune.report.model import TRACE_GLOB, Comparison, Report, ReportError, TrialSummary, TrialTraces
+from autotune.search import SearchRecord, TrialRow, pick_best, read_results
 from autotune.trials import INCOMPLETE_MARKER, TrialMetrics
 
 
@@ -102,30 +102,102 @@ def _read_search(root: Path) -> SearchRecord | None:
         raise ReportError(str(e)) from None
 
 
-def _read_feasibility(root: Path) -> dict[str, bool]:
-    """Trial dir name -> feasible, from ``results.json`` (empty when the search wrote none)."""
+def _read_rows(root: Path) -> list[TrialRow]:
+    """The rows of ``results.json`` (empty when the search wrote none)."""
     if not (root / "results.json").exists():
-        return {}
+        return []
     try:
-        return {Path(r.trial_dir).name: r.feasible for r in read_results(root) if r.trial_dir}
+        return read_results(root)
     except ArtifactError as e:
         raise ReportError(str(e)) from None
 
 
-def load_search(root: Path, *, search: SearchRecord | None = None) -> Report:
-    """A search dir's report; ``search`` replaces its ``search.json`` (a worker reporting its own record)."""
+def _trial_name(trial_dir: str) -> str:
+    """The name of the dir under ``trials/`` that holds ``trial_dir`` (``trials/trial_0003/remeasured``: ``trial_0003``)."""
+    parts = Path(trial_dir).parts
+    return next((part for prev, part in zip(parts, parts[1:]) if prev == "trials"), Path(trial_dir).name)
+
+
+def _find_trial(trials: list[TrialSummary], root: Path, trial_dir: str | None) -> TrialSummary | None:
+    """The loaded trial whose dir is ``trial_dir`` or holds it (a re-measured trial's ``trials/trial_N/remeasured``)."""
+    if not trial_dir:
+        return None
+    target = root / trial_dir
+    return next((t for t in trials if t.path == target or t.path in target.parents), None)
+
+
+def _load_compared(root: Path, trials: list[TrialSummary], row: TrialRow | None, number: int | None) -> TrialSummary | None:
+    """The trial dir that stands for trial ``number`` (its re-measurement where it had one): from its row, else by name."""
+    if row is not None and row.trial_dir and (root / row.trial_dir / "metrics.json").exists():
+        return load_trial(root / row.trial_dir, analyze_traces=False, feasible=row.feasible)
+    return next((t for t in trials if t.name == f"trial_{number:04d}"), None) if number is not None else None
+
+
+def _describe_comparison(best_number: int | None, lowest: TrialRow | None, conf: dict, emitted: bool) -> str:
+    """Which trial is "best" in the report and why; the lowest objective where it is another trial."""
+    if not emitted:
+        if conf.get("emitted") == "defaults":
+            return f"the defaults were emitted (no finalist beat them side by side); shown as best: trial {best_number}, the lowest ratio in the search"
+        return f"best = trial {best_number}, the lowest ratio in the search (no final round ran)"
+    final = {f.get("trial"): f.get("ratio") for f in conf.get("finalists", [])}
+    ratio = f"ratio {final[best_number]:.3f}, " if final.get(best_number) is not None else ""
+    text = (f"best = trial {best_number}, the emitted config: the fastest of {len(final)} finalists re-measured against the defaults "
+            f"in the final round ({ratio}{conf['speedup_median']:.3f}x the defaults' speed)")  # fmt: skip
+    if lowest is not None and lowest.number != best_number:
+        again = f", {final[lowest.number]:.3f} in the final round" if final.get(lowest.number) is not None else ""
+        text += f"; the lowest ratio in the search was trial {lowest.number} ({lowest.objective:.3f} in the search{again})"
+    return text
+
+
+def get_comparison(root: Path, trials: list[TrialSummary], record: SearchRecord | None, rows: list[TrialRow]) -> Comparison | None:
+    """Best vs defaults (see :class:`~autotune.report.model.Comparison`); None without a best trial."""
+    by_number = {r.number: r for r in rows}
+    lowest = record.best if record and record.best else pick_best(rows)
+    conf = (record.confirmation if record else None) or {}
+    emitted = conf.get("winner") is not None
+    best_number = conf["winner"] if emitted else (lowest.number if lowest else None)
+    best_row = by_number.get(best_number) or (lowest if lowest and lowest.number == best_number else None)
+    best = _load_compared(root, trials, best_row, best_number)
+    if best is None:
+        return None
+    default_row = (record.default if record else None) or next((r for r in rows if r.is_default), None)
+    default_number = default_row.number if default_row else None
+    default = _load_compared(root, trials, by_number.get(default_number, default_row), default_number)
+    return Comparison(best=best, best_number=best_number, default=default, default_number=default_number,
+                      lowest_number=lowest.number if lowest else None, emitted=emitted,
+                      note=_describe_comparison(best_number, lowest, conf, emitted))  # fmt: skip
+
+
+def load_trial_traces(trial: TrialSummary) -> TrialTraces:
+    """A trial's traces read once: their timeline and device, or the one-line reason they cannot be."""
+    paths = find_traces(trial.path)
+    if not paths:
+        return TrialTraces(error=f"no traces in {trial.path}")
+    try:
+        analysis = FsdpTraceAnalysis(paths)
+        return TrialTraces(paths=paths, device=analysis.device, timeline=analysis.get_timeline())
+    except TraceError as e:
+        return TrialTraces(paths=paths, error=str(e))
+
+
+def load_search(root: Path, *, search: SearchRecord | None = None, rows: list[TrialRow] | None = None,
+                storage: str | None = None, study_name: str | None = None) -> Report:  # fmt: skip
+    """A search dir's report; ``search`` and ``rows`` replace its ``search.json`` and ``results.json``
+    (a worker reporting its own); ``storage``/``study_name`` locate its Optuna study (default ``root/study.db``)."""
     trial_dirs = sorted({p.parent for pattern in ("trials/*/metrics.json", f"trials/*/{INCOMPLETE_MARKER}") for p in root.glob(pattern)})
-    feasible = _read_feasibility(root)
+    rows = _read_rows(root) if rows is None else rows
+    feasible = {_trial_name(r.trial_dir): r.feasible for r in rows if r.trial_dir}
     trials = [load_trial(d, analyze_traces=False, feasible=feasible.get(d.name, True)) for d in trial_dirs]
     record = search or _read_search(root)
-    named = Path(record.best.trial_dir).name if record and record.best and record.best.trial_dir else None
-    best = next((t for t in trials if t.name == named), None) if named else pick_best(trials)
-    return Report(kind="search", root=root, trials=trials, best=best, search=record)
+    best = _find_trial(trials, root, record.best.trial_dir) if record and record.best and record.best.trial_dir else pick_best(trials)
+    return Report(kind="search", root=root, trials=trials, best=best, search=record, rows=rows,
+                  comparison=get_comparison(root, trials, record, rows), storage=storage, study_name=study_name)  # fmt: skip
 
 
-def load_report(path: str | Path, *, search: SearchRecord | None = None) -> Report:
+def load_report(path: str | Path, *, search: SearchRecord | None = None, rows: list[TrialRow] | None = None,
+                storage: str | None = None, study_name: str | None = None) -> Report:  # fmt: skip
     """A trial report (``metrics.json`` or traces in ``path``) or a search report (``path/trials/*/metrics.json``;
-    ``search`` in place of its ``search.json``)."""
+    the keywords as in :func:`load_search`)."""
     root = Path(path)
     if not root.is_dir():
         raise ReportError(f"{root}: no such directory")
@@ -134,5 +206,5 @@ def load_report(path: str | Path, *, search: SearchRecord | None = None) -> Repo
         trial = load_trial(root)
         return Report(kind="trial", root=root, trials=[trial], best=trial, trace_paths=traces)
     if any(root.glob("trials/*/metrics.json")):
-        return load_search(root, search=search)
+        return load_search(root, search=search, rows=rows, storage=storage, study_name=study_name)
     raise ReportError(f"{root}: neither a trial dir (metrics.json or chrome trace files: {TRACE_GLOB}, *.json, *.json.gz) nor a search dir (trials/*/metrics.json)")

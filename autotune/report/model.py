@@ -11,7 +11,7 @@ from typing import Any, Literal
 import pandas as pd
 
 from autotune.analysis import FsdpTraceAnalysis, TraceError
-from autotune.search import SearchRecord
+from autotune.search import SearchRecord, TrialRow
 from fsdp_runtime.errors import AutotuneError
 
 REPORT_SCHEMA_VERSION = 1
@@ -136,6 +136,45 @@ class ReportTable:
 
 
 @dataclass(kw_only=True)
+class Comparison:
+    """Best vs defaults side by side (a search report): which trial is shown as "best", and why that one.
+
+    "Best" is the emitted config: the final round's winner (``search.json``'s
+    ``confirmation.winner``); without one (no final round, or the defaults were emitted) the
+    search's lowest objective. The lowest objective can be another trial than the emitted one:
+    :attr:`note` says which is which."""
+
+    best: TrialSummary
+    best_number: int | None
+    default: TrialSummary | None
+    default_number: int | None
+    lowest_number: int | None
+    """The trial with the lowest objective in the search (``search.json``'s ``best``)."""
+    emitted: bool
+    """Whether :attr:`best` is the emitted config (False: the defaults were emitted, or no final round ran)."""
+    note: str
+    """One line naming the emitted trial first, then the lowest-objective one where it differs."""
+
+    @property
+    def best_label(self) -> str:
+        return f"best: trial {self.best_number}" + (" (emitted)" if self.emitted else " (lowest ratio)")
+
+    @property
+    def default_label(self) -> str:
+        return f"defaults: trial {self.default_number}"
+
+
+@dataclass(kw_only=True)
+class TrialTraces:
+    """One trial's traces loaded for the report: its timeline and device (``cpu``/``gpu``), or why not."""
+
+    paths: list[Path] = field(default_factory=list)
+    device: str | None = None
+    timeline: pd.DataFrame | None = None
+    error: str | None = None
+
+
+@dataclass(kw_only=True)
 class Report:
     kind: Literal["trial", "search"]
     root: Path
@@ -145,6 +184,14 @@ class Report:
     """A trial report's traces (empty for a search report)."""
     search: SearchRecord | None = None
     """A search report's ``search.json`` (proxy, confirmation vs defaults, consolidation timing)."""
+    rows: list[TrialRow] = field(default_factory=list)
+    """A search report's rows (``results.json``, or the finished search's own): knobs, noise, attempts."""
+    comparison: Comparison | None = None
+    """A search report's best vs defaults (None without a successful trial)."""
+    storage: str | None = None
+    """The search's Optuna storage URL (None: ``<root>/study.db`` when it exists)."""
+    study_name: str | None = None
+    """The study in :attr:`storage` (None: the only study there)."""
     timeline_error: str | None = None
     """Why the timeline could not be built (an unusable trace), once :attr:`timeline` was asked for."""
     _timeline: pd.DataFrame | None = field(default=None, repr=False)

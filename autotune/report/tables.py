@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from autotune.report.model import OVERHEAD_TOLERANCE, Report, ReportTable, TrialSummary
+from autotune.report.model import OVERHEAD_TOLERANCE, Comparison, Report, ReportTable, TrialSummary
 from autotune.search import SearchRecord, TrialRow, describe_params
 
 if TYPE_CHECKING:
@@ -54,6 +54,9 @@ def get_tables(report: Report) -> list[ReportTable]:
     """The tables of a trial or search report."""
     if report.kind == "trial":
         return get_trial_tables(report.trials[0])
+    if report.rows:  # the search's own rows: knobs, noise and attempts of every trial
+        summary = [get_search_summary_table(report.search, report.comparison)] if report.search else []
+        return [*summary, get_search_trials_table(report.rows, report.comparison)]
     return get_search_tables(report.trials, report.best, report.search)
 
 
@@ -106,8 +109,8 @@ def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
     return [summary, steps, units]
 
 
-def get_search_summary_table(summary: SearchRecord) -> ReportTable:
-    """Model (and proxy), why the search stopped, best vs defaults side by side, consolidation timing."""
+def get_search_summary_table(summary: SearchRecord, comparison: Comparison | None = None) -> ReportTable:
+    """Model (and proxy), why the search stopped, best (the emitted trial first) vs defaults, consolidation timing."""
     table = ReportTable(title="Search", columns=["", "value"])
     proxy = summary.proxy or {}
     table.rows.append(["model", str(summary.model)])
@@ -115,8 +118,11 @@ def get_search_summary_table(summary: SearchRecord) -> ReportTable:
         table.rows.append(["measured on", f"scale proxy {proxy.get('name')} (not {summary.model}): {proxy.get('reason')}"])
     table.rows.append(["stopped", str(summary.stopped_because)])
     best, default = summary.best, summary.default
+    if comparison is not None:
+        table.rows.append(["best", comparison.note])
     if best:
-        table.rows.append(["best", f"trial {best.number}: {fmt(best.step_ms)} ms, overlap {fmt(best.overlap_ratio, 'pct')}, {fmt(best.bound_ratio, 'x')} the max(compute, comm) bound"])
+        ratio = f"ratio {fmt(best.ratio, 'x')}, " if best.ratio is not None else ""
+        table.rows.append(["lowest ratio in the search" if comparison else "best", f"trial {best.number}: {ratio}{fmt(best.step_ms)} ms, overlap {fmt(best.overlap_ratio, 'pct')}, {fmt(best.bound_ratio, 'x')} the max(compute, comm) bound"])
     if default:
         table.rows.append(["defaults", f"trial {default.number}: {fmt(default.step_ms)} ms"])
     conf = summary.confirmation or {}
@@ -154,6 +160,44 @@ def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None, sum
     if any(t.trace_scale for t in trials):
         table.title += "; * trace times scaled to the unprofiled step"
     return [get_search_summary_table(summary), table] if summary else [table]
+
+
+TRIALS_COLUMNS = ["trial", "status", "/defaults", "IQR", "spread", "attempts", "made from", "step ms", "prof", "overlap", "exposed ms", "peak", "knobs", "note"]
+
+
+def _mark(row: TrialRow, comparison: Comparison | None) -> str:
+    marks = []
+    if comparison and row.number == comparison.best_number:
+        marks.append("emitted" if comparison.emitted else "best")
+    if comparison and row.number == comparison.lowest_number and row.number != comparison.best_number:
+        marks.append("lowest ratio")
+    if row.is_default:
+        marks.append("defaults")
+    return f"{row.number} ({', '.join(marks)})" if marks else str(row.number)
+
+
+def _describe_attempts(row: TrialRow) -> str:
+    """``1``, or ``2 (first: pruned 1.520x)`` for a trial measured again ([Note: paired measurement])."""
+    if row.attempts <= 1:
+        return str(row.attempts)
+    first = " ".join(x for x in (row.first_status, fmt(row.first_ratio, "x") if row.first_ratio is not None else None) if x)
+    return f"{row.attempts} (first: {first})" if first else str(row.attempts)
+
+
+def get_search_trials_table(rows: list[TrialRow], comparison: Comparison | None = None) -> ReportTable:
+    """Every trial of a search as the search recorded it: its knobs (as ``autotune search`` prints them)
+    and its noise: the paired ratio's median, interquartile range and spread, measurement attempts, and
+    the refinement it was made from. Exposed and overlap as traced (not scaled)."""
+    title = f"{len(rows)} trials (ratio: median step time / the defaults' in alternating pairs; IQR and spread of those pairs)"
+    table = ReportTable(title=title, columns=list(TRIALS_COLUMNS))
+    for row in sorted(rows, key=lambda r: r.number):
+        status = row.status + (" (noisy)" if row.noisy else "") + (f" (= {row.duplicate_of})" if row.duplicate_of is not None else "")
+        iqr = f"{row.ratio_q25:.3f}-{row.ratio_q75:.3f}" if row.ratio_q25 is not None and row.ratio_q75 is not None else "-"
+        made_from = row.refined_from or ("defaults" if row.is_default else "sampled")
+        table.rows.append([_mark(row, comparison), status, fmt(row.ratio, "x"), iqr, fmt(row.ratio_spread, "pct"), _describe_attempts(row), made_from,
+                           fmt(row.step_ms), fmt(row.profiler_overhead, "over"), fmt(row.overlap_ratio, "pct"), fmt(row.exposed_comm_ms),
+                           fmt(row.process_peak_bytes, "mb"), describe_params(row.params), row.reason[:80]])  # fmt: skip
+    return table
 
 
 def get_search_rows_table(rows: list[TrialRow], best: TrialRow | None) -> ReportTable:
