@@ -101,6 +101,9 @@ class _RichSearchReporter:
                 f"{len(plan.run.block_names)} blocks: [bold]{plan.proxy_name}[/]. Times below are the proxy's, not {plan.requested.name}'s.",
                 highlight=False,
             )
+            from autotune.search.presearch import get_plan_hint
+
+            err_console.print(get_plan_hint(plan), highlight=False, soft_wrap=True)
         err_console.print(f"study in {settings.get_storage()}" + (f" ({num_existing} trials already there)" if num_existing > 1 else ""), highlight=False)
         self.progress.start()
         self.task = self.progress.add_task("search", total=settings.num_trials, completed=max(0, num_existing - 1), best="")
@@ -112,6 +115,8 @@ class _RichSearchReporter:
         from autotune.report import fmt
 
         status = row.status if not row.succeeded else f"{fmt(row.ratio, 'x')} the defaults ({fmt(row.step_ms)} ms)"
+        if row.predicted_step_ms is not None:
+            status += f", predicted {row.predicted_step_ms:.1f} ms"
         best_text = f"best {fmt(best.ratio, 'x')} (trial {best.number})" if best else "no best yet"
         self.progress.console.print(f"trial {row.number:>3}: {status}" + (f" - {row.reason[:120]}" if row.reason else ""), highlight=False)
         self.progress.update(self.task, advance=1, best=best_text)
@@ -131,7 +136,7 @@ def search(
     trials: Annotated[int, typer.Option("--trials", "-t", help="Total trials in the study, the defaults trial included.")] = 16,
     microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")] = 2,
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (study, trials, best config, tables).")] = Path("runs/search"),
-    storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL shared by several workers; default: sqlite in --out.")] = None,
+    storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage shared by several workers: sqlite:///PATH, journal:PATH or postgresql+psycopg://USER@HOST/DB; default: sqlite in --out.")] = None,
     study_name: Annotated[Optional[str], typer.Option("--study-name", help="Study name; default: MODEL-wN-mbM.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the study (or join it as another worker).")] = False,
     sampler: Annotated[str, typer.Option("--sampler", help="tpe (seeded, default), random, cmaes or qmc.")] = "tpe",
@@ -144,6 +149,9 @@ def search(
     confirm_pairs: Annotated[int, typer.Option("--confirm-pairs", help="Alternating best/default re-measurements at the end.")] = 3,
     trial_timeout: Annotated[float, typer.Option("--trial-timeout", help="Seconds before a trial's ranks are killed.")] = 180.0,
     storage_timeout: Annotated[float, typer.Option("--storage-timeout", help="Seconds a write waits for a locked SQLite study.")] = 120.0,
+    heartbeat: Annotated[Optional[int], typer.Option("--heartbeat", help="Seconds between a worker's heartbeats on a database server; a trial silent for 4 of them is failed. Default: --trial-timeout / 20, 5 to 60.")] = None,
+    presearch: Annotated[Optional[str], typer.Option("--presearch", help="sim: calibrate the step simulator on the defaults trial, rank the whole space in it and measure the fastest predictions first.")] = None,
+    presearch_top: Annotated[Optional[int], typer.Option("--presearch-top", help="Configs --presearch measures; default: every trial before the refinement.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout (no progress).")] = False,
 ) -> None:
     """Search the FSDP2 knobs with Optuna; write the best config, a results table and the report."""
@@ -157,7 +165,7 @@ def search(
         study_name=study_name, resume=resume, sampler=sampler, seed=seed,
         memory_budget_bytes=int(memory_budget_gib * 2**30) if memory_budget_gib is not None else None,
         cluster=cluster, fixed_mesh=mesh, patience=patience or None, num_refine=refine, num_confirm_pairs=confirm_pairs, trial_timeout_s=trial_timeout,
-        storage_timeout_s=storage_timeout,
+        storage_timeout_s=storage_timeout, heartbeat_s=heartbeat, presearch=presearch, presearch_top_k=presearch_top,
     )
     if not as_json:
         import optuna
@@ -187,7 +195,10 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 def _print_search_summary(summary) -> None:
     from autotune.report import get_search_outcome_lines, get_search_rows_table
 
+    from autotune.search.presearch import get_prediction_table
+
     _print_tables([get_search_rows_table(summary.rows, summary.best)])
+    _print_tables([t for t in (get_prediction_table(summary.rows),) if t is not None])
     for line in get_search_outcome_lines(summary):
         console.print(line, highlight=False)
 
@@ -251,13 +262,14 @@ _FLAGS = {
     "model": "--model", "world_size": "--nproc", "num_trials": "--trials", "num_microbatches": "--microbatches", "prune_ratio": "--prune-ratio", "num_refine": "--refine",
     "num_confirm_pairs": "--confirm-pairs", "patience": "--patience", "sampler": "--sampler", "trial_timeout_s": "--trial-timeout",
     "num_warmup": "--warmup", "num_measured": "--steps", "num_profiled": "--profiled-steps", "timeout_s": "--timeout", "backend": "--backend",
-    "storage": "--storage", "out_dir": "--out", "fixed_mesh": "--mesh", "storage_timeout_s": "--storage-timeout",
+    "storage": "--storage", "out_dir": "--out", "fixed_mesh": "--mesh", "storage_timeout_s": "--storage-timeout", "heartbeat_s": "--heartbeat",
+    "presearch": "--presearch", "presearch_top_k": "--presearch-top",
 }  # fmt: skip
 
 
 @app.command()
 def plan(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model profile (llama1b, llama8b, llama70b, ...) or a TOML path.")] = "llama8b",
+    model: Annotated[str, typer.Option("--model", "-m", help="Model profile (llama1b, llama8b, llama70b, ...), a model TOML, package.module:function (a factory) or a Hugging Face config.json / model dir.")] = "llama8b",
     cluster: Annotated[str, typer.Option("--cluster", help="GPU cluster profile: h100-node, h200-node, a100-node or a TOML path.")] = "h100-node",
     nodes: Annotated[int, typer.Option("--nodes", help="Nodes of that profile (world size = nodes x ranks per node).")] = 1,
     microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")] = 2,
@@ -266,6 +278,7 @@ def plan(
     top: Annotated[int, typer.Option("--top", help="Configs to show.")] = 10,
     workers: Annotated[Optional[int], typer.Option("--workers", help="Simulating processes; default: CPU count (max 8).")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where best.toml, best.json and plan.json go.")] = Path("runs/plan"),
+    exact: Annotated[bool, typer.Option("--exact", help="Simulate every config at the model's depth (deep models are otherwise extrapolated from 8 and 16 blocks, the fastest re-simulated).")] = False,
 ) -> None:
     """Rank every config of the search space in the FSDP2 step simulator for a GPU cluster; emit the best (provenance: simulated)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -274,7 +287,7 @@ def plan(
     from autotune.plan.tables import get_config_lines, get_plan_lines, get_plan_table, get_unit_table
 
     settings = PlanSettings(model=model, cluster=cluster, num_nodes=nodes, num_microbatches=microbatches, out_dir=out, activation_checkpointing=ac,  # type: ignore[arg-type]
-                            fixed_mesh=mesh, num_top=top, **({"num_workers": workers} if workers is not None else {}))  # fmt: skip
+                            fixed_mesh=mesh, num_top=top, exact=exact, **({"num_workers": workers} if workers is not None else {}))  # fmt: skip
     progress = Progress(TextColumn("[bold]configs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=False)
 
     class Reporter:

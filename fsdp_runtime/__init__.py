@@ -6,7 +6,9 @@
 
 from fsdp_runtime.accumulation import GradAccumulator
 from fsdp_runtime.apply import AppliedFsdp, apply_fsdp, find_block_names, resolve_units
+from fsdp_runtime.blocks import find_edge_modules
 from fsdp_runtime.config import (
+    CHECKPOINTING_KINDS,
     CONSOLIDATION_METHODS,
     ROOT_UNIT,
     SCHEMA_VERSION,
@@ -30,6 +32,7 @@ from fsdp_runtime.errors import AutotuneError, ConfigError
 from fsdp_runtime.serialize import config_from_dict, config_to_dict, dumps_config, load_config, loads_config, save_config
 
 __all__ = [
+    "CHECKPOINTING_KINDS",
     "CONSOLIDATION_METHODS",
     "ROOT_UNIT",
     "SCHEMA_VERSION",
@@ -51,6 +54,7 @@ __all__ = [
     "default_config",
     "dumps_config",
     "find_block_names",
+    "find_edge_modules",
     "load_config",
     "load_consolidated_checkpoint",
     "loads_config",

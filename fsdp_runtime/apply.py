@@ -13,7 +13,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdp_runtime._fsdp_private import EagerConcat, set_unshard_async
 from fsdp_runtime.blocks import find_block_names, find_parameters_outside, resolve_units
-from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, validate_config, validate_for_world
+from fsdp_runtime.checkpointing import CheckpointedForward, apply_checkpointing
+from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig, validate_config, validate_for_world
 from fsdp_runtime.errors import ConfigError
 
 __all__ = ["AppliedFsdp", "apply_fsdp", "build_mesh", "find_block_names", "resolve_units"]
@@ -27,7 +28,10 @@ class AppliedFsdp:
     """The config with its units resolved against the model."""
     mesh: DeviceMesh
     units: dict[str, FSDPModule] = field(default_factory=dict)
+    """Each unit's module (a grouped unit's first module: its FSDP state is the group's)."""
     eager_concat: dict[str, EagerConcat] = field(default_factory=dict)
+    checkpointed: dict[str, CheckpointedForward] = field(default_factory=dict)
+    """Checkpointed modules by module path (see ``fsdp_runtime.checkpointing``)."""
 
     def get_module(self, name: str) -> FSDPModule:
         return self.units[name]
@@ -45,15 +49,17 @@ def _get_dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
-def _depth(name: str) -> int:
-    return -1 if name == ROOT_UNIT else name.count(".") + 1
+def _depth(unit: UnitConfig) -> int:
+    return -1 if unit.name == ROOT_UNIT else max(m.count(".") + 1 for m in unit.get_modules())
 
 
 def apply_fsdp(model: nn.Module, config: RuntimeConfig, *, mesh: DeviceMesh | None = None, device_type: str | None = None) -> AppliedFsdp:
     """Shard ``model`` in place as ``config`` says and wire every runtime knob.
 
     Call after ``torch.distributed.init_process_group`` and before building the
-    optimizer. Units are sharded innermost first, the root last. Returns the handle that
+    optimizer. Activation checkpointing is applied first (module paths unchanged), then
+    units are sharded innermost first, the root last; a unit with a ``modules`` list is one
+    ``fully_shard`` call on those modules. Returns the handle that
     :class:`~fsdp_runtime.GradAccumulator` needs. Pass the whole model: a submodule whose
     parent has parameters outside it is refused, as is a config naming unknown units or
     covering fewer blocks than the model has ([Note: unit names] in :mod:`fsdp_runtime.blocks`).
@@ -73,10 +79,15 @@ def apply_fsdp(model: nn.Module, config: RuntimeConfig, *, mesh: DeviceMesh | No
     )
     modules = dict(model.named_modules())
     applied = AppliedFsdp(model=model, config=config, mesh=mesh)
-    for unit in sorted(config.units, key=lambda u: -_depth(u.name)):
-        module = model if unit.name == ROOT_UNIT else modules[unit.name]
-        fully_shard(module, mesh=mesh, reshard_after_forward=unit.reshard_after_forward, mp_policy=mp_policy)
-        applied.units[unit.name] = module  # type: ignore[assignment]
+    for unit in config.units:
+        for path in unit.get_modules() if unit.name != ROOT_UNIT else []:
+            forward = apply_checkpointing(modules[path], unit.activation_checkpointing)
+            if forward is not None:
+                applied.checkpointed[path] = forward
+    for unit in sorted(config.units, key=lambda u: -_depth(u)):
+        targets = [model] if unit.name == ROOT_UNIT else [modules[path] for path in unit.get_modules()]
+        fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, reshard_after_forward=unit.reshard_after_forward, mp_policy=mp_policy)
+        applied.units[unit.name] = targets[0]  # type: ignore[assignment]
     _apply_runtime_knobs(applied, device_type)
     return applied
 

@@ -7,13 +7,15 @@ Llama, ``model.layers.3`` in a Hugging Face Llama, ``transformer.h.3`` in GPT-2)
 loudly:
 
 - *Unknown unit*: a unit whose name is no module of the model is an error naming
-  ``units[i].name``, except in the one case below.
+  ``units[i].name``, except in the one case below. A unit with a ``modules`` list (several
+  blocks in one unit, schema 2) is checked module by module (``units[i].modules[j]``); its
+  name is a label, and a label that is another module of the model is refused as ambiguous.
 - *Same depth, other names* (a config searched on our Llama profile, ``layers.N``, applied
   to an HF Llama, ``model.layers.N``): when *no* block unit of the config names a module of
   the model, the config's block units are exactly ``P.0 .. P.{n-1}`` for one prefix ``P``,
   and the model has exactly ``n`` blocks (:func:`find_block_names`), block ``P.i`` means
-  the model's ``i``-th block. Names are rewritten by position everywhere (units and
-  prefetch lists) and a ``UserWarning`` says so. Any other mismatch (another depth, a mix
+  the model's ``i``-th block. Names are rewritten by position everywhere (units, module
+  lists and prefetch lists) and a ``UserWarning`` says so. Any other mismatch (another depth, a mix
   of known and unknown names, units that are not blocks) stays an error.
 - *Fewer blocks than the model*: a block that is in no unit (neither a unit itself, nor
   inside or around one) would be sharded with the root, silently another wrapping. That
@@ -65,14 +67,39 @@ def find_block_names(model: nn.Module) -> list[str]:
     return [f"{path}.{name}" for name, _ in modules[path].named_children()]
 
 
+def find_edge_modules(model: nn.Module) -> tuple[list[str], list[str]]:
+    """``(embeddings, head)``: the modules outside the blocks that hold parameters, which
+    torchtitan shards as units of their own instead of with the root. ``embeddings``: the
+    ``nn.Embedding`` modules; ``head``: the others (final norm, output projection), one unit
+    together. Both empty when either is missing, when the two share a parameter (tied
+    embeddings: one parameter cannot be sharded by two units) or a candidate holds another."""
+    blocks = _try_blocks(model)
+    embeddings, head = [], []
+    for path, module in model.named_modules():
+        if not path or any(path == b or path.startswith(b + ".") for b in blocks):
+            continue
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            (embeddings if isinstance(module, nn.Embedding) else head).append(path)
+    modules = dict(model.named_modules())
+    shared = {id(p) for n in embeddings for p in modules[n].parameters()} & {id(p) for n in head for p in modules[n].parameters()}
+    candidates = embeddings + head
+    nested = any(b.startswith(a + ".") for a in candidates for b in candidates)
+    return ([], []) if shared or nested or not embeddings or not head else (embeddings, head)
+
+
 def _summarize(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 2 else f"{names[0]}..{names[-1]}"
 
 
+def get_unit_modules(config: RuntimeConfig) -> list[str]:
+    """Module paths of the config's units other than the root, in unit order."""
+    return [m for u in config.units if u.name != ROOT_UNIT for m in u.get_modules()]
+
+
 def get_position_map(config: RuntimeConfig, blocks: list[str]) -> dict[str, str] | None:
-    """``{config block name: model block name}`` when the config's block units are
-    ``P.0 .. P.{n-1}`` and the model has ``n`` blocks (see [Note: unit names]); else None."""
-    names = [n for n in config.unit_names if n != ROOT_UNIT]
+    """``{config block name: model block name}`` when the config's block units hold the
+    modules ``P.0 .. P.{n-1}`` and the model has ``n`` blocks (see [Note: unit names]); else None."""
+    names = get_unit_modules(config)
     if not names or len(names) != len(blocks):
         return None
     split = [n.rpartition(".") for n in names]
@@ -89,7 +116,9 @@ def _rename(config: RuntimeConfig, mapping: dict[str, str]) -> RuntimeConfig:
         return None if names is None else [mapping.get(n, n) for n in names]
 
     units = [
-        dataclasses.replace(u, name=mapping.get(u.name, u.name), forward_prefetch=rename_list(u.forward_prefetch), backward_prefetch=rename_list(u.backward_prefetch))
+        dataclasses.replace(
+            u, name=mapping.get(u.name, u.name), modules=rename_list(u.modules), forward_prefetch=rename_list(u.forward_prefetch), backward_prefetch=rename_list(u.backward_prefetch)
+        )
         for u in config.units
     ]
     return dataclasses.replace(config, units=units)
@@ -104,7 +133,7 @@ def _try_blocks(model: nn.Module) -> list[str]:
 
 def _check_names(model: nn.Module, config: RuntimeConfig, modules: dict[str, nn.Module]) -> RuntimeConfig:
     """Every unit names a module; a same-depth config with other names is mapped by position."""
-    block_units = [n for n in config.unit_names if n != ROOT_UNIT]
+    block_units = get_unit_modules(config)
     if block_units and not any(n in modules for n in block_units):
         blocks = _try_blocks(model)
         mapping = get_position_map(config, blocks)
@@ -117,20 +146,30 @@ def _check_names(model: nn.Module, config: RuntimeConfig, modules: dict[str, nn.
             )
             return _rename(config, mapping)
     for i, unit in enumerate(config.units):
-        if unit.name != ROOT_UNIT and unit.name not in modules:
-            blocks = _try_blocks(model)
-            hint = f"blocks in this model: {_summarize(blocks)}" if blocks else "this model has no repeated blocks"
-            if blocks and len(block_units) != len(blocks):
-                hint += f"; the config has {len(block_units)} block units for {len(blocks)} blocks, so none is matched by position"
-            raise ConfigError(f"units[{i}].name", f"module {unit.name!r} not found in {type(model).__name__}", fix=f"{hint}; the model itself is {ROOT_UNIT!r}")
+        if unit.name == ROOT_UNIT:
+            continue
+        if unit.modules is not None and unit.name in modules and unit.name not in unit.modules:
+            raise ConfigError(f"units[{i}].name", f"{unit.name!r} is a module of {type(model).__name__} but not one of this unit's modules", fix="name the unit after what it holds (e.g. 'layers.0-1')")
+        for j, module in enumerate(unit.get_modules()):
+            if module not in modules:
+                path = f"units[{i}].modules[{j}]" if unit.modules is not None else f"units[{i}].name"
+                raise ConfigError(path, f"module {module!r} not found in {type(model).__name__}", fix=f"{_hint(model, block_units)}; the model itself is {ROOT_UNIT!r}")
     return config
+
+
+def _hint(model: nn.Module, block_units: list[str]) -> str:
+    blocks = _try_blocks(model)
+    hint = f"blocks in this model: {_summarize(blocks)}" if blocks else "this model has no repeated blocks"
+    if blocks and len(block_units) != len(blocks):
+        hint += f"; the config has {len(block_units)} block units for {len(blocks)} blocks, so none is matched by position"
+    return hint
 
 
 def _check_coverage(model: nn.Module, config: RuntimeConfig) -> None:
     """Every block is a unit, inside one or around one, unless ``unlisted_blocks = "root"``."""
     if config.unlisted_blocks == "root":
         return
-    units = [n for n in config.unit_names if n != ROOT_UNIT]
+    units = get_unit_modules(config)
     blocks = _try_blocks(model)
 
     def covered(block: str) -> bool:

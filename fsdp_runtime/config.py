@@ -8,6 +8,10 @@ configs, reports) embeds it with its ``schema_version``.
 Structural checks happen in :func:`validate_config` (no model needed); checks that need
 the world size or the model happen in :func:`validate_for_world` and in ``apply_fsdp``.
 Every error names the exact field path, e.g. ``units[3].forward_prefetch[0]``.
+
+Schema history: version 2 added ``units[].modules`` (several blocks in one unit) and
+``units[].activation_checkpointing``; a version-1 file reads as version 2 with both at
+their defaults (:mod:`fsdp_runtime.serialize` migrates it).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any, Literal
 
 from fsdp_runtime.errors import ConfigError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 ROOT_UNIT = "root"
 """Name of the unit that is the model itself (``fully_shard(model)``)."""
 ConsolidationMethod = Literal["all_gather", "broadcast", "dcp"]
@@ -26,6 +30,9 @@ CONSOLIDATION_METHODS: tuple[str, ...] = typing.get_args(ConsolidationMethod)
 """How a checkpoint is consolidated onto rank 0 (see ``fsdp_runtime.consolidate``)."""
 
 SyncLevel = Literal["every", "replica_last", "last"]
+CheckpointingKind = Literal["none", "selective", "full"]
+CHECKPOINTING_KINDS: tuple[str, ...] = typing.get_args(CheckpointingKind)
+"""Activation checkpointing of a unit's modules (see ``fsdp_runtime.checkpointing``)."""
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -50,7 +57,12 @@ class UnitConfig:
     """One ``fully_shard`` call and its runtime knobs."""
 
     name: str
-    """Module FQN inside the model (``layers.3``), or ``root`` for the model itself."""
+    """Module FQN inside the model (``layers.3``), or ``root`` for the model itself. With
+    ``modules``, the unit's label (``layers.0-1``): prefetch lists refer to units by name."""
+    modules: list[str] | None = None
+    """The modules this unit shards together in one ``fully_shard([...])`` call, e.g. two
+    consecutive blocks ``["layers.0", "layers.1"]`` (fewer, larger all-gathers and
+    reduce-scatters; more memory in flight). ``None``: the module ``name``. (Schema 2.)"""
     reshard_after_forward: bool | int | None = None
     """Free the unsharded params after forward (True), keep them (False), or reshard to a
     smaller group of this many ranks (int, a divisor of the shard size). ``None``: FSDP2's
@@ -73,6 +85,15 @@ class UnitConfig:
     """With ``sync = "last"``: pack gradients into the reduce-scatter layout once, on the
     sync microbatch (True, FSDP2's own behaviour), or every microbatch into a flat
     accumulator (False, FSDP1's eager concat). See [Note: concat deferral]."""
+    activation_checkpointing: CheckpointingKind = "none"
+    """Per module of the unit, applied before sharding: ``none`` keeps every activation for
+    backward; ``full`` keeps only the module's inputs and recomputes its forward in backward;
+    ``selective`` keeps the outputs of matmuls and attention and recomputes the rest
+    (element-wise ops, norms). Not for the root or a unit holding another unit. (Schema 2.)"""
+
+    def get_modules(self) -> list[str]:
+        """Module paths this unit shards (``[name]`` unless ``modules`` is set)."""
+        return list(self.modules) if self.modules is not None else [self.name]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -204,7 +225,46 @@ def validate_config(config: RuntimeConfig, *, source: str | None = None) -> Runt
         seen.add(name)
     for i, unit in enumerate(config.units):
         _validate_unit(unit, f"units[{i}]", seen, config, fail)
+    _validate_modules(config, fail)
     return config
+
+
+def _validate_modules(config: RuntimeConfig, fail) -> None:
+    """Each module in one unit at most; a module list neither empty nor nested; checkpointing
+    only where the unit's forward holds no other unit."""
+    owner: dict[str, str] = {}
+    for i, unit in enumerate(config.units):
+        path = f"units[{i}]"
+        if unit.modules is not None:
+            if unit.name == ROOT_UNIT:
+                fail(f"{path}.modules", "the root unit is the model itself and takes no module list", "remove modules, or give the unit another name")
+            if not unit.modules:
+                fail(f"{path}.modules", "is empty", f"list the modules to shard together, or remove it to shard the module {unit.name!r}")
+        if unit.name == ROOT_UNIT:
+            if unit.activation_checkpointing != "none":
+                fail(f"{path}.activation_checkpointing", "the root unit cannot be checkpointed (its forward runs every other unit)", "checkpoint the blocks' units instead")
+            continue
+        field_path = f"{path}.modules" if unit.modules is not None else f"{path}.name"
+        modules = unit.get_modules()
+        for j, module in enumerate(modules):
+            where = f"{field_path}[{j}]" if unit.modules is not None else field_path
+            if not module:
+                fail(where, "is empty", "use a module FQN such as 'layers.0'")
+            if module in modules[:j]:
+                fail(where, f"lists module {module!r} twice")
+            if module in owner:
+                fail(where, f"module {module!r} is already in {owner[module]}", "put each module in one unit")
+            inner = next((m for m in modules if m.startswith(module + ".")), None)
+            if inner is not None:
+                fail(where, f"{inner!r} is inside {module!r} in the same unit", f"list only {module!r}")
+            owner[module] = path
+    for i, unit in enumerate(config.units):
+        if unit.activation_checkpointing == "none" or unit.name == ROOT_UNIT:
+            continue
+        mine = unit.get_modules()
+        for module, other in owner.items():
+            if other != f"units[{i}]" and any(module.startswith(m + ".") for m in mine):
+                fail(f"units[{i}].activation_checkpointing", f"the unit holds {other} ({module!r}); checkpointing around another unit is not supported", f"checkpoint {other} instead")
 
 
 def _validate_unit(unit: UnitConfig, path: str, names: set[str], config: RuntimeConfig, fail) -> None:

@@ -29,12 +29,24 @@ from fsdp_runtime.files import write_atomic
 Format = Literal["toml", "json"]
 
 
+_SCHEMA_2_UNIT_FIELDS = {"modules": None, "activation_checkpointing": "none"}
+
+
 def config_to_dict(config: RuntimeConfig) -> dict[str, Any]:
+    """The config as plain data, in the oldest schema version that holds it: a config that
+    uses no schema-2 field (``units[].modules``, ``units[].activation_checkpointing``) is
+    written as version 1, so configs (and the artifacts embedding them) that do not use the
+    new knobs stay byte-identical and readable by older releases; one that does is version
+    2, which a version-1 reader refuses with its "newer than this fsdp-autotune" error."""
     data = dataclasses.asdict(config)
-    # Added to schema 1 with a default: written only when set, so configs (and the artifacts
-    # embedding them) that do not use it stay byte-identical and readable by older releases.
+    # Added to schema 1 with a default: written only when set, for the same reason.
     if data["unlisted_blocks"] == "error":
         del data["unlisted_blocks"]
+    if all(unit.get(k) == default for unit in data["units"] for k, default in _SCHEMA_2_UNIT_FIELDS.items()):
+        data["schema_version"] = 1
+        for unit in data["units"]:
+            for key in _SCHEMA_2_UNIT_FIELDS:
+                del unit[key]
     return data
 
 
@@ -48,8 +60,21 @@ def config_from_dict(data: Any, *, source: str | None = None) -> RuntimeConfig:
         raise ConfigError("schema_version", f"must be an integer, got {version!r}", source=source)
     if version > SCHEMA_VERSION:
         raise ConfigError("schema_version", f"{version} is newer than this fsdp-autotune understands ({SCHEMA_VERSION})", fix="upgrade fsdp-autotune", source=source)
+    if version < 1:
+        raise ConfigError("schema_version", f"{version} was never a schema version", fix=f"use schema_version = {SCHEMA_VERSION}", source=source)
+    while version < SCHEMA_VERSION:
+        data, version = {**_MIGRATIONS[version](data), "schema_version": version + 1}, version + 1
     config = _parse(RuntimeConfig, data, "", source)
     return validate_config(config, source=source)
+
+
+def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """v1 -> v2: v2 only added unit fields with defaults (``modules``, ``activation_checkpointing``)."""
+    return data
+
+
+_MIGRATIONS = {1: _migrate_v1}
+"""``{version: upgrade of a dict of that version to the next}``: every released version stays readable."""
 
 
 def dumps_config(config: RuntimeConfig, fmt: Format) -> str:

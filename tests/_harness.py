@@ -124,7 +124,8 @@ def train_configs(rank: int, world_size: int, *, model: str | dict[str, Any], co
     """Rank program: train each config from the same init in turn (one launch, many configs).
 
     Returns per config this rank's losses, the collectives its training steps issued, how
-    many eager concats ran (diagnostics that prove a knob did something), and
+    many eager concats and activation recomputations ran (diagnostics that prove a knob did
+    something), and
     ``refit_loss``: the last step's loss re-evaluated after training (proof that the
     updates descend on the data they came from).
     """
@@ -135,6 +136,7 @@ def train_configs(rank: int, world_size: int, *, model: str | dict[str, Any], co
             losses = [training.step(s) for s in range(num_steps)]
         refit = refit_loss(training, num_steps - 1)  # after counting: its all-gathers are not training traffic
         eager = sum(e.num_eager_concats for e in training.applied.eager_concat.values())
-        results.append({"losses": losses, "collectives": dict(counts), "eager_concats": eager, "refit_loss": refit})
+        recomputes = sum(f.num_recomputes for f in training.applied.checkpointed.values())
+        results.append({"losses": losses, "collectives": dict(counts), "eager_concats": eager, "recomputes": recomputes, "refit_loss": refit})
         del training
     return results

@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import datetime
 import json
-import multiprocessing
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-from autotune.plan.points import KnobFactory, get_forward_key, iter_space_params
-from autotune.search import SearchSpace, describe_params
+from autotune.plan.evaluate import REDUCED_DEPTHS, PlanReporter, PlanRow, evaluate_space, make_pricer
+from autotune.plan.points import KnobFactory, iter_space_params
+from autotune.search import SearchSpace
 from autotune.search.preflight import check_mesh
 from autotune.sim import Hardware, ModelWork, Simulator, StepPrediction, get_model_work
 from fsdp_runtime import MixedPrecisionConfig, Provenance, RuntimeConfig, save_config
 from fsdp_runtime.errors import AutotuneError
-from profiles import load_cluster_profile, load_model_profile
+from profiles import load_cluster_profile
+from profiles.sources import load_model_source
 
 ActivationCheckpointing = Literal["auto", "none", "full"]
 AUTO_AC_HEADROOM = 0.05
@@ -47,6 +47,8 @@ class PlanSettings:
     num_top: int = 10
     num_workers: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
     """Processes simulating in parallel."""
+    exact: bool = False
+    """Simulate every point at the model's depth, never extrapolated from shallower ones ([Note: plan speed])."""
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -63,12 +65,6 @@ class PlanSettings:
             raise PlanError(f"{self.out_dir} exists and is not a directory", field="out_dir")
 
 
-class PlanReporter(Protocol):
-    def on_phase(self, message: str) -> None: ...
-    def on_start(self, total: int) -> None: ...
-    def on_advance(self, count: int) -> None: ...
-
-
 class SilentPlanReporter:
     def on_phase(self, message: str) -> None:
         pass
@@ -78,16 +74,6 @@ class SilentPlanReporter:
 
     def on_advance(self, count: int) -> None:
         pass
-
-
-@dataclass(kw_only=True)
-class PlanRow:
-    params: dict[str, Any]
-    prediction: StepPrediction
-
-    @property
-    def description(self) -> str:
-        return describe_params(self.params)
 
 
 @dataclass(kw_only=True)
@@ -101,7 +87,14 @@ class PlanResult:
     dropped: list[PlanRow]
     """Configs over memory, least over first."""
     num_evaluated: int
+    """Configs with a prediction (simulated, or identical to one that was)."""
     evaluate_s: float
+    num_simulated: int = 0
+    """Distinct simulations (points whose knobs are equal share one: [Note: plan speed])."""
+    num_pruned: int = 0
+    """Configs not simulated because another point dominates them ([Note: plan speed])."""
+    num_exact: int = 0
+    """Configs simulated at the model's full depth (all of them unless extrapolated, [Note: plan speed])."""
     default: PlanRow
     best_config: RuntimeConfig | None = None
     best_detail: StepPrediction | None = None
@@ -128,7 +121,7 @@ class PlanResult:
 def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) -> PlanResult:
     """Simulate every point of the search space on the cluster, rank, and emit the best config."""
     reporter = reporter or SilentPlanReporter()
-    profile = load_model_profile(settings.model)
+    profile = load_model_source(settings.model)
     hardware = Hardware(load_cluster_profile(settings.cluster), settings.num_nodes)
     _ = hardware.accelerator  # a profile without one fails here, in one line
     check_mesh(settings.fixed_mesh, hardware.world_size)
@@ -143,18 +136,25 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
     points = list(iter_space_params(space))
     ac, ac_reason = _choose_checkpointing(settings, factory, work, hardware, space)
     simulator = Simulator(work, hardware, activation_checkpointing=ac)
+    full = dataclasses.replace(make_pricer(work, hardware, space, mixed_precision=mp, activation_checkpointing=ac), factory=factory, simulator=simulator)
+    reduced = None
+    if len(work.block_names) > 2 * REDUCED_DEPTHS[1] and not settings.exact:
+        reduced = tuple(make_pricer(work, hardware, space, mixed_precision=mp, activation_checkpointing=ac, depth=d) for d in REDUCED_DEPTHS)
     reporter.on_phase(f"simulating {len(points)} configs of {profile.name} on {settings.num_nodes} x {hardware.cluster.name} "
-                      f"({hardware.world_size} ranks, {settings.num_microbatches} microbatches, activation checkpointing {'full' if ac else 'none'})")  # fmt: skip
+                      f"({hardware.world_size} ranks, {settings.num_microbatches} microbatches, activation checkpointing {'full' if ac else 'none'})"
+                      + (f"; at {' and '.join(map(str, REDUCED_DEPTHS))} blocks, extrapolated to {len(work.block_names)}, the fastest then at full depth" if reduced else ""))  # fmt: skip
     started = time.perf_counter()
-    rows = _evaluate(points, factory, simulator, reporter, settings.num_workers)
-    elapsed = time.perf_counter() - started
     default_params = space.get_default_params()
+    evaluation = evaluate_space(points, full, default=default_params, reporter=reporter, num_workers=settings.num_workers, reduced=reduced)  # type: ignore[arg-type]
+    elapsed = time.perf_counter() - started
+    rows = evaluation.rows
     default = next(row for row in rows if row.params == default_params)
-    ranked = sorted((r for r in rows if r.prediction.fits), key=lambda r: _get_rank_key(r, default_params))
+    ranked = sorted((r for r in rows if r.prediction.fits), key=lambda r: (not r.exact, *_get_rank_key(r, default_params)))
     dropped = sorted((r for r in rows if not r.prediction.fits), key=lambda r: r.prediction.peak_memory_bytes)
     result = PlanResult(
         settings=settings, world_size=hardware.world_size, activation_checkpointing=ac, ac_reason=ac_reason, ranked=ranked, dropped=dropped,
-        num_evaluated=len(rows), evaluate_s=elapsed, default=default,
+        num_evaluated=len(rows), evaluate_s=elapsed, default=default, num_simulated=evaluation.num_simulated, num_pruned=evaluation.num_pruned,
+        num_exact=evaluation.num_exact,
     )  # fmt: skip
     if ranked:
         result.best_config = factory.build_config(ranked[0].params)
@@ -177,41 +177,6 @@ def _choose_checkpointing(settings: PlanSettings, factory: KnobFactory, work: Mo
     if prediction.memory_headroom_bytes >= AUTO_AC_HEADROOM * prediction.memory_capacity_bytes:
         return False, f"FSDP2's defaults fit without it with {AUTO_AC_HEADROOM:.0%} to spare"
     return True, f"without it FSDP2's defaults have less than {AUTO_AC_HEADROOM:.0%} to spare: {prediction.describe_memory()}; --ac none ranks without it"
-
-
-_WORKER: tuple[KnobFactory, Simulator] | None = None  # set before forking the pool
-
-
-def _simulate_group(group: list[dict[str, Any]]) -> list[StepPrediction]:
-    assert _WORKER is not None
-    factory, simulator = _WORKER
-    return simulator.simulate_knobs([factory.get_knobs(p) for p in group])
-
-
-def _evaluate(points: list[dict[str, Any]], factory: KnobFactory, simulator: Simulator, reporter: PlanReporter, num_workers: int) -> list[PlanRow]:
-    """Simulate every point; points sharing a first forward go together (one fork each)."""
-    global _WORKER
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for params in points:
-        groups.setdefault(get_forward_key(params), []).append(params)
-    reporter.on_start(len(points))
-    rows: list[PlanRow] = []
-    _WORKER = (factory, simulator)
-    try:
-        if num_workers <= 1 or len(groups) < 2:
-            results = map(_simulate_group, groups.values())
-            pool = None
-        else:  # pure-Python simulation: forked workers need nothing but the parent's objects
-            pool = concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("fork"))
-            results = pool.map(_simulate_group, groups.values())
-        for group, predictions in zip(groups.values(), results):
-            rows.extend(PlanRow(params=p, prediction=pred) for p, pred in zip(group, predictions))
-            reporter.on_advance(len(group))
-        if pool is not None:
-            pool.shutdown()
-    finally:
-        _WORKER = None
-    return rows
 
 
 def _emit(result: PlanResult, model_name: str, hardware: Hardware) -> list[Path]:
@@ -240,7 +205,7 @@ def _emit(result: PlanResult, model_name: str, hardware: Hardware) -> list[Path]
     summary = {
         "kind": "autotune-plan", "model": model_name, "cluster": hardware.cluster.name, "num_nodes": settings.num_nodes, "world_size": result.world_size,
         "num_microbatches": settings.num_microbatches, "activation_checkpointing": "full" if result.activation_checkpointing else "none",
-        "num_evaluated": result.num_evaluated, "num_fit": len(result.ranked), "num_dropped": len(result.dropped), "configs_per_s": result.configs_per_s,
+        "num_evaluated": result.num_evaluated, "num_simulated": result.num_simulated, "num_pruned": result.num_pruned, "num_exact": result.num_exact, "num_fit": len(result.ranked), "num_dropped": len(result.dropped), "configs_per_s": result.configs_per_s,
         "default": {"config": result.default.description, **result.default.prediction.to_dict()},
         "best": {"config": best.description, "params": best.params, **detail.to_dict()},
         "top": [{"config": r.description, "params": r.params, "num_alike": n, **r.prediction.to_metrics()} for r, n in result.get_distinct_top()],

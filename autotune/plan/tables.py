@@ -48,7 +48,10 @@ def get_unit_table(result: PlanResult, *, num_units: int = 6) -> ReportTable | N
 
 def get_plan_lines(result: PlanResult) -> list[str]:
     """What was evaluated, how fast, what was dropped and why, and what was written."""
-    lines = [f"evaluated {result.num_evaluated} configs in {result.evaluate_s:.1f} s ({result.configs_per_s:,.0f} configs/s)",
+    extrapolated = result.num_evaluated - result.num_exact
+    how = f"{extrapolated} extrapolated from shallower simulations, the fastest {result.num_exact} at full depth; " if extrapolated else ""
+    lines = [f"evaluated {result.num_evaluated} configs in {result.evaluate_s:.1f} s ({result.configs_per_s:,.0f} configs/s; {how}{result.num_simulated} distinct "
+             f"simulations, the other configs' knobs equal one of them; {result.num_pruned} not simulated: defer_concat=false, dominated by its deferred twin)",
              f"activation checkpointing: {'full' if result.activation_checkpointing else 'none'} ({result.ac_reason})"]  # fmt: skip
     if result.dropped:
         least = result.dropped[0]

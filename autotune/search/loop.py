@@ -36,7 +36,7 @@ from autotune.search.context import SearchContext
 from autotune.search.outcome import Outcome, record
 from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour
 from autotune.search.results import TrialRow, pick_best
-from autotune.search.study import get_worker_id
+from autotune.search.study import get_worker_id, record_first_heartbeat
 from autotune.trials import RankPool, TrialResult, run_trial
 from fsdp_runtime import RuntimeConfig, dumps_config
 
@@ -63,6 +63,7 @@ def to_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
         exposed_comm_ms=attrs.get("exposed_comm_ms"), overlap_ratio=attrs.get("overlap_ratio"), bound_ratio=attrs.get("bound_ratio"),
         feasible=attrs.get("memory_over_budget", 0.0) <= 0.0, is_default=bool(attrs.get("is_default", False)), duplicate_of=attrs.get("duplicate_of"),
         trial_dir=attrs.get("trial_dir"), params=dict(trial.params),
+        predicted_step_ms=attrs.get("predicted_step_ms"), predicted_ratio=attrs.get("predicted_ratio"), presearch_rank=attrs.get("presearch_rank"),
     )  # fmt: skip
 
 
@@ -124,6 +125,7 @@ def run_one(ctx: SearchContext, best: TrialRow | None) -> TrialRow:
     """Ask for a config, run (or recognise) it, tell the study; returns the trial's row."""
     trial = ctx.study.ask()
     trial.set_user_attr("worker", get_worker_id())
+    record_first_heartbeat(ctx.study, trial)
     config = ctx.space.suggest(trial)
     config_hash = get_config_hash(config)
     trial.set_user_attr("config_hash", config_hash)

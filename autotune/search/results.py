@@ -79,6 +79,12 @@ class TrialRow:
     """The trial that measured the same effective config (this one was not run again)."""
     trial_dir: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    predicted_step_ms: float | None = None
+    """The step time the calibrated simulator predicted ([Note: presearch]); None without ``--presearch``."""
+    predicted_ratio: float | None = None
+    """That prediction over the defaults' predicted step (compare with :attr:`ratio`)."""
+    presearch_rank: int | None = None
+    """Its rank among the simulated configs when ``--presearch`` enqueued it; None: sampled or refined."""
 
     @property
     def succeeded(self) -> bool:
@@ -116,9 +122,10 @@ class SearchRecord:
     """``search.json``: what a search found (read back by ``autotune report``)."""
 
     KIND: ClassVar[str] = "search_summary"
-    SCHEMA_VERSION: ClassVar[int] = 4
-    # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin: all with defaults.
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_summary_v1, 2: lambda data: data, 3: lambda data: data}
+    SCHEMA_VERSION: ClassVar[int] = 5
+    # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin, v5 rows the
+    # simulator's prediction and the record its presearch: all with defaults.
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_summary_v1, 2: lambda data: data, 3: lambda data: data, 4: lambda data: data}
 
     model: str
     proxy: dict[str, Any] = field(default_factory=dict)
@@ -134,6 +141,8 @@ class SearchRecord:
     best_config: str | None = None
     report: list[str] = field(default_factory=list)
     report_error: str | None = None
+    presearch: dict[str, Any] | None = None
+    """``--presearch``: configs ranked, calibration notes, predicted vs measured error (v5)."""
 
     def to_dict(self) -> dict[str, Any]:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -175,7 +184,7 @@ def _migrate_results_v1(data: dict[str, Any]) -> dict[str, Any]:
 def read_results(out_dir: Path) -> list[TrialRow]:
     """The rows of ``results.json``."""
     path = out_dir / "results.json"
-    data = read_artifact(path, kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: _migrate_results_v1, 2: lambda d: d, 3: lambda d: d})
+    data = read_artifact(path, kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: _migrate_results_v1, 2: lambda d: d, 3: lambda d: d, 4: lambda d: d})
     trials = data.get("trials")
     if not isinstance(trials, list):
         raise ArtifactError(f"{path}: 'trials' must be a list of rows")

@@ -38,6 +38,7 @@ from autotune.search.settings import SearchError, SearchReporter, SearchSettings
 from autotune.search.space import SearchSpace
 from autotune.search.outcome import STORAGE_ERRORS, apply_pending
 from autotune.search.preflight import preflight
+from autotune.search.presearch import PRESEARCH_ATTR, add_predictions, run_presearch, summarize_predictions
 from autotune.search.study import claim_out_dir, close_interrupted, open_study, resolve_plan
 from fsdp_runtime import RuntimeConfig
 from profiles.sources import load_model_source
@@ -93,6 +94,7 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
         ctx = SearchContext(study=study, space=space, settings=settings, plan=plan, reporter=reporter, pool=pool, own_dir=own_dir)
         warm_up(ctx)
         try:
+            run_presearch(ctx)  # --presearch sim: the defaults, calibration, the simulator's top-k enqueued
             stopped = search_loop(ctx)
             reporter.on_trials_done(stopped)
             return finish_search(ctx, stopped_because=stopped)
@@ -115,13 +117,14 @@ def _with_fastest_consolidation(ctx: SearchContext, config: RuntimeConfig) -> tu
 
 def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
     """Confirm best vs defaults side by side; write the best config, the tables and ``search.json``."""
-    rows = get_rows(ctx.study)
+    rows = add_predictions(ctx, get_rows(ctx.study))
     best = pick_best(rows)
     plan = ctx.plan
     record = SearchRecord(
         model=plan.requested.name, proxy={"is_proxy": plan.is_proxy, "name": plan.proxy_name, "reason": plan.reason, "overrides": plan.overrides},
         num_trials=len(rows), stopped_because=stopped_because, best=best, default=next((r for r in rows if r.is_default), None),
     )  # fmt: skip
+    record.presearch = summarize_predictions(rows, ctx.study.user_attrs.get(PRESEARCH_ATTR))
     summary = SearchSummary(out_dir=ctx.write_dir, study_dir=ctx.settings.out_dir, plan=plan, rows=rows, record=record)
     if best is not None:
         config, record.confirmation = run_final_round(ctx, rows)

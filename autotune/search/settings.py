@@ -14,6 +14,11 @@ if TYPE_CHECKING:
 
 SamplerName = Literal["tpe", "random", "cmaes", "qmc"]
 SAMPLERS: tuple[str, ...] = ("tpe", "random", "cmaes", "qmc")
+JOURNAL_PREFIX = "journal:"
+"""``--storage journal:PATH``: Optuna's journal file storage."""
+HEARTBEAT_GRACE_BEATS = 4
+"""Heartbeat intervals without a heartbeat after which a running trial counts as dead: a
+worker's heartbeat thread may be held up a few seconds (a busy host, a slow server)."""
 
 
 class SearchError(AutotuneError):
@@ -33,9 +38,15 @@ class SearchSettings:
     num_microbatches: int = 2
     out_dir: Path = Path("runs/search")
     storage: str | None = None
-    """Optuna storage URL; default ``sqlite:///<out_dir>/study.db``."""
+    """Optuna storage: an SQLAlchemy URL (``sqlite:///PATH``, ``postgresql+psycopg://...``) or
+    ``journal:PATH`` (Optuna's journal file); default ``sqlite:///<out_dir>/study.db``
+    ([Note: study storages] in :mod:`autotune.search.study`)."""
     storage_timeout_s: float = 120.0
     """How long a write waits for a locked SQLite study (several workers share one file)."""
+    heartbeat_s: int | None = None
+    """On a database server (PostgreSQL, MySQL): how often a worker records that its running
+    trial is alive; any worker fails a trial whose last heartbeat is ``HEARTBEAT_GRACE_BEATS``
+    intervals old. None: a twentieth of ``trial_timeout_s``, 5 to 60 s."""
     study_name: str | None = None
     resume: bool = False
     sampler: SamplerName = "tpe"
@@ -70,6 +81,11 @@ class SearchSettings:
     use_pool: bool = True
     rank_program: str | None = None
     """Custom per-rank workload ``module:function`` (see :class:`autotune.trials.TrialSpec`)."""
+    presearch: str | None = None
+    """``sim``: rank the space in the step simulator calibrated on the defaults trial and measure the
+    ``presearch_top_k`` fastest predictions first ([Note: presearch] in :mod:`autotune.search.presearch`)."""
+    presearch_top_k: int | None = None
+    """Configs the presearch enqueues; None: every trial before the refinement, the defaults' aside."""
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -87,6 +103,10 @@ class SearchSettings:
             ("sampler", self.sampler in SAMPLERS, f"unknown sampler {self.sampler!r} (use {', '.join(SAMPLERS)})"),
             ("trial_timeout_s", self.trial_timeout_s > 0, f"trial timeout must be > 0 s, got {self.trial_timeout_s}"),
             ("storage_timeout_s", self.storage_timeout_s > 0, f"storage timeout must be > 0 s, got {self.storage_timeout_s}"),
+            ("presearch", self.presearch in (None, "sim"), f"unknown presearch {self.presearch!r} (use sim)"),
+            ("presearch_top_k", self.presearch_top_k is None or self.presearch_top_k >= 1, f"presearch top-k must be >= 1, got {self.presearch_top_k}"),
+            ("heartbeat_s", self.heartbeat_s is None or self.heartbeat_s >= 1, f"heartbeat interval must be >= 1 s, got {self.heartbeat_s}"),
+            ("storage", self.storage != JOURNAL_PREFIX, f"a journal storage needs a file: {JOURNAL_PREFIX}PATH, got {self.storage!r}"),
         ]
         for name, ok, problem in checks:
             if not ok:
@@ -97,6 +117,16 @@ class SearchSettings:
 
     def get_storage(self) -> str:
         return self.storage or f"sqlite:///{(self.out_dir / 'study.db').resolve()}"
+
+    def get_heartbeat_s(self) -> int:
+        """The heartbeat interval: a dead worker's trial is failed ``HEARTBEAT_GRACE_BEATS`` of
+        them after its last heartbeat, within about a fifth of a trial's time limit."""
+        if self.heartbeat_s is not None:
+            return self.heartbeat_s
+        return int(min(60.0, max(5.0, self.trial_timeout_s / 20)))
+
+    def get_heartbeat_grace_s(self) -> int:
+        return HEARTBEAT_GRACE_BEATS * self.get_heartbeat_s()
 
     def get_study_name(self, model_name: str) -> str:
         return self.study_name or f"{model_name}-w{self.world_size}-mb{self.num_microbatches}"

@@ -6,24 +6,35 @@ activation memory per microbatch, traced on fake tensors) -> :mod:`~autotune.sim
 (per-unit durations and sizes under one mesh) -> :mod:`~autotune.sim.knobs` (a runtime
 config indexed by unit) -> :mod:`~autotune.sim.timeline` (streams, links, host, memory
 ledger) -> :mod:`~autotune.sim.schedule` ([Note: FSDP2 step schedule]) ->
-:mod:`~autotune.sim.predict` (:func:`simulate`). Imports only ``fsdp_runtime``, ``profiles``
-and torch: the search stage may import this one, never the reverse.
+:mod:`~autotune.sim.predict` (:func:`simulate`). On a machine at hand,
+:mod:`~autotune.sim.calibrate` fits a :class:`MeasuredProfile` (:mod:`~autotune.sim.measured`)
+from trials' traces ([Note: calibration]) that prices the same schedule in place of a GPU
+profile's datasheet figures. The simulator itself imports only ``fsdp_runtime``, ``profiles``
+and torch; calibration reads trial dirs through ``autotune.trials`` and ``autotune.analysis``
+(upstream stages). The search stage may import this one, never the reverse.
 """
 
+from autotune.sim.calibrate import CalibrationError, calibrate, read_calibration_trial
 from autotune.sim.hardware import Hardware, SimError
 from autotune.sim.knobs import Knobs, resolve_knobs
+from autotune.sim.measured import CollectiveFit, MeasuredProfile
 from autotune.sim.predict import Simulator, StepPrediction, UnitPrediction, simulate
 from autotune.sim.workload import ModelWork, get_model_work
 
 __all__ = [
+    "CalibrationError",
+    "CollectiveFit",
     "Hardware",
     "Knobs",
+    "MeasuredProfile",
     "ModelWork",
     "SimError",
     "Simulator",
     "StepPrediction",
     "UnitPrediction",
+    "calibrate",
     "get_model_work",
+    "read_calibration_trial",
     "resolve_knobs",
     "simulate",
 ]

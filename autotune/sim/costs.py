@@ -63,6 +63,19 @@ class MeshCosts:
     restore_s: list[float]
     """Adding that flat accumulator back into the grads on the sync microbatch."""
     optimizer_s: float
+    microbatch_s: float = 0.0
+    """Host work per microbatch outside the model and FSDP2's hooks (measured profiles)."""
+    pre_hook_s: list[float] | None = None
+    """A pre-forward/backward hook that finds its unit unsharded (measured profiles; None: free)."""
+    post_hook_s: list[float] | None = None
+    """Every post-backward hook's accumulate and reshard work (measured profiles; None: free)."""
+    all_gather_cpu_s: list[float] | None = None
+    """Compute an asynchronous all-gather takes from the training thread (CPU, measured: gloo's
+    worker shares the cores); None: none."""
+    unit_num_blocks: list[int] | None = None
+    """Blocks per non-root unit (None: one each)."""
+    unit_checkpointing: list[str] | None = None
+    """Each non-root unit's activation checkpointing, ``none``/``selective``/``full`` (None: none)."""
     post_forward: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     """``(unit, d)`` -> (reshard copy seconds, all-gather seconds over d ranks), for int reshard."""
 
@@ -76,45 +89,84 @@ class MeshCosts:
         return self.post_forward[key]
 
 
-def get_mesh_costs(work: ModelWork, hardware: Hardware, *, replicate: int, shard: int, param_dtype: str, reduce_dtype: str, activation_checkpointing: bool) -> MeshCosts:
-    """Price every unit of ``work`` on ``hardware`` under a (replicate, shard) mesh."""
+def _get_units(work: ModelWork, unit_blocks: tuple[tuple[int, ...], ...] | None) -> list[tuple[str, ...]]:
+    """The modules of each unit: its blocks (one each by default), then the root."""
+    groups = unit_blocks or tuple((b,) for b in range(len(work.block_names)))
+    return [*(tuple(work.block_names[b] for b in group) for group in groups), ("root",)]
+
+
+def _get_kinds(num_units: int, checkpointing: tuple[str, ...] | None, activation_checkpointing: bool) -> list[str]:
+    """Each block unit's checkpointing: the config's, else ``full`` where the training script checkpoints every block."""
+    default = "full" if activation_checkpointing else "none"
+    return [(checkpointing[u] if checkpointing and checkpointing[u] != "none" else default) for u in range(num_units)]
+
+
+def get_mesh_costs(work: ModelWork, hardware: Hardware, *, replicate: int, shard: int, param_dtype: str, reduce_dtype: str, activation_checkpointing: bool,
+                   unit_blocks: tuple[tuple[int, ...], ...] | None = None, checkpointing: tuple[str, ...] | None = None) -> MeshCosts:  # fmt: skip
+    """Price every unit of ``work`` on ``hardware`` under a (replicate, shard) mesh; a unit holding
+    several blocks (``unit_blocks``) gathers, reduces and computes them together, and a checkpointed
+    unit recomputes (all, or the non-matmul part of) its blocks' forward in its backward."""
     shard_group, replicate_group = hardware.get_mesh_groups(replicate, shard)
     pb, rb = get_dtype_bytes(param_dtype), get_dtype_bytes(reduce_dtype)
-    units = [*work.block_names, "root"]
-    padded = [get_padded_numel(work.param_shapes[u], shard) for u in units]
+    units = _get_units(work, unit_blocks)
+    padded = [sum(get_padded_numel(work.param_shapes[m], shard) for m in modules) for modules in units]
     sharded = [p // shard for p in padded]
+    counts = [len(modules) for modules in units[:-1]]
+    kinds = _get_kinds(len(counts), checkpointing, activation_checkpointing)
+    seg = _get_segment_seconds(work, hardware)
+    recompute = {"none": 0.0, "full": seg["block.forward"], "selective": seg["block.forward.memory"]}
+    mem, coll = hardware.get_memory_seconds, hardware.get_collective_seconds
+    measured = hardware.measured
+
+    def hooks(name: str, default: list[float] | None) -> list[float] | None:
+        if measured is None:
+            return default
+        return [c * measured.get_hook_seconds(f"{name}.block") for c in counts] + [measured.get_hook_seconds(f"{name}.root")]
+
+    real = hardware.get_real_collective_seconds
+    cpu_share = measured.cpu_share if measured is not None else 0.0
+    # reduce-scatter + the post-reduce ops on its stream (divide, cast, accumulate the sharded grad); measured profiles have them in the reduce hook
+    post_reduce = [0.0 if measured else mem(3 * s * ORIG_BYTES) for s in sharded]
+    return MeshCosts(
+        replicate=replicate, shard=shard, shard_group=shard_group, replicate_group=replicate_group, param_bytes=pb, reduce_bytes=rb, padded=padded, sharded=sharded,
+        forward_s=[c * seg["block.forward"] for c in counts] + [seg["tail.forward"]],
+        backward_s=[c * (seg["block.backward"] + recompute[k]) for c, k in zip(counts, kinds)] + [seg["tail.backward"]],
+        head_forward_s=seg["head.forward"], head_backward_s=seg["head.backward"],
+        all_gather_s=[coll("all_gather", p * pb, shard_group) for p in padded],
+        copy_out_s=hooks("unshard", [mem(2 * p * pb) for p in padded]),
+        reduce_scatter_s=[coll("reduce_scatter", p * rb, shard_group) + extra for p, extra in zip(padded, post_reduce)],
+        copy_in_s=hooks("reduce", [mem(p * (pb + rb)) for p in padded]),
+        all_reduce_s=[coll("all_reduce", s * rb, replicate_group) for s in sharded],
+        upcast_s=[mem(p * (pb + 2 * rb)) if pb != rb else 0.0 for p in padded],
+        concat_s=[mem(5 * p * rb) for p in padded],  # cat (read + write) and flat += (2 reads + write)
+        restore_s=[mem(3 * p * rb) for p in padded],
+        optimizer_s=measured.compute_scale * measured.optimizer_s_per_element * sum(sharded) if measured else mem(ADAMW_BYTES_PER_ELEMENT * sum(sharded)),
+        microbatch_s=measured.compute_scale * measured.microbatch_s if measured else 0.0,
+        pre_hook_s=hooks("pre_hook", None), post_hook_s=hooks("post_hook", None),
+        all_gather_cpu_s=[cpu_share * real("all_gather", p * pb, shard_group) for p in padded] if measured else None,
+        unit_num_blocks=counts, unit_checkpointing=kinds,
+    )  # fmt: skip
+
+
+NOMINAL_CPU_FLOPS_PER_BYTE = 10.0
+"""Measured profiles time a block's forward whole; its non-matmul share (what selective checkpointing
+recomputes) is estimated from the traced work at this many FLOPs per byte moved (a core's ~25 GFLOP/s
+of matmul over ~2.5 GB/s of element-wise traffic): an assumption, not a measurement."""
+
+
+def _get_segment_seconds(work: ModelWork, hardware: Hardware) -> dict[str, float]:
+    """Seconds per microbatch of each segment and pass, and ``block.forward.memory``: the part of a
+    block's forward that is neither matmul nor attention."""
+    block = work.work["block", "forward"]
+    if hardware.measured is not None:
+        seconds = {key: hardware.measured.get_segment_seconds(key) for key in hardware.measured.segments}
+        flops = block.gemm_flops + block.attention_flops
+        share = block.memory_bytes / (block.memory_bytes + flops / NOMINAL_CPU_FLOPS_PER_BYTE) if block.memory_bytes else 0.0
+        return {**seconds, "block.forward.memory": share * seconds["block.forward"]}
 
     def compute(segment: str, phase: str) -> float:
         w = work.work[segment, phase]
         return hardware.get_compute_seconds(gemm_flops=w.gemm_flops, attention_flops=w.attention_flops, memory_bytes=w.memory_bytes, dtype=work.dtype)
 
-    block_fwd, block_bwd = compute("block", "forward"), compute("block", "backward")
-    if activation_checkpointing:
-        block_bwd += block_fwd  # the block's forward runs again inside its backward
-    n = len(work.block_names)
-    mem = hardware.get_memory_seconds
-    coll = hardware.get_collective_seconds
-    return MeshCosts(
-        replicate=replicate,
-        shard=shard,
-        shard_group=shard_group,
-        replicate_group=replicate_group,
-        param_bytes=pb,
-        reduce_bytes=rb,
-        padded=padded,
-        sharded=sharded,
-        forward_s=[block_fwd] * n + [compute("tail", "forward")],
-        backward_s=[block_bwd] * n + [compute("tail", "backward")],
-        head_forward_s=compute("head", "forward"),
-        head_backward_s=compute("head", "backward"),
-        all_gather_s=[coll("all_gather", p * pb, shard_group) for p in padded],
-        copy_out_s=[mem(2 * p * pb) for p in padded],
-        # reduce-scatter + the post-reduce ops on its stream (divide, cast, accumulate the sharded grad)
-        reduce_scatter_s=[coll("reduce_scatter", p * rb, shard_group) + mem(3 * s * ORIG_BYTES) for p, s in zip(padded, sharded)],
-        copy_in_s=[mem(p * (pb + rb)) for p in padded],
-        all_reduce_s=[coll("all_reduce", s * rb, replicate_group) for s in sharded],
-        upcast_s=[mem(p * (pb + 2 * rb)) if pb != rb else 0.0 for p in padded],
-        concat_s=[mem(5 * p * rb) for p in padded],  # cat (read + write) and flat += (2 reads + write)
-        restore_s=[mem(3 * p * rb) for p in padded],
-        optimizer_s=mem(ADAMW_BYTES_PER_ELEMENT * sum(sharded)),
-    )
+    seconds = {f"{segment}.{phase}": compute(segment, phase) for segment in ("head", "block", "tail") for phase in ("forward", "backward")}
+    return {**seconds, "block.forward.memory": hardware.get_memory_seconds(block.memory_bytes)}

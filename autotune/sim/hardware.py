@@ -17,12 +17,17 @@ the nodes it spans.
   ``bandwidth_gbps x efficiency``; an inter-node group runs one ring channel per member
   NIC (one NIC per GPU, as on DGX/HGX nodes), so its busbw is the inter-node figure times
   ``members_per_node``, capped by the intra-node busbw the ring also crosses.
+- *measured* (a :class:`~autotune.sim.measured.MeasuredProfile` from trials on this machine):
+  the fitted real transfer (latency + bytes x (n-1)/n / bandwidth at the fitted group size),
+  held to the ``flat`` price of an emulated link where the cluster emulates one:
+  ``max(real, latency + bytes / bandwidth)``, what :mod:`autotune.trials.linkemu` enforces.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autotune.sim.measured import MeasuredProfile
 from fsdp_runtime.errors import AutotuneError
 from profiles import AcceleratorSpec, ClusterProfile, LinkClass
 
@@ -60,14 +65,18 @@ def get_group(size: int, stride: int, ranks_per_node: int) -> Group:
 
 @dataclass(frozen=True)
 class Hardware:
-    """A cluster of ``num_nodes`` nodes of one profile, priced for the simulator."""
+    """A cluster of ``num_nodes`` nodes of one profile, priced for the simulator: from its
+    datasheet figures, or from ``measured`` prices (a calibrated profile of this machine)."""
 
     cluster: ClusterProfile
     num_nodes: int = 1
+    num_ranks: int | None = None
+    """The world size when it is not ``nodes x ranks_per_node`` (a CPU box running 2 or 4 ranks)."""
+    measured: MeasuredProfile | None = None
 
     @property
     def world_size(self) -> int:
-        return self.cluster.ranks_per_node * self.num_nodes
+        return self.num_ranks or self.cluster.ranks_per_node * self.num_nodes
 
     @property
     def accelerator(self) -> AcceleratorSpec:
@@ -101,6 +110,8 @@ class Hardware:
         )
 
     def get_memory_seconds(self, num_bytes: float) -> float:
+        if self.measured is not None:
+            return self.measured.get_memory_seconds(num_bytes)
         acc = self.accelerator
         return num_bytes / (acc.hbm_gbps * 1e9 * acc.hbm_efficiency)
 
@@ -115,7 +126,17 @@ class Hardware:
         """Seconds of one collective; see [Note: collective cost model]."""
         if group.size <= 1:
             return 0.0
+        if self.measured is not None:
+            link = self.cluster.links.get(group.link_name)
+            modelled = link.get_seconds(int(num_bytes)) if link is not None and link.emulated else 0.0
+            return max(self.get_real_collective_seconds(kind, num_bytes, group), modelled)
         return _get_seconds(self.cluster, kind, num_bytes, group)
+
+    def get_real_collective_seconds(self, kind: str, num_bytes: float, group: Group) -> float:
+        """The part of a collective that moves data through this machine's cores (measured profiles only; else 0)."""
+        if self.measured is None or group.size <= 1:
+            return 0.0
+        return self.measured.get_real_seconds(kind, num_bytes, group.size)
 
 
 def _get_link(cluster: ClusterProfile, name: str) -> LinkClass:

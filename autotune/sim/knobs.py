@@ -1,9 +1,11 @@
 """A :class:`RuntimeConfig` resolved against the model's units: per-unit knob lists by unit index.
 
-Unit ``i`` is block ``i`` (in the model's block order) for ``i < n`` and the root for ``i = n``.
-Defaults resolve as FSDP2 resolves them: ``reshard_after_forward = None`` is True for a block
-and False for the root (``FSDPState._lazy_init``); an int equal to the shard size is True and
-1 is False (``_get_post_forward_mesh_info``); ``unshard_async = "auto"`` is on for CPU only.
+Unit ``i`` is the ``i``-th unit of blocks in the model's block order (one block each by
+default; several with a schema-2 ``modules`` list) for ``i < n`` and the root for ``i = n``.
+Blocks no config unit holds get a default unit of their own. Defaults resolve as FSDP2
+resolves them: ``reshard_after_forward = None`` is True for a block and False for the root
+(``FSDPState._lazy_init``); an int equal to the shard size is True and 1 is False
+(``_get_post_forward_mesh_info``); ``unshard_async = "auto"`` is on for CPU only.
 """
 
 from __future__ import annotations
@@ -30,25 +32,66 @@ class Knobs:
     sync: tuple[str, ...]
     reshard_after_backward: tuple[bool, ...]
     defer_concat: tuple[bool, ...]
+    unit_blocks: tuple[tuple[int, ...], ...] | None = None
+    """Per non-root unit, the indices of the blocks it shards together; None: one block per unit."""
+    checkpointing: tuple[str, ...] | None = None
+    """Per unit (root included), its activation checkpointing: ``none``, ``selective``, ``full``; None: none."""
+
+
+def _get_units(config: RuntimeConfig, block_names: tuple[str, ...]) -> tuple[list[UnitConfig], list[tuple[int, ...]]]:
+    """The config's units in block order with the blocks each holds (blocks in no unit get a default
+    unit), then the root."""
+    block_index = {name: i for i, name in enumerate(block_names)}
+    owned: dict[int, tuple[int, UnitConfig]] = {}
+    root = UnitConfig(name=ROOT_UNIT)
+    for i, unit in enumerate(config.units):
+        if unit.name == ROOT_UNIT:
+            root = unit
+            continue
+        modules = unit.get_modules() if hasattr(unit, "get_modules") else [unit.name]
+        for module in modules:
+            if module not in block_index:
+                known = f"units: {block_names[0]}..{block_names[-1]}, {ROOT_UNIT}" if block_names else f"units: {ROOT_UNIT}"
+                if getattr(unit, "modules", None) is None:
+                    raise ConfigError(f"units[{i}].name", f"unit {unit.name!r} is not a unit of this model", fix=known)
+                raise ConfigError(f"units[{i}].modules", f"{module!r} is not a block of this model (the simulator models units of blocks and the root)", fix=known)
+            owned[block_index[module]] = (i, unit)
+    units: list[UnitConfig] = []
+    blocks: list[tuple[int, ...]] = []
+    seen: dict[int, int] = {}
+    for b, name in enumerate(block_names):
+        if b not in owned:
+            units.append(UnitConfig(name=name))
+            blocks.append((b,))
+        elif owned[b][0] in seen:
+            u = seen[owned[b][0]]
+            if blocks[u][-1] != b - 1:
+                raise ConfigError(f"units[{owned[b][0]}].modules", f"unit {owned[b][1].name!r} holds blocks that are not consecutive", fix="group consecutive blocks")
+            blocks[u] += (b,)
+        else:
+            seen[owned[b][0]] = len(units)
+            units.append(owned[b][1])
+            blocks.append((b,))
+    return [*units, root], blocks
 
 
 def resolve_knobs(config: RuntimeConfig, block_names: tuple[str, ...], *, world_size: int, device: str) -> Knobs:
     """Check ``config`` against the model and world size and index its knobs by unit."""
     validate_config(config)
     replicate, shard = validate_for_world(config, world_size)
-    names = [*block_names, ROOT_UNIT]
-    index = {name: i for i, name in enumerate(names)}
-    units: list[UnitConfig] = [UnitConfig(name=name) for name in names]
+    units, blocks = _get_units(config, block_names)
+    index = {unit.name: i for i, unit in enumerate(units)}
     for i, unit in enumerate(config.units):
         if unit.name not in index:
-            raise ConfigError(f"units[{i}].name", f"unit {unit.name!r} is not a unit of this model", fix=f"units: {names[0]}..{names[-2]}, {ROOT_UNIT}")
-        units[index[unit.name]] = unit
+            raise ConfigError(f"units[{i}].name", f"unit {unit.name!r} is not a unit of this model", fix=f"units: {units[0].name}..{units[-2].name}, {ROOT_UNIT}")
 
     def targets(names_: list[str] | None) -> tuple[int, ...] | None:
         return None if names_ is None else tuple(index[name] for name in names_)
 
     mp = config.mixed_precision
     param_dtype = mp.param_dtype or "float32"
+    grouped = any(len(b) > 1 for b in blocks)
+    checkpointing = tuple(getattr(u, "activation_checkpointing", "none") for u in units)
     return Knobs(
         num_microbatches=config.num_microbatches,
         hsdp=config.mesh.kind == "hsdp",
@@ -64,6 +107,8 @@ def resolve_knobs(config: RuntimeConfig, block_names: tuple[str, ...], *, world_
         sync=tuple(u.sync for u in units),
         reshard_after_backward=tuple(u.reshard_after_backward for u in units),
         defer_concat=tuple(u.defer_concat for u in units),
+        unit_blocks=tuple(blocks) if grouped else None,
+        checkpointing=checkpointing if any(c != "none" for c in checkpointing) else None,
     )
 
 

@@ -37,11 +37,13 @@ class StepPrediction:
     exposed_comm_s: float
     tokens_per_s_per_device: float
     mfu: float
-    """Model FLOPs (as FlopCounterMode counts them) per second / the device's dense peak."""
+    """Model FLOPs (as FlopCounterMode counts them) per second / the device's dense peak (0 without one: a measured CPU profile)."""
     peak_memory_bytes: float
     memory_capacity_bytes: float
     memory_breakdown: dict[str, float] = field(default_factory=dict)
     units: list[UnitPrediction] = field(default_factory=list)
+    phase_peaks: dict[str, float] = field(default_factory=dict)
+    """Peak memory in each phase (``forward``, ``backward``, ``optimizer``)."""
 
     @property
     def fits(self) -> bool:
@@ -77,17 +79,18 @@ class Simulator:
     def __init__(self, work: ModelWork, hardware: Hardware, *, activation_checkpointing: bool = False) -> None:
         self.work, self.hardware, self.ac = work, hardware, activation_checkpointing
         self.flops_per_microbatch = work.get_flops_per_microbatch()
-        self.peak_flops = hardware.get_peak_flops(work.dtype)
-        self._costs: dict[tuple[int, int, str, str], MeshCosts] = {}
+        # A measured profile of a CPU box has no device peak: MFU is then 0.
+        self.peak_flops = hardware.get_peak_flops(work.dtype) if hardware.measured is None or hardware.cluster.accelerator else 0.0
+        self._costs: dict[tuple[Any, ...], MeshCosts] = {}
 
     def get_costs(self, knobs: Knobs) -> MeshCosts:
         if knobs.param_dtype != self.work.dtype:
             raise SimError(f"mixed_precision.param_dtype is {knobs.param_dtype} but the workload was traced in {self.work.dtype}", field="mixed_precision.param_dtype")
-        key = (knobs.replicate, knobs.shard, knobs.param_dtype, knobs.reduce_dtype)
+        key = (knobs.replicate, knobs.shard, knobs.param_dtype, knobs.reduce_dtype, knobs.unit_blocks, knobs.checkpointing)
         if key not in self._costs:
             self._costs[key] = get_mesh_costs(
                 self.work, self.hardware, replicate=knobs.replicate, shard=knobs.shard, param_dtype=knobs.param_dtype,
-                reduce_dtype=knobs.reduce_dtype, activation_checkpointing=self.ac,
+                reduce_dtype=knobs.reduce_dtype, activation_checkpointing=self.ac, unit_blocks=knobs.unit_blocks, checkpointing=knobs.checkpointing,
             )  # fmt: skip
         return self._costs[key]
 
@@ -106,17 +109,18 @@ class Simulator:
     def _predict(self, schedule: StepSchedule, knobs: Knobs, with_units: bool) -> StepPrediction:
         num = knobs.num_microbatches
         step_s, exposed, comm = _finish_step(schedule, num)
-        names = [*self.work.block_names, ROOT_UNIT]
+        names = [*(self.work.block_names[b[0]] if len(b) == 1 else f"{self.work.block_names[b[0]]}-{self.work.block_names[b[-1]]}" for b in knobs.unit_blocks), ROOT_UNIT] \
+            if knobs.unit_blocks else [*self.work.block_names, ROOT_UNIT]
         return StepPrediction(
             step_s=step_s,
             compute_s=schedule.t.compute_busy,
             comm_s=sum(comm),
             exposed_comm_s=sum(exposed),
             tokens_per_s_per_device=num * self.work.tokens / step_s,
-            mfu=num * self.flops_per_microbatch / (step_s * self.peak_flops),
+            mfu=num * self.flops_per_microbatch / (step_s * self.peak_flops) if self.peak_flops else 0.0,
             peak_memory_bytes=schedule.mem.peak,
             memory_capacity_bytes=self.hardware.usable_memory_bytes,
-            memory_breakdown=schedule.mem.get_peak_breakdown(),
+            memory_breakdown=schedule.mem.get_peak_breakdown(), phase_peaks=dict(schedule.mem.phase_peaks),
             units=[UnitPrediction(name=name, comm_s=comm[i], exposed_s=exposed[i]) for i, name in enumerate(names)] if with_units else [],
         )
 

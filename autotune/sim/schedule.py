@@ -50,7 +50,12 @@ Optimizer step (AdamW on the sharded fp32 params) after the last microbatch.
 
 On CPU (gloo) the streams are dummies: an all-gather blocks the host unless the unit's
 unshard is async (then only ``wait_for_unshard`` waits), reduce-scatters and all-reduces
-always block (``foreach_reduce`` waits, FINDINGS.md). On GPU ``unshard_async`` issues the
+always block (``foreach_reduce`` waits, FINDINGS.md). An async all-gather's real transfer
+runs on gloo's worker thread, which shares the cores with compute: with a measured profile
+(:mod:`autotune.sim.measured`) the host loses ``cpu_share`` of that transfer when it issues
+it; only what a link holds beyond it (an emulated link) overlaps for free. Measured profiles
+also charge the host's own work per microbatch and FSDP2's hooks per call (a pre-hook that
+finds its unit unsharded, every post-backward's accumulate and reshard). On GPU ``unshard_async`` issues the
 all-gather on the current stream: it starts only when the compute issued before it ends.
 The GPU host is assumed to run ahead of the device (large kernels); it is never the bound.
 """
@@ -82,17 +87,13 @@ class StepSchedule:
         self.cpu = hardware.cluster.device == "cpu"
         self.t = Timeline(n + 1, host_blocks=self.cpu)
         self.mem = MemoryLedger(3 * ORIG_BYTES * sum(costs.sharded))  # params + AdamW exp_avg, exp_avg_sq
-        per_block = activations.block_input if activation_checkpointing else activations.block_saved
-        self.act_head = activations.head
-        self.act_forward = [activations.block_forward_peak + i * per_block for i in range(n)]
-        self.act_backward = [activations.block_backward_peak + i * per_block for i in range(n)]
-        self.act_tail = activations.tail_peak - activations.block_saved + n * per_block
-        # The output head's and norm's backward come after the loss's peak: the live activations then
-        # are every block's plus a backward's transients, as in the last block's backward.
-        self.act_root_backward = activations.block_backward_peak + max(0, n - 1) * per_block
+        self._set_activations(activations, costs, activation_checkpointing)
         self.ag_bytes = [p * costs.param_bytes for p in costs.padded] if costs.shard > 1 else [0] * (n + 1)
         self.unsharded_bytes = [p * costs.param_bytes for p in costs.padded]
         self.rs_bytes = [p * costs.reduce_bytes for p in costs.padded]
+        zeros = [0.0] * (n + 1)
+        self.pre_hook_s, self.post_hook_s = costs.pre_hook_s or zeros, costs.post_hook_s or zeros
+        self.ag_cpu_s = costs.all_gather_cpu_s or zeros
         self._set_knobs(knobs)
         self.state = [SHARDED] * (n + 1)
         self.pending: list[Event | None] = [None] * (n + 1)
@@ -106,6 +107,26 @@ class StepSchedule:
         self.ag_state_end = 0.0
         self.rs_states: list[Event] = []
         self.last_post: dict[str, Event] = {}
+
+    def _set_activations(self, a: ActivationProfile, costs: MeshCosts, activation_checkpointing: bool) -> None:
+        """Live activations at each checkpoint: a unit of k blocks keeps k blocks' saved activations
+        (full checkpointing: their inputs; selective: also their matmul and attention outputs), and
+        its forward and backward peak as one block's with the other k - 1 blocks' saved below."""
+        n = self.n
+        counts = costs.unit_num_blocks or [1] * n
+        kinds = costs.unit_checkpointing or ["full" if activation_checkpointing else "none"] * n
+        per_block = {"none": a.block_saved, "full": a.block_input, "selective": a.block_selective if a.block_selective is not None else a.block_saved}
+        saved = [per_block[k] for k in kinds]
+        below = [0.0] * (n + 1)
+        for u in range(n):
+            below[u + 1] = below[u] + counts[u] * saved[u]
+        self.act_head = a.head
+        self.act_forward = [a.block_forward_peak + (counts[u] - 1) * saved[u] + below[u] for u in range(n)]
+        self.act_backward = [a.block_backward_peak + (counts[u] - 1) * saved[u] + below[u] for u in range(n)]
+        self.act_tail = a.tail_peak - a.block_saved + below[n]
+        # The output head's and norm's backward come after the loss's peak: the live activations then
+        # are every block's plus a backward's transients, as in the last block's backward.
+        self.act_root_backward = a.block_backward_peak + (below[n] - saved[n - 1] if n else 0.0)
 
     def _set_knobs(self, knobs: Knobs) -> None:
         self.k = knobs
@@ -129,6 +150,7 @@ class StepSchedule:
         self.run_backward(index == self.k.num_microbatches - 1)
 
     def run_optimizer(self) -> None:
+        self.mem.phase = "optimizer"
         sharded = self.c.sharded
         self.t.compute(self.c.optimizer_s)
         self.mem.checkpoint(2 * ORIG_BYTES * sum(sharded))  # foreach AdamW intermediates
@@ -139,6 +161,9 @@ class StepSchedule:
 
     def run_forward(self) -> None:
         c, t, mem, root = self.c, self.t, self.mem, self.n
+        mem.phase = "forward"
+        if c.microbatch_s:
+            t.compute(c.microbatch_s)
         self.ag_gate = max(self.ag_gate, t.streams[COMPUTE])  # _root_pre_forward
         self._pre_forward(root)
         t.compute(c.head_forward_s)
@@ -155,7 +180,8 @@ class StepSchedule:
 
     def _pre_forward(self, u: int) -> None:
         self._unshard(u)
-        self._wait_for_unshard(u, forward=True)
+        if not self._wait_for_unshard(u, forward=True) and self.pre_hook_s[u]:
+            self.t.compute(self.pre_hook_s[u])
         for v in self.k.forward_prefetch[u] or ():
             self._unshard(v)
 
@@ -180,17 +206,20 @@ class StepSchedule:
         if self.state[u] == POST_FORWARD_STATE:
             seconds = c.get_post_forward(u, self.k.reshard_after_forward[u], self.hw)[1]
         self.mem.live[AG_BUFFERS] += self.ag_bytes[u]
-        if self.cpu:  # dummy streams: blocking unless async (gloo's worker thread)
+        if self.cpu:  # dummy streams: blocking unless async (gloo's worker thread, which takes CPU from compute)
             self.pending[u] = t.collective("all_gather" if self.k.unshard_async else COMPUTE, seconds, SHARD_LINK, u)
+            if self.k.unshard_async and self.ag_cpu_s[u]:
+                t.compute(self.ag_cpu_s[u])
         elif self.k.unshard_async:  # on the current stream: NCCL waits for the compute issued so far
             self.pending[u] = t.collective("all_gather_async", seconds, SHARD_LINK, u, after=t.streams[COMPUTE])
         else:
             self.pending[u] = t.collective("all_gather", seconds, SHARD_LINK, u, after=self.ag_gate)
 
-    def _wait_for_unshard(self, u: int, *, forward: bool) -> None:
+    def _wait_for_unshard(self, u: int, *, forward: bool) -> bool:
+        """Copy out the unit's pending all-gather; False when it has none (already unsharded)."""
         ag = self.pending[u]
         if ag is None:
-            return
+            return False
         c, t, live = self.c, self.t, self.mem.live
         if forward and self.ag_state >= 0:
             self._free_all_gather_state()
@@ -205,6 +234,7 @@ class StepSchedule:
         else:
             self.ag_gate = max(self.ag_gate, copy_end)
             live[AG_BUFFERS] -= self.ag_bytes[u]
+        return True
 
     def _free_all_gather_state(self) -> None:
         self.ag_gate = max(self.ag_gate, self.ag_state_end)
@@ -219,6 +249,7 @@ class StepSchedule:
 
     def run_backward(self, is_last: bool) -> None:
         c, t, root = self.c, self.t, self.n
+        self.mem.phase = "backward"
         self.mem.checkpoint(self.act_tail)  # the loss's backward, before the root's pre-backward hook
         self._pre_backward(root)
         self._compute_backward(root, self.act_root_backward, share=1.0 - self.root_head_fraction)
@@ -240,7 +271,8 @@ class StepSchedule:
 
     def _pre_backward(self, u: int) -> None:
         self._unshard(u)
-        self._wait_for_unshard(u, forward=False)
+        if not self._wait_for_unshard(u, forward=False) and self.pre_hook_s[u]:
+            self.t.compute(self.pre_hook_s[u])
         targets = self.k.backward_prefetch[u]
         if targets is None:  # _backward_prefetch: the previous unit in post-forward order
             previous = self.n - 1 if u == self.n else u - 1
@@ -264,6 +296,8 @@ class StepSchedule:
 
     def _post_backward(self, u: int, is_last: bool) -> None:
         c, t, live = self.c, self.t, self.mem.live
+        if self.post_hook_s[u]:  # post_backward_accumulate and _reshard
+            t.compute(self.post_hook_s[u])
         if not is_last and self.skip_sync[u]:  # reduce_grads off: accumulate unsharded
             if self.k.reshard_after_backward[u] and self.state[u] == UNSHARDED_STATE:
                 self._free_unsharded(u)

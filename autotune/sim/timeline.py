@@ -59,7 +59,7 @@ class Timeline:
         start = streams[COMPUTE]
         if self.host > start:
             start = self.host
-        if deps:
+        if deps and (deps[0][0] if len(deps) == 1 else max([dep[0] for dep in deps])) > start:  # a wait: charge it (blockers end earlier)
             if len(deps) > 1 or deps[0][2] is not None:
                 deps = _with_blockers(deps)
             exposed = self.exposed
@@ -116,7 +116,7 @@ def _with_blockers(deps: tuple[Event, ...]) -> list[Event]:
 class MemoryLedger:
     """Bytes live on one rank by category (``MEMORY_CATEGORIES``); ``checkpoint`` records the peak."""
 
-    __slots__ = ("static", "live", "peak", "peak_live", "peak_activations")
+    __slots__ = ("static", "live", "peak", "peak_live", "peak_activations", "phase", "phase_peaks")
 
     def __init__(self, static: float) -> None:
         self.static = static
@@ -124,14 +124,20 @@ class MemoryLedger:
         self.peak = 0.0
         self.peak_live: list[float] = []
         self.peak_activations = 0.0
+        self.phase = "forward"
+        """What runs now (``forward``, ``backward``, ``optimizer``): peaks are also kept per phase."""
+        self.phase_peaks: dict[str, float] = {}
 
     def copy(self) -> "MemoryLedger":
         other = MemoryLedger(self.static)
         other.live, other.peak, other.peak_live, other.peak_activations = list(self.live), self.peak, self.peak_live, self.peak_activations
+        other.phase, other.phase_peaks = self.phase, dict(self.phase_peaks)
         return other
 
     def checkpoint(self, activations: float) -> None:
         total = self.static + activations + sum(self.live)
+        if total > self.phase_peaks.get(self.phase, 0.0):
+            self.phase_peaks[self.phase] = total
         if total > self.peak:
             self.peak, self.peak_live, self.peak_activations = total, list(self.live), activations
 

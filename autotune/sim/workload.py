@@ -1,11 +1,14 @@
 """What one microbatch asks of a rank, measured on fake tensors: FLOPs, bytes and activation memory.
 
-The model is the profile's :class:`profiles.Llama` run by the trials' loss
-(``autotune.trials.workload.compute_loss``: logits cast to float32, cross-entropy). It is
-built with one block under ``FakeTensorMode`` (nothing is allocated, any shape traces in
+The model is whatever ``--model`` names (:mod:`profiles.sources`: a Llama profile, a Hugging
+Face config, a factory) run by the trials' loss (``autotune.trials.workload.compute_loss``:
+the model's own ``compute_autotune_loss``, its ``.loss``, or float32 cross-entropy of its
+logits). It is built under ``FakeTensorMode`` (nothing is allocated, any shape traces in
 about a second) in the unsharded parameter dtype, so every activation is what the
-``MixedPrecisionPolicy`` produces. All blocks of a Llama are alike, so one block stands for
-each; the root unit is two *segments*: ``head`` (what runs before the first block:
+``MixedPrecisionPolicy`` produces. The blocks of a transformer are alike, so one block stands
+for each: a Llama profile and an HF config are traced with one block (``num_layers`` /
+``num_hidden_layers = 1``); a factory, which cannot be resized, whole, its blocks' work
+averaged. The root unit is two *segments*: ``head`` (what runs before the first block:
 embeddings, RoPE tables) and ``tail`` (final norm, output head, loss).
 
 - Work, per segment and pass, from a dispatch mode under torch's ``ModTracker``: matmul
@@ -21,8 +24,10 @@ embeddings, RoPE tables) and ``tail`` (final norm, output head, loss).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,11 +36,18 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from fsdp_runtime import ROOT_UNIT, find_block_names
 from profiles import Llama, ModelProfile
+from profiles.factory import BATCH_HOOK, LOSS_HOOK
+from profiles.sources import ModelSource
 
 SEGMENTS = ("head", "block", "tail")
 _ATTENTION_FORWARD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"}
 _ATTENTION_BACKWARD = {f"{name}_backward" for name in _ATTENTION_FORWARD}
 _VIEWS = {"_unsafe_view", "detach", "lift_fresh"}
+_SELECTIVE_SAVED = {
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+}  # fmt: skip
+"""The ops whose outputs selective activation checkpointing saves (``fsdp_runtime.checkpointing.SAVED_OPS``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +81,9 @@ class ActivationProfile:
     block_forward_peak: float
     block_backward_peak: float
     tail_peak: float
+    block_selective: float | None = None
+    """Bytes a block keeps under selective checkpointing: its input and the outputs of its matmuls and
+    attention (the ops ``fsdp_runtime.checkpointing`` saves); None: not traced (taken as ``block_saved``)."""
 
 
 @dataclass(frozen=True)
@@ -98,13 +113,14 @@ class ModelWork:
 
 
 @functools.lru_cache(maxsize=16)
-def get_model_work(profile: ModelProfile, dtype: str = "bfloat16") -> ModelWork:
-    """Trace ``profile`` (cached per profile and dtype)."""
+def get_model_work(profile: ModelSource, dtype: str = "bfloat16") -> ModelWork:
+    """Trace the model ``profile`` names (cached per model and dtype)."""
     torch_dtype = getattr(torch, dtype)
-    one_block = profile.with_overrides(num_layers=1)
-    with torch.device("meta"):
-        full = Llama(profile.shape)
+    full = profile.build(device="meta")
     block_names = tuple(find_block_names(full))
+    traced = _get_traced_source(profile)
+    work, selective = _trace_work(traced, torch_dtype)
+    activations = _trace_activations(traced, torch_dtype)
     return ModelWork(
         name=profile.name,
         tokens=profile.batch_size * profile.seq_len,
@@ -112,9 +128,25 @@ def get_model_work(profile: ModelProfile, dtype: str = "bfloat16") -> ModelWork:
         block_names=block_names,
         param_shapes=_get_param_shapes(full, block_names),
         root_head_fraction=_get_root_head_fraction(full, block_names),
-        work=_trace_work(one_block, torch_dtype),
-        activations=_trace_activations(one_block, torch_dtype),
+        work=work,
+        activations=dataclasses.replace(activations, block_selective=activations.block_input + selective),
     )
+
+
+def _get_traced_source(profile: ModelSource) -> ModelSource:
+    """The model with one block where its source can be resized (a profile, an HF config), else itself."""
+    from profiles.hf import HFModel
+
+    if isinstance(profile, ModelProfile):
+        return profile.with_overrides(num_layers=1)
+    if isinstance(profile, HFModel) and hasattr(profile.get_config(), "num_hidden_layers"):
+        one_block = profile.with_overrides(num_hidden_layers=1)
+        try:
+            if len(find_block_names(one_block.build(device="meta"))) == 1:
+                return one_block
+        except Exception:  # a config whose other fields depend on the depth (per-layer lists): trace it whole
+            pass
+    return profile
 
 
 def _get_param_shapes(model: torch.nn.Module, block_names: tuple[str, ...]) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -139,37 +171,57 @@ def _get_root_head_fraction(model: torch.nn.Module, block_names: tuple[str, ...]
     return sum(sizes[i] for i, places in where.items() if places == {"head"}) / total if total else 0.0
 
 
-def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    # The trials' loss (autotune.trials.workload.compute_loss), restated to keep sim free of trials.
-    logits = model(tokens[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+def _loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    # The trials' loss (autotune.trials.workload.compute_loss), restated to keep this stage's tracing free of trials.
+    hook = getattr(model, LOSS_HOOK, None)
+    if callable(hook):
+        return hook(batch)
+    out = model(batch[:, :-1])
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 
-def _build_fake(profile: ModelProfile, dtype: torch.dtype) -> tuple[Llama, torch.Tensor]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("cpu"):
-            model = Llama(profile.shape)
-    finally:
-        torch.set_default_dtype(previous)
-    tokens = torch.randint(0, profile.shape.vocab_size, (profile.batch_size, profile.seq_len + 1))
-    return model, tokens
+def _build_fake(profile: ModelSource, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    """The model in ``dtype`` and one microbatch, under the caller's ``FakeTensorMode``."""
+    if isinstance(profile, ModelProfile):  # built in the dtype directly, as before other sources existed
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("cpu"):
+                model: torch.nn.Module = Llama(profile.shape)
+        finally:
+            torch.set_default_dtype(previous)
+    else:  # built on meta, outside the fake mode, and cast there (a fake parameter cannot be cast), then given fake CPU storage
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            model = profile.build(device="meta").to(dtype)
+        model.to_empty(device="cpu")
+    hook = getattr(model, BATCH_HOOK, None)
+    if callable(hook):
+        return model, hook(generator=torch.Generator().manual_seed(0), batch_size=profile.batch_size, seq_len=profile.seq_len)
+    return model, torch.randint(0, profile.vocab_size, (profile.batch_size, profile.seq_len + 1))
 
 
 class _WorkCounter(TorchDispatchMode):
     """Sums :class:`PassWork` per ``(segment, pass)``, the segment told by torch's ModTracker."""
 
-    def __init__(self, tracker, block_fqn: str) -> None:
+    def __init__(self, tracker, block_fqns: tuple[str, ...]) -> None:
         super().__init__()
         self.tracker = tracker
-        self.block_fqn = block_fqn
+        self.block_prefixes = tuple(f"{fqn}." for fqn in block_fqns)
+        self.block_fqns = set(block_fqns)
         self.seen_block = {"forward": False, "backward": False}
         self.sums: dict[tuple[str, str], list[float]] = {(s, p): [0.0, 0.0, 0.0] for s in SEGMENTS for p in ("forward", "backward")}
+        self.selective = 0.0
+        """Bytes of the outputs of blocks' matmuls and attention in forward (what selective checkpointing keeps)."""
 
     def _get_key(self) -> tuple[str, str]:
         phase = "backward" if self.tracker.is_bw else "forward"
-        if any(p == self.block_fqn or p.startswith(self.block_fqn + ".") for p in self.tracker.parents):
+        if any(p in self.block_fqns or p.startswith(self.block_prefixes) for p in self.tracker.parents):
             self.seen_block[phase] = True
             return "block", phase
         after_block = self.seen_block[phase]
@@ -180,8 +232,11 @@ class _WorkCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        sums = self.sums[self._get_key()]
+        key = self._get_key()
+        sums = self.sums[key]
         name = func._overloadpacket.__name__
+        if key == ("block", "forward") and name in _SELECTIVE_SAVED:
+            self.selective += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         if name in _ATTENTION_FORWARD:
             q, k, v = args[:3]
             sums[1] += sdpa_flop_count(q.shape, k.shape, v.shape)
@@ -206,30 +261,37 @@ def _moves_data(func, out) -> bool:
     return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
 
 
-def _trace_work(profile: ModelProfile, dtype: torch.dtype) -> dict[tuple[str, str], PassWork]:
+def _trace_work(profile: ModelSource, dtype: torch.dtype) -> tuple[dict[tuple[str, str], PassWork], float]:
+    """Work per segment and pass (the block segment: the mean over the traced blocks), and a block's
+    bytes of matmul and attention outputs in forward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mod_tracker import ModTracker
 
-    with FakeTensorMode():
-        model, tokens = _build_fake(profile, dtype)
-        block_fqn = f"{type(model).__name__}.{find_block_names(model)[0]}"
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, batch = _build_fake(profile, dtype)
+        blocks = find_block_names(model)
         tracker = ModTracker()
-        with tracker, _WorkCounter(tracker, block_fqn) as counter:
-            _loss(model, tokens).backward()
-    return {key: PassWork(*values) for key, values in counter.sums.items()}
+        with tracker, _WorkCounter(tracker, tuple(f"{type(model).__name__}.{b}" for b in blocks)) as counter:
+            _loss(model, batch).backward()
+    work = {key: PassWork(*(v / len(blocks) for v in values) if key[0] == "block" else values) for key, values in counter.sums.items()}
+    return work, counter.selective / len(blocks)
 
 
-def _trace_activations(profile: ModelProfile, dtype: torch.dtype) -> ActivationProfile:
+def _trace_activations(profile: ModelSource, dtype: torch.dtype) -> ActivationProfile:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
-    with FakeTensorMode():
-        model, tokens = _build_fake(profile, dtype)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, batch = _build_fake(profile, dtype)
+        blocks = find_block_names(model)
+        block = model.get_submodule(blocks[0])
+        inputs: list[int] = []
+        handle = block.register_forward_pre_hook(lambda _, args: inputs.append(args[0].numel() * args[0].element_size()) if not inputs else None)
         tracker = MemTracker()
         tracker.track_external(model)
         with tracker:
-            _loss(model, tokens).backward()
-        block = model.get_submodule(find_block_names(model)[0])
+            _loss(model, batch).backward()
+        handle.remove()
         snapshots = tracker.memory_tracking[block].snapshots
 
         def live(state) -> float:
@@ -243,8 +305,8 @@ def _trace_activations(profile: ModelProfile, dtype: torch.dtype) -> ActivationP
     return ActivationProfile(
         head=head,
         block_saved=saved,
-        block_input=float(profile.batch_size * profile.seq_len * profile.shape.dim * torch.finfo(dtype).bits // 8),
+        block_input=float(inputs[0]),
         block_forward_peak=live(_ModState.PEAK_FW),
         block_backward_peak=live(_ModState.PEAK_BW),
-        tail_peak=global_peak,
+        tail_peak=global_peak - (len(blocks) - 1) * saved,  # as if one block had been traced
     )

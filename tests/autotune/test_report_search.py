@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import html
-import json
 import re
 import shutil
 from pathlib import Path

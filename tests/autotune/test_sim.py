@@ -131,3 +131,57 @@ def test_random_configs_simulate_without_error():
         prediction = simulator.simulate(config)
         assert prediction.step_s > 0 and prediction.peak_memory_bytes > 0
     random.seed(0)
+
+
+def _grouped(work, *, checkpointing: str = "none", modules=("layers.0", "layers.1")):
+    from fsdp_runtime import RuntimeConfig
+
+    units = [UnitConfig(name="layers.0-1", modules=list(modules), activation_checkpointing=checkpointing, forward_prefetch=["layers.2"]),
+             UnitConfig(name="layers.2", activation_checkpointing=checkpointing), UnitConfig(name="layers.3"), UnitConfig(name="root")]  # fmt: skip
+    return RuntimeConfig(units=units, mixed_precision=BF16)
+
+
+def test_units_of_several_blocks_and_per_unit_checkpointing_schema_2():
+    from autotune.sim import resolve_knobs
+    from autotune.sim.costs import get_mesh_costs
+
+    work = get_model_work(load_model_profile("tiny"), "bfloat16")
+    knobs = resolve_knobs(_grouped(work, checkpointing="full"), work.block_names, world_size=8, device="cuda")
+    assert knobs.unit_blocks == ((0, 1), (2,), (3,)) and knobs.forward_prefetch[0] == (1,)
+    assert knobs.checkpointing == ("full", "full", "none", "none")
+    hw = Hardware(load_cluster_profile("h100-node"), 1)
+    plain = get_mesh_costs(work, hw, replicate=1, shard=8, param_dtype="bfloat16", reduce_dtype="float32", activation_checkpointing=False)
+    kinds = {k: get_mesh_costs(work, hw, replicate=1, shard=8, param_dtype="bfloat16", reduce_dtype="float32", activation_checkpointing=False,
+                               unit_blocks=knobs.unit_blocks, checkpointing=(k, k, "none", "none")) for k in ("none", "selective", "full")}  # fmt: skip
+    grouped = kinds["none"]
+    # one all-gather of both blocks' parameters: their bytes, one latency
+    assert grouped.padded[0] == 2 * plain.padded[0] and grouped.sharded[0] == 2 * plain.sharded[0]
+    link = hw.cluster.links["intra_node"]
+    assert grouped.all_gather_s[0] == pytest.approx(link.latency_us * 1e-6 + 2 * plain.padded[0] * 2 * 7 / 8 / (link.bandwidth_gbps * link.efficiency * 1e9))
+    assert grouped.all_gather_s[0] < 2 * plain.all_gather_s[0] and grouped.forward_s[0] == pytest.approx(2 * plain.forward_s[0])
+    # checkpointing recomputes the forward in backward: all of it (full), its non-matmul work (selective)
+    memory_part = hw.get_memory_seconds(work.work["block", "forward"].memory_bytes)
+    assert kinds["full"].backward_s[0] == pytest.approx(2 * (plain.backward_s[0] + plain.forward_s[0]))
+    assert kinds["selective"].backward_s[0] == pytest.approx(2 * (plain.backward_s[0] + memory_part))
+    assert kinds["full"].backward_s[2] == plain.backward_s[2]  # layers.3 unchecked
+    assert work.activations.block_input < work.activations.block_selective < work.activations.block_saved
+
+
+def test_schema_2_configs_simulate_with_fewer_collectives_and_less_memory():
+    work = get_model_work(load_model_profile("tiny"), "bfloat16")
+    hw = Hardware(load_cluster_profile("h100-node"), 1)
+    default = simulate(default_config(list(work.block_names), mixed_precision=BF16), work, hw)
+    same = simulate(_grouped(work, modules=("layers.0",)), work, hw)  # a one-module list is a plain unit...
+    assert [u.name for u in same.units][:1] == ["layers.0"]
+    grouped, checkpointed = simulate(_grouped(work), work, hw), simulate(_grouped(work, checkpointing="full"), work, hw)
+    assert [u.name for u in grouped.units] == ["layers.0-layers.1", "layers.2", "layers.3", "root"]
+    assert grouped.units[0].comm_s < default.units[0].comm_s + default.units[1].comm_s  # one latency per collective instead of two
+    # the recomputed forwards cost compute (hidden here: the tiny model waits for its collectives) and save memory
+    assert checkpointed.compute_s > grouped.compute_s and checkpointed.step_s >= grouped.step_s and checkpointed.peak_memory_bytes < grouped.peak_memory_bytes
+
+
+def test_selective_checkpointing_saves_the_ops_fsdp_runtime_saves():
+    from autotune.sim import workload
+
+    checkpointing = pytest.importorskip("fsdp_runtime.checkpointing")
+    assert workload._SELECTIVE_SAVED == set(checkpointing._SAVE_OP_NAMES)

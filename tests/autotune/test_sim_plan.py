@@ -121,3 +121,64 @@ def test_cli_plan_bad_input_is_one_line(args, message, tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(message)
     assert not (tmp_path / "out").exists()
+
+
+def _deep_tiny_pricers(depths=None):
+    from autotune.plan.evaluate import make_pricer
+    from autotune.sim import Hardware, get_model_work
+    from profiles import load_cluster_profile
+
+    work = get_model_work(load_model_profile("tiny").with_overrides(num_layers=40), "bfloat16")
+    hardware = Hardware(load_cluster_profile("h100-node"), 1)
+    space = SearchSpace(block_names=work.block_names, world_size=8, num_microbatches=2, device_type="cuda", fixed_mesh="fsdp")
+    make = lambda depth=None: make_pricer(work, hardware, space, mixed_precision=BF16, activation_checkpointing=False, depth=depth)  # noqa: E731
+    return space, make(), tuple(make(d) for d in (depths or (8, 16)))
+
+
+def test_depth_extrapolation_matches_full_depth_simulations():
+    # [Note: plan speed]: each block adds the same time and memory in the steady state, so two shallow
+    # simulations extrapolate to 40 blocks, whatever the pattern over the blocks. This tiny model's blocks
+    # compute for microseconds, so collective latencies keep some schedules from a steady state within 8
+    # blocks: 29 of 300 points land up to 0.3% off (none of 400 for llama70b on 128 ranks).
+    from autotune.plan.evaluate import extrapolate, is_dominated
+
+    space, full, (shallow, deep) = _deep_tiny_pricers()
+    points = [p for p in iter_space_params(space) if not is_dominated(p)]
+    num_exact = 0
+    for params in random.Random(0).sample(points, 150):
+        exact = full.simulator.simulate_knobs([full.factory.get_knobs(params)])[0]
+        a, b = (p.simulator.simulate_knobs([p.factory.get_knobs(params)])[0] for p in (shallow, deep))
+        guess = extrapolate(a, b, (40 - 16) / (16 - 8), full.simulator, 2)
+        assert guess.step_s == pytest.approx(exact.step_s, rel=5e-3), params
+        num_exact += guess.step_s == pytest.approx(exact.step_s, rel=1e-9)
+        assert guess.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=1e-6), params
+        assert guess.tokens_per_s_per_device * guess.step_s == pytest.approx(exact.tokens_per_s_per_device * exact.step_s, rel=1e-9)
+    assert num_exact >= 0.8 * 150
+
+
+def test_evaluation_prunes_dominated_points_and_simulates_equal_knobs_once():
+    from autotune.plan.evaluate import evaluate_space, get_identity, is_dominated
+
+    space, full, reduced = _deep_tiny_pricers()
+    points = list(iter_space_params(space))
+    default = space.get_default_params()
+    exact = evaluate_space(points, full, default=default, reporter=_Silent(), num_workers=1)
+    dominated = [p for p in points if is_dominated(p)]
+    assert dominated and exact.num_pruned == len(dominated) and len(exact.rows) == len(points) - len(dominated)
+    # backward prefetch "implicit" is FSDP2's previous unit, which "depth1" lists: the same knobs, one simulation
+    twin = {**default, "backward_prefetch": "depth1"}
+    assert get_identity(full.factory.get_knobs(twin)) == get_identity(full.factory.get_knobs(default))
+    by_params = {tuple(sorted(r.params.items())): r.prediction for r in exact.rows}
+    assert by_params[tuple(sorted(twin.items()))] is by_params[tuple(sorted(default.items()))]
+    assert exact.num_simulated < len(exact.rows)
+    # extrapolated: the fastest and the defaults re-simulated at full depth give the same ranking's top
+    fast = evaluate_space(points, full, default=default, reporter=_Silent(), num_workers=1, reduced=reduced)
+    top = lambda ev: sorted((r for r in ev.rows if r.exact), key=lambda r: r.prediction.step_s)[0]  # noqa: E731
+    assert top(fast).prediction.step_s == pytest.approx(top(exact).prediction.step_s, rel=1e-9)
+    assert next(r for r in fast.rows if r.params == default).exact and fast.num_exact < len(fast.rows)
+
+
+class _Silent:
+    def on_phase(self, message): ...
+    def on_start(self, total): ...
+    def on_advance(self, count): ...

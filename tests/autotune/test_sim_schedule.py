@@ -186,3 +186,42 @@ def test_microbatches_beyond_three_repeat_the_second(sync):
     end, exposed, comm = _finish_step(fast, 6)
     assert end == pytest.approx(full.t.end) and exposed == pytest.approx(full.t.exposed) and comm == pytest.approx(full.t.comm)
     assert fast.mem.peak == pytest.approx(full.mem.peak)
+
+
+def test_cpu_share_of_an_async_all_gather_slows_the_compute_it_overlaps():
+    # CPU, async unshard, b0 prefetches b1 in forward; each all-gather's real transfer takes 2 of the host's time
+    # when issued (gloo's worker shares the cores). Forward: AG b0 [0,4], its CPU share [0,2], wait to 4 (2 exposed);
+    # AG b1 [4,8] + share [4,6]; b0 [6,16]; b1 [16,26]. Backward: the root prefetches b1 [26,30] + share [26,28], wait to
+    # 30 (2 exposed); AG b0 [30,34] + share [30,32]; b1 [32,52], RS b1 [52,58]; b0 [58,78], RS b0 [78,84]: 84.
+    # Without the share: 80 (AG b0 and b1's backward all-gather exposed 4 each instead of 2).
+    knobs = _knobs(unshard_async=True, forward_prefetch=((1,), (), None))
+    shared = dataclasses.replace(_costs(), all_gather_cpu_s=[2.0, 2.0, 0.0])
+    free, slowed = _step(knobs, device="cpu"), _step(knobs, shared, device="cpu")
+    assert free.t.end == pytest.approx(80.0) and slowed.t.end == pytest.approx(84.0)
+    assert slowed.t.exposed == pytest.approx([2.0 + R, 2.0 + R, 0.0]) and free.t.exposed == pytest.approx([4.0 + R, 4.0 + R, 0.0])
+    assert _step(_knobs(), shared, device="cpu").t.end == _step(_knobs(), device="cpu").t.end  # blocking all-gathers: no share
+
+
+def test_measured_hook_costs_are_charged_per_call():
+    # CPU, blocking all-gathers, nothing resharded after forward. Microbatch overhead 3 [0,3]; AG b0 [3,7], b0 [7,17],
+    # AG b1 [17,21], b1 [21,31]. Backward: every unit is unsharded, so each pre-backward hook costs 1 (root [31,32],
+    # b1 [32,33]); b1 [33,53], its post-hook 0.5, RS b1 [53.5,59.5]; b0's hook [59.5,60.5], b0 to 80.5, post-hook to 81,
+    # RS b0 to 87; the root's post-hook 0.5: 87.5 = the 80 without hooks + 3 + 3 x 1 + 3 x 0.5.
+    knobs = _knobs(reshard_after_forward=(False, False, False))
+    hooked = dataclasses.replace(_costs(), microbatch_s=3.0, pre_hook_s=[1.0] * 3, post_hook_s=[0.5] * 3)
+    assert _step(knobs, device="cpu").t.end == pytest.approx(80.0)
+    assert _step(knobs, hooked, device="cpu").t.end == pytest.approx(87.5)
+
+
+def test_grouped_and_checkpointed_units_keep_what_their_blocks_keep():
+    # Unit 0 holds two blocks under full checkpointing (each keeps its input, 1e4), unit 1 one block without
+    # (1e5 saved). Forward peaks: a block's own (1.5e5) plus the unit's other block (1e4) plus everything below:
+    # unit 0: 1.5e5 + 1e4; unit 1: 1.5e5 + 2e4. The loss: 3e5 traced with one block of 1e5, so 3e5 - 1e5 + 1.2e5;
+    # the root's backward: a backward's 1.8e5 plus all saved but the last unit's block: 1.8e5 + 1.2e5 - 1e5.
+    costs = dataclasses.replace(_costs(), unit_num_blocks=[2, 1], unit_checkpointing=["full", "none"])
+    step = StepSchedule(_knobs(), costs, dataclasses.replace(ACTIVATIONS, block_selective=4e4), _hardware(), activation_checkpointing=False)
+    assert step.act_forward == pytest.approx([1.6e5, 1.7e5]) and step.act_backward == pytest.approx([1.9e5, 2.0e5])
+    assert step.act_tail == pytest.approx(3.2e5) and step.act_root_backward == pytest.approx(2.0e5)
+    selective = StepSchedule(_knobs(), dataclasses.replace(costs, unit_checkpointing=["selective", "selective"]),
+                             dataclasses.replace(ACTIVATIONS, block_selective=4e4), _hardware(), activation_checkpointing=False)  # fmt: skip
+    assert selective.act_forward == pytest.approx([1.5e5 + 4e4, 1.5e5 + 8e4]) and selective.act_tail == pytest.approx(3e5 - 1e5 + 1.2e5)

@@ -92,3 +92,97 @@ def test_single_microbatch_has_no_sync_knobs():
         assert all(u.sync == "every" for u in space.suggest(trial).units)
         assert "nosync_blocks" not in trial.params
         study.tell(trial, 1.0)
+
+
+EDGES = {"embedding_names": ("tok_embeddings",), "head_names": ("norm", "output")}
+MEMORY_KNOBS = {"grouping": True, "checkpointing": True, "root_knobs": True, **EDGES}
+SCHEMA2_PARAMS = {"blocks_per_unit", "ac_units", "ac_kind", "root_reshard_after_forward", "root_sync_fsdp", "root_sync_hsdp", "root_keep_unsharded", "root_split"}
+
+
+def test_memory_knobs_are_off_unless_asked_and_their_defaults_are_fsdp2_defaults():
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(30):  # `autotune plan` walks this space: its points must not change
+        trial = study.ask()
+        config = _space().suggest(trial)
+        assert not SCHEMA2_PARAMS & set(trial.params)
+        assert all(u.modules is None and u.activation_checkpointing == "none" for u in config.units)
+        study.tell(trial, 1.0)
+    space = _space(**MEMORY_KNOBS)
+    params = space.get_default_params()
+    assert {k: params[k] for k in SCHEMA2_PARAMS if k in params} == {"blocks_per_unit": 1, "ac_units": "none", "root_reshard_after_forward": "false", "root_sync_fsdp": "every", "root_split": "none"}
+    assert space.build_config(params) == dataclasses.replace(default_config(list(BLOCKS), num_microbatches=2), unshard_async="off")
+
+
+def test_grouping_makes_units_of_consecutive_blocks_and_patterns_follow_units():
+    blocks = tuple(f"layers.{i}" for i in range(6))
+    space = _space(block_names=blocks, grouping=True, checkpointing=True)
+    base = space.get_default_params()
+    config = space.build_config({**base, "blocks_per_unit": 4, "forward_prefetch": "depth1", "nosync_blocks": "first_half", "nosync_level_fsdp": "last"})
+    assert [(u.name, u.modules) for u in config.units] == [("layers.0-3", [f"layers.{i}" for i in range(4)]), ("layers.4-5", ["layers.4", "layers.5"]), ("root", None)]
+    assert [u.forward_prefetch for u in config.units[:2]] == [["layers.4-5"], []]
+    assert [u.sync for u in config.units] == ["last", "every", "every"]
+    pairs = space.build_config({**base, "blocks_per_unit": 2, "reshard_after_forward_shard4": "last_block_false", "ac_units": "all_but_last", "ac_kind": "full"})
+    assert [u.name for u in pairs.units] == ["layers.0-1", "layers.2-3", "layers.4-5", "root"]
+    assert [u.reshard_after_forward for u in pairs.units] == [None, None, False, None]
+    assert [u.activation_checkpointing for u in pairs.units] == ["full", "full", "none", "none"]
+    assert space.build_config({**base, "blocks_per_unit": 1}).units[0].modules is None
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [("none", [0, 0, 0, 0]), ("all", [1, 1, 1, 1]), ("all_but_last", [1, 1, 1, 0]), ("every_2nd", [1, 0, 1, 0]), ("first_half", [1, 1, 0, 0])],
+)
+def test_checkpointing_patterns(pattern, expected):
+    space = _space(checkpointing=True)
+    params = {**space.get_default_params(), "ac_units": pattern, "ac_kind": "selective"}
+    kinds = [u.activation_checkpointing for u in space.build_config(params).units]
+    assert kinds == [("selective" if on else "none") for on in expected] + ["none"]  # never the root
+
+
+def test_root_knobs_and_split_edges():
+    space = _space(root_knobs=True, **EDGES)
+    base = space.get_default_params()
+    config = space.build_config({**base, "root_sync_fsdp": "last", "root_keep_unsharded": True, "root_reshard_after_forward": "true"})
+    root = config.get_unit("root")
+    assert (root.sync, root.reshard_after_backward, root.reshard_after_forward) == ("last", False, True)
+    assert config.unit_names == [*BLOCKS, "root"]
+    split = space.build_config({**base, "root_split": "split", "forward_prefetch": "depth1", "backward_prefetch": "depth1", "root_sync_fsdp": "last"})
+    assert split.unit_names == [*BLOCKS, "tok_embeddings", "norm+output", "root"]
+    units = {u.name: u for u in split.units}
+    assert units["norm+output"].modules == ["norm", "output"] and units["norm+output"].reshard_after_forward is False
+    assert units["tok_embeddings"].forward_prefetch == ["layers.0"] and units["layers.3"].forward_prefetch == ["norm+output"]
+    assert units["norm+output"].backward_prefetch == ["layers.3"] and units["layers.0"].backward_prefetch == ["tok_embeddings"]
+    assert [units[n].sync for n in ("tok_embeddings", "norm+output", "root", "layers.0")] == ["last", "last", "last", "every"]
+    # No edge modules known (or one microbatch): no split, no sync level.
+    assert "root_split" not in _space(root_knobs=True).get_default_params()
+    assert "root_sync_fsdp" not in _space(root_knobs=True, num_microbatches=1).get_default_params()
+
+
+def test_root_sync_levels_follow_the_mesh():
+    space = _space(root_knobs=True, fixed_mesh="hsdp:2x2")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    levels = set()
+    for _ in range(40):
+        trial = study.ask()
+        levels.add(space.suggest(trial).get_unit("root").sync)
+        assert "root_sync_fsdp" not in trial.params
+        study.tell(trial, 1.0)
+    assert levels == {"every", "replica_last", "last"}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_sampled_config_with_memory_knobs_is_valid(world_size):
+    space = _space(world_size=world_size, **MEMORY_KNOBS)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=world_size))
+    seen_params: set[str] = set()
+    for _ in range(80):
+        trial = study.ask()
+        config = space.suggest(trial)
+        validate_config(config)
+        validate_for_world(config, world_size)
+        modules = [m for u in config.units if u.name != "root" for m in u.get_modules()]
+        assert sorted(m for m in modules if m.startswith("layers.")) == list(BLOCKS)  # every block in exactly one unit
+        seen_params |= set(trial.params)
+        assert "ac=" in describe_params(trial.params) and "group=" in describe_params(trial.params)
+        study.tell(trial, 1.0)
+    assert SCHEMA2_PARAMS <= seen_params

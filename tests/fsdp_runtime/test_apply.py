@@ -235,3 +235,81 @@ def _imported_top_level_names():
                 yield from ((path, alias.name.split(".")[0]) for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 yield path, node.module.split(".")[0]
+
+
+def _grouped_config():
+    """Schema 2: two blocks per unit, checkpointing, embeddings and head as units of their own."""
+    return RuntimeConfig(
+        units=[
+            UnitConfig(name="layers.0-1", modules=["layers.0", "layers.1"], activation_checkpointing="full", forward_prefetch=["layers.2-3"]),
+            UnitConfig(name="layers.2-3", modules=["layers.2", "layers.3"], activation_checkpointing="selective", backward_prefetch=["layers.0-1"]),
+            UnitConfig(name="tok_embeddings"),
+            UnitConfig(name="norm+output", modules=["norm", "output"], reshard_after_forward=False),
+            UnitConfig(name="root"),
+        ]
+    )
+
+
+def test_grouped_units_are_one_fully_shard_call_with_the_paths_unchanged():
+    names = [n for n, _ in _tiny().named_parameters()]
+    applied = apply_fsdp(_tiny(), _grouped_config())
+    assert [n for n, _ in applied.model.named_parameters()] == names  # no wrapper module in any path
+    state = {name: module._get_fsdp_state() for name, module in applied.units.items()}
+    modules = dict(applied.model.named_modules())
+    assert applied.units["layers.0-1"] is modules["layers.0"]
+    assert modules["layers.1"]._get_fsdp_state() is state["layers.0-1"]  # one state, one param group for both blocks
+    (group,) = get_param_groups(applied.units["layers.0-1"])
+    assert len(group.fsdp_params) == 2 * len(list(modules["layers.0"].parameters()))
+    assert state["layers.0-1"]._states_to_forward_prefetch == [state["layers.2-3"]]
+    assert state["layers.2-3"]._states_to_backward_prefetch == [state["layers.0-1"]]
+    head_params = {id(p.sharded_param) for p in get_param_groups(applied.units["norm+output"])[0].fsdp_params}
+    assert head_params == {id(modules["norm"].weight), id(modules["output"].weight)}
+    assert not get_param_groups(applied.units["root"])  # nothing is left for the root
+    assert sorted(applied.checkpointed) == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    assert [applied.checkpointed[f"layers.{i}"].kind for i in range(4)] == ["full", "full", "selective", "selective"]
+
+
+def test_checkpointed_units_recompute_in_backward():
+    import torch
+
+    applied = apply_fsdp(_tiny(), _grouped_config())
+    tokens = torch.randint(0, 512, (2, 9))
+    applied.model(tokens).sum().backward()
+    assert [f.num_recomputes for f in applied.checkpointed.values()] == [1, 1, 1, 1]
+    # Named at FSDP2's lazy init (first forward): the trace labels of a grouped unit name both modules.
+    assert get_param_groups(applied.units["layers.0-1"])[0]._module_fqn == "layers.0, layers.1"
+    with torch.no_grad():  # no autograd, nothing to recompute
+        applied.model(tokens)
+    assert [f.num_forwards for f in applied.checkpointed.values()] == [1, 1, 1, 1]
+
+
+def test_module_lists_are_checked_against_the_model():
+    bad = RuntimeConfig(units=[UnitConfig(name="layers.0-1", modules=["layers.0", "layers.9"]), UnitConfig(name="layers.2"), UnitConfig(name="layers.3")])
+    with pytest.raises(ConfigError, match=r"^units\[0\]\.modules\[1\]: module 'layers.9' not found in Llama .*blocks in this model: layers.0..layers.3"):
+        apply_fsdp(_tiny(), bad)
+    confusing = RuntimeConfig(units=[UnitConfig(name="layers.2", modules=["layers.0", "layers.1"]), UnitConfig(name="layers.2-3", modules=["layers.2", "layers.3"])])
+    with pytest.raises(ConfigError, match=r"^units\[0\]\.name: 'layers.2' is a module of Llama but not one of this unit's modules"):
+        apply_fsdp(_tiny(), confusing)
+    partial = RuntimeConfig(units=[UnitConfig(name="layers.0-1", modules=["layers.0", "layers.1"])])
+    with pytest.raises(ConfigError, match=r"^units: cover 2 of the 4 blocks of Llama: layers.2, layers.3 would be sharded with the root"):
+        apply_fsdp(_tiny(), partial)
+
+
+def test_grouped_units_resolve_by_position():
+    # Searched on our Llama (layers.N, grouped), applied to an HF-style model (model.layers.N).
+    config = RuntimeConfig(units=[UnitConfig(name="layers.0-1", modules=["layers.0", "layers.1"], forward_prefetch=["layers.2"]), UnitConfig(name="layers.2"), UnitConfig(name="root")])
+    with pytest.warns(UserWarning, match="resolved by position"):
+        applied = apply_fsdp(_HFCausalLM(), config)
+    assert applied.config.get_unit("layers.0-1").modules == ["model.layers.0", "model.layers.1"]
+    assert applied.config.unit_names == ["layers.0-1", "model.layers.2", "root"]
+    assert applied.config.get_unit("layers.0-1").forward_prefetch == ["model.layers.2"]
+
+
+def test_find_edge_modules():
+    from fsdp_runtime import find_edge_modules
+
+    assert find_edge_modules(_tiny()) == (["tok_embeddings"], ["norm", "output"])
+    assert find_edge_modules(_HFCausalLM()) == (["model.embed_tokens"], ["lm_head"])
+    tied = build_model(dataclasses.replace(load_model_profile("tiny"), shape=dataclasses.replace(load_model_profile("tiny").shape, tie_embeddings=True)), seed=0)
+    assert find_edge_modules(tied) == ([], [])  # one parameter cannot be in two units
+    assert find_edge_modules(_GPT2()) == ([], [])  # no embeddings

@@ -35,8 +35,8 @@ def _rich_config() -> RuntimeConfig:
     units = [
         dataclasses.replace(config.units[0], reshard_after_forward=2, forward_prefetch=["layers.1", "layers.2"], backward_prefetch=[]),
         dataclasses.replace(config.units[1], reshard_after_forward=False, sync="replica_last"),
-        dataclasses.replace(config.units[2], sync="last", defer_concat=False, reshard_after_backward=False),
-        dataclasses.replace(config.units[3], reshard_after_forward=True, backward_prefetch=["layers.2"]),
+        dataclasses.replace(config.units[2], sync="last", defer_concat=False, reshard_after_backward=False, activation_checkpointing="selective"),
+        dataclasses.replace(config.units[3], name="layers.3-4", modules=["layers.3", "layers.4"], reshard_after_forward=True, backward_prefetch=["layers.2"], activation_checkpointing="full"),
         config.units[4],
     ]
     return dataclasses.replace(
@@ -59,6 +59,8 @@ def test_round_trip_is_lossless(fmt, tmp_path):
     assert loaded == config
     assert loaded.units[0].reshard_after_forward == 2 and loaded.units[3].reshard_after_forward is True
     assert loaded.units[0].backward_prefetch == [] and loaded.units[1].forward_prefetch is None
+    assert loaded.units[3].modules == ["layers.3", "layers.4"] and loaded.units[0].modules is None
+    assert [u.activation_checkpointing for u in loaded.units] == ["none", "none", "selective", "full", "none"]
 
 
 def test_toml_and_json_agree(tmp_path):
@@ -67,13 +69,37 @@ def test_toml_and_json_agree(tmp_path):
 
 
 def test_version_1_fixtures_still_load():
-    """Configs written by released versions stay readable (see tests/data/configs)."""
+    """Configs written by released versions stay readable (see tests/data/configs): a v1 file
+    reads as the current version, the fields v2 added at their defaults."""
     toml_v1 = load_config(DATA / "v1_example.toml")
     json_v1 = load_config(DATA / "v1_example.json")
     assert toml_v1 == json_v1
-    assert toml_v1.schema_version == 1
+    assert SCHEMA_VERSION == 2 and toml_v1.schema_version == SCHEMA_VERSION
     assert toml_v1.get_unit("layers.0").forward_prefetch == ["layers.1"]
     assert toml_v1.get_unit("layers.1").sync == "last"
+    assert all(u.modules is None and u.activation_checkpointing == "none" for u in toml_v1.units)
+
+
+def test_configs_without_schema_2_fields_are_written_as_version_1(tmp_path):
+    """Old readers keep reading what does not use the new fields; what does, they refuse."""
+    plain = default_config(BLOCKS, num_microbatches=2)
+    data = config_to_dict(plain)
+    assert data["schema_version"] == 1 and all(set(u) == {f.name for f in dataclasses.fields(UnitConfig)} - {"modules", "activation_checkpointing"} for u in data["units"])
+    assert load_config(save_config(plain, tmp_path / "plain.toml")) == plain
+    for unit in (dataclasses.replace(plain.units[0], activation_checkpointing="full"), dataclasses.replace(plain.units[0], name="layers.0+", modules=["layers.0"])):
+        config = dataclasses.replace(plain, units=[unit, *plain.units[1:]])
+        assert config_to_dict(config)["schema_version"] == 2
+        assert load_config(save_config(config, tmp_path / "v2.json")) == config
+
+
+def test_version_2_fixtures_load():
+    toml_v2 = load_config(DATA / "v2_example.toml")
+    assert toml_v2 == load_config(DATA / "v2_example.json")
+    assert toml_v2.get_unit("layers.0-1").get_modules() == ["layers.0", "layers.1"]
+    assert toml_v2.get_unit("layers.0-1").activation_checkpointing == "selective"
+    assert toml_v2.get_unit("layers.2").activation_checkpointing == "full" and toml_v2.get_unit("layers.2").get_modules() == ["layers.2"]
+    assert toml_v2.get_unit("norm+output").modules == ["norm", "output"]
+    assert toml_v2.get_unit("root").sync == "last"
 
 
 @pytest.mark.parametrize(
@@ -87,15 +113,26 @@ def test_version_1_fixtures_still_load():
         (lambda d: d["units"][0].update(defer_concat=False), r"units\[0\]\.defer_concat: false only applies with sync = 'last'"),
         (lambda d: d["units"][0].update(reshard_after_forward=1), r"units\[0\]\.reshard_after_forward: integer value must be >= 2"),
         (lambda d: d["units"][0].update(reshard_after_forward="yes"), r"units\[0\]\.reshard_after_forward: expected bool or int or nothing, got 'yes'"),
-        (lambda d: d["units"][0].update(forwad_prefetch=[]), r"units\[0\]\.forwad_prefetch: unknown field \(known fields: name, reshard_after_forward, forward_prefetch"),
+        (lambda d: d["units"][0].update(forwad_prefetch=[]), r"units\[0\]\.forwad_prefetch: unknown field \(known fields: name, modules, reshard_after_forward, forward_prefetch"),
         (lambda d: d["units"].append({"name": "layers.0"}), r"units\[5\]\.name: unit 'layers.0' is listed twice"),
         (lambda d: d["units"].append({"sync": "every"}), r"units\[5\]\.name: is required"),
         (lambda d: d["mesh"].update(replicate=2), r"mesh\.replicate: is 2 but mesh.kind is 'fsdp'"),
         (lambda d: d.update(num_microbatches=0), r"num_microbatches: must be >= 1, got 0"),
         (lambda d: d.update(num_microbatches=True), r"num_microbatches: expected an integer, got True"),
         (lambda d: d["mixed_precision"].update(param_dtype="fp8"), r"mixed_precision\.param_dtype: unknown dtype 'fp8'"),
-        (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), r"schema_version: 2 is newer than this fsdp-autotune understands"),
-        (lambda d: d.pop("schema_version"), r"schema_version: is missing \(add schema_version = 1\)"),
+        # What a v2 file gets from a v1 reader (the same check, one version up).
+        (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), r"schema_version: 3 is newer than this fsdp-autotune understands \(2\) \(upgrade fsdp-autotune\)"),
+        (lambda d: d.update(schema_version=0), r"schema_version: 0 was never a schema version"),
+        (lambda d: d.pop("schema_version"), r"schema_version: is missing \(add schema_version = 2\)"),
+        (lambda d: d["units"][2].update(activation_checkpointing="partial"), r"units\[2\]\.activation_checkpointing: 'partial' is not one of 'none', 'selective', 'full'"),
+        (lambda d: d["units"][4].update(activation_checkpointing="full"), r"units\[4\]\.activation_checkpointing: the root unit cannot be checkpointed"),
+        (lambda d: d["units"][4].update(modules=["layers.0"]), r"units\[4\]\.modules: the root unit is the model itself and takes no module list"),
+        (lambda d: d["units"][0].update(modules=[]), r"units\[0\]\.modules: is empty"),
+        (lambda d: d["units"][0].update(modules="layers.0"), r"units\[0\]\.modules: expected a list or nothing, got 'layers.0'"),
+        (lambda d: d["units"][0].update(name="layers.0-1", modules=["layers.0", "layers.1"]), r"units\[1\]\.name: module 'layers.1' is already in units\[0\]"),
+        (lambda d: d["units"][0].update(modules=["layers.0", "layers.0.attention"]), r"units\[0\]\.modules\[0\]: 'layers.0.attention' is inside 'layers.0' in the same unit"),
+        (lambda d: d["units"][0].update(modules=["layers.0", "layers.0"]), r"units\[0\]\.modules\[1\]: lists module 'layers.0' twice"),
+        (lambda d: d["units"].insert(0, {"name": "layers", "activation_checkpointing": "full"}), r"units\[0\]\.activation_checkpointing: the unit holds units\[1\] \('layers.0'\); checkpointing around another unit is not supported"),
     ],
 )
 def test_invalid_configs_name_the_field(mutate, message):

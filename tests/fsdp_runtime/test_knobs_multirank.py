@@ -8,8 +8,19 @@ buffers). A stated tolerance where it does:
 - HSDP reduces in two levels (reduce-scatter in the shard group, then all-reduce across
   replicas) instead of one sum over all ranks;
 - the single-process reference sums the whole batch in one autograd pass.
-Each knob's diagnostics (collective counts, eager concat count) prove it took effect, so
-a bitwise match cannot come from a knob that silently did nothing.
+Each knob's diagnostics (collective counts, eager concat count, recomputations) prove it
+took effect, so a bitwise match cannot come from a knob that silently did nothing.
+
+Schema-2 knobs: activation checkpointing recomputes the same CPU kernels on the same
+inputs, so it is bitwise. Grouping blocks into one unit (and splitting embeddings and head
+off the root) changes only which tensors share a reduce-scatter buffer, i.e. where a
+gradient element lies in it; each element is still the sum of one value per rank. At
+world 2 (and HSDP 2x2: two ranks per reduction level) that is one addition, and IEEE
+addition is commutative, so it is bitwise. At FSDP world 4 it measured bitwise too
+(asserted below): gloo sums a power-of-two group pairwise, ``(a + b) + (c + d)`` wherever
+the element lies; a world size that is not a power of two might sum by position and
+differ in the last bits. Configs come from the search space (``SearchSpace.build_config``),
+the combination tests exactly as the search emits them.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import math
 
 import pytest
 
+from autotune.search import SearchSpace
 from autotune.trials import run_ranks
 from _harness import reference_losses
 from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, config_to_dict, default_config
@@ -31,6 +43,22 @@ BLOCKS = [f"layers.{i}" for i in range(load_model_profile("tiny").shape.num_laye
 # last bits (~1e-7 relative); after 3 AdamW steps at lr 1e-3 the loss moves < 1e-5.
 REORDER_RTOL = 1e-5
 REFERENCE_RTOL = 1e-4
+
+
+def _point(world_size: int = 2, **params) -> RuntimeConfig:
+    """A point of the search space with every schema-2 knob family on (the defaults unless given)."""
+    space = SearchSpace(
+        block_names=tuple(BLOCKS), world_size=world_size, num_microbatches=NUM_MICROBATCHES, grouping=True, checkpointing=True, root_knobs=True,
+        embedding_names=("tok_embeddings",), head_names=("norm", "output"),
+    )  # fmt: skip
+    return space.build_config({**space.get_default_params(), **params})
+
+
+# Every unit skips sync on non-final microbatches, keeps its params, prefetches one unit ahead;
+# embeddings and head are units of their own. The combinations add grouping and checkpointing.
+ALL_LAST = {"nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": True, "root_split": "split", "root_sync_fsdp": "last",
+            "root_keep_unsharded": True, "forward_prefetch": "depth1", "backward_prefetch": "depth1"}  # fmt: skip
+HSDP_LAST = {**{k: v for k, v in ALL_LAST.items() if not k.endswith("_fsdp")}, "mesh": "hsdp:2x2", "nosync_level_hsdp": "replica_last", "root_sync_hsdp": "last"}
 
 
 def _config(**global_overrides) -> RuntimeConfig:
@@ -96,6 +124,16 @@ def world2() -> dict[str, list[dict]]:
         # bf16 params, fp32 reduction: FSDP2 accumulates unsharded grads in an fp32 buffer.
         "mp_sync_last": dataclasses.replace(last, mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")),
         "mp_sync_last_eager": dataclasses.replace(_with_units(last, defer_concat=False), mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")),
+        "ac_full": _with_units(base, activation_checkpointing="full"),
+        "ac_selective": _with_units(base, activation_checkpointing="selective"),
+        "space_default": _point(),
+        "grouped2": _point(blocks_per_unit=2),
+        "grouped4": _point(blocks_per_unit=4),
+        "split_edges": _point(root_split="split"),
+        "root_last": _point(root_sync_fsdp="last", root_keep_unsharded=True, root_reshard_after_forward="true"),
+        "all_last": _point(**ALL_LAST),
+        "all_last_grouped_ac": _point(**ALL_LAST, blocks_per_unit=2, ac_units="all", ac_kind="selective", unshard_async="on"),
+        "all_last_ac_full": _point(**ALL_LAST, ac_units="every_2nd", ac_kind="full"),
     }
     return _run(2, configs)
 
@@ -182,8 +220,18 @@ def test_world4_hsdp_and_int_reshard():
         "hsdp_replica_last": _with_units(hsdp, sync="replica_last"),
         "hsdp_last_eager": _with_units(hsdp, sync="last", defer_concat=False),
         "hsdp_last": _with_units(hsdp, sync="last"),
+        "grouped2": _point(4, blocks_per_unit=2, unshard_async="on"),
+        "hsdp_all_last": _point(4, **HSDP_LAST),
+        "hsdp_all_last_grouped_ac": _point(4, **HSDP_LAST, blocks_per_unit=2, ac_units="first_half", ac_kind="full"),
     }
     results = _run(4, configs, timeout_s=400)
+    # Grouping at FSDP world 4: bitwise as measured (see the module docstring).
+    assert _losses(results["grouped2"]) == _losses(results["default"])
+    assert results["grouped2"][0]["collectives"]["reduce_scatter"] == (2 + 1) * NUM_MICROBATCHES * NUM_STEPS
+    # HSDP 2x2 + grouping + checkpointing + prefetch + no sync + split root: bitwise to the same config without grouping and checkpointing.
+    assert _losses(results["hsdp_all_last_grouped_ac"]) == _losses(results["hsdp_all_last"])
+    _assert_close(_losses(results["hsdp_all_last"]), _losses(results["default"]), REORDER_RTOL)
+    assert [r["recomputes"] for r in results["hsdp_all_last_grouped_ac"]] == [2 * NUM_MICROBATCHES * NUM_STEPS] * 4
     default = _losses(results["default"])
     assert _losses(results["int_reshard"]) == default
     for name in ("hsdp", "hsdp_replica_last", "hsdp_last"):
@@ -195,3 +243,54 @@ def test_world4_hsdp_and_int_reshard():
     assert ar["hsdp_replica_last"] == ar["hsdp"] - len(BLOCKS) * (NUM_MICROBATCHES - 1) * NUM_STEPS
     reference = reference_losses(model="tiny", world_size=4, num_microbatches=NUM_MICROBATCHES, num_steps=NUM_STEPS)
     _assert_close(_losses(results["hsdp"]), reference, REFERENCE_RTOL)
+
+
+def _counts(results: dict[str, list[dict]], kind: str) -> dict[str, int]:
+    return {k: v[0]["collectives"][kind] for k, v in results.items()}
+
+
+@pytest.mark.multirank
+def test_activation_checkpointing_is_bitwise_and_recomputes(world2):
+    for name in ("ac_full", "ac_selective"):
+        assert _losses(world2[name]) == _losses(world2["default"]), name
+        # Each block recomputes its forward once per microbatch.
+        assert [r["recomputes"] for r in world2[name]] == [len(BLOCKS) * NUM_MICROBATCHES * NUM_STEPS] * 2
+    assert [r["recomputes"] for r in world2["default"]] == [0, 0]
+
+
+@pytest.mark.multirank
+def test_grouped_units_and_split_edges_are_bitwise_with_fewer_collectives(world2):
+    default = _losses(world2["default"])
+    assert _losses(world2["space_default"]) == default
+    for name in ("grouped2", "grouped4", "split_edges"):
+        assert _losses(world2[name]) == default, name
+    ag, rs = _counts(world2, "all_gather"), _counts(world2, "reduce_scatter")
+    per_step = NUM_MICROBATCHES * NUM_STEPS
+    # Each block unit gathers twice per microbatch (forward, backward) and reduces once; the root once each.
+    assert (ag["space_default"], rs["space_default"]) == ((2 * len(BLOCKS) + 1) * per_step, (len(BLOCKS) + 1) * per_step)
+    assert (ag["grouped2"], rs["grouped2"]) == ((2 * 2 + 1) * per_step, (2 + 1) * per_step)
+    assert (ag["grouped4"], rs["grouped4"]) == ((2 * 1 + 1) * per_step, (1 + 1) * per_step)
+    # Embeddings (resharded after forward) and head (kept) as units: the root holds no parameters.
+    assert (ag["split_edges"], rs["split_edges"]) == ((2 * len(BLOCKS) + 2 + 1) * per_step, (len(BLOCKS) + 2) * per_step)
+
+
+@pytest.mark.multirank
+def test_root_sync_level_and_reshard(world2):
+    _assert_close(_losses(world2["root_last"]), _losses(world2["default"]), REORDER_RTOL)
+    ag, rs = _counts(world2, "all_gather"), _counts(world2, "reduce_scatter")
+    skipped = (NUM_MICROBATCHES - 1) * NUM_STEPS
+    assert rs["root_last"] == rs["space_default"] - skipped  # the root reduces on the last microbatch only
+    # Resharded after forward, the root gathers again in backward; kept unsharded, not in the next microbatch's forward.
+    assert ag["root_last"] == ag["space_default"] + NUM_MICROBATCHES * NUM_STEPS - skipped
+
+
+@pytest.mark.multirank
+def test_grouping_and_checkpointing_combine_with_prefetch_and_no_sync(world2):
+    _assert_close(_losses(world2["all_last"]), _losses(world2["default"]), REORDER_RTOL)
+    for name in ("all_last_grouped_ac", "all_last_ac_full"):
+        assert _losses(world2[name]) == _losses(world2["all_last"]), name
+    per_step = NUM_MICROBATCHES * NUM_STEPS
+    assert [r["recomputes"] for r in world2["all_last_grouped_ac"]] == [len(BLOCKS) * per_step] * 2
+    assert [r["recomputes"] for r in world2["all_last_ac_full"]] == [len(BLOCKS) // 2 * per_step] * 2
+    rs = _counts(world2, "reduce_scatter")
+    assert rs["all_last"] == (len(BLOCKS) + 2) * NUM_STEPS and rs["all_last_grouped_ac"] == (2 + 2) * NUM_STEPS

@@ -1,0 +1,328 @@
+"""The search space through the step simulator: every point, ranked; ``--presearch sim``.
+
+[Note: enumerating the search space]
+The space is defined once, in :class:`autotune.search.SearchSpace`: ``suggest(trial)`` asks
+its define-by-run questions and ``build_config(params)`` expands the answers (patterns over
+the block index) into a per-unit :class:`RuntimeConfig`. :func:`iter_space_params` walks every
+answer path depth-first with a replaying trial (each new question answered with its first
+choice, every other choice pushed for later). The walk needs only the questions, so it runs
+on a copy of the space that builds no config (``_Questions``): 52,650 points of llama70b on
+128 ranks in about a second.
+
+Building a 33-unit (81-unit) config, then validating and indexing it, takes longer than
+simulating it; so :class:`KnobFactory` assembles the knobs of a point from each pattern
+parameter's per-unit expansion, taken from ``build_config`` on the real space once per
+distinct value (per mesh where the value depends on it). The expansions are independent of
+each other by the space's construction ([Note: search-space parametrization]);
+``tests/autotune/test_sim_plan.py`` checks the assembled knobs equal those of the built config.
+
+[Note: presearch]
+``autotune search --presearch sim`` measures the defaults trial first (trial 0, profiled as
+every trial is), calibrates the simulator on it ([Note: calibration] in
+:mod:`autotune.sim.calibrate`: this machine, this workload, these links), simulates every
+point of the space, and enqueues the ``presearch_top_k`` fastest predicted configs (distinct
+effective configs, the defaults excluded) as Optuna trials: they are measured first, as
+ordinary trials (paired with the defaults, prunable), each carrying its prediction
+(``predicted_step_ms``, ``predicted_ratio`` = predicted step / the defaults' predicted step)
+and its rank. Trials the sampler or the refinement proposes afterwards are predicted too, at
+the end, from the calibration the study keeps (``study.user_attrs["presearch"]``, so a
+resumed study predicts with the same profile). ``search.json`` (v5) and the rows record
+predicted vs measured; the terminal shows them in a table of their own. CPU only: the
+calibration reads the host's time between FSDP2's labels, which on a GPU is launch time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from autotune.search.settings import SearchError
+from autotune.search.space import SearchSpace, describe_params
+from autotune.sim import Hardware, Knobs, Simulator, StepPrediction, get_model_work, resolve_knobs
+from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig
+
+if TYPE_CHECKING:
+    from autotune.search.context import SearchContext
+    from autotune.search.results import TrialRow
+
+PRESEARCH_KINDS = ("sim",)
+PRESEARCH_ATTR = "presearch"
+_FORWARD_KEYS = ("mesh", "forward_prefetch", "unshard_async")
+
+
+class _ReplayTrial:
+    """Answers ``suggest_categorical`` from a recorded path, then with each question's first choice."""
+
+    def __init__(self, path: list[int]) -> None:
+        self.path = path
+        self.questions: list[tuple[str, int, int]] = []  # (name, number of choices, chosen index)
+        self.params: dict[str, Any] = {}
+
+    def suggest_categorical(self, name: str, choices: Any) -> Any:
+        choices = list(choices)
+        depth = len(self.questions)
+        index = self.path[depth] if depth < len(self.path) else 0
+        self.questions.append((name, len(choices), index))
+        self.params[name] = choices[index]
+        return choices[index]
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class _Questions(SearchSpace):
+    """The space's questions alone: ``suggest`` asks them; the config it would build, and the
+    choice lists it recomputes per question, are not needed for the walk."""
+
+    def build_config(self, params: dict[str, Any]) -> Any:
+        return None
+
+    @functools.cache
+    def get_mesh_choices(self) -> list[str]:
+        return SearchSpace.get_mesh_choices(self)
+
+    @staticmethod
+    @functools.cache
+    def _get_reshard_choices(shard: int) -> list[str]:
+        return SearchSpace._get_reshard_choices(shard)
+
+
+def iter_space_params(space: SearchSpace) -> Iterator[dict[str, Any]]:
+    """Every point of ``space`` as its Optuna params (see [Note: enumerating the search space])."""
+    small = _Questions(**{f.name: getattr(space, f.name) for f in dataclasses.fields(space)})
+    stack: list[list[int]] = [[]]
+    while stack:
+        path = stack.pop()
+        trial = _ReplayTrial(path)
+        small.suggest(trial)  # type: ignore[arg-type]
+        for depth in range(len(path), len(trial.questions)):
+            prefix = [index for _, _, index in trial.questions[:depth]]
+            stack.extend(prefix + [alt] for alt in range(trial.questions[depth][1] - 1, 0, -1))
+        yield trial.params
+
+
+def get_forward_key(params: dict[str, Any]) -> tuple[Any, ...]:
+    """What the first forward of a step depends on: points that share it share its simulation."""
+    raf = next((v for k, v in params.items() if k.startswith("reshard_after_forward")), None)
+    return (*(params.get(k) for k in _FORWARD_KEYS), raf)
+
+
+class KnobFactory:
+    """Knobs for any point of ``space``, from per-parameter expansions of ``build_config``."""
+
+    def __init__(self, space: SearchSpace, *, world_size: int, device: str, mixed_precision: MixedPrecisionConfig) -> None:
+        self.space, self.world_size, self.device, self.mp = space, world_size, device, mixed_precision
+        self.defaults = space.get_default_params()
+        self._cache: dict[tuple[Any, ...], Knobs] = {}
+
+    def build_config(self, params: dict[str, Any]) -> RuntimeConfig:
+        return dataclasses.replace(self.space.build_config(params), mixed_precision=self.mp)
+
+    def _expand(self, key: tuple[Any, ...], params: dict[str, Any]) -> Knobs:
+        if key not in self._cache:
+            config = self.build_config(params)
+            self._cache[key] = resolve_knobs(config, self.space.block_names, world_size=self.world_size, device=self.device)
+        return self._cache[key]
+
+    def get_knobs(self, params: dict[str, Any]) -> Knobs:
+        mesh = params["mesh"]
+        base = {k: v for k, v in {**self.defaults, "mesh": mesh}.items() if not k.startswith("reshard_after_forward")}
+        raf = {k: v for k, v in params.items() if k.startswith("reshard_after_forward")}
+        meshed = self._expand(("mesh", mesh, *sorted((k, str(v)) for k, v in raf.items())), {**base, **raf})
+        fwd = self._expand(("fwd", params["forward_prefetch"]), {**base, "forward_prefetch": params["forward_prefetch"]})
+        bwd = self._expand(("bwd", params["backward_prefetch"]), {**base, "backward_prefetch": params["backward_prefetch"]})
+        nosync_keys = ("nosync_blocks", "nosync_level_fsdp", "nosync_level_hsdp", "keep_unsharded", "defer_concat")
+        nosync_params = {k: params[k] for k in nosync_keys if k in params}
+        nosync = self._expand(("nosync", mesh, *sorted((k, str(v)) for k, v in nosync_params.items())), {**base, **nosync_params})
+        asynchronous = params.get("unshard_async", "auto")
+        return dataclasses.replace(
+            meshed, unshard_async=asynchronous == "on" or (asynchronous == "auto" and self.device == "cpu"), max_rs_buffers=params.get("reduce_scatter_buffers", 1),
+            forward_prefetch=fwd.forward_prefetch, backward_prefetch=bwd.backward_prefetch, sync=nosync.sync,
+            reshard_after_backward=nosync.reshard_after_backward, defer_concat=nosync.defer_concat,
+        )  # fmt: skip
+
+
+def rank_space(space: SearchSpace, simulator: Simulator, *, world_size: int, device: str, mixed_precision: MixedPrecisionConfig | None = None) -> list[tuple[dict[str, Any], StepPrediction]]:
+    """Every point of ``space`` with its prediction, fastest first (one process; ``autotune plan`` parallelises)."""
+    factory = KnobFactory(space, world_size=world_size, device=device, mixed_precision=mixed_precision or MixedPrecisionConfig())
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for params in iter_space_params(space):
+        groups.setdefault(get_forward_key(params), []).append(params)
+    ranked = []
+    for group in groups.values():
+        ranked += zip(group, simulator.simulate_knobs([factory.get_knobs(p) for p in group]))
+    return sorted(ranked, key=lambda pair: pair[1].step_s)
+
+
+# -- --presearch sim ------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Predictor:
+    """A calibrated simulator of a search's workload on this machine."""
+
+    space: SearchSpace
+    simulator: Simulator
+    default_step_s: float
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def predict(self, params: dict[str, Any]) -> dict[str, float]:
+        step = self.simulator.simulate(self.space.build_config(params)).step_s
+        return {"predicted_step_ms": 1e3 * step, "predicted_ratio": step / self.default_step_s}
+
+
+def make_predictor(ctx: "SearchContext", measured: Any) -> Predictor:
+    """The simulator for ``ctx``'s workload, links and world size, priced by ``measured`` (a MeasuredProfile)."""
+    from profiles import ModelProfile, load_cluster_profile
+
+    run = ctx.plan.run
+    if not isinstance(run, ModelProfile):
+        raise SearchError(f"--presearch sim simulates Llama profiles only, not {type(run).__name__} {run.name!r} (search it without --presearch)", field="presearch")
+    hardware = Hardware(load_cluster_profile(ctx.settings.cluster or "cpu-gloo"), num_ranks=ctx.settings.world_size, measured=measured)
+    simulator = Simulator(get_model_work(run, "float32"), hardware)
+    default_step = simulator.simulate(ctx.space.build_config(ctx.space.get_default_params())).step_s
+    return Predictor(space=ctx.space, simulator=simulator, default_step_s=default_step)
+
+
+def get_default_top_k(settings: Any) -> int:
+    """Every sampled slot but the defaults': the trials before the refinement ([Note: refinement])."""
+    if settings.presearch_top_k is not None:
+        return min(settings.presearch_top_k, settings.num_trials - 2)
+    return max(0, min(settings.num_trials - 2, settings.num_trials - 1 - settings.get_num_refine()))
+
+
+def run_presearch(ctx: "SearchContext") -> None:
+    """Measure the defaults, calibrate on them, rank the space, enqueue the top-k (see [Note: presearch])."""
+    from autotune.search.loop import get_config_hash, get_rows, run_one
+    from autotune.sim.calibrate import calibrate, read_calibration_trial
+
+    settings, study = ctx.settings, ctx.study
+    if settings.presearch is None or PRESEARCH_ATTR in study.user_attrs:
+        return  # off, or done before this --resume
+    if ctx.space.device_type != "cpu":
+        raise SearchError("--presearch sim calibrates from CPU traces; on GPUs rank configs with `autotune plan`", field="presearch")
+    default = next((r for r in get_rows(study) if r.is_default and r.state == "COMPLETE"), None)
+    if default is None:
+        ctx.reporter.on_trial_start(len(get_rows(study)), settings.num_trials)
+        default = run_one(ctx, None)
+        ctx.reporter.on_trial_end(default, default if default.state == "COMPLETE" else None)
+    if default.state != "COMPLETE" or default.trial_dir is None:
+        raise SearchError(f"--presearch sim calibrates on the defaults trial, which did not succeed ({default.status}: {default.reason[:200]})", field="presearch")
+    ctx.reporter.on_phase("presearch: calibrating the simulator on the defaults trial's traces")
+    work_source = ctx.plan.run
+    measured = calibrate(get_model_work(work_source, "float32"), read_calibration_trial(settings.out_dir / default.trial_dir), name=f"{work_source.name} on this machine")
+    predictor = make_predictor(ctx, measured)
+    started = time.perf_counter()
+    ranked = rank_space(ctx.space, predictor.simulator, world_size=settings.world_size, device="cpu")
+    elapsed = time.perf_counter() - started
+    chosen, seen = [], {get_config_hash(ctx.default_config)}
+    for params, prediction in ranked:
+        if len(chosen) >= get_default_top_k(settings):
+            break
+        config_hash = get_config_hash(ctx.space.build_config(params))
+        if config_hash not in seen:
+            seen.add(config_hash)
+            chosen.append((params, prediction))
+    for rank, (params, prediction) in enumerate(chosen, 1):
+        attrs = {"predicted_step_ms": 1e3 * prediction.step_s, "predicted_ratio": prediction.step_s / predictor.default_step_s, "presearch_rank": rank}
+        study.enqueue_trial(params, user_attrs=attrs)
+    summary = {
+        "kind": "sim", "num_ranked": len(ranked), "ranked_s": elapsed, "configs_per_s": len(ranked) / elapsed if elapsed else None, "num_enqueued": len(chosen),
+        "calibrated_on": default.trial_dir, "predicted_default_ms": 1e3 * predictor.default_step_s, "notes": measured.notes, "profile": measured.to_dict(),
+    }  # fmt: skip
+    study.set_user_attr(PRESEARCH_ATTR, summary)
+    best = f"{describe_params(chosen[0][0])} at {chosen[0][1].step_s / predictor.default_step_s:.3f}x" if chosen else "none"
+    ctx.reporter.on_phase(f"presearch: simulated {len(ranked)} configs ({summary['configs_per_s'] or 0:,.0f}/s); measuring the {len(chosen)} fastest first (best predicted: {best})")
+
+
+def add_predictions(ctx: "SearchContext", rows: list["TrialRow"]) -> list["TrialRow"]:
+    """Rows with a prediction where the calibration the study keeps can give one (sampled and refined trials)."""
+    from autotune.sim.measured import MeasuredProfile
+
+    summary = ctx.study.user_attrs.get(PRESEARCH_ATTR)
+    if not summary:
+        return rows
+    predictor = make_predictor(ctx, MeasuredProfile.from_dict(summary["profile"]))
+    return [row if row.predicted_step_ms is not None or not row.params else dataclasses.replace(row, **predictor.predict(row.params)) for row in rows]
+
+
+def summarize_predictions(rows: list["TrialRow"], presearch: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``search.json``'s ``presearch``: what was ranked and how predictions compared with measurements."""
+    if not presearch:
+        return None
+    pairs = [(r.predicted_step_ms, r.step_ms) for r in rows if r.predicted_step_ms and r.step_ms and r.state == "COMPLETE"]
+    errors = [p / m - 1 for p, m in pairs]
+    summary = {k: v for k, v in presearch.items() if k != "profile"}
+    summary["num_compared"] = len(pairs)
+    summary["median_abs_error"] = statistics.median(abs(e) for e in errors) if errors else None
+    summary["spearman"] = get_spearman([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) > 2 else None
+    return summary
+
+
+def get_spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (ties share their mean rank)."""
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out, i = [0.0] * len(values), 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return sum((a - mx) * (b - my) for a, b in zip(rx, ry)) / var if var else None
+
+
+@dataclass(kw_only=True)
+class PredictionTable:
+    """Predicted vs measured per trial (rendered like the report's tables: title, columns, rows)."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+
+
+def get_prediction_table(rows: list["TrialRow"]) -> PredictionTable | None:
+    """The trials that have a prediction, with their measurements; None when none has one."""
+    with_prediction = [r for r in rows if r.predicted_step_ms is not None]
+    if not with_prediction:
+        return None
+
+    def num(value: float | None, form: str) -> str:
+        return "-" if value is None else format(value, form)
+
+    table = PredictionTable(
+        title="predicted (simulator, calibrated on the defaults trial) vs measured; ratio: step time / the defaults'",
+        columns=["trial", "from", "pred ms", "meas ms", "error", "pred ratio", "meas ratio"], rows=[],
+    )  # fmt: skip
+    for r in sorted(with_prediction, key=lambda r: r.number):
+        origin = "defaults" if r.is_default else (f"presearch #{r.presearch_rank}" if r.presearch_rank else ("refined" if r.refined_from else "sampled"))
+        error = r.predicted_step_ms / r.step_ms - 1 if r.step_ms else None
+        table.rows.append([str(r.number), origin, num(r.predicted_step_ms, ".1f"), num(r.step_ms, ".1f"), "-" if error is None else f"{100 * error:+.1f}%",
+                           num(r.predicted_ratio, ".3f"), num(r.ratio, ".3f")])  # fmt: skip
+    return table
+
+
+def get_plan_hint(plan: Any, *, num_nodes: int = 1, cluster: str = "h100-node") -> str | None:
+    """For a search on a scale proxy: the ``autotune plan`` command that answers for the real model on a GPU cluster."""
+    if not getattr(plan, "is_proxy", False):
+        return None
+    from pathlib import Path
+
+    import profiles
+
+    source = plan.requested.source or plan.requested.name
+    builtin = Path(source).parent == Path(profiles.__file__).parent / "models"
+    model = plan.requested.name if builtin else source
+    return (f"hint: these trials measure a proxy; for {plan.requested.name} itself on a GPU cluster, simulate it: "
+            f"autotune plan --model {model} --cluster {cluster} --nodes {num_nodes}")  # fmt: skip

@@ -1,0 +1,381 @@
+"""Calibration: a :class:`~autotune.sim.measured.MeasuredProfile` of this machine from trials' traces.
+
+[Note: calibration]
+The simulator's CPU prices come from trials of the workload itself, not from datasheets
+(a CPU box has none that predicts a gloo step). From each trial dir: ``metrics.json``
+(the unprofiled step time, the cluster whose links were emulated), ``config.toml`` (what
+ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAnalysis`
+(its events: the training thread's ``FSDP::`` labels, collectives with their holds, barriers).
+
+- *Model compute per segment* (:func:`get_trace_costs`): the training thread's wall time
+  between FSDP2's top-level labels, minus any communication in it, attributed by the label
+  before it: after ``pre_forward (root)`` the head (embeddings); after ``pre_forward`` of a
+  block its forward; after the last block's ``post_forward`` the tail (norm, output) and
+  after the root's the loss (forward and backward, until the root's ``pre_backward``); after
+  ``pre_backward (root)`` the tail's backward; after a block's ``pre_backward`` its backward;
+  after block 0's post-backward labels the head's backward; after the last
+  ``root_post_backward_callback`` of a step the optimizer step (AdamW, ``zero_grad``, the
+  loss's ``.item()``); anything else (the batch, the barrier's tail) is per-microbatch
+  overhead. Per microbatch, and per block for blocks; medians over ranks and profiled steps.
+- *FSDP2's hooks*: the labels' own wall time minus communication: ``pre_forward`` /
+  ``pre_backward`` holding the unit's ``all_gather_copy_out`` (unshard: copy-out and hook),
+  without one (a hook that finds the unit unsharded), ``post_backward_accumulate`` /
+  ``_reshard`` / ``_rs_wait`` (post-hook), ``post_backward_reduce`` (copy-in, post-reduce;
+  the root's: its ``root_post_backward_callback``, which holds the root's whole post-backward
+  and ``finalize_backward``); per call, blocks and root apart.
+- *Collectives*: each traced collective's duration (gloo span, extended by its link-emulation
+  hold) with its bytes from the model's units and the trial's mesh (all-gather output,
+  reduce-scatter input, all-reduce of the shard: what link emulation and nccl-tests count).
+  Under emulation a duration is ``max(real, modelled)``: only those above 1.15x the modelled
+  time say what the real transfer costs; the others are dropped, and a trial without link
+  emulation (raw loopback, same world size) supplies them. Per kind (all-gather; reduce-scatter
+  and all-reduce pooled: gloo runs both as an all-reduce) a least-squares
+  ``latency + bytes x seconds_per_byte`` with both terms >= 0 (through the origin where a free
+  fit would give a negative latency), bytes scaled to the anchor's group size by the ring
+  factor (n-1)/n.
+- *Memory speed* for copies the traces do not isolate (FSDP1-style concat, int-reshard
+  clones, up-casts): the bytes FSDP2's copy-out and copy-in move over their hooks' time (a
+  lower bound: the hooks' Python is in it).
+- *Anchor*: every compute, hook, copy and optimizer figure is scaled by one factor so that
+  the simulator predicts the anchor trial's *unprofiled* median step exactly (the traced
+  window runs slower than unprofiled steps). The collectives are not scaled.
+- *CPU share of an asynchronous collective* (``cpu_share``): gloo's worker thread shares the
+  cores with compute, so an asynchronous all-gather slows the compute it overlaps. Fitted
+  (bisection on [0, 1.5]) so that the simulator predicts a calibration trial with
+  ``unshard_async`` on, same machine and links, exactly; 1 (no overlap gain) without one.
+
+What it cannot see: load on the machine that differs between the calibration trials and
+the predicted ones, and contention that depends on the config beyond the one share
+(``benchmarks/sim_accuracy.py`` measures how far predictions land).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotune.sim.costs import get_padded_numel
+from autotune.sim.hardware import Hardware, get_dtype_bytes
+from autotune.sim.measured import HOOK_KEYS, SEGMENT_KEYS, CollectiveFit, MeasuredProfile
+from autotune.sim.predict import Simulator
+from autotune.sim.workload import ModelWork
+from fsdp_runtime import ROOT_UNIT, RuntimeConfig, load_config, validate_for_world
+from fsdp_runtime.errors import AutotuneError
+from profiles import ClusterProfile, load_cluster_profile
+
+REAL_DOMINATES = 1.15
+"""An emulated collective says what its real transfer costs only above this multiple of its modelled time."""
+_COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+_US = 1e-6
+
+
+class CalibrationError(AutotuneError):
+    """Trials that cannot calibrate the simulator (no traces, a failed trial, another model)."""
+
+
+@dataclass(kw_only=True)
+class CalibrationTrial:
+    """One finished trial read back for calibration."""
+
+    path: Path
+    config: RuntimeConfig
+    world_size: int
+    step_s: float
+    """Median unprofiled step (the slowest rank per step)."""
+    cluster: ClusterProfile | None
+    """The cluster whose links the trial emulated; None: raw links."""
+    traces: list[Path] = field(default_factory=list)
+    ratio: float | None = None
+    """Measured against another config in alternating pairs ([Note: paired measurement]): the
+    median step-time ratio to it (None: unpaired, or paired with itself)."""
+    reference_step_s: float | None = None
+    """That reference's median step in the same pairs."""
+
+    @property
+    def emulated(self) -> bool:
+        return self.cluster is not None and any(link.emulated for link in self.cluster.links.values())
+
+
+def read_calibration_trial(path: str | Path) -> CalibrationTrial:
+    """A trial dir (``metrics.json``, ``config.toml``, traces) as calibration input."""
+    from autotune.trials import TrialMetrics
+
+    path = Path(path)
+    metrics = TrialMetrics.read(path / "metrics.json")
+    if metrics.status != "ok" or not metrics.step_ms:
+        raise CalibrationError(f"{path}: trial status {metrics.status} ({metrics.reason or 'no step time'}): only a finished trial calibrates")
+    if not metrics.traces:
+        raise CalibrationError(f"{path}: the trial has no traces (it ran without the profiler): calibration reads FSDP2's labels from them")
+    cluster = load_cluster_profile(metrics.cluster) if metrics.cluster else None
+    reference = metrics.reference_step_ms_per_step
+    paired = reference and metrics.paired.get("ratio") is not None and statistics.median(reference) != statistics.median(metrics.step_ms_per_step)
+    return CalibrationTrial(path=path, config=load_config(path / "config.toml"), world_size=metrics.world_size, step_s=metrics.step_ms / 1e3, cluster=cluster,
+                            traces=[path / t for t in metrics.traces], ratio=metrics.paired["ratio"] if paired else None,
+                            reference_step_s=statistics.median(reference) / 1e3 if paired else None)  # fmt: skip
+
+
+# -- traces -> costs ------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class TraceCosts:
+    """What one trial's traces say, per microbatch and unit (medians over ranks and steps)."""
+
+    segments: dict[str, float]
+    hooks: dict[str, float]
+    microbatch_s: float
+    optimizer_s: float
+    collectives: list[tuple[str, str, float]]
+    """(kind, unit, seconds) of every traced collective."""
+
+
+def _unit_kind(unit: str) -> str:
+    return "root" if unit == ROOT_UNIT else "block"
+
+
+def _gap_key(prev: Any, first_block: str, last_block: str, last_callback: bool) -> str:
+    """Whose compute the time after label ``prev`` (None: the step's start) is; see [Note: calibration]."""
+    if prev is None:
+        return "microbatch"
+    phase, unit = prev.phase, prev.unit
+    root = unit == ROOT_UNIT
+    if phase == "pre_forward":
+        return "head.forward" if root else "block.forward"
+    if phase == "post_forward":
+        return "tail.forward" if root or unit == last_block else "block.forward"
+    if phase == "pre_backward":
+        return "tail.backward" if root else "block.backward"
+    if phase.startswith("post_backward") and not root:
+        return "head.backward" if unit == first_block else "block.backward"
+    if phase == "root_post_backward_callback":
+        return "optimizer" if last_callback else "microbatch"
+    return "microbatch"
+
+
+def _label_key(label: Any, copies_out: bool) -> str:
+    kind = _unit_kind(label.unit)
+    match label.phase:
+        case "pre_forward" | "pre_backward":
+            return f"{'unshard' if copies_out else 'pre_hook'}.{kind}"
+        case "post_forward":
+            return "tail.forward" if kind == "root" else "block.forward"
+        case "post_backward_accumulate" | "post_backward_reshard" | "post_backward_rs_wait":
+            return f"post_hook.{kind}"
+        case "post_backward_reduce":
+            return f"reduce.{kind}"
+        case "root_post_backward_callback":
+            return "reduce.root"
+    return "microbatch"
+
+
+def _comm_intervals(events: Any) -> list[tuple[float, float]]:
+    spans = sorted([*zip(events.comm["start"], events.comm["end"]), *zip(events.barriers["start"], events.barriers["end"])])
+    merged: list[list[float]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _busy(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals if b > start and a < end)
+
+
+def _get_step_sums(events: Any, step: Any, comm: list[tuple[float, float]], first_block: str, last_block: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Seconds per key over one profiled step of one rank, and how many labels each hook key counts."""
+    inside = events.labels[(events.labels["start"] >= step.start) & (events.labels["end"] <= step.end)]
+    labels = sorted(inside.itertuples(index=False), key=lambda r: (r.start, -r.end))
+    top, nested, cur_end = [], [], -math.inf
+    for label in labels:
+        (top if label.start >= cur_end else nested).append(label)
+        if label.start >= cur_end:
+            cur_end = label.end
+    copy_outs = [(n.start, n.unit) for n in nested if n.phase == "all_gather_copy_out"]
+    callbacks = [i for i, label in enumerate(top) if label.phase == "root_post_backward_callback"]
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+
+    def add(key: str, start: float, end: float) -> None:
+        sums[key] = sums.get(key, 0.0) + max(0.0, (end - start) - _busy(comm, start, end)) * _US
+
+    t, prev = step.start, None
+    for i, label in enumerate(top):
+        add(_gap_key(prev, first_block, last_block, bool(callbacks) and i - 1 == callbacks[-1]), t, label.start)
+        copies_out = any(label.start <= s <= label.end and u == label.unit for s, u in copy_outs)
+        key = _label_key(label, copies_out)
+        add(key, label.start, label.end)
+        if key in HOOK_KEYS and label.phase != "post_backward_reshard" and label.phase != "post_backward_rs_wait":
+            counts[key] = counts.get(key, 0) + 1
+        t, prev = label.end, label
+    add(_gap_key(prev, first_block, last_block, bool(callbacks) and len(top) - 1 == callbacks[-1]), t, step.end)
+    return sums, counts
+
+
+def get_trace_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, ...], num_microbatches: int) -> TraceCosts:
+    """Per-microbatch segment, hook, optimizer and collective seconds of one trial (see [Note: calibration])."""
+    n, m = len(block_names), num_microbatches
+    per_block = {"block.forward": n * m, "block.backward": n * m}
+    rows: list[dict[str, float]] = []
+    collectives: list[tuple[str, str, float]] = []
+    for events in events_by_rank.values():
+        comm = _comm_intervals(events)
+        for step in events.steps.itertuples(index=False):
+            sums, counts = _get_step_sums(events, step, comm, block_names[0], block_names[-1])
+            row = {key: sums.get(key, 0.0) / per_block.get(key, m) for key in (*SEGMENT_KEYS, "microbatch")}
+            row["optimizer"] = sums.get("optimizer", 0.0)
+            row |= {key: sums.get(key, 0.0) / counts[key] for key in HOOK_KEYS if counts.get(key)}
+            rows.append(row)
+            in_step = events.comm[(events.comm["issue_ts"] >= step.start) & (events.comm["issue_ts"] < step.end)]
+            collectives += [(c.kind, c.unit or "", (c.end - c.start) * _US) for c in in_step.itertuples(index=False) if c.kind in _COMM_KINDS]
+    if not rows:
+        raise CalibrationError("the traces hold no profiled step")
+
+    def median(key: str) -> float:
+        values = [r[key] for r in rows if key in r]
+        return statistics.median(values) if values else 0.0
+
+    return TraceCosts(
+        segments={key: median(key) for key in SEGMENT_KEYS}, hooks={key: median(key) for key in HOOK_KEYS},
+        microbatch_s=median("microbatch"), optimizer_s=median("optimizer"), collectives=collectives,
+    )  # fmt: skip
+
+
+def load_trace_costs(trial: CalibrationTrial, work: ModelWork) -> TraceCosts:
+    from autotune.analysis import FsdpTraceAnalysis
+
+    return get_trace_costs(FsdpTraceAnalysis(trial.traces).events, block_names=work.block_names, num_microbatches=trial.config.num_microbatches)
+
+
+# -- collectives ----------------------------------------------------------------------------
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def get_collective_points(trial: CalibrationTrial, costs: TraceCosts, work: ModelWork) -> list[tuple[str, int, float, float]]:
+    """(kind, group size, bytes, seconds) of the trial's collectives that show their real transfer."""
+    replicate, shard = validate_for_world(trial.config, trial.world_size)
+    mp = trial.config.mixed_precision
+    pb = get_dtype_bytes(mp.param_dtype or "float32")
+    rb = get_dtype_bytes(mp.reduce_dtype or mp.param_dtype or "float32")
+    cluster = trial.cluster or load_cluster_profile("cpu-gloo")
+    shard_group, replicate_group = Hardware(cluster, num_ranks=trial.world_size).get_mesh_groups(replicate, shard)
+    points = []
+    for kind, unit, seconds in costs.collectives:
+        if unit not in work.param_shapes:
+            continue
+        padded = get_padded_numel(work.param_shapes[unit], shard)
+        group = replicate_group if kind == "all_reduce" else shard_group
+        num_bytes = {"all_gather": padded * pb, "reduce_scatter": padded * rb, "all_reduce": padded // shard * rb}[kind]
+        link = cluster.links.get(group.link_name)
+        modelled = link.get_seconds(int(num_bytes)) if trial.emulated and link is not None and link.emulated else 0.0
+        if group.size > 1 and (modelled == 0.0 or seconds > REAL_DOMINATES * modelled):
+            points.append(("all_gather" if kind == "all_gather" else "reduce_scatter", group.size, float(num_bytes), seconds))
+    return points
+
+
+def fit_collective(points: list[tuple[int, float, float]], group_size: int) -> CollectiveFit:
+    """``latency + bytes x seconds_per_byte`` (both >= 0) through (group size, bytes, seconds) points,
+    bytes scaled to ``group_size`` by the ring factor."""
+    if not points:
+        return CollectiveFit(latency_s=0.0, seconds_per_byte=0.0, group_size=group_size, num_points=0)
+    xs = [b * _ring(n) / _ring(group_size) for n, b, _ in points]
+    ys = [s for _, _, s in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 1e-9 * max(1.0, mx * mx) else 0.0
+    latency = my - slope * mx
+    if slope <= 0 or latency < 0:  # through the origin (or a pure latency when bytes explain nothing)
+        slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs) if any(xs) else 0.0
+        latency = 0.0 if slope > 0 else my
+    return CollectiveFit(latency_s=latency, seconds_per_byte=max(0.0, slope), group_size=group_size, num_points=len(points))
+
+
+# -- the profile ----------------------------------------------------------------------------
+
+
+def _memory_speed(costs: TraceCosts, work: ModelWork, shard: int, param_bytes: int) -> float:
+    moved = time = 0.0
+    for unit, kind in ((work.block_names[0], "block"), (ROOT_UNIT, "root")):
+        padded = get_padded_numel(work.param_shapes[unit], shard)
+        for hook, bytes_per_element in (("unshard", 2 * param_bytes), ("reduce", 2 * 4)):
+            if costs.hooks.get(f"{hook}.{kind}", 0.0) > 0:
+                moved += padded * bytes_per_element
+                time += costs.hooks[f"{hook}.{kind}"]
+    return moved / time if time > 0 and moved > 0 else 1e10
+
+
+def _predict(work: ModelWork, trial: CalibrationTrial, profile: MeasuredProfile) -> float:
+    cluster = trial.cluster or load_cluster_profile("cpu-gloo")
+    return Simulator(work, Hardware(cluster, num_ranks=trial.world_size, measured=profile)).simulate(trial.config).step_s
+
+
+def _solve(predict: Any, target: float, low: float, high: float, *, iterations: int = 40) -> float:
+    """The x in [low, high] where the non-decreasing ``predict(x)`` meets ``target`` (clamped)."""
+    if predict(low) >= target:
+        return low
+    if predict(high) <= target:
+        return high
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        low, high = (mid, high) if predict(mid) < target else (low, mid)
+    return (low + high) / 2
+
+
+def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[CalibrationTrial] = (), name: str | None = None, anchor_step_s: float | None = None) -> MeasuredProfile:
+    """A measured profile of ``work`` on this machine: segments, hooks and the optimizer from
+    ``anchor``'s traces, collectives from every trial's, scaled to ``anchor``'s unprofiled step
+    (or ``anchor_step_s``: the anchor's config timed elsewhere, e.g. as the reference of paired
+    trials), and the CPU share of asynchronous collectives from an ``extra`` trial with
+    ``unshard_async`` on under ``anchor``'s links: its step, or its ratio to the anchor's config
+    when it was measured against it in pairs (see [Note: calibration])."""
+    costs = load_trace_costs(anchor, work)
+    replicate, shard = validate_for_world(anchor.config, anchor.world_size)
+    pb = get_dtype_bytes(anchor.config.mixed_precision.param_dtype or "float32")
+    points = get_collective_points(anchor, costs, work)
+    for trial in extra:
+        points += get_collective_points(trial, load_trace_costs(trial, work), work)
+    fits = {kind: fit_collective([(n, b, s) for k, n, b, s in points if k == kind], shard if shard > 1 else anchor.world_size) for kind in ("all_gather", "reduce_scatter")}
+    sharded = sum(get_padded_numel(work.param_shapes[u], shard) // shard for u in (*work.block_names, ROOT_UNIT))
+    profile = MeasuredProfile(
+        name=name or f"{work.name} on {anchor.world_size} ranks" + (f" ({anchor.cluster.name})" if anchor.emulated else ""),
+        world_size=anchor.world_size, num_microbatches=anchor.config.num_microbatches, segments=dict(costs.segments), hooks=dict(costs.hooks),
+        microbatch_s=costs.microbatch_s, optimizer_s_per_element=costs.optimizer_s / max(1, sharded), memory_bytes_per_s=_memory_speed(costs, work, shard, pb),
+        collectives=fits, sources=[str(t.path) for t in (anchor, *extra)],
+    )  # fmt: skip
+    target = anchor_step_s or anchor.step_s
+    scale = _solve(lambda k: _predict(work, anchor, profile.replace(compute_scale=k)), target, 0.05, 20.0)
+    profile = profile.replace(compute_scale=scale)
+    notes = [f"anchor {anchor.path}: step {1e3 * target:.1f} ms ({'given' if anchor_step_s else 'its unprofiled steps'}); compute scale {scale:.3f}"]
+    share_trials = [t for t in extra if _is_async(t, work) and t.world_size == anchor.world_size and _same_links(t, anchor)]
+    if share_trials:
+        trial = share_trials[0]
+        if trial.ratio is not None:  # paired with the anchor's config: fit the ratio, which load cancels out of
+            base = _predict(work, anchor, profile)
+            share = _solve(lambda k: _predict(work, trial, profile.replace(cpu_share=k)) / base, trial.ratio, 0.0, 1.5)
+            measured = f"{trial.ratio:.3f}x the anchor's config in pairs"
+        else:
+            share = _solve(lambda k: _predict(work, trial, profile.replace(cpu_share=k)), trial.step_s, 0.0, 1.5)
+            measured = f"{1e3 * trial.step_s:.1f} ms"
+        profile = profile.replace(cpu_share=share)
+        notes.append(f"cpu share {share:.2f} from {trial.path} (unshard_async on: {measured})")
+    for kind, fit in fits.items():
+        notes.append(f"{kind}: {1e6 * fit.latency_s:.0f} us + {1e9 * fit.seconds_per_byte:.3f} ns/B at {fit.group_size} ranks ({fit.num_points} collectives)")
+    return profile.replace(notes=notes)
+
+
+def _is_async(trial: CalibrationTrial, work: ModelWork) -> bool:
+    return trial.config.unshard_async in ("on", "auto")
+
+
+def _same_links(a: CalibrationTrial, b: CalibrationTrial) -> bool:
+    def links(t: CalibrationTrial) -> Any:
+        return sorted((k, v) for k, v in t.cluster.links.items() if v.emulated) if t.emulated else []
+
+    return links(a) == links(b)

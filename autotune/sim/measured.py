@@ -1,0 +1,99 @@
+"""A cluster and workload as measured on this machine: what :mod:`autotune.sim.calibrate` fits.
+
+A :class:`MeasuredProfile` replaces the datasheet prices of a cluster profile (device FLOP/s,
+link bandwidths) with seconds taken from trials' traces, for one workload (model, training
+shape) on one box: per-microbatch compute of the model's segments, FSDP2's hook work per unit,
+the optimizer, and each collective's real transfer cost. :class:`autotune.sim.Hardware` with a
+``measured`` profile prices a mesh from it (:func:`autotune.sim.costs.get_mesh_costs`); see
+[Note: calibration] in :mod:`autotune.sim.calibrate` for what is fitted from what.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+SEGMENT_KEYS = ("head.forward", "block.forward", "tail.forward", "tail.backward", "block.backward", "head.backward")
+"""Model compute per microbatch: ``head`` (embeddings), one ``block``, ``tail`` (norm, output, loss)."""
+HOOK_KEYS = ("unshard.block", "unshard.root", "pre_hook.block", "pre_hook.root", "post_hook.block", "post_hook.root", "reduce.block", "reduce.root")
+"""FSDP2's own work per unit and call: ``unshard`` (a pre-forward/backward hook that copies an
+all-gather out), ``pre_hook`` (one that finds the unit unsharded), ``post_hook`` (post-backward
+accumulate and reshard), ``reduce`` (copy-in and post-reduce of a reducing post-backward)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveFit:
+    """Real transfer seconds of one collective kind: ``latency + bytes x seconds_per_byte``,
+    fitted at ``group_size`` ranks and scaled to ``n`` ranks by the ring factor (n-1)/n."""
+
+    latency_s: float
+    seconds_per_byte: float
+    group_size: int
+    num_points: int = 0
+    """Collectives the fit saw."""
+
+    def get_seconds(self, num_bytes: float, group_size: int) -> float:
+        if group_size <= 1:
+            return 0.0
+        scale = ((group_size - 1) / group_size) / ((self.group_size - 1) / self.group_size) if self.group_size > 1 else 1.0
+        return self.latency_s + num_bytes * self.seconds_per_byte * scale
+
+
+@dataclass(frozen=True)
+class MeasuredProfile:
+    """Measured prices of one workload on one machine (see [Note: calibration])."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    name: str
+    world_size: int
+    num_microbatches: int
+    segments: dict[str, float]
+    """``SEGMENT_KEYS`` -> seconds per microbatch (a block's: one block)."""
+    hooks: dict[str, float]
+    """``HOOK_KEYS`` -> seconds per call."""
+    microbatch_s: float
+    """Per microbatch outside the model and FSDP2's hooks: the batch, the loss's bookkeeping."""
+    optimizer_s_per_element: float
+    """AdamW, ``zero_grad`` and the step's end, per sharded parameter element on a rank."""
+    memory_bytes_per_s: float
+    """Copies the traces do not show apart (FSDP1-style concat, int-reshard clones, up-casts)."""
+    collectives: dict[str, CollectiveFit]
+    """``all_gather``, ``reduce_scatter`` (gloo runs it as an all-reduce of the full buffer),
+    ``all_reduce``: the real transfer on this machine's links."""
+    cpu_share: float = 1.0
+    """Of an asynchronous collective's real transfer, the share the training thread loses to it
+    (gloo's worker thread takes a core from compute: 1 = no overlap gain on raw loopback)."""
+    compute_scale: float = 1.0
+    """Applied to every compute, hook and copy figure so that the anchor trial is predicted
+    exactly (the traced window runs slower than unprofiled steps)."""
+    sources: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What was fitted from what, with residuals (for the record)."""
+
+    def get_real_seconds(self, kind: str, num_bytes: float, group_size: int) -> float:
+        """A collective's real transfer; gloo runs reduce-scatter and all-reduce alike, so either fit prices both."""
+        fit = self.collectives.get(kind) or self.collectives.get({"reduce_scatter": "all_reduce", "all_reduce": "reduce_scatter"}.get(kind, ""))
+        return 0.0 if fit is None else fit.get_seconds(num_bytes, group_size)
+
+    def get_segment_seconds(self, key: str) -> float:
+        return self.compute_scale * self.segments[key]
+
+    def get_hook_seconds(self, key: str) -> float:
+        return self.compute_scale * self.hooks[key]
+
+    def get_memory_seconds(self, num_bytes: float) -> float:
+        return self.compute_scale * num_bytes / self.memory_bytes_per_s
+
+    def replace(self, **changes: Any) -> "MeasuredProfile":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": self.SCHEMA_VERSION, "kind": "measured_profile", **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MeasuredProfile":
+        body = {k: v for k, v in data.items() if k not in ("schema_version", "kind")}
+        body["collectives"] = {k: CollectiveFit(**v) for k, v in body["collectives"].items()}
+        return cls(**body)

@@ -1,0 +1,243 @@
+"""How well the calibrated step simulator predicts measured CPU trials ([Note: calibration]).
+
+For each workload x setting: calibrate on the defaults (and one or two calibration trials),
+then measure a deterministic sample of configs across the search space (unprofiled, a few
+steps each, on one rank pool) and compare with the simulator's predictions: median absolute
+error and Spearman rank correlation. On the 2 nodes x 2 ranks cluster also: the mesh the
+simulator picks over the whole space and the one a real search picks, and their tuned/default
+step-time ratios.
+
+    .venv/bin/python benchmarks/sim_accuracy.py                         # everything (~25 min on 2 cores)
+    .venv/bin/python benchmarks/sim_accuracy.py --workloads small --settings raw --configs 10
+
+Workloads: ``small`` (the profile) and ``wide`` (communication-heavy: dim 640, 3 blocks,
+16 tokens, batch 1). Settings: ``raw`` (2 ranks, loopback gloo), ``emulated`` (2 ranks,
+cpu-emulated-ib's 1 GB/s intra-node link), ``2x2`` (4 ranks as 2 nodes x 2 ranks of
+cpu-emulated-ib: 0.25 GB/s between nodes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autotune.search import SearchSettings, SearchSpace, SilentReporter, describe_params, run_search  # noqa: E402
+from autotune.search.presearch import iter_space_params, rank_space  # noqa: E402
+from autotune.sim import Hardware, Simulator, get_model_work  # noqa: E402
+from autotune.sim.calibrate import calibrate, read_calibration_trial  # noqa: E402
+from autotune.trials import RankPool, TrialSpec, run_trial  # noqa: E402
+from profiles import load_cluster_profile  # noqa: E402
+from profiles.sources import load_model_source  # noqa: E402
+
+WORKLOADS = {
+    "small": "small",
+    "wide": {"name": "small", "dim": 640, "num_layers": 3, "num_heads": 10, "num_kv_heads": 5, "ffn_hidden_dim": 1792, "seq_len": 16, "batch_size": 1},
+}
+SETTINGS = {"raw": (2, None), "emulated": (2, "cpu-emulated-ib"), "2x2": (4, "cpu-emulated-ib")}
+NUM_MICROBATCHES = 2
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def _spec(model, config, world, out, *, cluster, steps, warmup, profile, reference=None):
+    return TrialSpec(model=model, config=config, world_size=world, out_dir=out, num_warmup=warmup, num_measured=steps, num_profiled=2,
+                     profile=profile, cluster=cluster, timeout_s=600.0, reference=reference)  # fmt: skip
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _calibration_params(space: SearchSpace) -> dict:
+    return {**space.get_default_params(), "unshard_async": "on", "forward_prefetch": "depth1"}
+
+
+def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path) -> dict:
+    world, cluster = SETTINGS[setting]
+    model = WORKLOADS[workload]
+    source = load_model_source(model)
+    work = get_model_work(source, "float32")
+    space = SearchSpace(block_names=work.block_names, world_size=world, num_microbatches=NUM_MICROBATCHES, device_type="cpu")
+    defaults = space.get_default_params()
+    started = time.monotonic()
+    with RankPool(world) as pool:
+        run_trial(_spec(model, space.build_config(defaults), world, out / "warmup", cluster=cluster, steps=3, warmup=2, profile=False), pool=pool)
+        anchor_dir, async_dir, raw_dir = out / "cal_defaults", out / "cal_async", out / "cal_raw"
+        default_config = space.build_config(defaults)
+        for path, params, links, reference in ((anchor_dir, defaults, cluster, None), (async_dir, _calibration_params(space), cluster, default_config),
+                                               *(((raw_dir, defaults, None, None),) if cluster else ())):  # fmt: skip
+            spec = _spec(model, space.build_config(params), world, path, cluster=links, steps=args.steps, warmup=args.warmup, profile=True, reference=reference)
+            result = run_trial(spec, pool=pool)
+            assert result.ok, f"calibration trial {path}: {result.status} {result.reason}"
+        extra = [read_calibration_trial(async_dir)] + ([read_calibration_trial(raw_dir)] if cluster else [])
+        # The anchor's step: the defaults as timed in alternation with the async trial (the profiled trial's own
+        # unprofiled steps run first, when the pool is least warm).
+        profile = calibrate(work, read_calibration_trial(anchor_dir), extra=extra, anchor_step_s=extra[0].reference_step_s)
+        calibrate_s = time.monotonic() - started
+        hardware = Hardware(load_cluster_profile(cluster or "cpu-gloo"), num_ranks=world, measured=profile)
+        simulator = Simulator(work, hardware)
+        points = list(iter_space_params(space))
+        sample = [defaults] + random.Random(args.seed).sample([p for p in points if p != defaults], min(args.configs - 1, len(points) - 1))
+        ranked = rank_space(space, simulator, world_size=world, device="cpu") if setting == "2x2" else []
+        if ranked and ranked[0][0] not in sample:
+            sample.append(ranked[0][0])
+        default_pred = simulator.simulate(default_config).step_s * 1e3
+        rows, loads = [], [_load()]
+        for i, params in enumerate(sample):
+            config = space.build_config(params)
+            spec = _spec(model, config, world, out / f"config_{i:03d}", cluster=cluster, steps=args.pairs, warmup=args.warmup, profile=False, reference=default_config)
+            result = run_trial(spec, pool=pool)
+            predicted = simulator.simulate(config).step_s * 1e3
+            paired = result.metrics.paired if result.metrics else {}
+            rows.append({"params": params, "config": describe_params(params), "status": result.status, "measured_ms": result.step_ms, "predicted_ms": predicted,
+                         "measured_ratio": paired.get("ratio"), "predicted_ratio": predicted / default_pred,
+                         "reference_ms": statistics.median(result.metrics.reference_step_ms_per_step) if result.metrics and result.metrics.reference_step_ms_per_step else None})  # fmt: skip
+            print(f"  [{workload}/{setting}] {i + 1}/{len(sample)} measured {result.step_ms or float('nan'):7.1f} ms ({paired.get('ratio') or float('nan'):.3f}x the defaults)"
+                  f"  predicted {predicted:7.1f} ms ({predicted / default_pred:.3f}x)  {describe_params(params)}", flush=True)  # fmt: skip
+        loads.append(_load())
+    ok = [r for r in rows if r["status"] == "ok" and r["measured_ms"] and r["measured_ratio"]]
+    errors = [r["predicted_ms"] / r["measured_ms"] - 1 for r in ok]
+    ratio_errors = [r["predicted_ratio"] / r["measured_ratio"] - 1 for r in ok]
+    anchor_ms = 1e3 * read_calibration_trial(anchor_dir).step_s
+    summary = {
+        "workload": workload, "setting": setting, "world_size": world, "cluster": cluster, "num_configs": len(ok), "num_points": len(points),
+        "median_abs_error": _median_abs(errors), "p90_abs_error": _p90_abs(errors), "mean_error": statistics.fmean(errors) if errors else None,
+        "spearman": spearman([r["predicted_ms"] for r in ok], [r["measured_ms"] for r in ok]) if len(ok) > 2 else None,
+        "ratio_median_abs_error": _median_abs(ratio_errors), "ratio_p90_abs_error": _p90_abs(ratio_errors),
+        "ratio_spearman": spearman([r["predicted_ratio"] for r in ok], [r["measured_ratio"] for r in ok]) if len(ok) > 2 else None,
+        "measured_range_ms": [min(r["measured_ms"] for r in ok), max(r["measured_ms"] for r in ok)] if ok else None,
+        "measured_ratio_range": [min(r["measured_ratio"] for r in ok), max(r["measured_ratio"] for r in ok)] if ok else None,
+        "reference_ms": [min(r["reference_ms"] for r in ok), statistics.median(r["reference_ms"] for r in ok), max(r["reference_ms"] for r in ok)] if ok else None,
+        "anchor_ms": anchor_ms, "load": loads,
+        "calibration": {"notes": profile.notes, "compute_scale": profile.compute_scale, "cpu_share": profile.cpu_share, "seconds": calibrate_s},
+        "wall_s": time.monotonic() - started, "rows": rows, "misses": _explain(ok),
+    }  # fmt: skip
+    if ranked:
+        summary["sim_pick"] = _pick(ranked[0][0], rows, defaults)
+        summary["measured_pick"] = _pick(min(ok, key=lambda r: r["measured_ms"])["params"], rows, defaults)
+    return summary
+
+
+def _median_abs(errors: list[float]) -> float | None:
+    return statistics.median(abs(e) for e in errors) if errors else None
+
+
+def _p90_abs(errors: list[float]) -> float | None:
+    return sorted(abs(e) for e in errors)[int(0.9 * (len(errors) - 1))] if errors else None
+
+
+def _pick(params: dict, rows: list[dict], defaults: dict) -> dict:
+    row = next(r for r in rows if r["params"] == params)
+    default = next(r for r in rows if r["params"] == defaults)
+    return {"config": row["config"], "mesh": params["mesh"], "predicted_ms": row["predicted_ms"], "measured_ms": row["measured_ms"],
+            "predicted_ratio": row["predicted_ratio"], "tuned_over_default": row["measured_ratio"]}  # fmt: skip
+
+
+def _explain(rows: list[dict]) -> list[str]:
+    """The knob values whose configs the simulator gets most wrong on average (signed, relative)."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        error = r["predicted_ratio"] / r["measured_ratio"] - 1
+        for key, value in r["params"].items():
+            groups.setdefault((key, str(value)), []).append(error)
+    scored = sorted(((statistics.fmean(v), k, len(v)) for k, v in groups.items() if len(v) >= 3), key=lambda t: -abs(t[0]))
+    lines = [f"{key}={value}: mean ratio error {100 * mean:+.1f}% over {count} configs" for mean, (key, value), count in scored[:4]]
+    worst = sorted(rows, key=lambda r: -abs(r["predicted_ratio"] / r["measured_ratio"] - 1))[:3]
+    lines += [f"worst: {r['config']}: predicted {r['predicted_ratio']:.3f}x ({r['predicted_ms']:.1f} ms), measured {r['measured_ratio']:.3f}x ({r['measured_ms']:.1f} ms)" for r in worst]
+    return lines
+
+
+def run_search_2x2(args: argparse.Namespace, out: Path) -> dict:
+    """A real (paired, TPE) search on the 2 x 2 emulated cluster: the mesh it emits and its confirmed speedup."""
+    settings = SearchSettings(model="small", world_size=4, num_trials=args.search_trials, num_microbatches=NUM_MICROBATCHES, out_dir=out, cluster="cpu-emulated-ib",
+                              num_warmup=1, num_measured=3, num_profiled=1, patience=None, num_confirm_pairs=2, trial_timeout_s=600.0)  # fmt: skip
+    started = time.monotonic()
+    summary = run_search(settings, reporter=SilentReporter())
+    best = summary.best
+    conf = summary.confirmation or {}
+    return {"trials": len(summary.rows), "best": describe_params(best.params) if best else None, "mesh": best.params.get("mesh") if best else None,
+            "best_ratio": best.ratio if best else None, "emitted": conf.get("emitted"), "confirmed_speedup": conf.get("speedup_median"), "wall_s": time.monotonic() - started}  # fmt: skip
+
+
+def print_table(results: list[dict]) -> None:
+    print("\npredicted vs measured (error = predicted / measured - 1). step: median unprofiled step time; ratio: a config's step over the")
+    print("defaults' step, measured in alternating pairs on the same ranks (load cancels), predicted as sim(config) / sim(defaults)")
+    print(f"{'workload':<8} {'setting':<9} {'ranks':>5} {'configs':>7} {'step ms':>11} {'ratio':>11} | {'step: med|err|':>14} {'rho':>6} | {'ratio: med|err|':>15} {'p90':>6} {'rho':>6} | {'min':>4} {'load':>14}")
+    for r in results:
+        lo, hi = r["measured_range_ms"] or (0, 0)
+        rlo, rhi = r["measured_ratio_range"] or (0, 0)
+        print(f"{r['workload']:<8} {r['setting']:<9} {r['world_size']:>5} {r['num_configs']:>7} {f'{lo:.0f}-{hi:.0f}':>11} {f'{rlo:.2f}-{rhi:.2f}':>11} | "
+              f"{100 * r['median_abs_error']:>13.1f}% {r['spearman']:>6.3f} | {100 * r['ratio_median_abs_error']:>14.1f}% {100 * r['ratio_p90_abs_error']:>5.1f}% "
+              f"{r['ratio_spearman']:>6.3f} | {r['wall_s'] / 60:>4.1f} {r['load'][0]:>14}")  # fmt: skip
+    for r in results:
+        ref = r["reference_ms"]
+        print(f"\n{r['workload']}/{r['setting']}: the defaults measured {ref[0]:.0f}/{ref[1]:.0f}/{ref[2]:.0f} ms (min/median/max over the trials' pairs; "
+              f"the anchor trial: {r['anchor_ms']:.0f} ms); load average before/after {r['load'][0]} / {r['load'][1]}")  # fmt: skip
+        print("  calibration: " + "; ".join(r["calibration"]["notes"]))
+        for line in r["misses"]:
+            print(f"  {line}")
+        for key in ("sim_pick", "measured_pick"):
+            if key in r:
+                p = r[key]
+                print(f"  {key.replace('_', ' ')}: {p['config']}: predicted {p['predicted_ratio']:.3f}x the defaults ({p['predicted_ms']:.1f} ms), "
+                      f"measured {p['tuned_over_default']:.3f}x ({p['measured_ms']:.1f} ms)")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="small,wide")
+    parser.add_argument("--settings", default="raw,emulated,2x2")
+    parser.add_argument("--configs", type=int, default=30, help="configs measured per workload and setting (the defaults included)")
+    parser.add_argument("--pairs", type=int, default=3, help="measured pairs (config, defaults) per config")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps (pairs) of each calibration trial (then a profiled window of 2)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--search-trials", type=int, default=8, help="trials of the real search on the 2x2 cluster (small); 0: none")
+    parser.add_argument("--out", type=Path, default=None, help="where trial dirs and results.json go (default: a temp dir)")
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="sim_accuracy_"))
+    started = time.monotonic()
+    results = []
+    for workload in args.workloads.split(","):
+        for setting in args.settings.split(","):
+            print(f"{workload} / {setting}", flush=True)
+            results.append(run_setting(workload, setting, args, out / f"{workload}_{setting}"))
+    search = run_search_2x2(args, out / "search_2x2") if args.search_trials and "2x2" in args.settings else None
+    print_table(results)
+    if search:
+        print(f"\nreal search on 2x2 (small, {search['trials']} trials, {search['wall_s'] / 60:.1f} min): best {search['best']} (mesh {search['mesh']}), "
+              f"ratio {search['best_ratio']}, emitted {search['emitted']}, confirmed speedup {search['confirmed_speedup']}")  # fmt: skip
+    (out / "results.json").write_text(json.dumps({"results": results, "search": search}, indent=1, default=str))
+    print(f"\ntotal {(time.monotonic() - started) / 60:.1f} min; details in {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

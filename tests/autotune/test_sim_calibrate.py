@@ -1,0 +1,140 @@
+"""Calibration ([Note: calibration]): trace costs from hand-built labels, collective fits by hand,
+measured prices with and without link emulation, and a calibration from real trials."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+from autotune.sim import Hardware, Simulator, get_model_work
+from autotune.sim.calibrate import _predict, calibrate, fit_collective, get_trace_costs, read_calibration_trial
+from autotune.sim.hardware import get_group
+from autotune.sim.measured import CollectiveFit, MeasuredProfile
+from autotune.search import SearchSpace
+from autotune.trials import TrialSpec, run_trial
+from profiles import load_cluster_profile, load_model_profile
+
+US = 1e-6
+
+
+def _events() -> SimpleNamespace:
+    """One step [0, 1000] us of a two-block model, one microbatch: labels as FSDP2 records them on CPU
+    with blocking collectives (the comm rows are the gloo spans they wait for)."""
+    labels = [
+        (0, 10, "root_pre_forward", "root"), (10, 30, "pre_forward", "root"), (25, 30, "all_gather_copy_out", "root"),
+        (40, 70, "pre_forward", "layers.0"), (60, 70, "all_gather_copy_out", "layers.0"), (170, 172, "post_forward", "layers.0"),
+        (175, 205, "pre_forward", "layers.1"), (195, 205, "all_gather_copy_out", "layers.1"), (305, 307, "post_forward", "layers.1"),
+        (357, 360, "post_forward", "root"), (400, 420, "pre_backward", "root"), (402, 418, "backward_prefetch", "layers.1"),
+        (450, 460, "pre_backward", "layers.1"), (452, 460, "all_gather_copy_out", "layers.1"),
+        (660, 662, "post_backward_accumulate", "layers.1"), (662, 663, "post_backward_reshard", "layers.1"), (663, 690, "post_backward_reduce", "layers.1"),
+        (690, 700, "pre_backward", "layers.0"), (692, 700, "all_gather_copy_out", "layers.0"),
+        (900, 902, "post_backward_accumulate", "layers.0"), (902, 930, "post_backward_reduce", "layers.0"),
+        (940, 980, "root_post_backward_callback", "root"), (945, 975, "post_backward_reduce", "root"),
+    ]  # fmt: skip
+    comm = [
+        (12, 25, "all_gather", "root"), (42, 60, "all_gather", "layers.0"), (177, 195, "all_gather", "layers.1"), (403, 417, "all_gather", "layers.1"),
+        (665, 685, "reduce_scatter", "layers.1"), (905, 925, "reduce_scatter", "layers.0"), (950, 970, "reduce_scatter", "root"),
+    ]  # fmt: skip
+    return SimpleNamespace(
+        steps=pd.DataFrame({"step": [1], "start": [0.0], "end": [1000.0]}),
+        labels=pd.DataFrame(labels, columns=["start", "end", "phase", "unit"]).astype({"start": float, "end": float}),
+        comm=pd.DataFrame([(a, b, a, k, u) for a, b, k, u in comm], columns=["start", "end", "issue_ts", "kind", "unit"]).astype({"start": float, "end": float}),
+        barriers=pd.DataFrame(columns=["start", "end", "issue_ts"], dtype=float),
+    )
+
+
+def test_trace_costs_attribute_the_time_between_fsdp_labels_by_hand():
+    costs = get_trace_costs({0: _events()}, block_names=("layers.0", "layers.1"), num_microbatches=1)
+    # gaps after pre_forward(root) 10; block forwards 100 + 2 (post_forward) + 3 (to the next block) + 100 + 2 over 2 blocks;
+    # the tail 50 (norm, output) + 3 (its post_forward) + 40 (loss); backward: tail 30, blocks 200 each, head 10 after block 0
+    assert costs.segments == pytest.approx({"head.forward": 10 * US, "block.forward": 103.5 * US, "tail.forward": 93 * US, "tail.backward": 30 * US,
+                                           "block.backward": 200 * US, "head.backward": 10 * US})  # fmt: skip
+    # hooks: label time minus the collectives in it. unshard: blocks 12, 12 (forward), 10, 10 (backward); root 20 - 13;
+    # the root's pre-backward holds no copy-out of its own (6 = 20 - 14 of b1's prefetch); post-hooks (2 + 1) and 2
+    # per post-backward; reduces 27 - 20 and 28 - 20; the root's callback 40 - 20
+    assert costs.hooks == pytest.approx({"unshard.block": 11 * US, "unshard.root": 7 * US, "pre_hook.block": 0.0, "pre_hook.root": 6 * US,
+                                        "post_hook.block": 2.5 * US, "post_hook.root": 0.0, "reduce.block": 7.5 * US, "reduce.root": 20 * US})  # fmt: skip
+    assert costs.microbatch_s == pytest.approx(10 * US) and costs.optimizer_s == pytest.approx(20 * US)
+    assert sorted(costs.collectives) == sorted([("all_gather", "root", 13 * US), ("all_gather", "layers.0", 18 * US), ("all_gather", "layers.1", 18 * US),
+                                                ("all_gather", "layers.1", 14 * US), ("reduce_scatter", "layers.1", 20 * US),
+                                                ("reduce_scatter", "layers.0", 20 * US), ("reduce_scatter", "root", 20 * US)])  # fmt: skip
+
+
+def test_collective_fits_by_hand():
+    exact = fit_collective([(2, 1e6, 1e-3 + 2e-3), (2, 3e6, 1e-3 + 6e-3)], 2)
+    assert (exact.latency_s, exact.seconds_per_byte) == pytest.approx((1e-3, 2e-9))
+    # a point at 4 ranks moves (3/4) / (1/2) = 1.5x the bytes of one at 2: 2e6 bytes there count as 3e6
+    scaled = fit_collective([(2, 1e6, 3e-3), (4, 2e6, 7e-3)], 2)
+    assert (scaled.latency_s, scaled.seconds_per_byte) == pytest.approx((1e-3, 2e-9))
+    assert scaled.get_seconds(2e6, 4) == pytest.approx(7e-3) and scaled.get_seconds(1e9, 1) == 0.0
+    # a free fit with a negative latency goes through the origin: slope = sum(xy) / sum(x^2) = 7e3 / 5e12
+    origin = fit_collective([(2, 1e6, 1e-3), (2, 2e6, 3e-3)], 2)
+    assert (origin.latency_s, origin.seconds_per_byte) == pytest.approx((0.0, 1.4e-9))
+
+
+def _measured(**changes) -> MeasuredProfile:
+    base = MeasuredProfile(
+        name="test", world_size=4, num_microbatches=1, segments=dict.fromkeys(("head.forward", "block.forward", "tail.forward", "tail.backward", "block.backward", "head.backward"), 1e-3),
+        hooks=dict.fromkeys(("unshard.block", "unshard.root", "pre_hook.block", "pre_hook.root", "post_hook.block", "post_hook.root", "reduce.block", "reduce.root"), 1e-4),
+        microbatch_s=1e-4, optimizer_s_per_element=1e-9, memory_bytes_per_s=1e9,
+        collectives={"all_gather": CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2)},
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)
+
+
+def test_measured_collectives_are_held_to_emulated_links():
+    emulated = Hardware(load_cluster_profile("cpu-emulated-ib"), num_ranks=4, measured=_measured())
+    shard2, world4 = get_group(2, 1, 2), get_group(4, 1, 2)
+    # 10 MB inside a node: real 100 us + 10 ms beats the emulated 50 us + 10 ms (1 GB/s)
+    assert emulated.get_collective_seconds("all_gather", 1e7, shard2) == pytest.approx(1e-4 + 1e-2)
+    # across 2 nodes: real 100 us + 10 ms x 1.5 (4 ranks' ring), held to 200 us + 40 ms (0.25 GB/s)
+    assert emulated.get_collective_seconds("all_gather", 1e7, world4) == pytest.approx(2e-4 + 4e-2)
+    assert emulated.get_real_collective_seconds("all_gather", 1e7, world4) == pytest.approx(1e-4 + 1.5e-2)
+    raw = Hardware(load_cluster_profile("cpu-gloo"), num_ranks=4, measured=_measured())
+    assert raw.get_collective_seconds("all_gather", 1e7, world4) == pytest.approx(1e-4 + 1.5e-2) and raw.world_size == 4
+    # gloo runs reduce-scatter and all-reduce as one all-reduce: either fit prices both
+    both = _measured(collectives={"reduce_scatter": CollectiveFit(latency_s=0.0, seconds_per_byte=1e-9, group_size=2)})
+    assert both.get_real_seconds("all_reduce", 1e6, 2) == pytest.approx(1e-3) and both.get_real_seconds("all_gather", 1e6, 2) == 0.0
+    assert MeasuredProfile.from_dict(both.to_dict()) == both
+
+
+def test_measured_prices_simulate_a_cpu_step_with_mesh_dependent_optimizer():
+    work = get_model_work(load_model_profile("tiny"), "float32")
+    hardware = Hardware(load_cluster_profile("cpu-gloo"), num_ranks=2, measured=_measured(world_size=2))
+    space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=1, device_type="cpu")
+    simulator = Simulator(work, hardware)
+    fsdp = simulator.simulate(space.build_config(space.get_default_params()))
+    assert fsdp.step_s > 0 and fsdp.mfu == 0.0  # no device peak on a CPU profile
+    # 2x1 keeps the whole model on each rank: twice the optimizer's elements, no all-gather
+    replicated, sharded = simulator.get_costs(_knobs_of(space, "hsdp:2x1", work)), simulator.get_costs(_knobs_of(space, "fsdp", work))
+    assert replicated.optimizer_s == pytest.approx(2 * sharded.optimizer_s, rel=0.01) and sum(replicated.all_gather_s) == 0.0
+    assert sharded.all_gather_s[0] == pytest.approx(1e-4 + sharded.padded[0] * 4 * 1e-9)  # the fit at 2 ranks, float32 params
+
+
+def _knobs_of(space: SearchSpace, mesh: str, work):
+    from autotune.sim import resolve_knobs
+
+    return resolve_knobs(space.build_config({**space.get_default_params(), "mesh": mesh}), work.block_names, world_size=2, device="cpu")
+
+
+@pytest.mark.multirank
+def test_calibration_from_real_trials_reproduces_its_anchor_and_fits_the_cpu_share(pool2, tmp_path):
+    work = get_model_work(load_model_profile("tiny"), "float32")
+    space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=2, device_type="cpu")
+    defaults = space.get_default_params()
+    dirs = {}
+    for name, params in (("defaults", defaults), ("async", {**defaults, "unshard_async": "on", "forward_prefetch": "depth1"})):
+        spec = TrialSpec(model="tiny", config=space.build_config(params), world_size=2, out_dir=tmp_path / name, num_warmup=1, num_measured=3, num_profiled=2, timeout_s=120)
+        assert run_trial(spec, pool=pool2).ok
+        dirs[name] = read_calibration_trial(tmp_path / name)
+    profile = calibrate(work, dirs["defaults"], extra=[dirs["async"]])
+    assert _predict(work, dirs["defaults"], profile) == pytest.approx(dirs["defaults"].step_s, rel=1e-3)
+    assert 0.0 <= profile.cpu_share <= 1.5 and profile.compute_scale > 0
+    if 0.0 < profile.cpu_share < 1.5:  # inside the bracket the share reproduces the async trial
+        assert _predict(work, dirs["async"], profile) == pytest.approx(dirs["async"].step_s, rel=1e-3)
+    assert profile.collectives["all_gather"].num_points > 0 and profile.collectives["all_gather"].seconds_per_byte > 0
+    assert all(v >= 0 for v in (*profile.segments.values(), *profile.hooks.values())) and profile.segments["block.backward"] > 0
+    assert any("anchor" in note for note in profile.notes) and MeasuredProfile.from_dict(profile.to_dict()) == profile

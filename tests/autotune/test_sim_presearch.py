@@ -1,0 +1,155 @@
+"""``autotune search --presearch sim`` ([Note: presearch]) end to end, the v5 search record, the
+proxy's ``autotune plan`` hint, and the simulator on models beyond our Llama profiles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autotune.search import SearchError, SearchRecord, SearchSettings, TrialRow, plan_model, run_search
+from autotune.search.presearch import get_plan_hint, get_prediction_table, get_spearman
+from autotune.sim import get_model_work
+from profiles import load_model_profile
+from profiles.sources import load_model_source
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "data" / "artifacts"
+FAST = {"model": "tiny", "world_size": 2, "num_warmup": 1, "num_measured": 2, "num_profiled": 1, "trial_timeout_s": 90.0, "patience": None}
+
+
+@pytest.mark.multirank
+def test_presearch_measures_the_simulators_top_k_and_records_predicted_vs_measured(tmp_path):
+    settings = SearchSettings(out_dir=tmp_path, num_trials=4, num_confirm_pairs=1, presearch="sim", presearch_top_k=2, **FAST)
+    summary = run_search(settings)
+    rows = summary.rows
+    assert [r.number for r in rows] == [0, 1, 2, 3] and rows[0].is_default
+    assert [r.presearch_rank for r in rows] == [None, 1, 2, None]  # trials 1, 2: the simulator's two fastest, measured first
+    assert rows[1].predicted_ratio <= rows[2].predicted_ratio
+    # every trial has a prediction: the enqueued ones from the presearch, the others from the study's calibration at the end
+    assert all(r.predicted_step_ms > 0 and r.predicted_ratio > 0 for r in rows)
+    assert rows[0].predicted_ratio == pytest.approx(1.0)  # the defaults, and the anchor: predicted as measured
+    assert rows[0].predicted_step_ms == pytest.approx(rows[0].step_ms, rel=1e-3)
+    record = json.loads((tmp_path / "search.json").read_text())
+    assert record["schema_version"] == SearchRecord.SCHEMA_VERSION == 5
+    presearch = record["presearch"]
+    assert presearch["num_ranked"] > 100 and presearch["num_enqueued"] == 2 and presearch["num_compared"] >= 1
+    assert presearch["calibrated_on"] == rows[0].trial_dir and "profile" not in presearch
+    results = json.loads((tmp_path / "results.json").read_text())["trials"]
+    assert [t["presearch_rank"] for t in results] == [None, 1, 2, None] and all(t["predicted_step_ms"] for t in results)
+    table = get_prediction_table(rows)
+    assert [row[1] for row in table.rows] == ["defaults", "presearch #1", "presearch #2", table.rows[3][1]] and table.rows[3][1] in ("sampled", "refined")
+
+
+def test_presearch_is_refused_where_it_cannot_calibrate(tmp_path):
+    with pytest.raises(SearchError, match="unknown presearch 'grid'"):
+        SearchSettings(out_dir=tmp_path, presearch="grid")
+    with pytest.raises(SearchError, match="top-k must be >= 1"):
+        SearchSettings(out_dir=tmp_path, presearch="sim", presearch_top_k=0)
+
+
+def test_search_record_v5_reads_v4_and_round_trips_predictions(tmp_path):
+    old = SearchRecord.read(ARTIFACTS / "search_v4.json")
+    assert old.presearch is None and old.best.predicted_step_ms is None and old.best.presearch_rank is None
+    row = TrialRow(number=1, state="COMPLETE", status="ok", step_ms=10.0, ratio=0.9, predicted_step_ms=9.5, predicted_ratio=0.92, presearch_rank=1)
+    record = SearchRecord(model="tiny", best=row, presearch={"kind": "sim", "num_ranked": 10, "median_abs_error": 0.05})
+    record.write(tmp_path / "search.json")
+    again = SearchRecord.read(tmp_path / "search.json")
+    assert again.best == row and again.presearch == record.presearch
+
+
+def test_spearman_and_prediction_table_by_hand():
+    assert get_spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert get_spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    assert get_spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)  # ties share their mean rank
+    rows = [TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, is_default=True, predicted_step_ms=100.0, predicted_ratio=1.0),
+            TrialRow(number=1, state="COMPLETE", status="ok", step_ms=80.0, ratio=0.8, predicted_step_ms=88.0, predicted_ratio=0.88, presearch_rank=1),
+            TrialRow(number=2, state="COMPLETE", status="ok", step_ms=90.0)]  # fmt: skip
+    table = get_prediction_table(rows)
+    assert table.rows == [["0", "defaults", "100.0", "100.0", "+0.0%", "1.000", "-"], ["1", "presearch #1", "88.0", "80.0", "+10.0%", "0.880", "0.800"]]
+    assert get_prediction_table(rows[2:]) is None
+
+
+def test_a_search_on_a_proxy_points_to_autotune_plan():
+    llama8b = load_model_profile("llama8b")
+    proxy = plan_model(llama8b, world_size=2, memory_per_rank=4 * 2**30, flops_per_rank=25e9, step_budget_s=1.0)
+    assert proxy.is_proxy
+    assert get_plan_hint(proxy) == ("hint: these trials measure a proxy; for llama8b itself on a GPU cluster, simulate it: "
+                                    "autotune plan --model llama8b --cluster h100-node --nodes 1")  # fmt: skip
+    fits = plan_model(load_model_profile("tiny"), world_size=2, memory_per_rank=4 * 2**30, flops_per_rank=25e9, step_budget_s=1.0)
+    assert get_plan_hint(fits) is None
+
+
+# -- the simulator on a Hugging Face config and a factory -------------------------------------
+
+
+def _hf_tiny_llama(tmp: Path) -> Path:
+    """An HF LlamaForCausalLM config with the ``tiny`` profile's shape (dim 64, 4 blocks, ffn 192, vocab 512)."""
+    directory = tmp / "hf-tiny"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 32, "tie_word_embeddings": False,
+    }))  # fmt: skip
+    return directory
+
+
+def test_hf_config_traces_like_the_llama_profile_of_its_shape(tmp_path):
+    tiny = load_model_profile("tiny")
+    source = load_model_source(str(_hf_tiny_llama(tmp_path))).with_overrides(seq_len=tiny.seq_len, batch_size=tiny.batch_size)
+    hf, ours = get_model_work(source, "bfloat16"), get_model_work(tiny, "bfloat16")
+    assert hf.block_names == tuple(f"model.layers.{i}" for i in range(4))
+    assert hf.work["block", "forward"].gemm_flops == ours.work["block", "forward"].gemm_flops
+    assert hf.work["block", "backward"].gemm_flops == ours.work["block", "backward"].gemm_flops
+    assert hf.param_shapes["model.layers.0"] and sum(map(len, hf.param_shapes.values())) > 0
+    assert hf.activations.block_input == ours.activations.block_input == tiny.batch_size * tiny.seq_len * 64 * 2
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vocab_size = 32
+        self.embed, self.blocks, self.head = nn.Embedding(32, 16), nn.ModuleList(_Block(16) for _ in range(3)), nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def tiny_lm() -> nn.Module:
+    return TinyLM()
+
+
+def test_a_factory_is_traced_whole_and_its_blocks_averaged():
+    source = load_model_source("test_sim_presearch:tiny_lm")
+    work = get_model_work(source, "float32")
+    tokens = source.batch_size * source.seq_len
+    assert work.block_names == ("blocks.0", "blocks.1", "blocks.2")
+    # one block: two linears of 16 x 32 weights, 2 FLOPs per weight and token forward, twice that backward
+    assert work.work["block", "forward"].gemm_flops == 2 * tokens * 2 * 16 * 32
+    assert work.work["block", "backward"].gemm_flops == 2 * work.work["block", "forward"].gemm_flops
+    assert work.work["tail", "forward"].gemm_flops == 2 * tokens * 16 * 32  # the output head
+
+
+def test_plan_takes_a_hugging_face_config_and_emits_its_unit_names(tmp_path):
+    from autotune.plan import PlanSettings, run_plan
+    from fsdp_runtime import load_config
+
+    model = str(_hf_tiny_llama(tmp_path))
+    result = run_plan(PlanSettings(model=model, cluster="h100-node", num_microbatches=1, fixed_mesh="fsdp", num_workers=1, out_dir=tmp_path / "plan"))
+    assert result.ranked and result.num_evaluated > 100
+    config = load_config(tmp_path / "plan" / "best.toml")
+    assert config.unit_names == [*(f"model.layers.{i}" for i in range(4)), "root"] and config.provenance.model == "hf-tiny"
