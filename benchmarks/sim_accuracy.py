@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import random
 import statistics
 import sys
@@ -31,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autotune.search import SearchSettings, SearchSpace, SilentReporter, describe_params, run_search  # noqa: E402
-from autotune.search.presearch import iter_space_params, rank_space  # noqa: E402
+from autotune.search.presearch import get_spearman as spearman, iter_space_params, rank_space  # noqa: E402
 from autotune.sim import Hardware, Simulator, get_model_work  # noqa: E402
 from autotune.sim.calibrate import calibrate, read_calibration_trial  # noqa: E402
 from autotune.trials import RankPool, TrialSpec, run_trial  # noqa: E402
@@ -44,27 +45,6 @@ WORKLOADS = {
 }
 SETTINGS = {"raw": (2, None), "emulated": (2, "cpu-emulated-ib"), "2x2": (4, "cpu-emulated-ib")}
 NUM_MICROBATCHES = 2
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    def ranks(values: list[float]) -> list[float]:
-        order = sorted(range(len(values)), key=lambda i: values[i])
-        out = [0.0] * len(values)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else float("nan")
 
 
 def _spec(model, config, world, out, *, cluster, steps, warmup, profile, reference=None):
@@ -223,6 +203,7 @@ def main() -> None:
     parser.add_argument("--search-trials", type=int, default=8, help="trials of the real search on the 2x2 cluster (small); 0: none")
     parser.add_argument("--out", type=Path, default=None, help="where trial dirs and results.json go (default: a temp dir)")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # close the rank pools on a kill
     out = args.out or Path(tempfile.mkdtemp(prefix="sim_accuracy_"))
     started = time.monotonic()
     results = []

@@ -36,9 +36,12 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
 - *Memory speed* for copies the traces do not isolate (FSDP1-style concat, int-reshard
   clones, up-casts): the bytes FSDP2's copy-out and copy-in move over their hooks' time (a
   lower bound: the hooks' Python is in it).
-- *Anchor*: every compute, hook, copy and optimizer figure is scaled by one factor so that
-  the simulator predicts the anchor trial's *unprofiled* median step exactly (the traced
-  window runs slower than unprofiled steps). The collectives are not scaled.
+- *Anchor*: every figure of work on the cores (compute, hooks, copies, the optimizer, and the
+  collectives' real transfers, which gloo runs on the same cores) is scaled by one factor so
+  that the simulator predicts the anchor's step exactly: its *unprofiled* median step, or the
+  same config timed as the reference of paired trials (``anchor_step_s``). The traced window
+  runs slower than unprofiled steps, and load on the machine slows all that work alike; an
+  emulated link's hold is not work and is not scaled.
 - *CPU share of an asynchronous collective* (``cpu_share``): gloo's worker thread shares the
   cores with compute, so an asynchronous all-gather slows the compute it overlaps. Fitted
   (bisection on [0, 1.5]) so that the simulator predicts a calibration trial with

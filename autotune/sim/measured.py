@@ -66,16 +66,19 @@ class MeasuredProfile:
     """Of an asynchronous collective's real transfer, the share the training thread loses to it
     (gloo's worker thread takes a core from compute: 1 = no overlap gain on raw loopback)."""
     compute_scale: float = 1.0
-    """Applied to every compute, hook and copy figure so that the anchor trial is predicted
-    exactly (the traced window runs slower than unprofiled steps)."""
+    """Applied to every figure of work done on this machine's cores (compute, hooks, copies, the
+    optimizer and the collectives' real transfers, not an emulated link's hold) so that the
+    anchor is predicted exactly: the traced window runs slower than unprofiled steps, and load
+    on the machine slows all of that work alike."""
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """What was fitted from what, with residuals (for the record)."""
 
     def get_real_seconds(self, kind: str, num_bytes: float, group_size: int) -> float:
-        """A collective's real transfer; gloo runs reduce-scatter and all-reduce alike, so either fit prices both."""
+        """A collective's real transfer (CPU work too: scaled like compute); gloo runs reduce-scatter and
+        all-reduce alike, so either fit prices both."""
         fit = self.collectives.get(kind) or self.collectives.get({"reduce_scatter": "all_reduce", "all_reduce": "reduce_scatter"}.get(kind, ""))
-        return 0.0 if fit is None else fit.get_seconds(num_bytes, group_size)
+        return 0.0 if fit is None else self.compute_scale * fit.get_seconds(num_bytes, group_size)
 
     def get_segment_seconds(self, key: str) -> float:
         return self.compute_scale * self.segments[key]
