@@ -142,6 +142,9 @@ def search(
     sampler: Annotated[str, typer.Option("--sampler", help="tpe (seeded, default), random, cmaes or qmc.")] = "tpe",
     seed: Annotated[int, typer.Option("--seed")] = 0,
     memory_budget_gib: Annotated[Optional[float], typer.Option("--memory-budget-gib", help="Peak memory per rank above this makes a trial infeasible.")] = None,
+    grouping: Annotated[bool, typer.Option("--grouping/--no-grouping", help="Search 1, 2 or 4 blocks per FSDP unit.")] = True,
+    root_knobs: Annotated[bool, typer.Option("--root-knobs/--no-root-knobs", help="Search the root unit's reshard and sync level, and embeddings and head as units of their own.")] = True,
+    checkpointing: Annotated[Optional[bool], typer.Option("--checkpointing/--no-checkpointing", help="Search activation checkpointing per block (none, selective, full); default: only with --memory-budget-gib.", show_default=False)] = None,
     cluster: Annotated[Optional[str], typer.Option("--cluster", help="Cluster profile whose links are emulated (e.g. cpu-emulated-ib).")] = None,
     mesh: Annotated[Optional[str], typer.Option("--mesh", help="Fix the mesh: fsdp or hsdp:RxS.")] = None,
     patience: Annotated[int, typer.Option("--patience", help="Stop after this many trials without a 1% improvement (0: never).")] = 10,
@@ -164,6 +167,7 @@ def search(
         model=model, world_size=nproc, num_trials=trials, num_microbatches=microbatches, out_dir=out, storage=storage,
         study_name=study_name, resume=resume, sampler=sampler, seed=seed,
         memory_budget_bytes=int(memory_budget_gib * 2**30) if memory_budget_gib is not None else None,
+        grouping=grouping, root_knobs=root_knobs, checkpointing=checkpointing,
         cluster=cluster, fixed_mesh=mesh, patience=patience or None, num_refine=refine, num_confirm_pairs=confirm_pairs, trial_timeout_s=trial_timeout,
         storage_timeout_s=storage_timeout, heartbeat_s=heartbeat, presearch=presearch, presearch_top_k=presearch_top,
     )

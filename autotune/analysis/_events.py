@@ -24,7 +24,9 @@ BARRIER = "barrier"
 """Kind of a barrier: a synchronization that moves no data, kept out of the communication figures."""
 
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
-_LABEL_FOR = re.compile(r"^FSDP::(?P<phase>\w+) for (?P<unit>\S+)$")
+# A unit of several modules (``fully_shard([layers.0, layers.1])``) is labelled with their
+# FQNs joined by ", " (``FSDPState._lazy_init``), so the unit is the rest of the label.
+_LABEL_FOR = re.compile(r"^FSDP::(?P<phase>\w+) for (?P<unit>.+)$")
 _LABEL = re.compile(r"^FSDP::(?P<phase>\w+)(?: \((?P<unit>[^)]*)\))?$")
 _NOT_COMPUTE_OP = re.compile(r"^(?:c10d::|_?c10d_functional::|gloo:|nccl:|record_param_comms)|wait", re.IGNORECASE)
 _LINKEMU_HOLD = "linkemu::hold_"

@@ -16,6 +16,18 @@ distinct value (per mesh where the value depends on it). The expansions are inde
 each other by the space's construction ([Note: search-space parametrization]);
 ``tests/autotune/test_sim_plan.py`` checks the assembled knobs equal those of the built config.
 
+[Note: staged ranking]
+Grouping, the root's knobs and checkpointing multiply the space: ``small`` at 2 ranks and 4
+microbatches has 12,600 points without them, 316,800 with grouping and the root's knobs and
+2,851,200 with checkpointing too, against ~2,500-3,000 simulations/s on one core. So with any of
+them on, :func:`rank_space` ranks in two stages: every point of the space without them (their
+FSDP2 defaults), then every memory-knob variant (:func:`iter_memory_variants`) of the
+``STAGED_TOP`` fastest of those; a variant of a slower core config is not simulated. This
+assumes that what the memory knobs change (collective count and size, recompute, the root's
+reduction) adds to what the core knobs do rather than reorders them, which holds where it was
+checked: on ``small`` at 2 ranks the staged and the exhaustive ranking of the grouping + root
+space agree on the fastest prediction (``tests/autotune/test_sim_plan.py``).
+
 [Note: presearch]
 ``autotune search --presearch sim`` measures the defaults trial first (trial 0, profiled as
 every trial is), calibrates the simulator on it ([Note: calibration] in
@@ -37,7 +49,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +64,9 @@ if TYPE_CHECKING:
 
 PRESEARCH_KINDS = ("sim",)
 PRESEARCH_ATTR = "presearch"
-_FORWARD_KEYS = ("mesh", "forward_prefetch", "unshard_async")
+_FORWARD_KEYS = ("mesh", "forward_prefetch", "unshard_async", "blocks_per_unit", "ac_units", "ac_kind", "root_reshard_after_forward", "root_split")
+"""What the first forward depends on besides the blocks' reshard: the units (grouping), what they
+save (checkpointing, which also prices their backward) and the root's reshard."""
 
 
 class _ReplayTrial:
@@ -90,18 +104,42 @@ class _Questions(SearchSpace):
         return SearchSpace._get_reshard_choices(shard)
 
 
-def iter_space_params(space: SearchSpace) -> Iterator[dict[str, Any]]:
-    """Every point of ``space`` as its Optuna params (see [Note: enumerating the search space])."""
-    small = _Questions(**{f.name: getattr(space, f.name) for f in dataclasses.fields(space)})
+def _walk(ask: Callable[[_ReplayTrial], Any]) -> Iterator[dict[str, Any]]:
+    """Every answer path of ``ask``'s questions, depth-first (see [Note: enumerating the search space])."""
     stack: list[list[int]] = [[]]
     while stack:
         path = stack.pop()
         trial = _ReplayTrial(path)
-        small.suggest(trial)  # type: ignore[arg-type]
+        ask(trial)
         for depth in range(len(path), len(trial.questions)):
             prefix = [index for _, _, index in trial.questions[:depth]]
             stack.extend(prefix + [alt] for alt in range(trial.questions[depth][1] - 1, 0, -1))
         yield trial.params
+
+
+def _questions(space: SearchSpace) -> _Questions:
+    return _Questions(**{f.name: getattr(space, f.name) for f in dataclasses.fields(space)})
+
+
+def iter_space_params(space: SearchSpace) -> Iterator[dict[str, Any]]:
+    """Every point of ``space`` as its Optuna params (see [Note: enumerating the search space])."""
+    yield from _walk(_questions(space).suggest)  # type: ignore[arg-type]
+
+
+def iter_memory_variants(space: SearchSpace, mesh: str) -> Iterator[dict[str, Any]]:
+    """Every answer to ``space``'s memory-knob questions (grouping, checkpointing, the root's) on
+    ``mesh``; the first is all first choices, i.e. FSDP2's defaults."""
+    questions = _questions(space)
+    yield from _walk(lambda trial: questions._suggest_memory_knobs(trial, mesh))  # type: ignore[arg-type]
+
+
+def get_core_space(space: SearchSpace) -> SearchSpace:
+    """``space`` without its memory-knob families."""
+    return dataclasses.replace(space, grouping=False, checkpointing=False, root_knobs=False, embedding_names=(), head_names=())
+
+
+def has_memory_knobs(space: SearchSpace) -> bool:
+    return space.grouping or space.checkpointing or space.root_knobs
 
 
 def get_forward_key(params: dict[str, Any]) -> tuple[Any, ...]:
@@ -129,27 +167,65 @@ class KnobFactory:
 
     def get_knobs(self, params: dict[str, Any]) -> Knobs:
         mesh = params["mesh"]
-        base = {k: v for k, v in {**self.defaults, "mesh": mesh}.items() if not k.startswith("reshard_after_forward")}
-        raf = {k: v for k, v in params.items() if k.startswith("reshard_after_forward")}
-        meshed = self._expand(("mesh", mesh, *sorted((k, str(v)) for k, v in raf.items())), {**base, **raf})
-        fwd = self._expand(("fwd", params["forward_prefetch"]), {**base, "forward_prefetch": params["forward_prefetch"]})
-        bwd = self._expand(("bwd", params["backward_prefetch"]), {**base, "backward_prefetch": params["backward_prefetch"]})
-        nosync_keys = ("nosync_blocks", "nosync_level_fsdp", "nosync_level_hsdp", "keep_unsharded", "defer_concat")
-        nosync_params = {k: params[k] for k in nosync_keys if k in params}
-        nosync = self._expand(("nosync", mesh, *sorted((k, str(v)) for k, v in nosync_params.items())), {**base, **nosync_params})
+        # Grouping (and a root split) changes the units every other expansion is over.
+        units = {k: params[k] for k in _UNIT_KEYS if k in params}
+        ukey = tuple(sorted((k, str(v)) for k, v in units.items()))
+        base = {k: v for k, v in {**self.defaults, "mesh": mesh, **units}.items() if not _is_own_key(k)}
+        raf = {k: v for k, v in params.items() if k.startswith("reshard_after_forward") or k == "root_reshard_after_forward"}
+        meshed = self._expand(("mesh", mesh, *ukey, *sorted((k, str(v)) for k, v in raf.items())), {**base, **raf})
+        fwd = self._expand(("fwd", params["forward_prefetch"], *ukey), {**base, "forward_prefetch": params["forward_prefetch"]})
+        bwd = self._expand(("bwd", params["backward_prefetch"], *ukey), {**base, "backward_prefetch": params["backward_prefetch"]})
+        nosync_params = {k: params[k] for k in _SYNC_KEYS if k in params}
+        nosync = self._expand(("nosync", mesh, *ukey, *sorted((k, str(v)) for k, v in nosync_params.items())), {**base, **nosync_params})
+        ac_params = {k: params[k] for k in _AC_KEYS if k in params}
+        checkpointing = self._expand(("ac", *ukey, *sorted((k, str(v)) for k, v in ac_params.items())), {**base, **ac_params}).checkpointing
         asynchronous = params.get("unshard_async", "auto")
         return dataclasses.replace(
             meshed, unshard_async=asynchronous == "on" or (asynchronous == "auto" and self.device == "cpu"), max_rs_buffers=params.get("reduce_scatter_buffers", 1),
             forward_prefetch=fwd.forward_prefetch, backward_prefetch=bwd.backward_prefetch, sync=nosync.sync,
-            reshard_after_backward=nosync.reshard_after_backward, defer_concat=nosync.defer_concat,
+            reshard_after_backward=nosync.reshard_after_backward, defer_concat=nosync.defer_concat, checkpointing=checkpointing,
         )  # fmt: skip
 
 
+_UNIT_KEYS = ("blocks_per_unit", "root_split")
+_SYNC_KEYS = ("nosync_blocks", "nosync_level_fsdp", "nosync_level_hsdp", "keep_unsharded", "defer_concat", "root_sync_fsdp", "root_sync_hsdp", "root_keep_unsharded")
+_AC_KEYS = ("ac_units", "ac_kind")
+
+
+def _is_own_key(key: str) -> bool:
+    """A parameter one expansion of :meth:`KnobFactory.get_knobs` owns: left out of the shared base,
+    so that (say) the defaults' ``root_sync_fsdp`` never shadows a point's ``root_sync_hsdp``."""
+    return key.startswith("reshard_after_forward") or key == "root_reshard_after_forward" or key in _SYNC_KEYS or key in _AC_KEYS
+
+
+def get_simulated_space(space: SearchSpace) -> SearchSpace:
+    """``space`` as the simulator can price it: the embeddings and head stay in the root (the
+    simulator's units are blocks and the root, so ``root_split`` is measured, never simulated)."""
+    return dataclasses.replace(space, embedding_names=(), head_names=()) if space.embedding_names or space.head_names else space
+
+
+STAGED_TOP = 64
+"""Core configs whose memory-knob variants a staged ranking simulates ([Note: staged ranking])."""
+
+
 def rank_space(space: SearchSpace, simulator: Simulator, *, world_size: int, device: str, mixed_precision: MixedPrecisionConfig | None = None) -> list[tuple[dict[str, Any], StepPrediction]]:
-    """Every point of ``space`` with its prediction, fastest first (one process; ``autotune plan`` parallelises)."""
+    """The points of ``space`` with their predictions, fastest first (one process; ``autotune plan``
+    parallelises): every point, or with memory knobs on, the staged subset of [Note: staged ranking]."""
     factory = KnobFactory(space, world_size=world_size, device=device, mixed_precision=mixed_precision or MixedPrecisionConfig())
+    if not has_memory_knobs(space):
+        return _rank_points(iter_space_params(space), factory, simulator)
+    variants: dict[str, list[dict[str, Any]]] = {}
+    core = []
+    for params, prediction in _rank_points(iter_space_params(get_core_space(space)), factory, simulator):
+        mesh_variants = variants.setdefault(params["mesh"], list(iter_memory_variants(space, params["mesh"])))
+        core.append(({**params, **mesh_variants[0]}, prediction))
+    varied = [{**params, **variant} for params, _ in core[:STAGED_TOP] for variant in variants[params["mesh"]][1:]]
+    return sorted(core + _rank_points(varied, factory, simulator), key=lambda pair: pair[1].step_s)
+
+
+def _rank_points(points: Iterable[dict[str, Any]], factory: KnobFactory, simulator: Simulator) -> list[tuple[dict[str, Any], StepPrediction]]:
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for params in iter_space_params(space):
+    for params in points:
         groups.setdefault(get_forward_key(params), []).append(params)
     ranked = []
     for group in groups.values():
@@ -170,6 +246,9 @@ class Predictor:
     summary: dict[str, Any] = field(default_factory=dict)
 
     def predict(self, params: dict[str, Any]) -> dict[str, float]:
+        """The predicted step and ratio; none for a config the simulator does not model (a root split)."""
+        if params.get("root_split", "none") != "none":
+            return {}
         step = self.simulator.simulate(self.space.build_config(params)).step_s
         return {"predicted_step_ms": 1e3 * step, "predicted_ratio": step / self.default_step_s}
 
@@ -216,7 +295,7 @@ def run_presearch(ctx: "SearchContext") -> None:
     measured = calibrate(get_model_work(work_source, "float32"), read_calibration_trial(settings.out_dir / default.trial_dir), name=f"{work_source.name} on this machine")
     predictor = make_predictor(ctx, measured)
     started = time.perf_counter()
-    ranked = rank_space(ctx.space, predictor.simulator, world_size=settings.world_size, device="cpu")
+    ranked = rank_space(get_simulated_space(ctx.space), predictor.simulator, world_size=settings.world_size, device="cpu")
     elapsed = time.perf_counter() - started
     chosen, seen = [], {get_config_hash(ctx.default_config)}
     for params, prediction in ranked:
@@ -228,7 +307,8 @@ def run_presearch(ctx: "SearchContext") -> None:
             chosen.append((params, prediction))
     for rank, (params, prediction) in enumerate(chosen, 1):
         attrs = {"predicted_step_ms": 1e3 * prediction.step_s, "predicted_ratio": prediction.step_s / predictor.default_step_s, "presearch_rank": rank}
-        study.enqueue_trial(params, user_attrs=attrs)
+        # Pin what the simulated space left out, or the sampler would pick it for this trial.
+        study.enqueue_trial({**params, "root_split": "none"} if ctx.space.can_split else params, user_attrs=attrs)
     summary = {
         "kind": "sim", "num_ranked": len(ranked), "ranked_s": elapsed, "configs_per_s": len(ranked) / elapsed if elapsed else None, "num_enqueued": len(chosen),
         "calibrated_on": default.trial_dir, "predicted_default_ms": 1e3 * predictor.default_step_s, "notes": measured.notes, "profile": measured.to_dict(),

@@ -84,7 +84,7 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
     plan = resolve_plan(study, settings, profile, device_type)
     apply_pending(study, settings.out_dir / "pending")
     close_interrupted(study)
-    space = SearchSpace(block_names=tuple(plan.run.block_names), world_size=settings.world_size, num_microbatches=settings.num_microbatches, device_type=device_type, fixed_mesh=settings.fixed_mesh)
+    space = make_space(settings, plan, device_type)
     if created:
         study.enqueue_trial(space.get_default_params(), user_attrs={"is_default": True})
     reporter.on_start(plan, settings, len(study.get_trials(deepcopy=False)))
@@ -101,6 +101,29 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
         except STORAGE_ERRORS as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise SearchError(f"the study storage became unavailable ({first}); every finished trial is kept: continue with --resume", field="storage") from None
+
+
+def make_space(settings: SearchSettings, plan: ModelPlan, device_type: str) -> SearchSpace:
+    """The space of ``settings``' knobs for the model the trials run (the proxy's blocks and edge modules)."""
+    # A custom rank program builds its own model, which need not have the run model's edge modules.
+    embeddings, head = _find_edges(plan) if settings.root_knobs and settings.rank_program is None else ((), ())
+    return SearchSpace(
+        block_names=tuple(plan.run.block_names), world_size=settings.world_size, num_microbatches=settings.num_microbatches, device_type=device_type,
+        fixed_mesh=settings.fixed_mesh, grouping=settings.grouping, checkpointing=settings.get_checkpointing(), root_knobs=settings.root_knobs,
+        embedding_names=embeddings, head_names=head,
+    )  # fmt: skip
+
+
+def _find_edges(plan: ModelPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The run model's embeddings and head (``find_edge_modules`` on the meta device), or none
+    when the model cannot be built there: then the root is searched but never split."""
+    from fsdp_runtime import find_edge_modules
+
+    try:
+        embeddings, head = find_edge_modules(plan.run.build(device="meta"))
+    except Exception:  # a factory that cannot build on meta: no split offered, nothing else changes
+        return (), ()
+    return tuple(embeddings), tuple(head)
 
 
 def _with_fastest_consolidation(ctx: SearchContext, config: RuntimeConfig) -> tuple[RuntimeConfig, dict[str, Any]]:

@@ -52,6 +52,14 @@ class SearchSettings:
     sampler: SamplerName = "tpe"
     seed: int = 0
     memory_budget_bytes: int | None = None
+    grouping: bool = True
+    """Search blocks per FSDP unit (``blocks_per_unit``: 1, 2, 4; [Note: search-space parametrization])."""
+    root_knobs: bool = True
+    """Search the root's reshard, its sync level on non-final microbatches and whether the
+    embeddings and the head are units of their own."""
+    checkpointing: bool | None = None
+    """Search per-block activation checkpointing (``ac_units``, ``ac_kind``); None: only under
+    a memory budget (it never makes a step faster, so without a budget it only costs trials)."""
     cluster: str | None = None
     """Cluster profile for link emulation (e.g. ``cpu-emulated-ib``); None: real links."""
     fixed_mesh: str | None = None
@@ -111,6 +119,9 @@ class SearchSettings:
         for name, ok, problem in checks:
             if not ok:
                 raise SearchError(problem, field=name)
+
+    def get_checkpointing(self) -> bool:
+        return self.memory_budget_bytes is not None if self.checkpointing is None else self.checkpointing
 
     def get_num_refine(self) -> int:
         return self.num_trials // 3 if self.num_refine is None else self.num_refine

@@ -123,12 +123,12 @@ class SearchSpace:
             params["root_reshard_after_forward"] = "false"
             if self.num_microbatches > 1:
                 params[_root_sync_key(params["mesh"])] = "every"
-            if self._can_split:
+            if self.can_split:
                 params["root_split"] = "none"
         return params
 
     @property
-    def _can_split(self) -> bool:
+    def can_split(self) -> bool:
         return self.root_knobs and bool(self.embedding_names) and bool(self.head_names)
 
     def suggest(self, trial: optuna.Trial) -> RuntimeConfig:
@@ -172,7 +172,7 @@ class SearchSpace:
                 params[key] = trial.suggest_categorical(key, ["every", "replica_last", "last"] if mesh.startswith("hsdp") else ["every", "last"])
                 if params[key] != "every":
                     params["root_keep_unsharded"] = trial.suggest_categorical("root_keep_unsharded", [False, True])
-            if self._can_split:
+            if self.can_split:
                 params["root_split"] = trial.suggest_categorical("root_split", ["none", "split"])
         return params
 

@@ -101,8 +101,13 @@ class Simulator:
     def simulate_knobs(self, group: list[Knobs], *, with_units: bool = False) -> list[StepPrediction]:
         """Simulate configs that share their first forward (mesh, dtypes, forward prefetch,
         reshard after forward, async unshard): it is simulated once, then forked."""
-        costs = self.get_costs(group[0])
-        base = StepSchedule(group[0], costs, self.work.activations, self.hardware, activation_checkpointing=self.ac, root_head_fraction=self.work.root_head_fraction)
+        first = group[0]
+        if any((k.replicate, k.shard, k.unit_blocks, k.checkpointing, k.forward_prefetch, k.reshard_after_forward, k.unshard_async)
+               != (first.replicate, first.shard, first.unit_blocks, first.checkpointing, first.forward_prefetch, first.reshard_after_forward, first.unshard_async)
+               for k in group[1:]):  # fmt: skip
+            raise ValueError("simulate_knobs: the group's configs do not share their first forward (units, checkpointing, mesh, forward prefetch or reshard)")
+        costs = self.get_costs(first)
+        base = StepSchedule(first, costs, self.work.activations, self.hardware, activation_checkpointing=self.ac, root_head_fraction=self.work.root_head_fraction)
         base.run_forward()
         return [self._predict(base.fork(knobs), knobs, with_units) for knobs in group]
 

@@ -199,6 +199,9 @@ def test_units_from_fsdp_labels(tmp_path):
 def test_label_and_kind_parsing():
     assert get_label_unit("FSDP::pre_forward (layers.0)") == ("pre_forward", "layers.0")
     assert get_label_unit("FSDP::backward_prefetch for layers.3") == ("backward_prefetch", "layers.3")
+    # a grouped unit (fully_shard on a list of modules): FSDP2 joins the FQNs with ", "
+    assert get_label_unit("FSDP::forward_prefetch for layers.0, layers.1") == ("forward_prefetch", "layers.0, layers.1")
+    assert get_label_unit("FSDP::pre_backward (layers.2, layers.3)") == ("pre_backward", "layers.2, layers.3")
     assert get_label_unit("FSDP::post_backward_rs_wait ()") == ("post_backward_rs_wait", "root")
     assert get_label_unit("FSDP::root_pre_forward") == ("root_pre_forward", "root")
     assert get_label_unit("aten::mm") is None

@@ -62,7 +62,8 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     best = load_config(tmp_path / "best.toml")
     assert best == load_config(tmp_path / "best.json")
     assert best.provenance.measured and best.provenance.model == "tiny" and best.provenance.world_size == 2
-    assert [u.name for u in best.units] == [f"layers.{i}" for i in range(4)] + ["root"]
+    # Units may group blocks (grouping is searched by default) and split off the edges; every block is in one, in order.
+    assert [m for u in best.units for m in u.get_modules() if m.startswith("layers.")] == [f"layers.{i}" for i in range(4)] and best.units[-1].name == "root"
     # Tables and trial dirs are on disk.
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["trials"]) == 4
@@ -230,3 +231,40 @@ def test_an_effective_config_is_measured_once(monkeypatch, tmp_path):
     assert runs == ["trial_0000"]
     assert (first.state, first.step_ms, second.state, second.step_ms) == ("COMPLETE", 42.0, "COMPLETE", 42.0)
     assert study.trials[1].user_attrs["duplicate_of"] == 0 and second.trial_dir == first.trial_dir
+
+
+def test_search_space_follows_the_settings(monkeypatch):
+    """Grouping and the root's knobs are searched by default, checkpointing under a memory budget
+    (or when asked), the edge modules come from the run model, and the CLI flags reach the settings."""
+    from autotune.search.proxy import ModelPlan
+    from autotune.search.run import make_space
+    from profiles.sources import load_model_source
+
+    source = load_model_source("small")
+    plan = ModelPlan(requested=source, run=source, is_proxy=False, reason="", estimated_memory_per_rank=0, estimated_step_s=0.0)
+    space = make_space(SearchSettings(), plan, "cpu")
+    assert (space.grouping, space.root_knobs, space.checkpointing) == (True, True, False)
+    assert (space.embedding_names, space.head_names) == (("tok_embeddings",), ("norm", "output"))
+    assert space.can_split and "root_split" in space.get_default_params()
+    assert make_space(SearchSettings(memory_budget_bytes=2**30), plan, "cpu").checkpointing
+    assert make_space(SearchSettings(checkpointing=True), plan, "cpu").checkpointing
+    off = make_space(SearchSettings(grouping=False, root_knobs=False, checkpointing=False, memory_budget_bytes=2**30), plan, "cpu")
+    assert not (off.grouping or off.root_knobs or off.checkpointing or off.embedding_names)
+    # A custom rank program builds its own model: the root is searched but never split.
+    own = make_space(SearchSettings(rank_program="my_pkg.train:step"), plan, "cpu")
+    assert own.root_knobs and not own.can_split
+
+    import cli
+    from typer.testing import CliRunner
+
+    seen = {}
+
+    def fake_search_and_report(settings, reporter=None):
+        seen["settings"] = settings
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("autotune.pipeline.search_and_report", fake_search_and_report)
+    CliRunner().invoke(cli.app, ["search", "--no-grouping", "--no-root-knobs", "--checkpointing", "--out", "unused"])
+    assert (seen["settings"].grouping, seen["settings"].root_knobs, seen["settings"].checkpointing) == (False, False, True)
+    CliRunner().invoke(cli.app, ["search", "--memory-budget-gib", "1.5", "--out", "unused"])
+    assert (seen["settings"].grouping, seen["settings"].root_knobs, seen["settings"].get_checkpointing()) == (True, True, True)

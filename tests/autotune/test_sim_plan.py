@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import subprocess
 import sys
@@ -182,3 +183,61 @@ class _Silent:
     def on_phase(self, message): ...
     def on_start(self, total): ...
     def on_advance(self, count): ...
+
+
+def test_fast_knobs_equal_the_built_config_with_grouping_checkpointing_and_root_knobs():
+    """The memory knobs change the units every other expansion is over (grouping) or the root's
+    entries (its reshard and sync level): the assembled knobs still equal the built config's."""
+    space = _space(8, grouping=True, checkpointing=True, root_knobs=True)
+    factory = KnobFactory(space, world_size=8, device="cuda", mixed_precision=BF16)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=5))
+    seen = set()
+    for _ in range(300):
+        trial = study.ask()
+        space.suggest(trial)
+        params = trial.params
+        seen |= {(k, str(v)) for k, v in params.items() if k in ("blocks_per_unit", "ac_kind", "root_sync_hsdp", "root_reshard_after_forward")}
+        slow = resolve_knobs(factory.build_config(params), LLAMA8B_BLOCKS, world_size=8, device="cuda")
+        assert factory.get_knobs(params) == slow, params
+        study.tell(trial, 1.0)
+    assert {("blocks_per_unit", "4"), ("ac_kind", "selective"), ("root_sync_hsdp", "replica_last"), ("root_reshard_after_forward", "true")} <= seen
+
+
+def test_the_simulated_space_keeps_the_edges_in_the_root():
+    """The simulator's units are blocks and the root: a presearch walks the space without the
+    embeddings/head split, and a split trial gets no prediction instead of an error."""
+    from autotune.search.presearch import Predictor, get_simulated_space
+
+    space = _space(8, root_knobs=True, embedding_names=("tok_embeddings",), head_names=("norm", "output"))
+    simulated = get_simulated_space(space)
+    assert space.can_split and not simulated.can_split and simulated.root_knobs
+    assert all("root_split" not in p for p in itertools.islice(iter_space_params(simulated), 2000))
+    predictor = Predictor(space=space, simulator=None, default_step_s=1.0)  # type: ignore[arg-type]
+    assert predictor.predict({**space.get_default_params(), "root_split": "split"}) == {}
+
+
+@pytest.mark.parametrize("changes", [{"grouping": True, "root_knobs": True}, {"grouping": True, "root_knobs": True, "checkpointing": True, "fixed_mesh": "fsdp"}])
+def test_staged_ranking_finds_the_exhaustive_fastest(changes):
+    """[Note: staged ranking]: the memory knobs' variants of the fastest core configs hold the
+    fastest point of the whole space (one microbatch keeps the exhaustive walk to seconds)."""
+    from autotune.search.presearch import STAGED_TOP, _rank_points, rank_space
+    from autotune.sim import Hardware, Simulator, get_model_work
+    from autotune.sim.measured import CollectiveFit, MeasuredProfile
+    from profiles import load_cluster_profile
+
+    measured = MeasuredProfile(
+        name="test", world_size=2, num_microbatches=1, segments=dict.fromkeys(("head.forward", "block.forward", "tail.forward", "tail.backward", "block.backward", "head.backward"), 1e-3),
+        hooks=dict.fromkeys(("unshard.block", "unshard.root", "pre_hook.block", "pre_hook.root", "post_hook.block", "post_hook.root", "reduce.block", "reduce.root"), 1e-4),
+        microbatch_s=1e-4, optimizer_s_per_element=1e-9, memory_bytes_per_s=1e9,
+        collectives={kind: CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2) for kind in ("all_gather", "reduce_scatter", "all_reduce")},
+    )  # fmt: skip
+    work = get_model_work(load_model_profile("tiny"), "float32")
+    simulator = Simulator(work, Hardware(load_cluster_profile("cpu-gloo"), num_ranks=2, measured=measured))
+    space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=1, **changes)
+    staged = rank_space(space, simulator, world_size=2, device="cpu")
+    factory = KnobFactory(space, world_size=2, device="cpu", mixed_precision=MixedPrecisionConfig())
+    exhaustive = _rank_points(iter_space_params(space), factory, simulator)
+    assert STAGED_TOP < len(staged) < len(exhaustive) / 2
+    assert staged[0][1].step_s == pytest.approx(exhaustive[0][1].step_s, rel=1e-9)
+    keys = {tuple(sorted(p.items())) for p in iter_space_params(space)}
+    assert all(tuple(sorted(p.items())) in keys for p, _ in staged)  # every staged point is a point of the space, all its knobs set
