@@ -196,6 +196,19 @@ def test_units_from_fsdp_labels(tmp_path):
     assert analysis.get_step_metrics().loc[0, "num_collectives"] == 4
 
 
+def test_a_grouped_units_prefetch_is_its_own(tmp_path):
+    """``fully_shard([layers.2, layers.3])`` labels the unit ``layers.2, layers.3``; a collective
+    issued inside ``forward_prefetch for`` it is that unit's, not the unit whose hook prefetched."""
+    path = write(tmp_path / "t.json", trace([
+        step(1, 0, 1000),
+        label("FSDP::pre_forward (layers.0, layers.1)", 0, 300), label("FSDP::forward_prefetch for layers.2, layers.3", 100, 200),
+        span("c10d::_allgather_base_", 110, 120), gloo("gloo:all_gather", 120, 400),
+    ]))  # fmt: skip
+    units = FsdpTraceAnalysis([path]).get_unit_metrics().set_index("unit")
+    assert units.loc["layers.2, layers.3", "all_gather_ms"] == pytest.approx(0.28, abs=EXACT)
+    assert units.loc["layers.0, layers.1", "num_collectives"] == 0
+
+
 def test_label_and_kind_parsing():
     assert get_label_unit("FSDP::pre_forward (layers.0)") == ("pre_forward", "layers.0")
     assert get_label_unit("FSDP::backward_prefetch for layers.3") == ("backward_prefetch", "layers.3")
