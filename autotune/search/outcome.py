@@ -74,7 +74,7 @@ def record(study: optuna.Study, outcome: Outcome, *, pending_dir: Path, retry_wa
         try:
             _write(study, outcome)
             return
-        except STORAGE_ERRORS as e:
+        except (*STORAGE_ERRORS, OSError) as e:  # OSError: a journal file's write failing (disk full, NFS gone)
             error = e
             time.sleep(retry_wait_s * (attempt + 1))
     pending_dir.mkdir(parents=True, exist_ok=True)

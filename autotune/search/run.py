@@ -165,7 +165,9 @@ def describe_interrupted(settings: SearchSettings) -> str:
 
     name = settings.get_study_name(load_model_source(settings.model).name)
     try:
-        trials = optuna.load_study(study_name=name, storage=settings.get_storage()).get_trials(deepcopy=False)
+        from autotune.search.study import make_storage
+
+        trials = optuna.load_study(study_name=name, storage=make_storage(settings.get_storage(), settings)).get_trials(deepcopy=False)
         kept = f"{sum(t.state.is_finished() and t.user_attrs.get('status') != 'interrupted' for t in trials)} finished trial(s)"
     except Exception:  # the study may not exist yet, or its storage be the thing that failed
         kept = "every finished trial"

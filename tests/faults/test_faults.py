@@ -340,3 +340,41 @@ def test_a_search_where_no_trial_succeeded_exits_1(tmp_path, monkeypatch):
     assert result.exit_code == 1
     assert "no trial succeeded (1 trials)" in result.output
 
+
+
+def test_a_journal_write_failure_keeps_the_result_for_resume(tmp_path, monkeypatch):
+    """A journal storage fails with OSError (disk full, NFS gone), not a database error: the
+    outcome is kept in pending/ with a one-line error, and recorded when the storage is back."""
+    from optuna.storages.journal import JournalFileBackend
+
+    from autotune.search import SearchError
+    from autotune.search.outcome import Outcome, apply_pending, record
+
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(tmp_path / "journal.log")))
+    study = optuna.create_study(storage=storage, study_name="j")
+    trial = study.ask()
+    real_append = JournalFileBackend.append_logs
+
+    def full_disk(self, logs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(JournalFileBackend, "append_logs", full_disk)
+    outcome = Outcome(number=trial.number, state="COMPLETE", value=0.8, user_attrs={"status": "ok"})
+    with pytest.raises(SearchError, match=r"storage is unavailable \(\[Errno 28\] No space left on device\).*pending"):
+        record(study, outcome, pending_dir=tmp_path / "pending", retry_wait_s=0.0)
+    assert json.loads((tmp_path / "pending" / f"trial_{trial.number:04d}.json").read_text())["value"] == 0.8
+    monkeypatch.setattr(JournalFileBackend, "append_logs", real_append)
+    assert apply_pending(study, tmp_path / "pending") == [trial.number]
+    assert study.trials[0].state == optuna.trial.TrialState.COMPLETE and study.trials[0].value == 0.8
+
+
+def test_an_interrupted_journal_search_counts_what_it_kept(tmp_path):
+    from autotune.search import SearchSettings, describe_interrupted
+
+    path = tmp_path / "journal.log"
+    study = optuna.create_study(storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path))), study_name="j")
+    for value in (1.0, 0.9):
+        study.tell(study.ask(), value)
+    study.ask()  # the running trial the interrupt closed
+    line = describe_interrupted(SearchSettings(model="tiny", storage=f"journal:{path}", study_name="j", out_dir=tmp_path))
+    assert line.startswith("interrupted: 2 finished trial(s) kept in study 'j'"), line
