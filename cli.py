@@ -277,12 +277,13 @@ def plan(
     cluster: Annotated[str, typer.Option("--cluster", help="GPU cluster profile: h100-node, h200-node, a100-node or a TOML path.")] = "h100-node",
     nodes: Annotated[int, typer.Option("--nodes", help="Nodes of that profile (world size = nodes x ranks per node).")] = 1,
     microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")] = 2,
-    ac: Annotated[str, typer.Option("--ac", help="Activation checkpointing in your training script: auto, none or full (per block).")] = "auto",
+    ac: Annotated[str, typer.Option("--ac", help="Activation checkpointing: auto (searched per unit and set in the config; with --no-memory-knobs: none if the defaults fit, else full), or none / full in your training script.")] = "auto",
     mesh: Annotated[Optional[str], typer.Option("--mesh", help="Fix the mesh: fsdp or hsdp:RxS.")] = None,
     top: Annotated[int, typer.Option("--top", help="Configs to show.")] = 10,
     workers: Annotated[Optional[int], typer.Option("--workers", help="Simulating processes; default: CPU count (max 8).")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where best.toml, best.json and plan.json go.")] = Path("runs/plan"),
     exact: Annotated[bool, typer.Option("--exact", help="Simulate every config at the model's depth (deep models are otherwise extrapolated from 8 and 16 blocks, the fastest re-simulated).")] = False,
+    memory_knobs: Annotated[bool, typer.Option("--memory-knobs/--no-memory-knobs", help="Also rank blocks per unit, the root's knobs and (with --ac auto) checkpointing per unit, for the fastest configs.")] = True,
 ) -> None:
     """Rank every config of the search space in the FSDP2 step simulator for a GPU cluster; emit the best (provenance: simulated)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -291,7 +292,7 @@ def plan(
     from autotune.plan.tables import get_config_lines, get_plan_lines, get_plan_table, get_unit_table
 
     settings = PlanSettings(model=model, cluster=cluster, num_nodes=nodes, num_microbatches=microbatches, out_dir=out, activation_checkpointing=ac,  # type: ignore[arg-type]
-                            fixed_mesh=mesh, num_top=top, exact=exact, **({"num_workers": workers} if workers is not None else {}))  # fmt: skip
+                            fixed_mesh=mesh, num_top=top, exact=exact, memory_knobs=memory_knobs, **({"num_workers": workers} if workers is not None else {}))  # fmt: skip
     progress = Progress(TextColumn("[bold]configs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=False)
 
     class Reporter:

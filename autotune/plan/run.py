@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from autotune.plan.evaluate import REDUCED_DEPTHS, PlanReporter, PlanRow, evaluate_space, make_pricer
 from autotune.plan.points import KnobFactory, iter_space_params
+from autotune.search.presearch import get_core_space, has_memory_knobs, iter_memory_variants
 from autotune.search import SearchSpace
 from autotune.search.preflight import check_mesh
 from autotune.sim import Hardware, ModelWork, Simulator, StepPrediction, get_model_work
@@ -22,6 +23,8 @@ from profiles import load_cluster_profile
 from profiles.sources import load_model_source
 
 ActivationCheckpointing = Literal["auto", "none", "full"]
+STAGED_TOP = 8
+"""Configs (the fastest, and the fastest that fit) whose memory-knob variants are simulated at full depth."""
 AUTO_AC_HEADROOM = 0.05
 """``--ac auto`` plans without checkpointing only if FSDP2's defaults leave this share of memory free:
 the memory model is within a few percent of FSDPMemTracker, and the allocator fragments."""
@@ -39,8 +42,10 @@ class PlanSettings:
     num_microbatches: int = 2
     out_dir: Path = Path("runs/plan")
     activation_checkpointing: ActivationCheckpointing = "auto"
-    """The training script's activation checkpointing, per block: ``none``, ``full``, or
-    ``auto`` (none if FSDP2's defaults fit in memory without it with ``AUTO_AC_HEADROOM`` to spare, else full)."""
+    """The training script's activation checkpointing, per block: ``none``, ``full``, or ``auto``:
+    with ``memory_knobs``, searched per unit and set in the emitted config (the script checkpoints
+    nothing itself); without, none if FSDP2's defaults fit in memory without it with
+    ``AUTO_AC_HEADROOM`` to spare, else full."""
     fixed_mesh: str | None = None
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
@@ -49,6 +54,9 @@ class PlanSettings:
     """Processes simulating in parallel."""
     exact: bool = False
     """Simulate every point at the model's depth, never extrapolated from shallower ones ([Note: plan speed])."""
+    memory_knobs: bool = True
+    """Also rank blocks per unit, the root's knobs and (with ``activation_checkpointing = "auto"``)
+    per-unit checkpointing in the config, staged ([Note: staged ranking]; ``STAGED_TOP`` fastest)."""
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -81,7 +89,10 @@ class PlanResult:
     settings: PlanSettings
     world_size: int
     activation_checkpointing: bool
+    """The training script checkpoints every block (outside the config)."""
     ac_reason: str
+    ac_in_config: bool = False
+    """Checkpointing was searched per unit: the emitted config sets it."""
     ranked: list[PlanRow]
     """Configs that fit, fastest first."""
     dropped: list[PlanRow]
@@ -114,6 +125,10 @@ class PlanResult:
         return [(row, count) for row, count in distinct.values()]
 
     @property
+    def ac_label(self) -> str:
+        return "per unit, in the config" if self.ac_in_config else ("full" if self.activation_checkpointing else "none")
+
+    @property
     def configs_per_s(self) -> float:
         return self.num_evaluated / self.evaluate_s if self.evaluate_s > 0 else float("inf")
 
@@ -127,14 +142,19 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
     check_mesh(settings.fixed_mesh, hardware.world_size)
     reporter.on_phase(f"tracing {profile.name} on fake tensors (FLOPs, bytes, activation memory per unit)")
     work = get_model_work(profile, settings.param_dtype)
+    searched_ac = settings.memory_knobs and settings.activation_checkpointing == "auto"
     space = SearchSpace(
         block_names=work.block_names, world_size=hardware.world_size, num_microbatches=settings.num_microbatches, device_type=hardware.cluster.device,
-        fixed_mesh=settings.fixed_mesh,
+        fixed_mesh=settings.fixed_mesh, grouping=settings.memory_knobs, root_knobs=settings.memory_knobs, checkpointing=searched_ac,
     )  # fmt: skip
     mp = MixedPrecisionConfig(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
     factory = KnobFactory(space, world_size=hardware.world_size, device=hardware.cluster.device, mixed_precision=mp)
-    points = list(iter_space_params(space))
-    ac, ac_reason = _choose_checkpointing(settings, factory, work, hardware, space)
+    variants = {mesh: list(iter_memory_variants(space, mesh)) for mesh in space.get_mesh_choices()}
+    points = [{**p, **variants[p["mesh"]][0]} for p in iter_space_params(get_core_space(space))]  # the memory knobs at FSDP2's defaults
+    if searched_ac:
+        ac, ac_reason = False, "searched per unit (none, selective or full on a pattern of blocks) and set in the emitted config"
+    else:
+        ac, ac_reason = _choose_checkpointing(settings, factory, work, hardware, space)
     simulator = Simulator(work, hardware, activation_checkpointing=ac)
     full = dataclasses.replace(make_pricer(work, hardware, space, mixed_precision=mp, activation_checkpointing=ac), factory=factory, simulator=simulator)
     reduced = None
@@ -146,21 +166,37 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
     started = time.perf_counter()
     default_params = space.get_default_params()
     evaluation = evaluate_space(points, full, default=default_params, reporter=reporter, num_workers=settings.num_workers, reduced=reduced)  # type: ignore[arg-type]
-    elapsed = time.perf_counter() - started
     rows = evaluation.rows
+    if has_memory_knobs(space):
+        staged = _get_staged_points(rows, variants)
+        reporter.on_phase(f"memory knobs (blocks per unit, the root's knobs{', checkpointing per unit' if searched_ac else ''}): "
+                          f"{len(staged)} variants of the {STAGED_TOP} fastest configs and the {STAGED_TOP} fastest that fit, at full depth")  # fmt: skip
+        more = evaluate_space(staged, full, default=default_params, reporter=reporter, num_workers=settings.num_workers)
+        rows += more.rows
+        evaluation = dataclasses.replace(evaluation, num_simulated=evaluation.num_simulated + more.num_simulated, num_pruned=evaluation.num_pruned + more.num_pruned,
+                                         num_exact=evaluation.num_exact + more.num_exact)  # fmt: skip
+    elapsed = time.perf_counter() - started
     default = next(row for row in rows if row.params == default_params)
     ranked = sorted((r for r in rows if r.prediction.fits), key=lambda r: (not r.exact, *_get_rank_key(r, default_params)))
     dropped = sorted((r for r in rows if not r.prediction.fits), key=lambda r: r.prediction.peak_memory_bytes)
     result = PlanResult(
         settings=settings, world_size=hardware.world_size, activation_checkpointing=ac, ac_reason=ac_reason, ranked=ranked, dropped=dropped,
         num_evaluated=len(rows), evaluate_s=elapsed, default=default, num_simulated=evaluation.num_simulated, num_pruned=evaluation.num_pruned,
-        num_exact=evaluation.num_exact,
+        num_exact=evaluation.num_exact, ac_in_config=searched_ac,
     )  # fmt: skip
     if ranked:
         result.best_config = factory.build_config(ranked[0].params)
         result.best_detail = simulator.simulate(result.best_config)
         result.out_files = _emit(result, profile.name, hardware)
     return result
+
+
+def _get_staged_points(rows: list[PlanRow], variants: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The memory-knob variants of the ``STAGED_TOP`` fastest exact configs and of the ``STAGED_TOP``
+    fastest that fit (a fast config over memory may fit once it checkpoints or groups differently)."""
+    exact = sorted((r for r in rows if r.exact), key=lambda r: r.prediction.step_s)
+    seeds = {id(r): r for r in [*exact[:STAGED_TOP], *[r for r in exact if r.prediction.fits][:STAGED_TOP]]}
+    return [{**r.params, **variant} for r in seeds.values() for variant in variants[r.params["mesh"]][1:]]
 
 
 def _get_rank_key(row: PlanRow, default_params: dict[str, Any]) -> tuple[float, int, float]:
@@ -189,7 +225,9 @@ def _emit(result: PlanResult, model_name: str, hardware: Hardware) -> list[Path]
     notes = [
         f"simulated, not measured: autotune plan ranked {result.num_evaluated} configs on {settings.num_nodes} x {hardware.cluster.name} "
         f"({result.world_size} ranks of {hardware.accelerator.name}) with the FSDP2 step simulator (autotune.sim)",
-        f"assumes activation checkpointing {'full (every block)' if result.activation_checkpointing else 'none'} in the training script ({result.ac_reason}); this config does not set it",
+        (f"activation checkpointing is set per unit in this config ({result.ac_reason}); the training script must not checkpoint the blocks itself"
+         if result.ac_in_config else
+         f"assumes activation checkpointing {'full (every block)' if result.activation_checkpointing else 'none'} in the training script ({result.ac_reason}); this config does not set it"),
         f"chosen: {best.description}",
     ]
     if speedup is not None:
@@ -204,7 +242,7 @@ def _emit(result: PlanResult, model_name: str, hardware: Hardware) -> list[Path]
     files = [save_config(config, out / "best.toml"), save_config(config, out / "best.json")]
     summary = {
         "kind": "autotune-plan", "model": model_name, "cluster": hardware.cluster.name, "num_nodes": settings.num_nodes, "world_size": result.world_size,
-        "num_microbatches": settings.num_microbatches, "activation_checkpointing": "full" if result.activation_checkpointing else "none",
+        "num_microbatches": settings.num_microbatches, "activation_checkpointing": "per_unit" if result.ac_in_config else ("full" if result.activation_checkpointing else "none"),
         "num_evaluated": result.num_evaluated, "num_simulated": result.num_simulated, "num_pruned": result.num_pruned, "num_exact": result.num_exact, "num_fit": len(result.ranked), "num_dropped": len(result.dropped), "configs_per_s": result.configs_per_s,
         "default": {"config": result.default.description, **result.default.prediction.to_dict()},
         "best": {"config": best.description, "params": best.params, **detail.to_dict()},

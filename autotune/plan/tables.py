@@ -22,7 +22,7 @@ def get_plan_table(result: PlanResult) -> ReportTable:
     s = result.settings
     default_step = result.default.prediction.step_s if result.default.prediction.fits else None
     title = (f"{s.model} on {s.num_nodes} x {s.cluster} ({result.world_size} ranks), {s.num_microbatches} microbatches, "
-             f"activation checkpointing {'full' if result.activation_checkpointing else 'none'}: of {len(result.ranked)} configs that fit, "
+             f"activation checkpointing {result.ac_label}: of {len(result.ranked)} configs that fit, "
              f"the top distinct predictions (simulated; tokens/s per device; peak and free memory in GiB; speedup over the defaults 'def'; 'same': configs predicted alike)")  # fmt: skip
     columns = ["#", "step ms", "speedup", "tok/s", "MFU", "exp ms", "peak", "free", "same"]
     rows = [[*_row(str(i + 1), row, default_step), str(count)] for i, (row, count) in enumerate(result.get_distinct_top())]
@@ -52,7 +52,7 @@ def get_plan_lines(result: PlanResult) -> list[str]:
     how = f"{extrapolated} extrapolated from shallower simulations, the fastest {result.num_exact} at full depth; " if extrapolated else ""
     lines = [f"evaluated {result.num_evaluated} configs in {result.evaluate_s:.1f} s ({result.configs_per_s:,.0f} configs/s; {how}{result.num_simulated} distinct "
              f"simulations, the other configs' knobs equal one of them; {result.num_pruned} not simulated: defer_concat=false, dominated by its deferred twin)",
-             f"activation checkpointing: {'full' if result.activation_checkpointing else 'none'} ({result.ac_reason})"]  # fmt: skip
+             f"activation checkpointing: {result.ac_label} ({result.ac_reason})"]  # fmt: skip
     if result.dropped:
         least = result.dropped[0]
         lines.append(f"dropped {len(result.dropped)} configs over memory; the closest to fitting: {least.description}: {least.prediction.describe_memory()}")

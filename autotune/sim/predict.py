@@ -114,7 +114,7 @@ class Simulator:
     def _predict(self, schedule: StepSchedule, knobs: Knobs, with_units: bool) -> StepPrediction:
         num = knobs.num_microbatches
         step_s, exposed, comm = _finish_step(schedule, num)
-        names = [*(self.work.block_names[b[0]] if len(b) == 1 else f"{self.work.block_names[b[0]]}-{self.work.block_names[b[-1]]}" for b in knobs.unit_blocks), ROOT_UNIT] \
+        names = [*(_group_name(self.work.block_names[b[0]], self.work.block_names[b[-1]]) if len(b) > 1 else self.work.block_names[b[0]] for b in knobs.unit_blocks), ROOT_UNIT] \
             if knobs.unit_blocks else [*self.work.block_names, ROOT_UNIT]
         return StepPrediction(
             step_s=step_s,
@@ -154,3 +154,10 @@ def _finish_step(schedule: StepSchedule, num_microbatches: int) -> tuple[float, 
 def simulate(config: RuntimeConfig, work: ModelWork, hardware: Hardware, *, activation_checkpointing: bool = False) -> StepPrediction:
     """Predict one step of ``config`` (see [Note: FSDP2 step schedule])."""
     return Simulator(work, hardware, activation_checkpointing=activation_checkpointing).simulate(config)
+
+
+def _group_name(first: str, last: str) -> str:
+    """A grouped unit's name as the search space writes it: ``layers.0-1`` (else ``first-last``)."""
+    prefix, _, start = first.rpartition(".")
+    other, _, end = last.rpartition(".")
+    return f"{prefix}.{start}-{end}" if prefix and prefix == other and start.isdecimal() and end.isdecimal() else f"{first}-{last}"
