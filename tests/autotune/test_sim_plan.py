@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import subprocess
 import sys
@@ -81,6 +82,11 @@ def test_plan_ranks_emits_and_parallel_workers_agree(tmp_path):
     config = load_config(tmp_path / "a" / "best.toml")
     assert config.provenance.measured is False and "simulated" in config.provenance.produced_by
     assert config.mesh.kind == "hsdp" and config.mesh.replicate == 2 and config.mixed_precision.param_dtype == "bfloat16"
+    # Without the memory knobs: the core space only, checkpointing left to the script.
+    core = run_plan(PlanSettings(model="tiny", cluster="h100-node", num_nodes=1, out_dir=tmp_path / "c", num_workers=1, memory_knobs=False))
+    assert not core.ac_in_config and core.ac_label in ("none", "full")
+    assert all(k not in row.params for row in core.ranked for k in ("blocks_per_unit", "ac_units", "root_sync_fsdp"))
+    assert one.ac_in_config and any("blocks_per_unit" in row.params for row in one.ranked)
 
 
 def test_plan_settings_errors_name_the_setting(tmp_path):
@@ -106,6 +112,10 @@ def test_cli_plan_emits_a_config_for_llama8b_units(tmp_path):
     assert any("simulated" in note and "h100-node" in note for note in config.provenance.notes)
     assert config.provenance.metrics["predicted_step_ms"] > 0
     assert (tmp_path / "plan.json").exists() and load_config(tmp_path / "best.json") == config
+    # llama8b's defaults do not fit one node: checkpointing is searched per unit and written into the config.
+    assert json.loads((tmp_path / "plan.json").read_text())["activation_checkpointing"] == "per_unit"
+    assert any(u.activation_checkpointing != "none" for u in config.units)
+    assert any("set per unit in this config" in note for note in config.provenance.notes)
 
 
 @pytest.mark.parametrize(
