@@ -33,8 +33,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autotune.search import SearchSettings, SearchSpace, run_search  # noqa: E402
+from autotune.sim import Hardware, Simulator, get_model_work  # noqa: E402
 from autotune.trials import RankPool, TrialSpec, run_trial  # noqa: E402
-from fsdp_runtime import RuntimeConfig, load_config  # noqa: E402
+from fsdp_runtime import ConfigError, RuntimeConfig, load_config  # noqa: E402
+from profiles import load_cluster_profile  # noqa: E402
+from profiles.sources import load_model_source  # noqa: E402
 
 MODEL_TOML = """# small's shape with 2x its sequence: activations dominate the peak
 name = "actheavy"
@@ -92,8 +95,26 @@ def _measure(pool: RankPool, model: str, configs: dict[str, RuntimeConfig], defa
     return got
 
 
-def _print_table(got: dict[str, dict], default_peak: float, budget: int | None = None) -> dict[str, tuple[float, float]]:
-    print(f"{'config':40} {'step/defaults':>13} {'IQR':>13} {'peak MiB':>9} {'peak/defaults':>13}" + ("  fits" if budget else ""))
+def _predict_peaks(model: Path, configs: dict[str, RuntimeConfig]) -> dict[str, float]:
+    """The simulator's peak tensor memory per rank for each config (float32, 2 ranks); a config it cannot simulate is left out.
+    Memory does not depend on the device's speeds: any profile with an accelerator table serves (its times are ignored)."""
+    simulator = Simulator(get_model_work(load_model_source(str(model)), "float32"), Hardware(load_cluster_profile("h100-node"), num_ranks=2))
+    peaks = {}
+    for name, config in configs.items():
+        try:
+            peaks[name] = simulator.simulate(config).peak_memory_bytes
+        except ConfigError as exc:  # the embeddings + head split: not modelled
+            print(f"  (no prediction for {name!r}: {exc})")
+    return peaks
+
+
+def _print_table(got: dict[str, dict], default_peak: float, budget: int | None = None, predicted: dict[str, float] | None = None) -> dict[str, tuple[float, float]]:
+    """The process peak includes the runtime (~constant across configs); the simulator predicts tensor memory, so the
+    comparable figures are differences from the defaults: measured peak - defaults' peak vs predicted - predicted defaults'."""
+    predicted = predicted or {}
+    base = predicted.get("defaults (A/A)")
+    print(f"{'config':40} {'step/defaults':>13} {'IQR':>13} {'peak MiB':>9} {'peak/defaults':>13}" + ("  fits" if budget else "")
+          + (f" {'delta MiB':>9} {'sim delta':>9}" if base is not None else ""))  # fmt: skip
     out = {}
     for name, g in got.items():
         if len(g["ratios"]) < 2 or not g["peaks"]:
@@ -103,7 +124,11 @@ def _print_table(got: dict[str, dict], default_peak: float, budget: int | None =
         peak = max(g["peaks"])
         out[name] = (median, peak)
         fits = f"  {'yes' if peak <= budget else 'no'}" if budget else ""
-        print(f"{name:40} {median:13.3f} {q25:6.3f}-{q75:.3f} {peak / 2**20:9.1f} {peak / default_peak:13.3f}{fits}")
+        deltas = ""
+        if base is not None:
+            sim = f"{(predicted[name] - base) / 2**20:+9.1f}" if name in predicted else f"{'-':>9}"
+            deltas = f" {(peak - default_peak) / 2**20:+9.1f} {sim}"
+        print(f"{name:40} {median:13.3f} {q25:6.3f}-{q75:.3f} {peak / 2**20:9.1f} {peak / default_peak:13.3f}{fits}{deltas}")
     return out
 
 
@@ -128,7 +153,7 @@ def main() -> None:
         print(f"\n1. each knob vs FSDP2's defaults ({args.pairs} pairs x {args.rounds} interleaved rounds)", flush=True)
         got = _measure(pool, str(model), {"defaults (A/A)": defaults, **hand}, defaults, rounds=args.rounds, pairs=args.pairs, out=args.out / "knobs")
         default_peak = max(got["defaults (A/A)"]["peaks"])
-        knob_table = _print_table(got, default_peak)
+        knob_table = _print_table(got, default_peak, predicted=_predict_peaks(model, {"defaults (A/A)": defaults, **hand}))
         lowest = min(peak for _, peak in knob_table.values())
         budget = int(default_peak - args.budget_frac * (default_peak - lowest))
         print(f"\n2. memory budget {budget / 2**20:.1f} MiB (defaults {default_peak / 2**20:.1f} MiB, lowest {lowest / 2**20:.1f} MiB)", flush=True)
