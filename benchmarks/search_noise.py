@@ -85,13 +85,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the final re-measurement")
     parser.add_argument("--out", type=Path, default=Path("runs/search_noise"))
     parser.add_argument("--remeasure-only", action="store_true", help="reuse the three searches already in --out; only re-measure")
+    parser.add_argument("--searches", default="quiet,loaded1,loaded2", help="which searches to run (again); the others are reused from --out")
     args = parser.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
     runs = {"search quiet, seed 0": ("quiet", 0, False), "search loaded, seed 1": ("loaded1", 1, True), "search loaded, seed 2": ("loaded2", 2, True)}
-    if args.remeasure_only:
-        emitted = {name: args.out / sub / "best.toml" for name, (sub, _, _) in runs.items()}
-    else:
-        emitted = {name: _search(args.out / sub, seed=seed, loaded=loaded, args=args) for name, (sub, seed, loaded) in runs.items()}
+    chosen = set() if args.remeasure_only else set(args.searches.split(","))
+    if chosen - {sub for sub, _, _ in runs.values()}:
+        parser.error(f"--searches: unknown {sorted(chosen - {sub for sub, _, _ in runs.values()})}; choose from quiet, loaded1, loaded2")
+    emitted = {name: _search(args.out / sub, seed=seed, loaded=loaded, args=args) if sub in chosen else args.out / sub / "best.toml"
+               for name, (sub, seed, loaded) in runs.items()}  # fmt: skip
     blocks = tuple(load_model_profile(args.model).block_names)
     space = SearchSpace(block_names=blocks, world_size=2, num_microbatches=args.microbatches)
     defaults = space.build_config(space.get_default_params())
