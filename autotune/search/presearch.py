@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from autotune.search.proxy import get_model_argument
 from autotune.search.settings import SearchError
 from autotune.search.space import SearchSpace, describe_params
 from autotune.sim import Hardware, Knobs, Simulator, StepPrediction, get_model_work, resolve_knobs
@@ -397,12 +398,6 @@ def get_plan_hint(plan: Any, *, num_nodes: int = 1, cluster: str = "h100-node") 
     """For a search on a scale proxy: the ``autotune plan`` command that answers for the real model on a GPU cluster."""
     if not getattr(plan, "is_proxy", False):
         return None
-    from pathlib import Path
-
-    import profiles
-
-    source = plan.requested.source or plan.requested.name
-    builtin = Path(source).parent == Path(profiles.__file__).parent / "models"
-    model = plan.requested.name if builtin else source
     return (f"hint: these trials measure a proxy; for {plan.requested.name} itself on a GPU cluster, simulate it: "
-            f"autotune plan --model {model} --cluster {cluster} --nodes {num_nodes}")  # fmt: skip
+            f"autotune plan --model {get_model_argument(plan.requested)} --cluster {cluster} --nodes {num_nodes}")  # fmt: skip
+

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from profiles import ModelProfile
@@ -142,12 +143,20 @@ def plan_model(
     memory_per_rank: int,
     flops_per_rank: float,
     step_budget_s: float,
+    memory_bound: bool = False,
 ) -> ModelPlan:
-    """The real model if it fits memory and the per-step time budget, else the largest proxy that does."""
+    """The real model if it fits memory and the per-step time budget, else the largest proxy that does.
+
+    ``memory_bound`` (the search has a memory budget): a proxy's peak memory is not the model's, so
+    a model that fits memory runs as it is however slow; one that does not still gets a proxy, which
+    the caller must refuse (:func:`autotune.search.study.resolve_plan`)."""
     mem = estimate_memory_per_rank(profile, world_size)
     step = estimate_step_seconds(profile, flops_per_rank)
     if mem <= memory_per_rank and step <= step_budget_s:
         return ModelPlan(requested=profile, run=profile, is_proxy=False, reason="fits", estimated_memory_per_rank=mem, estimated_step_s=step)
+    if mem <= memory_per_rank and memory_bound:
+        reason = f"~{step:.1f} s per microbatch step, over the {step_budget_s:.1f} s budget, run as it is: a memory budget needs the model's own peaks"
+        return ModelPlan(requested=profile, run=profile, is_proxy=False, reason=reason, estimated_memory_per_rank=mem, estimated_step_s=step)
     why = []
     if mem > memory_per_rank:
         why.append(f"needs ~{mem / 2**30:.1f} GiB per rank, {memory_per_rank / 2**30:.1f} GiB available")
@@ -179,6 +188,14 @@ def plan_model(
         factor *= 2
 
 
+def get_model_argument(source: ModelSource) -> str:
+    """How ``--model`` names ``source`` on a command line: a built-in profile by its name, anything else by its path."""
+    import profiles
+
+    path = source.source or source.name
+    return source.name if Path(path).parent == Path(profiles.__file__).parent / "models" else path
+
+
 def get_available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (Linux), else physical memory."""
     try:
@@ -191,7 +208,7 @@ def get_available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan_for_this_machine(profile: ModelSource, *, world_size: int, device_type: str, step_budget_s: float) -> ModelPlan:
+def plan_for_this_machine(profile: ModelSource, *, world_size: int, device_type: str, step_budget_s: float, memory_bound: bool = False) -> ModelPlan:
     """Plan against this machine: GPU memory per device, or a share of host memory."""
     if device_type == "cuda":
         import torch
@@ -201,4 +218,4 @@ def plan_for_this_machine(profile: ModelSource, *, world_size: int, device_type:
     else:
         memory = int(get_available_memory_bytes() * 0.6) // world_size
         flops = CPU_FLOPS_PER_CORE * max(1, (os.cpu_count() or 1) // world_size)
-    return plan_model(profile, world_size=world_size, memory_per_rank=memory, flops_per_rank=flops, step_budget_s=step_budget_s)
+    return plan_model(profile, world_size=world_size, memory_per_rank=memory, flops_per_rank=flops, step_budget_s=step_budget_s, memory_bound=memory_bound)

@@ -39,7 +39,7 @@ from autotune.search.space import SearchSpace
 from autotune.search.outcome import STORAGE_ERRORS, apply_pending
 from autotune.search.preflight import preflight
 from autotune.search.presearch import PRESEARCH_ATTR, add_predictions, run_presearch, summarize_predictions
-from autotune.search.study import claim_out_dir, close_interrupted, open_study, resolve_plan
+from autotune.search.study import claim_out_dir, close_interrupted, make_plan, open_study, resolve_plan
 from fsdp_runtime import RuntimeConfig
 from profiles.sources import load_model_source
 
@@ -77,11 +77,12 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
 
     reporter = reporter or SilentReporter()
     profile = load_model_source(settings.model)
-    preflight(settings)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    plan = make_plan(settings, profile, device_type)
+    preflight(settings)
     study, created = open_study(settings, settings.get_study_name(profile.name))
     own_dir, lock = claim_out_dir(settings.out_dir)  # ``lock`` stays referenced (held) until we return
-    plan = resolve_plan(study, settings, profile, device_type)
+    plan = resolve_plan(study, settings, profile, plan)
     apply_pending(study, settings.out_dir / "pending")
     close_interrupted(study)
     space = make_space(settings, plan, device_type)

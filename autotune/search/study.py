@@ -46,7 +46,7 @@ from typing import Any
 import optuna
 import sqlalchemy.exc
 
-from autotune.search.proxy import ModelPlan, plan_for_this_machine
+from autotune.search.proxy import ModelPlan, get_model_argument, plan_for_this_machine
 from autotune.search.settings import JOURNAL_PREFIX, SamplerName, SearchError, SearchSettings
 from autotune.trials import pid_alive
 from profiles import ModelProfile
@@ -138,16 +138,26 @@ def open_study(settings: SearchSettings, study_name: str) -> tuple[optuna.Study,
     raise AssertionError("unreachable")
 
 
-def resolve_plan(study: optuna.Study, settings: SearchSettings, profile: ModelProfile, device_type: str) -> ModelPlan:
-    """The model plan stored with the study (a resumed study measures what it measured before), else a new one."""
+def make_plan(settings: SearchSettings, profile: ModelProfile, device_type: str) -> ModelPlan:
+    """What trials on this machine would run (the model or a proxy); refused, before anything is written, where a
+    memory budget would be checked against a proxy's peaks."""
+    plan = plan_for_this_machine(profile, world_size=settings.world_size, device_type=device_type, step_budget_s=settings.step_budget_s,
+                                 memory_bound=settings.memory_budget_bytes is not None)  # fmt: skip
+    _check_budget(plan, settings)
+    return plan
+
+
+def resolve_plan(study: optuna.Study, settings: SearchSettings, profile: ModelProfile, plan: ModelPlan) -> ModelPlan:
+    """The model plan stored with the study (a resumed study measures what it measured before), else ``plan`` (stored)."""
     stored = study.user_attrs.get("plan")
     if stored is not None:
         for key, value in (("world_size", settings.world_size), ("num_microbatches", settings.num_microbatches), ("model", profile.name)):
             if stored[key] != value:
                 raise SearchError(f"study {study.study_name!r} was run with {key}={stored[key]!r}, not {value!r} (use the same settings or another --study-name)")
         run = profile.with_overrides(**stored["overrides"]) if stored["overrides"] else profile
-        return ModelPlan(requested=profile, run=run, is_proxy=stored["is_proxy"], reason=stored["reason"], estimated_memory_per_rank=stored["estimated_memory_per_rank"], estimated_step_s=stored["estimated_step_s"], overrides=stored["overrides"])
-    plan = plan_for_this_machine(profile, world_size=settings.world_size, device_type=device_type, step_budget_s=settings.step_budget_s)
+        plan = ModelPlan(requested=profile, run=run, is_proxy=stored["is_proxy"], reason=stored["reason"], estimated_memory_per_rank=stored["estimated_memory_per_rank"], estimated_step_s=stored["estimated_step_s"], overrides=stored["overrides"])
+        _check_budget(plan, settings)
+        return plan
     study.set_user_attr(
         "plan",
         {
@@ -157,6 +167,16 @@ def resolve_plan(study: optuna.Study, settings: SearchSettings, profile: ModelPr
         },
     )  # fmt: skip
     return plan
+
+
+def _check_budget(plan: ModelPlan, settings: SearchSettings) -> None:
+    """A memory budget is checked against the trials' measured peaks: a proxy's are not the model's."""
+    if plan.is_proxy and settings.memory_budget_bytes is not None:
+        raise SearchError(
+            f"--memory-budget-gib: {plan.requested.name} runs as a scale proxy on this machine ({plan.reason}), whose peak memory is not the model's, "
+            f"so the budget cannot be checked here; drop --memory-budget-gib, or rank the memory knobs for the target with "
+            f"`autotune plan --model {get_model_argument(plan.requested)} --cluster h100-node`"
+        )
 
 
 def get_worker_id() -> str:

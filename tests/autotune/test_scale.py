@@ -33,3 +33,17 @@ def test_memory_estimate_scales_with_sharding():
     assert estimate_memory_per_rank(llama8b, 8) < estimate_memory_per_rank(llama8b, 2)
     # fp32 params + grads + AdamW alone are 16 bytes/param.
     assert estimate_memory_per_rank(llama8b, 1) > 16 * 8.03e9
+
+
+def test_a_memory_budget_measures_the_real_model_however_slow():
+    """A proxy's peak memory is not the model's: under a memory budget a slow model that fits
+    memory runs as it is (a time-only shrink would compare the budget with the proxy's peaks)."""
+    small = load_model_profile("small")
+    slow = {"world_size": 2, "memory_per_rank": 64 * GIB, "flops_per_rank": 1e6, "step_budget_s": 1.0}
+    assert plan_model(small, **slow).is_proxy
+    plan = plan_model(small, **slow, memory_bound=True)
+    assert not plan.is_proxy and plan.run is small and "a memory budget needs the model's own peaks" in plan.reason
+    # Over memory there is no real model to run: still a proxy, which the search refuses (below).
+    llama8b = load_model_profile("llama8b")
+    assert plan_model(llama8b, world_size=2, memory_per_rank=6 * GIB, flops_per_rank=20e9, step_budget_s=1.0, memory_bound=True).is_proxy
+

@@ -249,6 +249,14 @@ def test_bad_flags_are_refused_before_anything_is_created(tmp_path, cli_main, ar
     assert not out.exists()
 
 
+def test_a_memory_budget_on_a_proxy_is_refused_before_anything_is_created(tmp_path, cli_main):
+    """A proxy's peak memory is not the model's: the budget could only be checked against the wrong model."""
+    out = tmp_path / "run"
+    _refused(cli_main("search", "--model", "llama8b", "--memory-budget-gib", "4", "--out", str(out)),
+             "--memory-budget-gib: llama8b runs as a scale proxy on this machine", "autotune plan --model llama8b --cluster h100-node")  # fmt: skip
+    assert not out.exists()
+
+
 def test_out_that_is_a_file_or_under_one_is_refused(tmp_path, cli_main):
     (tmp_path / "file").write_text("x")
     _refused(cli_main("search", "--model", "tiny", "--out", str(tmp_path / "file")), "--out:", "is a file")
