@@ -138,6 +138,8 @@ def _describe_comparison(best_number: int | None, lowest: TrialRow | None, conf:
     if not emitted:
         if conf.get("emitted") == "defaults":
             return f"the defaults were emitted (no finalist beat them side by side); shown as best: trial {best_number}, the lowest ratio in the search"
+        if conf.get("memory"):
+            return f"best = trial {best_number}, the search's pick, emitted because {conf['memory']}"
         return f"best = trial {best_number}, the lowest ratio in the search (no final round ran)"
     final = {f.get("trial"): f.get("ratio") for f in conf.get("finalists", [])}
     ratio = f"ratio {final[best_number]:.3f}, " if final.get(best_number) is not None else ""

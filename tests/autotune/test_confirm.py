@@ -61,3 +61,42 @@ def test_a_failed_second_window_keeps_the_first_window_s_figures():
     pooled = pool_windows(first, {"trial": 7, "status": "timeout", "reason": "hung"})
     assert pooled["pair_ratios"] == first["pair_ratios"] and pooled["ratio"] == first["ratio"]
     assert pooled["second_window_status"] == "timeout" and pooled["windows"] == 2
+
+
+def test_a_finalist_over_the_memory_budget_in_the_final_round_is_not_emitted(monkeypatch):
+    """Peaks vary between measurements: the emitted config must fit the budget when re-measured too."""
+    from types import SimpleNamespace
+
+    from autotune.search import confirm
+    from autotune.search.results import TrialRow
+
+    rows = [TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, ratio=1.0, is_default=True),
+            TrialRow(number=1, state="COMPLETE", status="ok", step_ms=70.0, ratio=0.70, params={"k": 1}),
+            TrialRow(number=2, state="COMPLETE", status="ok", step_ms=80.0, ratio=0.80, params={"k": 2})]  # fmt: skip
+    peaks = {1: 110, 2: 90}  # trial 1 fit in the search but not now; trial 2 fits
+    final_ratios = {1: [0.70, 0.71, 0.72, 0.70], 2: [0.80, 0.81, 0.82, 0.80]}
+
+    def measure(ctx, row, *, window=0):
+        memory = {"process_peak_bytes": peaks[row.number], "over_budget": peaks[row.number] > ctx.settings.memory_budget_bytes}
+        return _finalist(row.number, final_ratios[row.number]) | memory
+
+    monkeypatch.setattr(confirm, "_measure_finalist", measure)
+    settings = SimpleNamespace(num_finalists=3, num_confirm_pairs=2, max_ratio_spread=0.5, memory_budget_bytes=100)
+    ctx = SimpleNamespace(settings=settings, reporter=SimpleNamespace(on_phase=lambda message: None), default_config="defaults",
+                          space=SimpleNamespace(build_config=lambda params: f"config {params['k']}"))  # fmt: skip
+    config, record = confirm.run_final_round(ctx, rows)
+    assert config == "config 2" and record["winner"] == 2 and record["emitted"] == "best"
+    assert [f["over_budget"] for f in record["finalists"]] == [True, False]
+    # No finalist fits when re-measured: the search's pick is kept, and the record says why.
+    peaks[2] = 120
+    config, record = confirm.run_final_round(ctx, rows)
+    assert config == "config 1" and record["emitted"] == "search" and record["winner"] is None
+    assert record["memory"] == "every finalist was over the memory budget in the final round"
+
+
+def test_pooled_windows_keep_the_higher_peak_and_any_overrun():
+    first = _finalist(7, [0.9, 0.8, 0.85]) | {"process_peak_bytes": 90, "over_budget": False}
+    second = _finalist(7, [0.9, 0.8, 0.85]) | {"process_peak_bytes": 120, "over_budget": True}
+    pooled = pool_windows(first, second)
+    assert pooled["process_peak_bytes"] == 120 and pooled["over_budget"] is True
+    assert "over_budget" not in pool_windows(_finalist(7, [0.9]), _finalist(7, [0.8]))
