@@ -39,10 +39,10 @@ from fsdp_runtime import ConfigError, RuntimeConfig, load_config  # noqa: E402
 from profiles import load_cluster_profile  # noqa: E402
 from profiles.sources import load_model_source  # noqa: E402
 
-MODEL_TOML = """# small's shape with 2x its sequence: activations dominate the peak
+MODEL_TOML = """# small's shape with a longer sequence: activations dominate the peak
 name = "actheavy"
-description = "small shape, seq 256 x batch 4"
-seq_len = 256
+description = "small shape, seq {seq_len} x batch 4"
+seq_len = {seq_len}
 batch_size = 4
 
 [shape]
@@ -138,11 +138,12 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3, help="pairs per config per round")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     parser.add_argument("--budget-frac", type=float, default=0.5, help="budget: this far from the defaults' peak down to the lowest peak measured")
+    parser.add_argument("--seq-len", type=int, default=512, help="sequence length: at 512 checkpointing saves ~3x the spread of one config's peak")
     parser.add_argument("--out", type=Path, default=Path("runs/memory_knobs"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.out / "actheavy.toml"
-    model.write_text(MODEL_TOML)
+    model.write_text(MODEL_TOML.format(seq_len=args.seq_len))
     space = _space()
     defaults = space.build_config(space.get_default_params())
     hand = {name: space.build_config({**space.get_default_params(), **params}) for name, params in HAND_WRITTEN.items()}
