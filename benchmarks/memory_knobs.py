@@ -1,7 +1,7 @@
 """Activation checkpointing and unit grouping under a memory budget (the memory knobs' benchmark).
 
-On a workload whose activations dominate the peak (the ``small`` shape at sequence 256 x
-batch 4, 2 microbatches, 2 ranks):
+On a workload whose activations dominate the peak (the ``small`` shape at sequence
+``--seq-len`` (512) x batch 4, 2 microbatches, 2 ranks):
 
 1. Per knob, alone and in a few combinations: step time and process peak relative to FSDP2's
    defaults, each config paired with the defaults on the same ranks ([Note: paired
