@@ -172,7 +172,8 @@ def main() -> None:
         print("the search emitted nothing")
         return
     emitted = load_config(summary.best_config_path)
-    print(f"  emitted trial {summary.best.number}: {summary.best.params}", flush=True)
+    conf = summary.record.confirmation or {}
+    print(f"  search's best trial {summary.best.number}: {summary.best.params}; emitted: {conf.get('emitted')} (final-round winner: {conf.get('winner')})", flush=True)
 
     feasible = {name: hand[name] for name, (_, peak) in knob_table.items() if name in hand and peak <= budget}
     with RankPool(2) as pool:

@@ -218,6 +218,10 @@ def get_search_outcome_lines(summary: "SearchSummary") -> list[str]:
     conf = summary.confirmation
     if conf and conf["speedup_median"] is not None:
         lines.append(f"emitted config vs defaults: {_describe_speedup(conf)}")
+    if conf and conf.get("defaults_over_budget"):
+        lines.append("FSDP2's defaults are over the memory budget: the emitted config is the fastest finalist that fits")
+    if conf and conf.get("memory"):
+        lines.append(f"{conf['memory']}: emitted the search's pick")
     if summary.plan.is_proxy:
         lines.append(f"measured on proxy {summary.plan.proxy_name}, not {summary.plan.requested.name}")
     if summary.best_config_path:

@@ -23,7 +23,9 @@ def _get_notes(ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] 
     over = [f["trial"] for f in (confirmation or {}).get("finalists", []) if f.get("over_budget")]
     if confirmation and confirmation.get("memory"):
         notes.append(f"{confirmation['memory']}: emitted the search's pick (trial {best.number}), which fit the budget in the search")
-    elif over:
+    elif confirmation and confirmation.get("defaults_over_budget"):
+        notes.append("FSDP2's defaults are over the memory budget: this is the fastest finalist that fits, slower than the defaults")
+    if over and not (confirmation or {}).get("memory"):
         notes.append(f"finalist trial(s) {', '.join(map(str, over))} went over the memory budget when re-measured and were not ranked")
     if plan.is_proxy:
         notes.append(

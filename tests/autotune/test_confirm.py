@@ -100,3 +100,27 @@ def test_pooled_windows_keep_the_higher_peak_and_any_overrun():
     pooled = pool_windows(first, second)
     assert pooled["process_peak_bytes"] == 120 and pooled["over_budget"] is True
     assert "over_budget" not in pool_windows(_finalist(7, [0.9]), _finalist(7, [0.8]))
+
+
+def test_defaults_over_the_memory_budget_are_never_the_fallback(monkeypatch):
+    """Checkpointing makes every config that fits slower than the defaults; when the defaults do not
+    fit, the fastest finalist that fits is emitted, not the defaults."""
+    from types import SimpleNamespace
+
+    from autotune.search import confirm
+    from autotune.search.results import TrialRow
+
+    rows = [TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, ratio=1.0, is_default=True, feasible=False),
+            TrialRow(number=1, state="COMPLETE", status="ok", step_ms=115.0, ratio=1.15, params={"k": 1}),
+            TrialRow(number=2, state="COMPLETE", status="ok", step_ms=120.0, ratio=1.20, params={"k": 2})]  # fmt: skip
+    final_ratios = {1: [1.16, 1.17, 1.18, 1.16], 2: [1.08, 1.09, 1.10, 1.08]}
+    monkeypatch.setattr(confirm, "_measure_finalist", lambda ctx, row, *, window=0: _finalist(row.number, final_ratios[row.number]))
+    settings = SimpleNamespace(num_finalists=3, num_confirm_pairs=2, max_ratio_spread=0.5, memory_budget_bytes=100)
+    ctx = SimpleNamespace(settings=settings, reporter=SimpleNamespace(on_phase=lambda message: None), default_config="defaults",
+                          space=SimpleNamespace(build_config=lambda params: f"config {params['k']}"))  # fmt: skip
+    config, record = confirm.run_final_round(ctx, rows)
+    assert config == "config 2" and record["winner"] == 2 and record["defaults_over_budget"] is True
+    # Defaults that fit stay the fallback when no finalist beats them.
+    rows[0].feasible = True
+    config, record = confirm.run_final_round(ctx, rows)
+    assert config == "defaults" and record["emitted"] == "defaults"
