@@ -101,7 +101,7 @@ class _RichSearchReporter:
                 f"{len(plan.run.block_names)} blocks: [bold]{plan.proxy_name}[/]. Times below are the proxy's, not {plan.requested.name}'s.",
                 highlight=False,
             )
-            from autotune.search.presearch import get_plan_hint
+            from autotune.search.proxy import get_plan_hint
 
             err_console.print(get_plan_hint(plan), highlight=False, soft_wrap=True)
         err_console.print(f"study in {settings.get_storage()}" + (f" ({num_existing} trials already there)" if num_existing > 1 else ""), highlight=False)

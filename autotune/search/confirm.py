@@ -79,10 +79,11 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
     record: dict[str, Any] = {"finalists": measured, "num_pairs": 2 * ctx.settings.num_confirm_pairs, "contested": contested}
     # Under a memory budget the defaults may not fit: they are then the yardstick, never the fallback.
     defaults_fit = all(r.feasible for r in rows if r.is_default)
-    if not ranked and (any(m.get("over_budget") for m in measured) or not defaults_fit):
+    any_over = any(m.get("over_budget") for m in measured)
+    if not ranked and (any_over or not defaults_fit):
         # Keep the search's pick (it fit once), and say why.
         best = pick_best(rows)
-        why = ("every finalist was over the memory budget in the final round" if any(m.get("over_budget") for m in measured)
+        why = ("every finalist was over the memory budget in the final round" if any_over
                else "no finalist was measured in the final round and the defaults are over the memory budget")  # fmt: skip
         return ctx.space.build_config(best.params), record | {"emitted": "search", "winner": None, "memory": why, **_speedups(None)}
     if not ranked or (ranked[0]["ratio"] >= 1.0 and defaults_fit):

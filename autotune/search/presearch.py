@@ -53,7 +53,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from autotune.search.proxy import get_model_argument
 from autotune.search.settings import SearchError
 from autotune.search.space import SearchSpace, describe_params
 from autotune.sim import Hardware, Knobs, Simulator, StepPrediction, get_model_work, resolve_knobs
@@ -392,12 +391,3 @@ def get_prediction_table(rows: list["TrialRow"]) -> PredictionTable | None:
         table.rows.append([str(r.number), origin, num(r.predicted_step_ms, ".1f"), num(r.step_ms, ".1f"), "-" if error is None else f"{100 * error:+.1f}%",
                            num(r.predicted_ratio, ".3f"), num(r.ratio, ".3f")])  # fmt: skip
     return table
-
-
-def get_plan_hint(plan: Any, *, num_nodes: int = 1, cluster: str = "h100-node") -> str | None:
-    """For a search on a scale proxy: the ``autotune plan`` command that answers for the real model on a GPU cluster."""
-    if not getattr(plan, "is_proxy", False):
-        return None
-    return (f"hint: these trials measure a proxy; for {plan.requested.name} itself on a GPU cluster, simulate it: "
-            f"autotune plan --model {get_model_argument(plan.requested)} --cluster {cluster} --nodes {num_nodes}")  # fmt: skip
-

@@ -149,7 +149,7 @@ def plan_model(
 
     ``memory_bound`` (the search has a memory budget): a proxy's peak memory is not the model's, so
     a model that fits memory runs as it is however slow; one that does not still gets a proxy, which
-    the caller must refuse (:func:`autotune.search.study.resolve_plan`)."""
+    the caller must refuse (:func:`autotune.search.study.make_plan`)."""
     mem = estimate_memory_per_rank(profile, world_size)
     step = estimate_step_seconds(profile, flops_per_rank)
     if mem <= memory_per_rank and step <= step_budget_s:
@@ -194,6 +194,14 @@ def get_model_argument(source: ModelSource) -> str:
 
     path = source.source or source.name
     return source.name if Path(path).parent == Path(profiles.__file__).parent / "models" else path
+
+
+def get_plan_hint(plan: Any, *, num_nodes: int = 1, cluster: str = "h100-node") -> str | None:
+    """For a search on a scale proxy: the ``autotune plan`` command that answers for the real model on a GPU cluster."""
+    if not getattr(plan, "is_proxy", False):
+        return None
+    return (f"hint: these trials measure a proxy; for {plan.requested.name} itself on a GPU cluster, simulate it: "
+            f"autotune plan --model {get_model_argument(plan.requested)} --cluster {cluster} --nodes {num_nodes}")  # fmt: skip
 
 
 def get_available_memory_bytes() -> int:

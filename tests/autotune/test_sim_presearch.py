@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from autotune.search import SearchError, SearchRecord, SearchSettings, TrialRow, plan_model, run_search
-from autotune.search.presearch import get_plan_hint, get_prediction_table, get_spearman
+from autotune.search.presearch import get_prediction_table, get_spearman
+from autotune.search.proxy import get_plan_hint
 from autotune.sim import get_model_work
 from profiles import load_model_profile
 from profiles.sources import load_model_source
