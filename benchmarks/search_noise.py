@@ -46,6 +46,11 @@ HAND_WRITTEN = {
     "replicate (HSDP 2x1) + no sync + keep unsharded, no reshard": {
         "mesh": "hsdp:2x1", "nosync_blocks": "all", "nosync_level_hsdp": "last", "defer_concat": True, "keep_unsharded": True, "reshard_after_forward": "false",
     },
+    # The same with the root's knobs (searched since issue 15): the root unit skips sync and stays unsharded too.
+    "replicate + no sync + keep unsharded, no reshard, root too": {
+        "mesh": "hsdp:2x1", "nosync_blocks": "all", "nosync_level_hsdp": "last", "defer_concat": True, "keep_unsharded": True, "reshard_after_forward": "false",
+        "root_reshard_after_forward": "false", "root_sync_hsdp": "last", "root_keep_unsharded": True,
+    },
 }  # fmt: skip
 
 

@@ -33,12 +33,14 @@ from typing import Any
 
 from autotune.search.context import SearchContext
 from autotune.search.results import TrialRow, pick_best
+from autotune.search.refine import pick_base
 from autotune.trials import median_or_none, run_trial
 from fsdp_runtime import RuntimeConfig
 
 
 def get_finalists(rows: list[TrialRow], num_finalists: int) -> list[TrialRow]:
-    """The best distinct, feasible, finished configs (the defaults and duplicates left out), best first."""
+    """The best distinct, feasible, finished configs (the defaults and duplicates left out), best
+    first; then the refinement's last base where it is not among them ([Note: refinement])."""
     candidates = [r for r in rows if not r.is_default and r.duplicate_of is None]
     finalists: list[TrialRow] = []
     while len(finalists) < num_finalists:
@@ -46,6 +48,9 @@ def get_finalists(rows: list[TrialRow], num_finalists: int) -> list[TrialRow]:
         if best is None:
             break
         finalists.append(best)
+    base = pick_base(candidates)
+    if base is not None and base not in finalists:
+        finalists.append(base)
     return finalists
 
 

@@ -13,6 +13,17 @@ is a neighbour of the incumbent (the best trial so far, :func:`pick_best`):
    the defaults (what they found), then their other differences;
 2. then the incumbent with one knob moved to another of its choices.
 
+The incumbent's lead is often luck: the best of a dozen noisy medians is biased low. In
+``search_noise`` (18 trials, a busy loop on one core) trial 2 measured 0.736 and 0.793 when
+re-measured; all six refinement trials were "trial 2 + one knob", each measured worse than
+its lucky 0.736, so the two moves that paid (no sync on all blocks, keep unsharded) were
+never combined. So moves that did not hurt are stacked (:func:`pick_base`): the base of the
+next neighbour is the latest refinement trial whose median lies within the incumbent's
+upper quartile (a tie within the incumbent's own noise), else the incumbent. A move measured worse than a
+lucky incumbent is not ruled out: it is tried again from the next base when its turn comes
+(keep unsharded was neutral from trial 2, and pays with no sync on all blocks). The last
+base is a finalist of the final round even where its median is not among the best few.
+
 A knob that only matters under the new value (e.g. the sync level once a block skips
 sync) takes the donor's value, else the incumbent's, else its first choice. A neighbour
 whose effective config was already measured (same ``config_hash``) is skipped. The chosen
@@ -60,25 +71,44 @@ def _resolve(space: SearchSpace, params: dict[str, Any], fallback: dict[str, Any
     return trial.used, config
 
 
-def get_candidates(rows: list[TrialRow], choices: dict[str, Sequence[Any]]) -> list[tuple[dict[str, Any], dict[str, Any], str]]:
-    """Neighbours of the incumbent, in the order of [Note: refinement]: (params, fallback, origin)."""
+def _ties(row: TrialRow, best: TrialRow) -> bool:
+    """``row``'s median lies within ``best``'s upper quartile: the two are not told apart by
+    ``best``'s own pairs (without quartiles, only an equal objective ties)."""
+    assert row.objective is not None and best.objective is not None
+    upper = best.ratio_q75 if best.ratio is not None and best.ratio_q75 is not None else best.objective
+    return row.objective <= upper
+
+
+def _usable(rows: list[TrialRow]) -> list[TrialRow]:
+    return [r for r in rows if r.succeeded and r.feasible and r.duplicate_of is None and r.objective is not None]
+
+
+def pick_base(rows: list[TrialRow]) -> TrialRow | None:
+    """The config the next neighbour departs from ([Note: refinement]): the latest refinement
+    trial after the incumbent that ties with it, else the incumbent."""
     best = pick_best(rows)
     if best is None:
+        return None
+    tied = [r for r in _usable(rows) if r.refined_from is not None and r.number > best.number and _ties(r, best)]
+    return max(tied, key=lambda r: r.number) if tied else best
+
+
+def get_candidates(rows: list[TrialRow], choices: dict[str, Sequence[Any]]) -> list[tuple[dict[str, Any], dict[str, Any], str]]:
+    """Neighbours of the base, in the order of [Note: refinement]: (params, fallback, origin)."""
+    base = pick_base(rows)
+    if base is None:
         return []
-    ranked = sorted((r for r in rows if r.succeeded and r.feasible and r.duplicate_of is None and r.number != best.number and r.objective is not None), key=lambda r: r.objective)
+    ranked = sorted((r for r in _usable(rows) if r.number != base.number), key=lambda r: r.objective)
     defaults = next((r.params for r in rows if r.is_default), {})
-    discoveries, others = [], []
+    discoveries, others, moves = [], [], []
     for donor in ranked[:MAX_DONORS]:
         for name, value in donor.params.items():
-            if best.params.get(name, value) != value:
-                move = ({**best.params, name: value}, donor.params, f"trial {best.number} + {name}={value} from trial {donor.number}")
+            if base.params.get(name, value) != value:
+                move = (name, value, donor.params, f" from trial {donor.number}")
                 (discoveries if defaults.get(name) != value else others).append(move)
-    out = discoveries + others
-    for name, value in best.params.items():
-        for other in choices.get(name, ()):
-            if other != value:
-                out.append(({**best.params, name: other}, best.params, f"trial {best.number} + {name}={other}"))
-    return out
+    for name, value in base.params.items():
+        moves += [(name, other, base.params, "") for other in choices.get(name, ()) if other != value]
+    return [({**base.params, name: value}, fallback, f"trial {base.number} + {name}={value}{donor}") for name, value, fallback, donor in discoveries + others + moves]
 
 
 def get_choices(study: optuna.Study) -> dict[str, Sequence[Any]]:

@@ -7,7 +7,9 @@ import optuna
 
 from autotune.search import SearchSpace
 from autotune.search.loop import get_config_hash, get_rows
-from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour, get_candidates
+from autotune.search.confirm import get_finalists
+from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour, get_candidates, pick_base
+from autotune.search.results import pick_best
 
 BLOCKS = tuple(f"layers.{i}" for i in range(4))
 
@@ -77,3 +79,42 @@ def test_no_incumbent_no_neighbour():
     space = _space()
     study = optuna.create_study()
     assert enqueue_neighbour(study, space, get_rows(study), get_config_hash) is None
+
+
+def _rows_with_a_lucky_incumbent(space: SearchSpace):
+    """Trial 1 led on one lucky window (0.736, upper quartile 0.761); refinement trial 3, the
+    incumbent + a donor's knob, measured 0.755: a tie within trial 1's own noise (the
+    ``search_noise`` seed-1 run); refinement trial 4 measured clearly worse (0.79)."""
+    defaults = space.get_default_params()
+    lucky = {**defaults, "nosync_blocks": "second_half", "nosync_level_fsdp": "last", "keep_unsharded": False, "defer_concat": False}
+    donor = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": False, "defer_concat": False, "reshard_after_forward": "false"}
+    stacked = {**lucky, "nosync_blocks": "all"}
+    worse = {**lucky, "reduce_scatter_buffers": 2}
+    study = _study_with(space, [(defaults, 1.0), (lucky, 0.736), (donor, 0.75), (stacked, 0.755), (worse, 0.79)])
+    rows = get_rows(study)
+    rows[1].ratio_q25, rows[1].ratio_q75 = 0.713, 0.761
+    rows[3].refined_from = "trial 1 + nosync_blocks=all from trial 2"
+    rows[4].refined_from = "trial 1 + reduce_scatter_buffers=2"
+    return rows
+
+
+def test_a_move_that_ties_with_the_incumbent_becomes_the_base():
+    space = _space()
+    rows = _rows_with_a_lucky_incumbent(space)
+    assert pick_best(rows).number == 1 and pick_base(rows).number == 3
+    candidates = get_candidates(rows, {})
+    # Neighbours stack on the tie: trial 3 (no sync on all blocks) + the incumbent's knobs and the donor's.
+    assert candidates and all(origin.startswith("trial 3 + ") for _, _, origin in candidates)
+    # The incumbent's own knob (second half) gives trial 1 back, measured: the enqueue skips it.
+    assert candidates[0][0] == rows[1].params
+    assert candidates[1][0] == {**rows[3].params, "reshard_after_forward": "false"}
+    # The worse move (0.79, over the incumbent's upper quartile) is no base.
+    rows[3].ratio = 0.77
+    assert pick_base(rows).number == 1
+
+
+def test_the_last_base_is_a_finalist():
+    space = _space()
+    rows = _rows_with_a_lucky_incumbent(space)
+    assert [r.number for r in get_finalists(rows, 1)] == [1, 3]
+    assert [r.number for r in get_finalists(rows, 3)] == [1, 2, 3]
