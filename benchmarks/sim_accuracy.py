@@ -98,7 +98,7 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
             predicted = simulator.simulate(config).step_s * 1e3
             paired = result.metrics.paired if result.metrics else {}
             rows.append({"params": params, "config": describe_params(params), "status": result.status, "measured_ms": result.step_ms, "predicted_ms": predicted,
-                         "measured_ratio": paired.get("ratio"), "predicted_ratio": predicted / default_pred,
+                         "measured_ratio": paired.get("ratio"), "predicted_ratio": predicted / default_pred, "ratio_spread": paired.get("ratio_spread"),
                          "reference_ms": statistics.median(result.metrics.reference_step_ms_per_step) if result.metrics and result.metrics.reference_step_ms_per_step else None})  # fmt: skip
             print(f"  [{workload}/{setting}] {i + 1}/{len(sample)} measured {result.step_ms or float('nan'):7.1f} ms ({paired.get('ratio') or float('nan'):.3f}x the defaults)"
                   f"  predicted {predicted:7.1f} ms ({predicted / default_pred:.3f}x)  {describe_params(params)}", flush=True)  # fmt: skip
@@ -117,12 +117,16 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         "measured_ratio_range": [min(r["measured_ratio"] for r in ok), max(r["measured_ratio"] for r in ok)] if ok else None,
         "reference_ms": [min(r["reference_ms"] for r in ok), statistics.median(r["reference_ms"] for r in ok), max(r["reference_ms"] for r in ok)] if ok else None,
         "anchor_ms": anchor_ms, "load": loads,
+        # The measurement's own noise: the interquartile range of a config's pair ratios over their median. A
+        # prediction cannot be checked closer than this, nor ranked where configs differ by less.
+        "median_ratio_spread": statistics.median(r["ratio_spread"] for r in ok if r.get("ratio_spread") is not None) if ok else None,
+        "defaults_pair_ratio": next((r["measured_ratio"] for r in ok if r["params"] == defaults), None),
         "calibration": {"notes": profile.notes, "compute_scale": profile.compute_scale, "cpu_share": profile.cpu_share, "seconds": calibrate_s},
         "wall_s": time.monotonic() - started, "rows": rows, "misses": _explain(ok),
     }  # fmt: skip
     if ranked:
-        summary["sim_pick"] = _pick(ranked[0][0], rows, defaults)
-        summary["measured_pick"] = _pick(min(ok, key=lambda r: r["measured_ms"])["params"], rows, defaults)
+        summary["sim_pick"] = _pick(ranked[0][0], rows)
+        summary["measured_pick"] = _pick(min(ok, key=lambda r: r["measured_ms"])["params"], rows)
     return summary
 
 
@@ -134,9 +138,8 @@ def _p90_abs(errors: list[float]) -> float | None:
     return sorted(abs(e) for e in errors)[int(0.9 * (len(errors) - 1))] if errors else None
 
 
-def _pick(params: dict, rows: list[dict], defaults: dict) -> dict:
+def _pick(params: dict, rows: list[dict]) -> dict:
     row = next(r for r in rows if r["params"] == params)
-    default = next(r for r in rows if r["params"] == defaults)
     return {"config": row["config"], "mesh": params["mesh"], "predicted_ms": row["predicted_ms"], "measured_ms": row["measured_ms"],
             "predicted_ratio": row["predicted_ratio"], "tuned_over_default": row["measured_ratio"]}  # fmt: skip
 
@@ -169,14 +172,15 @@ def run_search_2x2(args: argparse.Namespace, out: Path) -> dict:
 
 def print_table(results: list[dict]) -> None:
     print("\npredicted vs measured (error = predicted / measured - 1). step: median unprofiled step time; ratio: a config's step over the")
-    print("defaults' step, measured in alternating pairs on the same ranks (load cancels), predicted as sim(config) / sim(defaults)")
-    print(f"{'workload':<8} {'setting':<9} {'ranks':>5} {'configs':>7} {'step ms':>11} {'ratio':>11} | {'step: med|err|':>14} {'rho':>6} | {'ratio: med|err|':>15} {'p90':>6} {'rho':>6} | {'min':>4} {'load':>14}")
+    print("defaults' step, measured in alternating pairs on the same ranks (load cancels), predicted as sim(config) / sim(defaults);")
+    print("noise: the median over configs of the interquartile range of a config's pair ratios over their median")
+    print(f"{'workload':<8} {'setting':<9} {'ranks':>5} {'configs':>7} {'step ms':>11} {'ratio':>11} | {'step: med|err|':>14} {'rho':>6} | {'ratio: med|err|':>15} {'p90':>6} {'rho':>6} | {'noise':>6} {'min':>4} {'load':>14}")
     for r in results:
         lo, hi = r["measured_range_ms"] or (0, 0)
         rlo, rhi = r["measured_ratio_range"] or (0, 0)
         print(f"{r['workload']:<8} {r['setting']:<9} {r['world_size']:>5} {r['num_configs']:>7} {f'{lo:.0f}-{hi:.0f}':>11} {f'{rlo:.2f}-{rhi:.2f}':>11} | "
               f"{100 * r['median_abs_error']:>13.1f}% {r['spearman']:>6.3f} | {100 * r['ratio_median_abs_error']:>14.1f}% {100 * r['ratio_p90_abs_error']:>5.1f}% "
-              f"{r['ratio_spearman']:>6.3f} | {r['wall_s'] / 60:>4.1f} {r['load'][0]:>14}")  # fmt: skip
+              f"{r['ratio_spearman']:>6.3f} | {100 * (r.get('median_ratio_spread') or float('nan')):>5.1f}% {r['wall_s'] / 60:>4.1f} {r['load'][0]:>14}")  # fmt: skip
     for r in results:
         ref = r["reference_ms"]
         print(f"\n{r['workload']}/{r['setting']}: the defaults measured {ref[0]:.0f}/{ref[1]:.0f}/{ref[2]:.0f} ms (min/median/max over the trials' pairs; "
