@@ -20,13 +20,15 @@ def _get_notes(ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] 
     elif confirmation and confirmation.get("winner") is not None:
         notes.append(f"emitted: trial {confirmation['winner']}, the fastest of {len(confirmation['finalists'])} finalists re-measured against the defaults "
                      f"({confirmation['speedup_median']:.3f}x, interquartile {confirmation['speedup_q25']:.3f}-{confirmation['speedup_q75']:.3f}x)")  # fmt: skip
-    over = [f["trial"] for f in (confirmation or {}).get("finalists", []) if f.get("over_budget")]
-    if confirmation and confirmation.get("memory"):
-        notes.append(f"{confirmation['memory']}: emitted the search's pick (trial {best.number}), which fit the budget in the search")
-    elif confirmation and confirmation.get("defaults_over_budget"):
-        notes.append("FSDP2's defaults are over the memory budget: this is the fastest finalist that fits, slower than the defaults")
-    if over and not (confirmation or {}).get("memory"):
-        notes.append(f"finalist trial(s) {', '.join(map(str, over))} went over the memory budget when re-measured and were not ranked")
+    conf = confirmation or {}
+    over = [f["trial"] for f in conf.get("finalists", []) if f.get("over_budget")]
+    if conf.get("memory"):
+        notes.append(f"{conf['memory']}: emitted the search's pick (trial {best.number}), which fit the budget in the search")
+    else:
+        if conf.get("defaults_over_budget"):
+            notes.append("FSDP2's defaults are over the memory budget: this is the fastest finalist that fits, slower than the defaults")
+        if over:
+            notes.append(f"finalist trial(s) {', '.join(map(str, over))} went over the memory budget when re-measured and were not ranked")
     if plan.is_proxy:
         notes.append(
             f"trials ran on a scale proxy ({plan.proxy_name}) because {plan.requested.name} does not fit this machine "

@@ -19,10 +19,11 @@ re-measured; all six refinement trials were "trial 2 + one knob", each measured 
 its lucky 0.736, so the two moves that paid (no sync on all blocks, keep unsharded) were
 never combined. So moves that did not hurt are stacked (:func:`pick_base`): the base of the
 next neighbour is the latest refinement trial whose median lies within the incumbent's
-upper quartile (a tie within the incumbent's own noise), else the incumbent. A move measured worse than a
-lucky incumbent is not ruled out: it is tried again from the next base when its turn comes
-(keep unsharded was neutral from trial 2, and pays with no sync on all blocks). The last
-base is a finalist of the final round even where its median is not among the best few.
+upper quartile (a tie within the incumbent's own noise), else the incumbent. A move
+measured worse than a lucky incumbent is not ruled out: it is tried again from the next
+base when its turn comes (keep unsharded was neutral from trial 2, and pays with no sync on
+all blocks). The last base is a finalist of the final round even where its median is not
+among the best few.
 
 A knob that only matters under the new value (e.g. the sync level once a block skips
 sync) takes the donor's value, else the incumbent's, else its first choice. A neighbour
