@@ -8,7 +8,7 @@ import optuna
 from autotune.search import SearchSpace
 from autotune.search.loop import get_config_hash, get_rows
 from autotune.search.confirm import get_finalists
-from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour, get_candidates, pick_base
+from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour, get_candidates, get_choices, pick_base
 from autotune.search.results import pick_best
 
 BLOCKS = tuple(f"layers.{i}" for i in range(4))
@@ -118,3 +118,29 @@ def test_the_last_base_is_a_finalist():
     rows = _rows_with_a_lucky_incumbent(space)
     assert [r.number for r in get_finalists(rows, 1)] == [1, 3]
     assert [r.number for r in get_finalists(rows, 3)] == [1, 2, 3]
+
+
+def test_an_unmeasured_value_of_a_knob_that_pays_is_moved_early():
+    """The ``search_noise`` seed-1 case: every trial that skipped gradient sync did so on every
+    second block, and "all blocks" was never sampled. That move ranks among the base's first
+    one-knob moves, and every second refinement trial is such a move, not a donor's."""
+    space = _space()
+    defaults = space.get_default_params()
+    every_2nd = {**defaults, "nosync_blocks": "every_2nd", "nosync_level_fsdp": "last", "keep_unsharded": False, "defer_concat": True}
+    best = {**every_2nd, "reshard_after_forward": "false"}
+    buffers = {**defaults, "reduce_scatter_buffers": 2}
+    study = _study_with(space, [(defaults, 1.0), (every_2nd, 0.8), (best, 0.78), (buffers, 0.99)])
+    rows = get_rows(study)
+    choices = get_choices(study)
+    candidates = get_candidates(rows, choices)
+    assert "from trial" in candidates[0][2]  # turn 0: a donor's knob first
+    moves = [c[2] for c in candidates if "from trial" not in c[2]]
+    # Never-measured values of the two knobs whose measured values differ most (reshard
+    # after forward 0.99 vs 0.78, no-sync blocks 0.995 vs 0.79) come first, in choice order;
+    # moving back to a value measured worse (reshard after forward true) comes last.
+    assert moves[:4] == ["trial 2 + reshard_after_forward=last_block_false", "trial 2 + nosync_blocks=all",
+                         "trial 2 + nosync_blocks=first_half", "trial 2 + nosync_blocks=second_half"]
+    assert moves[-1] == "trial 2 + reshard_after_forward=true"
+    # Once one refinement trial ran (measured worse, so the base stays), the base's own move comes first.
+    rows[3].refined_from = "trial 2 + reduce_scatter_buffers=2 from trial 3"
+    assert get_candidates(rows, choices)[0][2] == "trial 2 + reshard_after_forward=last_block_false"
