@@ -1,13 +1,14 @@
 """How well the calibrated step simulator predicts measured CPU trials ([Note: calibration]).
 
-For each workload x setting: calibrate on the defaults (and one or two calibration trials),
-then measure a deterministic sample of configs across the search space (unprofiled, a few
+For each workload x setting: calibrate on the defaults and calibration trials paired with
+them (unshard_async on: the CPU share; no gradient sync: the wait per collective; on emulated
+links, the defaults on raw loopback too), then measure a deterministic sample of configs across the search space (unprofiled, a few
 steps each, on one rank pool) and compare with the simulator's predictions: median absolute
 error and Spearman rank correlation. On the 2 nodes x 2 ranks cluster also: the mesh the
 simulator picks over the whole space and the one a real search picks, and their tuned/default
 step-time ratios.
 
-    .venv/bin/python benchmarks/sim_accuracy.py                         # everything (~25 min on 2 cores)
+    .venv/bin/python benchmarks/sim_accuracy.py                         # everything (~45 min on 2 quiet cores)
     .venv/bin/python benchmarks/sim_accuracy.py --workloads small --settings raw --configs 10
 
 Workloads: ``small`` (the profile) and ``wide`` (communication-heavy: dim 640, 3 blocks,
@@ -60,6 +61,14 @@ def _calibration_params(space: SearchSpace) -> dict:
     return {**space.get_default_params(), "unshard_async": "on", "forward_prefetch": "depth1"}
 
 
+def _nosync_params(space: SearchSpace) -> dict:
+    """The calibration trial of the wait per collective ([Note: calibration]): the defaults without
+    most of their collectives (no gradient sync before the last microbatch, blocks kept unsharded
+    across microbatches and from forward to backward: ~10 collectives a step instead of ~28 on
+    ``small`` with 2 microbatches), so the wait it saves stands out of the pairs' noise."""
+    return {**space.get_default_params(), "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True, "keep_unsharded": True, "reshard_after_forward": "false"}
+
+
 def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path) -> dict:
     world, cluster = SETTINGS[setting]
     model = WORKLOADS[workload]
@@ -70,14 +79,17 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
     started = time.monotonic()
     with RankPool(world) as pool:
         run_trial(_spec(model, space.build_config(defaults), world, out / "warmup", cluster=cluster, steps=3, warmup=2, profile=False), pool=pool)
-        anchor_dir, async_dir, raw_dir = out / "cal_defaults", out / "cal_async", out / "cal_raw"
+        anchor_dir, async_dir, nosync_dir, raw_dir = out / "cal_defaults", out / "cal_async", out / "cal_nosync", out / "cal_raw"
         default_config = space.build_config(defaults)
-        for path, params, links, reference in ((anchor_dir, defaults, cluster, None), (async_dir, _calibration_params(space), cluster, default_config),
-                                               *(((raw_dir, defaults, None, None),) if cluster else ())):  # fmt: skip
-            spec = _spec(model, space.build_config(params), world, path, cluster=links, steps=args.steps, warmup=args.warmup, profile=True, reference=reference)
+        calibration = [(anchor_dir, defaults, cluster, None), (async_dir, _calibration_params(space), cluster, default_config)]
+        calibration += [(nosync_dir, _nosync_params(space), cluster, default_config)] if args.fit_sync else []
+        calibration += [(raw_dir, defaults, None, None)] if cluster else []
+        for path, params, links, reference in calibration:
+            steps = args.calibration_pairs if reference is not None else args.steps  # a fitted ratio: as many pairs as the noise asks
+            spec = _spec(model, space.build_config(params), world, path, cluster=links, steps=steps, warmup=args.warmup, profile=True, reference=reference)
             result = run_trial(spec, pool=pool)
             assert result.ok, f"calibration trial {path}: {result.status} {result.reason}"
-        extra = [read_calibration_trial(async_dir)] + ([read_calibration_trial(raw_dir)] if cluster else [])
+        extra = [read_calibration_trial(path) for path, *_ in calibration[1:]]
         # The anchor's step: the defaults as timed in alternation with the async trial (the profiled trial's own
         # unprofiled steps run first, when the pool is least warm).
         profile = calibrate(work, read_calibration_trial(anchor_dir), extra=extra, anchor_step_s=extra[0].reference_step_s)
@@ -121,7 +133,7 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         # prediction cannot be checked closer than this, nor ranked where configs differ by less.
         "median_ratio_spread": statistics.median(r["ratio_spread"] for r in ok if r.get("ratio_spread") is not None) if ok else None,
         "defaults_pair_ratio": next((r["measured_ratio"] for r in ok if r["params"] == defaults), None),
-        "calibration": {"notes": profile.notes, "compute_scale": profile.compute_scale, "cpu_share": profile.cpu_share, "seconds": calibrate_s},
+        "calibration": {"notes": profile.notes, "compute_scale": profile.compute_scale, "cpu_share": profile.cpu_share, "sync_s": profile.sync_s, "seconds": calibrate_s},
         "wall_s": time.monotonic() - started, "rows": rows, "misses": _explain(ok),
     }  # fmt: skip
     if ranked:
@@ -202,7 +214,10 @@ def main() -> None:
     parser.add_argument("--configs", type=int, default=30, help="configs measured per workload and setting (the defaults included)")
     parser.add_argument("--pairs", type=int, default=3, help="measured pairs (config, defaults) per config")
     parser.add_argument("--steps", type=int, default=4, help="measured steps (pairs) of each calibration trial (then a profiled window of 2)")
+    parser.add_argument("--calibration-pairs", type=int, default=10, help="measured pairs of the calibration trials paired with the defaults")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--no-fit-sync", dest="fit_sync", action="store_false",
+                        help="calibrate without the no-sync trial (the wait per collective stays 0), as before it was fitted")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--search-trials", type=int, default=8, help="trials of the real search on the 2x2 cluster (small); 0: none")
     parser.add_argument("--out", type=Path, default=None, help="where trial dirs and results.json go (default: a temp dir)")

@@ -42,6 +42,19 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
   same config timed as the reference of paired trials (``anchor_step_s``). The traced window
   runs slower than unprofiled steps, and load on the machine slows all that work alike; an
   emulated link's hold is not work and is not scaled.
+- *Wait at each collective* (``sync_s``): a synchronous gloo collective is a rendezvous; the
+  rank that arrives first waits for the other, and on ranks that share the cores that wait
+  is more than the traced span shows apart. Measured on ``small`` (raw loopback, 2 ranks),
+  the defaults paid ~175 ms of a ~790 ms step that replication with skipped sync saved, where
+  the traced collectives held 142 ms and the simulator saw 120 ms: without this term the
+  simulator under-predicts every config that drops collectives (``sim_accuracy``: mean signed
+  error +4 to +11% on 2 ranks). Fitted with the compute scale (bisection; each try re-solves
+  the scale so the anchor stays exact) so that a calibration trial that skips gradient sync,
+  paired with the anchor's config, is predicted at its measured ratio; 0 without one, and
+  never negative (a trial measured slower than predicted leaves it 0). The trial should drop
+  many collectives (``sim_accuracy`` uses no sync + keep unsharded + no reshard after forward:
+  ~10 collectives a step instead of ~28) and be measured in many pairs (10): at ~3 ms a
+  collective the saving is ~8% of the step, and 3-4 pairs spread 4-9%.
 - *CPU share of an asynchronous collective* (``cpu_share``): gloo's worker thread shares the
   cores with compute, so an asynchronous all-gather slows the compute it overlaps. Fitted
   (bisection on [0, 1.5]) so that the simulator predicts a calibration trial with
@@ -335,9 +348,10 @@ def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[Calibrat
     """A measured profile of ``work`` on this machine: segments, hooks and the optimizer from
     ``anchor``'s traces, collectives from every trial's, scaled to ``anchor``'s unprofiled step
     (or ``anchor_step_s``: the anchor's config timed elsewhere, e.g. as the reference of paired
-    trials), and the CPU share of asynchronous collectives from an ``extra`` trial with
-    ``unshard_async`` on under ``anchor``'s links: its step, or its ratio to the anchor's config
-    when it was measured against it in pairs (see [Note: calibration])."""
+    trials), the wait per collective from an ``extra`` trial that skips gradient sync (paired
+    with the anchor's config), and the CPU share of asynchronous collectives from an ``extra``
+    trial with ``unshard_async`` on under ``anchor``'s links: its step, or its ratio to the
+    anchor's config when it was measured against it in pairs (see [Note: calibration])."""
     costs = load_trace_costs(anchor, work)
     replicate, shard = validate_for_world(anchor.config, anchor.world_size)
     pb = get_dtype_bytes(anchor.config.mixed_precision.param_dtype or "float32")
@@ -356,6 +370,12 @@ def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[Calibrat
     scale = _solve(lambda k: _predict(work, anchor, profile.replace(compute_scale=k)), target, 0.05, 20.0)
     profile = profile.replace(compute_scale=scale)
     notes = [f"anchor {anchor.path}: step {1e3 * target:.1f} ms ({'given' if anchor_step_s else 'its unprofiled steps'}); compute scale {scale:.3f}"]
+    sync_trials = [t for t in extra if _skips_sync(t) and not _is_async(t, work) and t.ratio is not None and t.world_size == anchor.world_size and _same_links(t, anchor)]
+    if sync_trials:
+        trial = sync_trials[0]
+        profile = _fit_sync(work, anchor, trial, profile, target)
+        notes[0] = f"anchor {anchor.path}: step {1e3 * target:.1f} ms ({'given' if anchor_step_s else 'its unprofiled steps'}); compute scale {profile.compute_scale:.3f}"
+        notes.append(f"sync wait {1e6 * profile.sync_s:.0f} us per collective from {trial.path} (skips gradient sync: {trial.ratio:.3f}x the anchor's config in pairs)")
     share_trials = [t for t in extra if _is_async(t, work) and t.world_size == anchor.world_size and _same_links(t, anchor)]
     if share_trials:
         trial = share_trials[0]
@@ -371,6 +391,30 @@ def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[Calibrat
     for kind, fit in fits.items():
         notes.append(f"{kind}: {1e6 * fit.latency_s:.0f} us + {1e9 * fit.seconds_per_byte:.3f} ns/B at {fit.group_size} ranks ({fit.num_points} collectives)")
     return profile.replace(notes=notes)
+
+
+def _fit_sync(work: ModelWork, anchor: CalibrationTrial, trial: CalibrationTrial, profile: MeasuredProfile, target: float) -> MeasuredProfile:
+    """``profile`` with ``sync_s`` fitted so that ``trial`` (fewer collectives: it skips gradient
+    sync) is predicted at its measured ratio to the anchor, the compute scale re-solved for each
+    try so that the anchor stays predicted exactly (both unknowns share the anchor's step)."""
+
+    def fitted(sync_s: float) -> MeasuredProfile:
+        p = profile.replace(sync_s=sync_s)
+        return p.replace(compute_scale=_solve(lambda k: _predict(work, anchor, p.replace(compute_scale=k)), target, 0.05, 20.0, iterations=30))
+
+    def ratio(sync_s: float) -> float:
+        p = fitted(sync_s)
+        return _predict(work, trial, p) / _predict(work, anchor, p)
+
+    # The anchor's collectives on its critical path: a second of wait on each adds this many seconds.
+    num_collectives = _predict(work, anchor, profile.replace(sync_s=1.0)) - _predict(work, anchor, profile)
+    upper = 0.9 * target / max(1.0, num_collectives)
+    # More wait per collective makes the trial (fewer collectives) relatively faster: its ratio falls.
+    return fitted(_solve(lambda x: -ratio(x), -trial.ratio, 0.0, upper, iterations=30))  # type: ignore[operator]
+
+
+def _skips_sync(trial: CalibrationTrial) -> bool:
+    return any(unit.sync != "every" for unit in trial.config.units)
 
 
 def _is_async(trial: CalibrationTrial, work: ModelWork) -> bool:

@@ -129,7 +129,7 @@ class Hardware:
         if self.measured is not None:
             link = self.cluster.links.get(group.link_name)
             modelled = link.get_seconds(int(num_bytes)) if link is not None and link.emulated else 0.0
-            return max(self.get_real_collective_seconds(kind, num_bytes, group), modelled)
+            return max(self.get_real_collective_seconds(kind, num_bytes, group), modelled) + self.measured.sync_s
         return _get_seconds(self.cluster, kind, num_bytes, group)
 
     def get_real_collective_seconds(self, kind: str, num_bytes: float, group: Group) -> float:

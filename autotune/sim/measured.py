@@ -44,7 +44,8 @@ class CollectiveFit:
 class MeasuredProfile:
     """Measured prices of one workload on one machine (see [Note: calibration])."""
 
-    SCHEMA_VERSION: ClassVar[int] = 1
+    SCHEMA_VERSION: ClassVar[int] = 2
+    """2 added ``sync_s`` (a version-1 profile reads with 0: no wait beyond the traced transfers)."""
 
     name: str
     world_size: int
@@ -65,6 +66,11 @@ class MeasuredProfile:
     cpu_share: float = 1.0
     """Of an asynchronous collective's real transfer, the share the training thread loses to it
     (gloo's worker thread takes a core from compute: 1 = no overlap gain on raw loopback)."""
+    sync_s: float = 0.0
+    """Per collective, what a step loses beyond the collective's traced span and its hooks: the
+    ranks' wait for each other at the rendezvous, which the traces of a synchronous gloo
+    collective do not show apart (fitted from a trial that skips gradient sync; see
+    [Note: calibration]). Added to every collective; not scaled."""
     compute_scale: float = 1.0
     """Applied to every figure of work done on this machine's cores (compute, hooks, copies, the
     optimizer and the collectives' real transfers, not an emulated link's hold) so that the

@@ -4,13 +4,14 @@ measured prices with and without link emulation, and a calibration from real tri
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
 from autotune.sim import Hardware, Simulator, get_model_work
-from autotune.sim.calibrate import _predict, calibrate, fit_collective, get_trace_costs, read_calibration_trial
+from autotune.sim.calibrate import CalibrationTrial, _fit_sync, _predict, calibrate, fit_collective, get_trace_costs, read_calibration_trial
 from autotune.sim.hardware import get_group
 from autotune.sim.measured import CollectiveFit, MeasuredProfile
 from autotune.search import SearchSpace
@@ -114,6 +115,37 @@ def test_measured_prices_simulate_a_cpu_step_with_mesh_dependent_optimizer():
     assert sharded.all_gather_s[0] == pytest.approx(1e-4 + sharded.padded[0] * 4 * 1e-9)  # the fit at 2 ranks, float32 params
 
 
+def test_the_wait_per_collective_is_fitted_from_a_trial_that_skips_sync():
+    """A machine whose collectives each cost 2 ms more than their transfer: a trial that skips
+    gradient sync is measured at its true ratio to the defaults; the fit recovers the wait and
+    the compute scale with the anchor still predicted exactly."""
+    work = get_model_work(load_model_profile("tiny"), "float32")
+    space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=4, device_type="cpu")
+    defaults = space.get_default_params()
+    nosync = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True, "keep_unsharded": False}
+    fits = {"all_gather": CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2), "reduce_scatter": CollectiveFit(latency_s=1e-4, seconds_per_byte=2e-9, group_size=2)}
+    truth = _measured(world_size=2, num_microbatches=4, collectives=fits, sync_s=2e-3, compute_scale=1.3)
+    anchor = CalibrationTrial(path=Path("defaults"), config=space.build_config(defaults), world_size=2, step_s=0.0, cluster=None)
+    trial = CalibrationTrial(path=Path("nosync"), config=space.build_config(nosync), world_size=2, step_s=0.0, cluster=None)
+    target = _predict(work, anchor, truth)
+    trial.ratio = _predict(work, trial, truth) / target
+    assert trial.ratio < 0.9  # 4 microbatches: 3 of 4 reduce-scatters (and their waits) skipped
+    fitted = _fit_sync(work, anchor, trial, dataclasses.replace(truth, sync_s=0.0, compute_scale=1.0), target)
+    assert fitted.sync_s == pytest.approx(2e-3, rel=1e-3) and fitted.compute_scale == pytest.approx(1.3, rel=1e-3)
+    assert _predict(work, anchor, fitted) == pytest.approx(target, rel=1e-6)
+    # Without the wait the skipped sync is predicted to save less than it did.
+    bare = dataclasses.replace(fitted, sync_s=0.0)
+    assert _predict(work, trial, bare) / _predict(work, anchor, bare) > trial.ratio + 0.01
+    # A trial measured slower than any wait explains leaves the wait at 0 (never negative).
+    trial.ratio = 1.2
+    assert _fit_sync(work, anchor, trial, dataclasses.replace(truth, sync_s=0.0), target).sync_s == 0.0
+    # The wait is added to every collective's price, an emulated link's hold included.
+    hardware = Hardware(load_cluster_profile("cpu-emulated-ib"), num_ranks=2, measured=fitted)
+    bare = Hardware(load_cluster_profile("cpu-emulated-ib"), num_ranks=2, measured=dataclasses.replace(fitted, sync_s=0.0))
+    group = get_group(2, 1, 2)
+    assert hardware.get_collective_seconds("all_gather", 1e7, group) - bare.get_collective_seconds("all_gather", 1e7, group) == pytest.approx(2e-3)
+
+
 def _knobs_of(space: SearchSpace, mesh: str, work):
     from autotune.sim import resolve_knobs
 
@@ -126,12 +158,21 @@ def test_calibration_from_real_trials_reproduces_its_anchor_and_fits_the_cpu_sha
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=2, device_type="cpu")
     defaults = space.get_default_params()
     dirs = {}
-    for name, params in (("defaults", defaults), ("async", {**defaults, "unshard_async": "on", "forward_prefetch": "depth1"})):
-        spec = TrialSpec(model="tiny", config=space.build_config(params), world_size=2, out_dir=tmp_path / name, num_warmup=1, num_measured=3, num_profiled=2, timeout_s=120)
+    nosync = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True, "keep_unsharded": False}
+    for name, params, reference in (("defaults", defaults, None), ("async", {**defaults, "unshard_async": "on", "forward_prefetch": "depth1"}, None),
+                                    ("nosync", nosync, space.build_config(defaults))):  # fmt: skip
+        spec = TrialSpec(model="tiny", config=space.build_config(params), world_size=2, out_dir=tmp_path / name, num_warmup=1, num_measured=3, num_profiled=2,
+                         timeout_s=120, reference=reference)  # fmt: skip
         assert run_trial(spec, pool=pool2).ok
         dirs[name] = read_calibration_trial(tmp_path / name)
-    profile = calibrate(work, dirs["defaults"], extra=[dirs["async"]])
+    assert dirs["nosync"].ratio is not None and dirs["async"].ratio is None
+    profile = calibrate(work, dirs["defaults"], extra=[dirs["async"], dirs["nosync"]])
     assert _predict(work, dirs["defaults"], profile) == pytest.approx(dirs["defaults"].step_s, rel=1e-3)
+    # The wait per collective: >= 0, and where the fit is inside its bracket, the no-sync trial's ratio is reproduced.
+    assert profile.sync_s >= 0 and any("sync wait" in note for note in profile.notes)
+    if profile.sync_s > 0:
+        ratio = _predict(work, dirs["nosync"], profile) / _predict(work, dirs["defaults"], profile)
+        assert ratio == pytest.approx(dirs["nosync"].ratio, rel=1e-3)
     assert 0.0 <= profile.cpu_share <= 1.5 and profile.compute_scale > 0
     if 0.0 < profile.cpu_share < 1.5:  # inside the bracket the share reproduces the async trial
         assert _predict(work, dirs["async"], profile) == pytest.approx(dirs["async"].step_s, rel=1e-3)
