@@ -38,7 +38,10 @@ all blocks). The last base is a finalist of the final round even where its media
 among the best few.
 
 A knob that only matters under the new value (e.g. the sync level once a block skips
-sync) takes the donor's value, else the incumbent's, else its first choice. A neighbour
+sync) takes the donor's value, else the incumbent's, else the same knob's value under the
+other mesh kind (a move from FSDP to HSDP keeps the root's and the blocks' sync levels: in
+``search_noise`` seed 2 the move to HSDP 2x1 fell back to syncing the root every microbatch
+and measured worse than its base), else its first choice. A neighbour
 whose effective config was already measured (same ``config_hash``) is skipped. The chosen
 neighbour is enqueued with ``study.enqueue_trial``: Optuna still owns the trial, its
 parameters and storage, and the next ``ask()`` (of whichever worker comes first) gets it.
@@ -62,18 +65,24 @@ ORIGIN_ATTR = "refined_from"
 """User attribute of an enqueued neighbour: how it was made (``trial 5 + keep_unsharded=True from trial 3``)."""
 
 
+SIBLINGS = {"nosync_level_fsdp": "nosync_level_hsdp", "nosync_level_hsdp": "nosync_level_fsdp", "root_sync_fsdp": "root_sync_hsdp", "root_sync_hsdp": "root_sync_fsdp"}
+"""The same knob under the other mesh kind: a move from FSDP to HSDP keeps the sync levels it had."""
+
+
 class _ParamsTrial:
     """Answers :meth:`SearchSpace.suggest`'s questions from a dict (an ``optuna.Trial`` stand-in):
-    a knob the dict lacks takes ``fallback``'s value, else its first choice."""
+    a knob the dict lacks takes ``fallback``'s value, else its sibling's under the other mesh
+    kind (``SIBLINGS``), else its first choice."""
 
     def __init__(self, params: dict[str, Any], fallback: dict[str, Any]) -> None:
         self.params, self.fallback = params, fallback
         self.used: dict[str, Any] = {}
 
     def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
-        value = self.params.get(name, self.fallback.get(name, choices[0]))
-        if value not in choices:  # e.g. a reshard choice that only exists for another shard size
-            value = choices[0]
+        sibling = SIBLINGS.get(name, "")
+        options = [d[key] for key in (name, sibling) for d in (self.params, self.fallback) if key in d]
+        # e.g. a reshard choice that only exists for another shard size, or replica_last under FSDP
+        value = next((v for v in options if v in choices), choices[0])
         self.used[name] = value
         return value
 

@@ -8,7 +8,7 @@ import optuna
 from autotune.search import SearchSpace
 from autotune.search.loop import get_config_hash, get_rows
 from autotune.search.confirm import get_finalists
-from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour, get_candidates, get_choices, pick_base
+from autotune.search.refine import ORIGIN_ATTR, _resolve, enqueue_neighbour, get_candidates, get_choices, pick_base
 from autotune.search.results import pick_best
 
 BLOCKS = tuple(f"layers.{i}" for i in range(4))
@@ -144,3 +144,17 @@ def test_an_unmeasured_value_of_a_knob_that_pays_is_moved_early():
     # Once one refinement trial ran (measured worse, so the base stays), the base's own move comes first.
     rows[3].refined_from = "trial 2 + reduce_scatter_buffers=2 from trial 3"
     assert get_candidates(rows, choices)[0][2] == "trial 2 + reshard_after_forward=last_block_false"
+
+
+def test_a_move_to_hsdp_keeps_the_sync_levels_it_had():
+    space = SearchSpace(block_names=BLOCKS, world_size=2, num_microbatches=4, root_knobs=True)
+    defaults = space.get_default_params()
+    best = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": True, "defer_concat": True, "root_reshard_after_forward": "false",
+            "root_sync_fsdp": "last", "root_keep_unsharded": True}
+    study = _study_with(space, [(defaults, 1.0), (best, 0.7)])
+    rows = get_rows(study)
+    move = next((p, f) for p, f, origin in get_candidates(rows, get_choices(study)) if origin == "trial 1 + mesh=hsdp:2x1")
+    used, config = _resolve(space, *move)
+    # Not the first choices (every microbatch): the levels of the FSDP knobs the base had.
+    assert used["mesh"] == "hsdp:2x1" and used["root_sync_hsdp"] == "last" and used["nosync_level_hsdp"] == "last"
+    assert all(u.sync == "last" for u in config.units)
