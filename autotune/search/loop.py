@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from autotune.search.context import SearchContext
 from autotune.search.outcome import Outcome, record
 from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour
 from autotune.search.results import TrialRow, pick_best
-from autotune.search.study import get_worker_id, record_first_heartbeat
+from autotune.search.study import close_interrupted, get_worker_id, record_first_heartbeat
 from autotune.trials import RankPool, TrialResult, run_trial
 from fsdp_runtime import RuntimeConfig, dumps_config
 
@@ -198,6 +199,20 @@ def plateaued(rows: list[TrialRow], patience: int | None) -> bool:
     return best_value is not None and since >= patience
 
 
+def wait_for_other_workers(study: optuna.Study, *, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Until no other worker's trial is RUNNING: each finishes (a hung one is killed by its
+    trial timeout) or is closed as interrupted once its worker is found dead (its heartbeat
+    stopped, or its PID is gone). Without this, a worker that reached the trial count while
+    another worker's last trial ran would confirm and emit without that trial, and a dead
+    worker's trial would stay RUNNING with no live worker left to close it. Gives up after
+    ``timeout_s`` (a trial's timeout and then some: a worker on another host of a shared
+    SQLite file cannot be seen to die; ``--resume`` closes its trial later)."""
+    me, deadline = get_worker_id(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(t.user_attrs.get("worker") != me for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))):
+        close_interrupted(study)
+        time.sleep(poll_s)
+
+
 def search_loop(ctx: SearchContext) -> str:
     """Run trials until the study holds ``num_trials`` or the search plateaus and has no
     refinement left to try ([Note: refinement]); returns why it stopped."""
@@ -206,6 +221,7 @@ def search_loop(ctx: SearchContext) -> str:
     while True:
         rows = get_rows(ctx.study)
         if len(rows) >= settings.num_trials:
+            wait_for_other_workers(ctx.study, timeout_s=settings.trial_timeout_s + 60)
             return f"reached {settings.num_trials} trials"
         plateau = plateaued(rows, settings.patience)
         if plateau or len(rows) >= settings.num_trials - num_refine:

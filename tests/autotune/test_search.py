@@ -268,3 +268,33 @@ def test_search_space_follows_the_settings(monkeypatch):
     assert (seen["settings"].grouping, seen["settings"].root_knobs, seen["settings"].checkpointing) == (False, False, True)
     CliRunner().invoke(cli.app, ["search", "--memory-budget-gib", "1.5", "--out", "unused"])
     assert (seen["settings"].grouping, seen["settings"].root_knobs, seen["settings"].get_checkpointing()) == (True, True, True)
+
+
+def test_a_worker_at_the_trial_count_waits_for_other_workers_trials(tmp_path):
+    """The race the PostgreSQL two-worker test hit: the survivor reached the trial count while the
+    killed worker's last trial was RUNNING, and exited leaving it so. Now it waits: a live
+    worker's trial is waited for until it finishes, a dead worker's is closed as interrupted."""
+    import socket
+    import threading
+    import time
+
+    from autotune.search.loop import wait_for_other_workers
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone = study.ask()
+    gone.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}")
+    live = study.ask()
+    live.set_user_attr("worker", "otherhost:1")
+    threading.Timer(1.5, lambda: study.tell(live, 1.0)).start()
+    started = time.monotonic()
+    wait_for_other_workers(study, timeout_s=60, poll_s=0.1)
+    assert time.monotonic() - started >= 1.4  # waited for the live worker's trial
+    states = {t.number: (t.state.name, t.user_attrs.get("status")) for t in study.get_trials()}
+    assert states == {0: ("FAIL", "interrupted"), 1: ("COMPLETE", None)}
+    # A trial whose worker cannot be seen (another host) is given up on after the timeout.
+    study.ask().set_user_attr("worker", "otherhost:2")
+    started = time.monotonic()
+    wait_for_other_workers(study, timeout_s=0.5, poll_s=0.1)
+    assert time.monotonic() - started < 5
