@@ -276,7 +276,6 @@ def test_a_worker_at_the_trial_count_waits_for_other_workers_trials(tmp_path):
     worker's trial is waited for until it finishes, a dead worker's is closed as interrupted."""
     import socket
     import threading
-    import time
 
     from autotune.search.loop import wait_for_other_workers
 
@@ -288,13 +287,12 @@ def test_a_worker_at_the_trial_count_waits_for_other_workers_trials(tmp_path):
     live = study.ask()
     live.set_user_attr("worker", "otherhost:1")
     threading.Timer(1.5, lambda: study.tell(live, 1.0)).start()
-    started = time.monotonic()
     wait_for_other_workers(study, timeout_s=60, poll_s=0.1)
-    assert time.monotonic() - started >= 1.4  # waited for the live worker's trial
+    # Returned only once the live worker's trial finished (it was RUNNING for 1.5 s).
     states = {t.number: (t.state.name, t.user_attrs.get("status")) for t in study.get_trials()}
     assert states == {0: ("FAIL", "interrupted"), 1: ("COMPLETE", None)}
     # A trial whose worker cannot be seen (another host) is given up on after the timeout.
-    study.ask().set_user_attr("worker", "otherhost:2")
-    started = time.monotonic()
+    unseen = study.ask()
+    unseen.set_user_attr("worker", "otherhost:2")
     wait_for_other_workers(study, timeout_s=0.5, poll_s=0.1)
-    assert time.monotonic() - started < 5
+    assert study.get_trials()[unseen.number].state.name == "RUNNING"  # left for --resume, not failed

@@ -1,0 +1,148 @@
+"""Trace costs: what one trial's traces say, per microbatch and unit (the first step of
+:mod:`autotune.sim.calibrate`; see [Note: calibration] there): model compute per segment,
+FSDP2's hook work, the optimizer, and every collective's span, read from the training
+thread's ``FSDP::`` labels between communication.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.sim.measured import HOOK_KEYS, SEGMENT_KEYS
+from fsdp_runtime import ROOT_UNIT
+from fsdp_runtime.errors import AutotuneError
+
+_COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+_US = 1e-6
+
+
+class CalibrationError(AutotuneError):
+    """Trials that cannot calibrate the simulator (no traces, a failed trial, another model)."""
+
+
+@dataclass(kw_only=True)
+class TraceCosts:
+    """What one trial's traces say, per microbatch and unit (medians over ranks and steps)."""
+
+    segments: dict[str, float]
+    hooks: dict[str, float]
+    microbatch_s: float
+    optimizer_s: float
+    collectives: list[tuple[str, str, float]]
+    """(kind, unit, seconds) of every traced collective."""
+
+
+def _unit_kind(unit: str) -> str:
+    return "root" if unit == ROOT_UNIT else "block"
+
+
+def _gap_key(prev: Any, first_block: str, last_block: str, last_callback: bool) -> str:
+    """Whose compute the time after label ``prev`` (None: the step's start) is; see [Note: calibration]."""
+    if prev is None:
+        return "microbatch"
+    phase, unit = prev.phase, prev.unit
+    root = unit == ROOT_UNIT
+    if phase == "pre_forward":
+        return "head.forward" if root else "block.forward"
+    if phase == "post_forward":
+        return "tail.forward" if root or unit == last_block else "block.forward"
+    if phase == "pre_backward":
+        return "tail.backward" if root else "block.backward"
+    if phase.startswith("post_backward") and not root:
+        return "head.backward" if unit == first_block else "block.backward"
+    if phase == "root_post_backward_callback":
+        return "optimizer" if last_callback else "microbatch"
+    return "microbatch"
+
+
+def _label_key(label: Any, copies_out: bool) -> str:
+    kind = _unit_kind(label.unit)
+    match label.phase:
+        case "pre_forward" | "pre_backward":
+            return f"{'unshard' if copies_out else 'pre_hook'}.{kind}"
+        case "post_forward":
+            return "tail.forward" if kind == "root" else "block.forward"
+        case "post_backward_accumulate" | "post_backward_reshard" | "post_backward_rs_wait":
+            return f"post_hook.{kind}"
+        case "post_backward_reduce":
+            return f"reduce.{kind}"
+        case "root_post_backward_callback":
+            return "reduce.root"
+    return "microbatch"
+
+
+def _comm_intervals(events: Any) -> list[tuple[float, float]]:
+    spans = sorted([*zip(events.comm["start"], events.comm["end"]), *zip(events.barriers["start"], events.barriers["end"])])
+    merged: list[list[float]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _busy(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals if b > start and a < end)
+
+
+def _get_step_sums(events: Any, step: Any, comm: list[tuple[float, float]], first_block: str, last_block: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Seconds per key over one profiled step of one rank, and how many labels each hook key counts."""
+    inside = events.labels[(events.labels["start"] >= step.start) & (events.labels["end"] <= step.end)]
+    labels = sorted(inside.itertuples(index=False), key=lambda r: (r.start, -r.end))
+    top, nested, cur_end = [], [], -math.inf
+    for label in labels:
+        (top if label.start >= cur_end else nested).append(label)
+        if label.start >= cur_end:
+            cur_end = label.end
+    copy_outs = [(n.start, n.unit) for n in nested if n.phase == "all_gather_copy_out"]
+    callbacks = [i for i, label in enumerate(top) if label.phase == "root_post_backward_callback"]
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+
+    def add(key: str, start: float, end: float) -> None:
+        sums[key] = sums.get(key, 0.0) + max(0.0, (end - start) - _busy(comm, start, end)) * _US
+
+    t, prev = step.start, None
+    for i, label in enumerate(top):
+        add(_gap_key(prev, first_block, last_block, bool(callbacks) and i - 1 == callbacks[-1]), t, label.start)
+        copies_out = any(label.start <= s <= label.end and u == label.unit for s, u in copy_outs)
+        key = _label_key(label, copies_out)
+        add(key, label.start, label.end)
+        if key in HOOK_KEYS and label.phase != "post_backward_reshard" and label.phase != "post_backward_rs_wait":
+            counts[key] = counts.get(key, 0) + 1
+        t, prev = label.end, label
+    add(_gap_key(prev, first_block, last_block, bool(callbacks) and len(top) - 1 == callbacks[-1]), t, step.end)
+    return sums, counts
+
+
+def get_trace_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, ...], num_microbatches: int) -> TraceCosts:
+    """Per-microbatch segment, hook, optimizer and collective seconds of one trial (see [Note: calibration])."""
+    n, m = len(block_names), num_microbatches
+    per_block = {"block.forward": n * m, "block.backward": n * m}
+    rows: list[dict[str, float]] = []
+    collectives: list[tuple[str, str, float]] = []
+    for events in events_by_rank.values():
+        comm = _comm_intervals(events)
+        for step in events.steps.itertuples(index=False):
+            sums, counts = _get_step_sums(events, step, comm, block_names[0], block_names[-1])
+            row = {key: sums.get(key, 0.0) / per_block.get(key, m) for key in (*SEGMENT_KEYS, "microbatch")}
+            row["optimizer"] = sums.get("optimizer", 0.0)
+            row |= {key: sums.get(key, 0.0) / counts[key] for key in HOOK_KEYS if counts.get(key)}
+            rows.append(row)
+            in_step = events.comm[(events.comm["issue_ts"] >= step.start) & (events.comm["issue_ts"] < step.end)]
+            collectives += [(c.kind, c.unit or "", (c.end - c.start) * _US) for c in in_step.itertuples(index=False) if c.kind in _COMM_KINDS]
+    if not rows:
+        raise CalibrationError("the traces hold no profiled step")
+
+    def median(key: str) -> float:
+        values = [r[key] for r in rows if key in r]
+        return statistics.median(values) if values else 0.0
+
+    return TraceCosts(
+        segments={key: median(key) for key in SEGMENT_KEYS}, hooks={key: median(key) for key in HOOK_KEYS},
+        microbatch_s=median("microbatch"), optimizer_s=median("optimizer"), collectives=collectives,
+    )  # fmt: skip
