@@ -8,6 +8,11 @@ load that drifts during the re-measurement touches every config alike, and print
 config the speedup over the defaults (median and interquartile range of all its pairs),
 the emitted knobs of each search, and whether the emitted speedups agree within 5%.
 
+Each speedup over the defaults carries the noise of two configs' steps, so comparing two
+of them adds the noise of four. A head-to-head phase then measures each emitted config
+directly against the best hand-written one and against the quiet search's, paired on the
+same ranks in the same interleaved rounds, and prints those ratios with their spread.
+
     python benchmarks/search_noise.py --trials 12 --out runs/search_noise
 """
 
@@ -28,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autotune.pipeline import search_and_report  # noqa: E402
 from autotune.search import SearchSettings, SearchSpace  # noqa: E402
+from autotune.search.loop import get_config_hash  # noqa: E402
 from autotune.trials import RankPool, TrialSpec, run_trial  # noqa: E402
 from fsdp_runtime import load_config  # noqa: E402
 from profiles import load_model_profile  # noqa: E402
@@ -81,6 +87,41 @@ def _search(out: Path, *, seed: int, loaded: bool, args: argparse.Namespace) -> 
             busy.terminate()
 
 
+def _measure(pool: RankPool, pairs: dict, out_dir: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Pair ratios (config / reference) per name, ``args.pairs`` per round in ``args.rounds`` interleaved rounds."""
+    ratios: dict[str, list[float]] = {name: [] for name in pairs}
+    for r in range(args.rounds):
+        for name, (config, reference) in pairs.items():
+            out = out_dir / f"round{r}" / re.sub(r"[^A-Za-z0-9.-]+", "_", name)
+            spec = TrialSpec(model=args.model, config=config, world_size=2, out_dir=out, num_warmup=2, num_measured=args.pairs, profile=False,
+                             reference=reference, timeout_s=600, backend="gloo")  # fmt: skip
+            result = run_trial(spec, pool=pool)
+            ratios[name] += result.metrics.paired.get("pair_ratios", []) if result.ok else []
+    return ratios
+
+
+def _head_to_head(pool: RankPool, emitted: dict, configs: dict, hand: str, out_dir: Path, args: argparse.Namespace) -> None:
+    """Each emitted config against the best hand-written one and against the quiet search's, directly paired."""
+    quiet = next(iter(emitted))
+    pairs = {}
+    for name in emitted:
+        for other in (hand, quiet):
+            if other == name:
+                continue
+            if get_config_hash(configs[name]) == get_config_hash(configs[other]):
+                print(f"{name} vs {other}: the same effective config")
+                continue
+            pairs[f"{name} vs {other}"] = (configs[name], configs[other])
+    ratios = _measure(pool, pairs, out_dir / "head_to_head", args)
+    print(f"\n{'head to head (best hand-written: ' + hand + ')':80} {'speed':>6} {'IQR':>13}  (other / emitted step time)")
+    for name, values in ratios.items():
+        if len(values) < 2:
+            print(f"{name:80} failed")
+            continue
+        q25, _, q75 = statistics.quantiles(values, n=4, method="inclusive")
+        print(f"{name:80} {1 / statistics.median(values):6.3f} {1 / q75:6.3f}-{1 / q25:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="small")
@@ -89,6 +130,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=4, help="pairs per config per round of the final re-measurement")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the final re-measurement")
     parser.add_argument("--out", type=Path, default=Path("runs/search_noise"))
+    parser.add_argument("--no-head-to-head", dest="head_to_head", action="store_false", help="skip the direct comparisons of the emitted configs")
     parser.add_argument("--remeasure-only", action="store_true", help="reuse the three searches already in --out; only re-measure")
     parser.add_argument("--searches", default="quiet,loaded1,loaded2", help="which searches to run (again); the others are reused from --out")
     args = parser.parse_args()
@@ -105,33 +147,29 @@ def main() -> None:
     configs = {name: load_config(path) for name, path in emitted.items()}
     configs |= {name: space.build_config({**space.get_default_params(), **params}) for name, params in HAND_WRITTEN.items()}
     print(f"load before re-measuring: {os.getloadavg()}", flush=True)
-    ratios: dict[str, list[float]] = {name: [] for name in configs}
     remeasure_dir = args.out / time.strftime("remeasure-%Y%m%d-%H%M%S")
     with RankPool(2) as pool:
-        for r in range(args.rounds):
-            for name, config in configs.items():
-                out = remeasure_dir / f"round{r}" / re.sub(r"[^A-Za-z0-9.-]+", "_", name)
-                spec = TrialSpec(model=args.model, config=config, world_size=2, out_dir=out, num_warmup=2, num_measured=args.pairs, profile=False,
-                                 reference=defaults, timeout_s=600, backend="gloo")  # fmt: skip
-                result = run_trial(spec, pool=pool)
-                ratios[name] += result.metrics.paired.get("pair_ratios", []) if result.ok else []
-    n = args.pairs * args.rounds
-    print(f"\n{'config':48} {'speedup':>8} {'IQR':>15}  (defaults / config, {n} pairs in {args.rounds} interleaved rounds)")
-    speedups = {}
-    for name, values in ratios.items():
-        if len(values) < 2:
-            print(f"{name:48} failed")
-            continue
-        q25, _, q75 = statistics.quantiles(values, n=4, method="inclusive")
-        speedups[name] = 1 / statistics.median(values)
-        print(f"{name:48} {speedups[name]:8.3f} {1 / q75:7.3f}-{1 / q25:.3f}")
-    searched = [speedups[name] for name in emitted if name in speedups]
-    hand = max((speedups[name] for name in HAND_WRITTEN if name in speedups), default=None)
-    if searched:
-        spread = max(searched) / min(searched) - 1
-        print(f"\nemitted speedups agree within {100 * spread:.1f}% (target 5%)")
-        if hand is not None:
-            print(f"slowest emitted / best hand-written: {min(searched) / hand:.3f} (>= 1: every search at least as fast)")
+        versus_defaults = {name: (config, defaults) for name, config in configs.items()}
+        ratios = _measure(pool, versus_defaults, remeasure_dir, args)
+        n = args.pairs * args.rounds
+        print(f"\n{'config':48} {'speedup':>8} {'IQR':>15}  (defaults / config, {n} pairs in {args.rounds} interleaved rounds)")
+        speedups = {}
+        for name, values in ratios.items():
+            if len(values) < 2:
+                print(f"{name:48} failed")
+                continue
+            q25, _, q75 = statistics.quantiles(values, n=4, method="inclusive")
+            speedups[name] = 1 / statistics.median(values)
+            print(f"{name:48} {speedups[name]:8.3f} {1 / q75:7.3f}-{1 / q25:.3f}")
+        searched = [speedups[name] for name in emitted if name in speedups]
+        hand = max((name for name in HAND_WRITTEN if name in speedups), key=speedups.get, default=None)
+        if searched:
+            spread = max(searched) / min(searched) - 1
+            print(f"\nemitted speedups agree within {100 * spread:.1f}% (target 5%)")
+            if hand is not None:
+                print(f"slowest emitted / best hand-written: {min(searched) / speedups[hand]:.3f} (>= 1: every search at least as fast)")
+        if hand is not None and args.head_to_head:
+            _head_to_head(pool, emitted, configs, hand, remeasure_dir, args)
     print(f"load after: {os.getloadavg()}")
 
 
