@@ -2,7 +2,9 @@
 
 For each workload x setting: calibrate on the defaults and calibration trials paired with
 them (unshard_async on: the CPU share; no gradient sync: the wait per collective; on emulated
-links, the defaults on raw loopback too), then measure a deterministic sample of configs across the search space (unprofiled, a few
+links, the defaults on raw loopback too) and two read from their traces only (the defaults
+replicated, HSDP Nx1: a shard group of one's plain copies; no gradient sync with
+``defer_concat = false``: FSDP1-style concat's own labels), then measure a deterministic sample of configs across the search space (unprofiled, a few
 steps each, on one rank pool) and compare with the simulator's predictions: median absolute
 error and Spearman rank correlation. On the 2 nodes x 2 ranks cluster also: the mesh the
 simulator picks over the whole space and the one a real search picks, and their tuned/default
@@ -83,6 +85,11 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         default_config = space.build_config(defaults)
         calibration = [(anchor_dir, defaults, cluster, None), (async_dir, _calibration_params(space), cluster, default_config)]
         calibration += [(nosync_dir, _nosync_params(space), cluster, default_config)] if args.fit_sync else []
+        # A shard group of one (replication) unshards and reduces by plain copies the FSDP anchor cannot show.
+        calibration += [(out / "cal_local", {**defaults, "mesh": f"hsdp:{world}x1"}, cluster, None)] if args.fit_local else []
+        # FSDP1-style eager concat, priced from fsdp_runtime's labels around it (not as memory traffic).
+        concat = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": False}
+        calibration += [(out / "cal_concat", concat, cluster, None)] if args.fit_concat else []
         calibration += [(raw_dir, defaults, None, None)] if cluster else []
         for path, params, links, reference in calibration:
             steps = args.calibration_pairs if reference is not None else args.steps  # a fitted ratio: as many pairs as the noise asks
@@ -111,6 +118,7 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
             paired = result.metrics.paired if result.metrics else {}
             rows.append({"params": params, "config": describe_params(params), "status": result.status, "measured_ms": result.step_ms, "predicted_ms": predicted,
                          "measured_ratio": paired.get("ratio"), "predicted_ratio": predicted / default_pred, "ratio_spread": paired.get("ratio_spread"),
+                         "pair_ratios": paired.get("pair_ratios") or [],
                          "reference_ms": statistics.median(result.metrics.reference_step_ms_per_step) if result.metrics and result.metrics.reference_step_ms_per_step else None})  # fmt: skip
             print(f"  [{workload}/{setting}] {i + 1}/{len(sample)} measured {result.step_ms or float('nan'):7.1f} ms ({paired.get('ratio') or float('nan'):.3f}x the defaults)"
                   f"  predicted {predicted:7.1f} ms ({predicted / default_pred:.3f}x)  {describe_params(params)}", flush=True)  # fmt: skip
@@ -132,6 +140,7 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         # The measurement's own noise: the interquartile range of a config's pair ratios over their median. A
         # prediction cannot be checked closer than this, nor ranked where configs differ by less.
         "median_ratio_spread": statistics.median(r["ratio_spread"] for r in ok if r.get("ratio_spread") is not None) if ok else None,
+        **_rank_ceiling(ok),
         "defaults_pair_ratio": next((r["measured_ratio"] for r in ok if r["params"] == defaults), None),
         "calibration": {"notes": profile.notes, "compute_scale": profile.compute_scale, "cpu_share": profile.cpu_share, "sync_s": profile.sync_s, "seconds": calibrate_s},
         "wall_s": time.monotonic() - started, "rows": rows, "misses": _explain(ok),
@@ -140,6 +149,22 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         summary["sim_pick"] = _pick(ranked[0][0], rows)
         summary["measured_pick"] = _pick(min(ok, key=lambda r: r["measured_ms"])["params"], rows)
     return summary
+
+
+def _rank_ceiling(rows: list[dict]) -> dict:
+    """How well the measurements rank the configs themselves: the Spearman correlation between two
+    single pairs of the same configs (pair i vs pair j, averaged over i < j), projected to the median
+    of all n pairs by Spearman-Brown (n r / (1 + (n - 1) r): an approximation made for averages of
+    Pearson-reliable measurements). No predictor can correlate with the measured ranking better than
+    the measurement with itself; the simulator's Spearman against single pairs (``sim_pair_spearman``)
+    is comparable to ``pair_spearman`` directly."""
+    n = min((len(r["pair_ratios"]) for r in rows), default=0)
+    if n < 2 or len(rows) < 3:
+        return {}
+    pairs = [spearman([r["pair_ratios"][i] for r in rows], [r["pair_ratios"][j] for r in rows]) for i in range(n) for j in range(i + 1, n)]
+    single = statistics.fmean(pairs)
+    sim = statistics.fmean(spearman([r["predicted_ratio"] for r in rows], [r["pair_ratios"][i] for r in rows]) for i in range(n))
+    return {"pair_spearman": single, "sim_pair_spearman": sim, "spearman_ceiling": n * single / (1 + (n - 1) * single) if single > 0 else single}
 
 
 def _median_abs(errors: list[float]) -> float | None:
@@ -198,6 +223,10 @@ def print_table(results: list[dict]) -> None:
         print(f"\n{r['workload']}/{r['setting']}: the defaults measured {ref[0]:.0f}/{ref[1]:.0f}/{ref[2]:.0f} ms (min/median/max over the trials' pairs; "
               f"the anchor trial: {r['anchor_ms']:.0f} ms); load average before/after {r['load'][0]} / {r['load'][1]}")  # fmt: skip
         print("  calibration: " + "; ".join(r["calibration"]["notes"]))
+        if "pair_spearman" in r:
+            print(f"  rank reliability of the measurements: one pair vs another of the same configs rho {r['pair_spearman']:.2f} "
+                  f"(the simulator vs one pair: {r['sim_pair_spearman']:.2f}); projected to the median of all pairs: {r['spearman_ceiling']:.2f} "
+                  f"(the ceiling of any predictor's rho, against the simulator's {r['ratio_spearman']:.2f})")
         for line in r["misses"]:
             print(f"  {line}")
         for key in ("sim_pick", "measured_pick"):
@@ -218,6 +247,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-fit-sync", dest="fit_sync", action="store_false",
                         help="calibrate without the no-sync trial (the wait per collective stays 0), as before it was fitted")
+    parser.add_argument("--no-fit-local", dest="fit_local", action="store_false",
+                        help="calibrate without the replicated (HSDP Nx1) trial: a shard group of one priced like the anchor's hooks")
+    parser.add_argument("--no-fit-concat", dest="fit_concat", action="store_false",
+                        help="calibrate without the eager-concat trial: FSDP1-style concat priced as memory traffic")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--search-trials", type=int, default=8, help="trials of the real search on the 2x2 cluster (small); 0: none")
     parser.add_argument("--out", type=Path, default=None, help="where trial dirs and results.json go (default: a temp dir)")

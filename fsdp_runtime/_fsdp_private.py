@@ -37,6 +37,9 @@ added from the flat accumulator before FSDP packs and reduces. Each element rece
 same additions in the same order ((g1 + g2) + g3 ...; IEEE addition is commutative),
 so losses are bitwise equal; only the copies differ. Step 2 (the up-cast) is not
 deferrable without changing the numerics (accumulating in bf16), so both modes keep it.
+The concat and the restore run under ``FSDP::eager_concat (unit)`` and
+``FSDP::eager_restore (unit)`` labels, named like FSDP2's own, so a trace shows their cost
+apart (the simulator's calibration reads it).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
 
 
@@ -70,6 +74,12 @@ def _grad_slots(param_group: Any) -> list[tuple[Any, torch.Tensor, str]]:
     return slots
 
 
+def _label(group: Any, phase: str) -> str:
+    """``FSDP::phase (fqn)`` as FSDP2 names its own labels (``FSDPParamGroup._with_fqn``)."""
+    with_fqn = getattr(group, "_with_fqn", None)
+    return with_fqn(f"FSDP::{phase}") if callable(with_fqn) else f"FSDP::{phase}"
+
+
 class EagerConcat:
     """FSDP1-style eager concat for one unit: see [Note: concat deferral]."""
 
@@ -81,10 +91,14 @@ class EagerConcat:
 
     def _post_backward(self, group: Any, original: Callable[..., Any], *args: Any) -> Any:
         if group.reduce_grads:
-            self._restore(group)
+            if self.flat is not None:
+                with record_function(_label(group, "eager_restore")):
+                    self._restore(group)
             return original(*args)
         result = original(*args)
-        self._concat(group)
+        if _grad_slots(group):
+            with record_function(_label(group, "eager_concat")):
+                self._concat(group)
         return result
 
     def _concat(self, group: Any) -> None:

@@ -65,6 +65,7 @@ def to_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
         feasible=attrs.get("memory_over_budget", 0.0) <= 0.0, is_default=bool(attrs.get("is_default", False)), duplicate_of=attrs.get("duplicate_of"),
         trial_dir=attrs.get("trial_dir"), params=dict(trial.params),
         predicted_step_ms=attrs.get("predicted_step_ms"), predicted_ratio=attrs.get("predicted_ratio"), presearch_rank=attrs.get("presearch_rank"),
+        calibration=attrs.get("calibration"),
     )  # fmt: skip
 
 

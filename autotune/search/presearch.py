@@ -38,7 +38,16 @@ ordinary trials (paired with the defaults, prunable), each carrying its predicti
 (``predicted_step_ms``, ``predicted_ratio`` = predicted step / the defaults' predicted step)
 and its rank. Trials the sampler or the refinement proposes afterwards are predicted too, at
 the end, from the calibration the study keeps (``study.user_attrs["presearch"]``, so a
-resumed study predicts with the same profile). ``search.json`` (v5) and the rows record
+resumed study predicts with the same profile).
+
+The defaults alone cannot price what the winning knobs change on this machine, so before
+calibrating, the presearch measures up to four more configs of the space as ordinary trials
+(``CALIBRATION_CHANGES``, each the defaults with a few knobs changed; paired with the
+defaults like every trial, so each counts toward ``--trials`` and can win):
+``unshard_async`` (asynchronous all-gathers: the CPU share of gloo's worker thread), ``no_sync``
+(most collectives skipped: the wait per collective), ``replicated`` (HSDP Nx1: a shard group
+of one's plain copies) and ``eager_concat`` (FSDP1-style concat's own labels); see
+[Note: calibration]. With 2 trials or fewer left for the simulator's picks they are skipped. ``search.json`` (v5) and the rows record
 predicted vs measured; the terminal shows them in a table of their own. CPU only: the
 calibration reads the host's time between FSDP2's labels, which on a GPU is launch time.
 """
@@ -266,17 +275,82 @@ def make_predictor(ctx: "SearchContext", measured: Any) -> Predictor:
     return Predictor(space=ctx.space, simulator=simulator, default_step_s=default_step)
 
 
-def get_default_top_k(settings: Any) -> int:
-    """Every sampled slot but the defaults': the trials before the refinement ([Note: refinement])."""
+def get_default_top_k(settings: Any, num_calibration: int = 0) -> int:
+    """Every sampled slot but the defaults' and the calibration trials': the trials before the refinement ([Note: refinement])."""
     if settings.presearch_top_k is not None:
-        return min(settings.presearch_top_k, settings.num_trials - 2)
-    return max(0, min(settings.num_trials - 2, settings.num_trials - 1 - settings.get_num_refine()))
+        return max(1, min(settings.presearch_top_k, settings.num_trials - 2 - num_calibration))
+    return max(0, min(settings.num_trials - 2, settings.num_trials - 1 - settings.get_num_refine()) - num_calibration)
+
+
+CALIBRATION_CHANGES: dict[str, dict[str, Any]] = {
+    "unshard_async": {"unshard_async": "on", "forward_prefetch": "depth1"},
+    "no_sync": {"nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True, "keep_unsharded": True, "reshard_after_forward": "false"},
+    "replicated": {"mesh": "hsdp:{world}x1"},
+    "eager_concat": {"nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": False, "keep_unsharded": False},
+}  # fmt: skip
+"""The presearch's calibration trials: the defaults with these knobs changed (``{world}``: the
+world size); ``reshard_after_forward`` names the question of whichever mesh."""
+CALIBRATION_ATTR = "calibration"
+
+
+class _AnswerTrial:
+    """Answers the space's questions from ``wanted``, else the defaults' answer to the same
+    question, else its first choice (FSDP2's default): a full point of the space."""
+
+    def __init__(self, wanted: dict[str, Any], defaults: dict[str, Any]) -> None:
+        self.wanted, self.defaults, self.params = wanted, defaults, {}
+
+    def suggest_categorical(self, name: str, choices: Any) -> Any:
+        choices = list(choices)
+        generic = "reshard_after_forward" if name.startswith("reshard_after_forward") else name
+        for source in (self.wanted, self.defaults):
+            if generic in source and source[generic] in choices:
+                self.params[name] = source[generic]
+                return source[generic]
+            if name in source and source[name] in choices:
+                self.params[name] = source[name]
+                return source[name]
+        self.params[name] = choices[0]
+        return choices[0]
+
+
+def get_calibration_params(space: SearchSpace) -> dict[str, dict[str, Any]]:
+    """``CALIBRATION_CHANGES`` as full points of ``space``, those it can express and that differ from the defaults."""
+    defaults = space.get_default_params()
+    default_config = space.build_config(defaults)
+    points = {}
+    for name, changes in CALIBRATION_CHANGES.items():
+        wanted = {k: v.format(world=space.world_size) if isinstance(v, str) else v for k, v in changes.items()}
+        trial = _AnswerTrial(wanted, defaults)
+        config = space.suggest(trial)  # type: ignore[arg-type]
+        if all(trial.params.get(k) == v for k, v in wanted.items() if k != "reshard_after_forward") and config != default_config:
+            points[name] = trial.params
+    return points
+
+
+def _run_calibration_trials(ctx: "SearchContext") -> list["TrialRow"]:
+    """Measure the calibration points not measured yet (see [Note: presearch]); the finished rows of all of them."""
+    from autotune.search.loop import get_rows, run_one
+
+    study, settings = ctx.study, ctx.settings
+    points = get_calibration_params(ctx.space)
+    if settings.num_trials - 1 - len(points) < 2:
+        return []
+    done = {r.calibration for r in get_rows(study) if getattr(r, "calibration", None)}
+    for name, params in points.items():
+        if name in done:
+            continue
+        study.enqueue_trial({**params, "root_split": "none"} if ctx.space.can_split else params, user_attrs={CALIBRATION_ATTR: name})
+        ctx.reporter.on_trial_start(len(get_rows(study)), settings.num_trials)
+        row = run_one(ctx, None)
+        ctx.reporter.on_trial_end(row, None)
+    return [r for r in get_rows(study) if getattr(r, "calibration", None) and r.state == "COMPLETE" and r.trial_dir]
 
 
 def run_presearch(ctx: "SearchContext") -> None:
     """Measure the defaults, calibrate on them, rank the space, enqueue the top-k (see [Note: presearch])."""
     from autotune.search.loop import get_config_hash, get_rows, run_one
-    from autotune.sim.calibrate import calibrate, read_calibration_trial
+    from autotune.sim.calibrate import CalibrationError, calibrate, read_calibration_trial
 
     settings, study = ctx.settings, ctx.study
     if settings.presearch is None or PRESEARCH_ATTR in study.user_attrs:
@@ -290,16 +364,28 @@ def run_presearch(ctx: "SearchContext") -> None:
         ctx.reporter.on_trial_end(default, default if default.state == "COMPLETE" else None)
     if default.state != "COMPLETE" or default.trial_dir is None:
         raise SearchError(f"--presearch sim calibrates on the defaults trial, which did not succeed ({default.status}: {default.reason[:200]})", field="presearch")
-    ctx.reporter.on_phase("presearch: calibrating the simulator on the defaults trial's traces")
+    ctx.reporter.on_phase("presearch: measuring the calibration trials (the defaults with async unshard, no sync, replicated, eager concat)")
+    extra = []
+    calibration_rows = _run_calibration_trials(ctx)
+    for row in calibration_rows:
+        try:
+            extra.append(read_calibration_trial(settings.out_dir / row.trial_dir))
+        except CalibrationError as e:  # e.g. a trial that ran without traces: calibrate without it
+            ctx.reporter.on_phase(f"presearch: trial {row.number} ({row.calibration}) left out of the calibration: {e}")
+    ctx.reporter.on_phase(f"presearch: calibrating the simulator on the traces of the defaults and {len(extra)} calibration trials")
     work_source = ctx.plan.run
-    measured = calibrate(get_model_work(work_source, "float32"), read_calibration_trial(settings.out_dir / default.trial_dir), name=f"{work_source.name} on this machine")
+    anchor = read_calibration_trial(settings.out_dir / default.trial_dir)
+    # The defaults as timed alongside the calibration trials (their pairs' reference), else the defaults trial's own steps.
+    references = [t.reference_step_s for t in extra if t.reference_step_s]
+    anchor_step_s = statistics.median(references) if references else None
+    measured = calibrate(get_model_work(work_source, "float32"), anchor, extra=extra, anchor_step_s=anchor_step_s, name=f"{work_source.name} on this machine")
     predictor = make_predictor(ctx, measured)
     started = time.perf_counter()
     ranked = rank_space(get_simulated_space(ctx.space), predictor.simulator, world_size=settings.world_size, device="cpu")
     elapsed = time.perf_counter() - started
-    chosen, seen = [], {get_config_hash(ctx.default_config)}
+    chosen, seen = [], {get_config_hash(ctx.default_config)} | {get_config_hash(ctx.space.build_config(r.params)) for r in calibration_rows}
     for params, prediction in ranked:
-        if len(chosen) >= get_default_top_k(settings):
+        if len(chosen) >= get_default_top_k(settings, len(calibration_rows)):
             break
         config_hash = get_config_hash(ctx.space.build_config(params))
         if config_hash not in seen:
@@ -311,7 +397,7 @@ def run_presearch(ctx: "SearchContext") -> None:
         study.enqueue_trial({**params, "root_split": "none"} if ctx.space.can_split else params, user_attrs=attrs)
     summary = {
         "kind": "sim", "num_ranked": len(ranked), "ranked_s": elapsed, "configs_per_s": len(ranked) / elapsed if elapsed else None, "num_enqueued": len(chosen),
-        "calibrated_on": default.trial_dir, "predicted_default_ms": 1e3 * predictor.default_step_s, "notes": measured.notes, "profile": measured.to_dict(),
+        "calibrated_on": default.trial_dir, "calibration_trials": [str(t.path.relative_to(settings.out_dir)) for t in extra], "predicted_default_ms": 1e3 * predictor.default_step_s, "notes": measured.notes, "profile": measured.to_dict(),
     }  # fmt: skip
     study.set_user_attr(PRESEARCH_ATTR, summary)
     best = f"{describe_params(chosen[0][0])} at {chosen[0][1].step_s / predictor.default_step_s:.3f}x" if chosen else "none"
@@ -382,11 +468,11 @@ def get_prediction_table(rows: list["TrialRow"]) -> PredictionTable | None:
         return "-" if value is None else format(value, form)
 
     table = PredictionTable(
-        title="predicted (simulator, calibrated on the defaults trial) vs measured; ratio: step time / the defaults'",
+        title="predicted (simulator, calibrated on the defaults' and the calibration trials' traces) vs measured; ratio: step time / the defaults'",
         columns=["trial", "from", "pred ms", "meas ms", "error", "pred ratio", "meas ratio"], rows=[],
     )  # fmt: skip
     for r in sorted(with_prediction, key=lambda r: r.number):
-        origin = "defaults" if r.is_default else (f"presearch #{r.presearch_rank}" if r.presearch_rank else ("refined" if r.refined_from else "sampled"))
+        origin = "defaults" if r.is_default else (f"presearch #{r.presearch_rank}" if r.presearch_rank else (f"calibration ({r.calibration})" if r.calibration else ("refined" if r.refined_from else "sampled")))
         error = r.predicted_step_ms / r.step_ms - 1 if r.step_ms else None
         table.rows.append([str(r.number), origin, num(r.predicted_step_ms, ".1f"), num(r.step_ms, ".1f"), "-" if error is None else f"{100 * error:+.1f}%",
                            num(r.predicted_ratio, ".3f"), num(r.ratio, ".3f")])  # fmt: skip

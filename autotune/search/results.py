@@ -85,6 +85,8 @@ class TrialRow:
     """That prediction over the defaults' predicted step (compare with :attr:`ratio`)."""
     presearch_rank: int | None = None
     """Its rank among the simulated configs when ``--presearch`` enqueued it; None: sampled or refined."""
+    calibration: str | None = None
+    """Which of the presearch's calibration trials it was (``no_sync``, ...; [Note: presearch]); None: not one."""
 
     @property
     def succeeded(self) -> bool:
@@ -124,7 +126,8 @@ class SearchRecord:
     KIND: ClassVar[str] = "search_summary"
     SCHEMA_VERSION: ClassVar[int] = 5
     # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin, v5 rows the
-    # simulator's prediction and the record its presearch: all with defaults.
+    # simulator's prediction and the record its presearch: all with defaults (v5 rows later gained ``calibration``,
+    # also with a default: a v5 reader that predates it drops it).
     MIGRATIONS: ClassVar[dict] = {1: _migrate_summary_v1, 2: lambda data: data, 3: lambda data: data, 4: lambda data: data}
 
     model: str

@@ -23,6 +23,14 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
   ``_reshard`` / ``_rs_wait`` (post-hook), ``post_backward_reduce`` (copy-in, post-reduce;
   the root's: its ``root_post_backward_callback``, which holds the root's whole post-backward
   and ``finalize_backward``); per call, blocks and root apart.
+- *Hooks the anchor does not run* (``OPTIONAL_HOOK_KEYS``), from the first extra trial whose
+  trace shows them: on a shard group of one (HSDP Nx1) FSDP2 unshards by a plain copy and
+  reduces without a reduce-scatter (``unshard_local``/``reduce_local``: its pre-forward labels,
+  its reduces); ``fsdp_runtime``'s ``eager_concat``/``eager_restore`` labels price
+  FSDP1-style concat (``defer_concat = false``). Before these were read, ``sim_accuracy``
+  priced the concat as memory traffic at the copy-out's speed (a lower bound: its Python is
+  in it) and over-predicted every eager-concat config on ``wide`` by 12-25%, and priced a
+  shard group of one's copies like the anchor's copy-out.
 - *Collectives*: each traced collective's duration (gloo span, extended by its link-emulation
   hold) with its bytes from the model's units and the trial's mesh (all-gather output,
   reduce-scatter input, all-reduce of the shard: what link emulation and nccl-tests count).
@@ -74,7 +82,7 @@ from typing import Any
 
 from autotune.sim.costs import get_padded_numel
 from autotune.sim.hardware import Hardware, get_dtype_bytes
-from autotune.sim.measured import CollectiveFit, MeasuredProfile
+from autotune.sim.measured import LOCAL_HOOK_KEYS, OPTIONAL_HOOK_KEYS, CollectiveFit, MeasuredProfile
 from autotune.sim.predict import Simulator
 from autotune.sim.trace_costs import CalibrationError, TraceCosts, get_trace_costs
 from autotune.sim.workload import ModelWork
@@ -126,10 +134,16 @@ def read_calibration_trial(path: str | Path) -> CalibrationTrial:
                             reference_step_s=statistics.median(reference) / 1e3 if paired else None)  # fmt: skip
 
 
-def load_trace_costs(trial: CalibrationTrial, work: ModelWork) -> TraceCosts:
+def load_trace_costs(trial: CalibrationTrial, work: ModelWork, *, local: bool = False) -> TraceCosts:
     from autotune.analysis import FsdpTraceAnalysis
 
-    return get_trace_costs(FsdpTraceAnalysis(trial.traces).events, block_names=work.block_names, num_microbatches=trial.config.num_microbatches)
+    events = FsdpTraceAnalysis(trial.traces).events
+    return get_trace_costs(events, block_names=work.block_names, num_microbatches=trial.config.num_microbatches, local=local)
+
+
+def _is_local(trial: CalibrationTrial) -> bool:
+    """The trial ran on a shard group of one (HSDP Nx1): FSDP2 unshards and reduces by plain copies."""
+    return trial.world_size > 1 and validate_for_world(trial.config, trial.world_size)[1] == 1
 
 
 # -- collectives ----------------------------------------------------------------------------
@@ -221,13 +235,24 @@ def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[Calibrat
     replicate, shard = validate_for_world(anchor.config, anchor.world_size)
     pb = get_dtype_bytes(anchor.config.mixed_precision.param_dtype or "float32")
     points = get_collective_points(anchor, costs, work)
+    hooks = dict(costs.hooks)
+    hook_sources: dict[str, Path] = {}
     for trial in extra:
-        points += get_collective_points(trial, load_trace_costs(trial, work), work)
+        trial_costs = load_trace_costs(trial, work, local=_is_local(trial))
+        points += get_collective_points(trial, trial_costs, work)
+        if trial.world_size != anchor.world_size:
+            continue
+        # Hooks the anchor's config does not run: a shard group of one's copies (from a trial on one, when the
+        # anchor shards), FSDP1-style concat (from a trial that concatenates eagerly); the first trial showing them.
+        found = {key: value for key, value in trial_costs.hooks.items()
+                 if key in OPTIONAL_HOOK_KEYS and key not in hooks and (key not in LOCAL_HOOK_KEYS or shard > 1)}  # fmt: skip
+        hooks |= found
+        hook_sources |= dict.fromkeys(found, trial.path)
     fits = {kind: fit_collective([(n, b, s) for k, n, b, s in points if k == kind], shard if shard > 1 else anchor.world_size) for kind in ("all_gather", "reduce_scatter")}
     sharded = sum(get_padded_numel(work.param_shapes[u], shard) // shard for u in (*work.block_names, ROOT_UNIT))
     profile = MeasuredProfile(
         name=name or f"{work.name} on {anchor.world_size} ranks" + (f" ({anchor.cluster.name})" if anchor.emulated else ""),
-        world_size=anchor.world_size, num_microbatches=anchor.config.num_microbatches, segments=dict(costs.segments), hooks=dict(costs.hooks),
+        world_size=anchor.world_size, num_microbatches=anchor.config.num_microbatches, segments=dict(costs.segments), hooks=hooks,
         microbatch_s=costs.microbatch_s, optimizer_s_per_element=costs.optimizer_s / max(1, sharded), memory_bytes_per_s=_memory_speed(costs, work, shard, pb),
         collectives=fits, sources=[str(t.path) for t in (anchor, *extra)],
     )  # fmt: skip
@@ -240,6 +265,12 @@ def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[Calibrat
         trial = sync_trials[0]
         profile = _fit_sync(work, anchor, trial, profile, target)  # re-solves the compute scale too
         notes.append(f"sync wait {1e6 * profile.sync_s:.0f} us per collective from {trial.path} (skips gradient sync: {trial.ratio:.3f}x the anchor's config in pairs)")
+    if "unshard_local.block" in hook_sources:
+        notes.append(f"shard group of one: unshard {1e6 * hooks['unshard_local.block']:.0f} us, reduce {1e6 * hooks.get('reduce_local.block', 0.0):.0f} us per block "
+                     f"from {hook_sources['unshard_local.block']} (the anchor's: {1e6 * hooks['unshard.block']:.0f} us, {1e6 * hooks['reduce.block']:.0f} us)")
+    if "concat.block" in hooks:
+        notes.append(f"eager concat {1e6 * hooks['concat.block']:.0f} us, restore {1e6 * hooks.get('restore.block', 0.0):.0f} us per block "
+                     f"from {hook_sources.get('concat.block', anchor.path)}")
     notes.insert(0, f"anchor {anchor.path}: step {1e3 * target:.1f} ms ({'given' if anchor_step_s else 'its unprofiled steps'}); compute scale {profile.compute_scale:.3f}")
     share_trials = [t for t in extra if _is_async(t, work) and t.world_size == anchor.world_size and _same_links(t, anchor)]
     if share_trials:

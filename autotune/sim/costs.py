@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from autotune.sim.hardware import Group, Hardware, get_dtype_bytes, get_group
+from autotune.sim.measured import LOCAL_HOOK_KEYS
 from autotune.sim.workload import ModelWork
 
 ORIG_BYTES = 4
@@ -123,6 +124,16 @@ def get_mesh_costs(work: ModelWork, hardware: Hardware, *, replicate: int, shard
             return default
         return [c * measured.get_hook_seconds(f"{name}.block") for c in counts] + [measured.get_hook_seconds(f"{name}.root")]
 
+    def optional(name: str, default: list[float]) -> list[float]:
+        """Measured per call where a calibration trial showed the hook (``OPTIONAL_HOOK_KEYS``), else ``default``."""
+        if measured is None or f"{name}.block" not in measured.hooks:
+            return default
+        root = measured.get_hook_seconds(f"{name}.root") if f"{name}.root" in measured.hooks else default[-1]
+        return [c * measured.get_hook_seconds(f"{name}.block") for c in counts] + [root]
+
+    # A shard group of one unshards and reduces by plain copies (no all-gather, no reduce-scatter):
+    # priced from a trial on such a mesh where calibration had one (LOCAL_HOOK_KEYS), else like the anchor's.
+    local = "_local" if shard == 1 and measured is not None and all(key in measured.hooks for key in LOCAL_HOOK_KEYS) else ""
     real = hardware.get_real_collective_seconds
     cpu_share = measured.cpu_share if measured is not None else 0.0
     # reduce-scatter + the post-reduce ops on its stream (divide, cast, accumulate the sharded grad); measured profiles have them in the reduce hook
@@ -133,13 +144,13 @@ def get_mesh_costs(work: ModelWork, hardware: Hardware, *, replicate: int, shard
         backward_s=[c * (seg["block.backward"] + recompute[k]) for c, k in zip(counts, kinds)] + [seg["tail.backward"]],
         head_forward_s=seg["head.forward"], head_backward_s=seg["head.backward"],
         all_gather_s=[coll("all_gather", p * pb, shard_group) for p in padded],
-        copy_out_s=hooks("unshard", [mem(2 * p * pb) for p in padded]),
+        copy_out_s=hooks(f"unshard{local}", [mem(2 * p * pb) for p in padded]),
         reduce_scatter_s=[coll("reduce_scatter", p * rb, shard_group) + extra for p, extra in zip(padded, post_reduce)],
-        copy_in_s=hooks("reduce", [mem(p * (pb + rb)) for p in padded]),
+        copy_in_s=hooks(f"reduce{local}", [mem(p * (pb + rb)) for p in padded]),
         all_reduce_s=[coll("all_reduce", s * rb, replicate_group) for s in sharded],
         upcast_s=[mem(p * (pb + 2 * rb)) if pb != rb else 0.0 for p in padded],
-        concat_s=[mem(5 * p * rb) for p in padded],  # cat (read + write) and flat += (2 reads + write)
-        restore_s=[mem(3 * p * rb) for p in padded],
+        concat_s=optional("concat", [mem(5 * p * rb) for p in padded]),  # cat (read + write) and flat += (2 reads + write)
+        restore_s=optional("restore", [mem(3 * p * rb) for p in padded]),
         optimizer_s=measured.compute_scale * measured.optimizer_s_per_element * sum(sharded) if measured else mem(ADAMW_BYTES_PER_ELEMENT * sum(sharded)),
         microbatch_s=measured.compute_scale * measured.microbatch_s if measured else 0.0,
         pre_hook_s=hooks("pre_hook", None), post_hook_s=hooks("post_hook", None),

@@ -20,6 +20,19 @@ HOOK_KEYS = ("unshard.block", "unshard.root", "pre_hook.block", "pre_hook.root",
 """FSDP2's own work per unit and call: ``unshard`` (a pre-forward/backward hook that copies an
 all-gather out), ``pre_hook`` (one that finds the unit unsharded), ``post_hook`` (post-backward
 accumulate and reshard), ``reduce`` (copy-in and post-reduce of a reducing post-backward)."""
+LOCAL_HOOK_KEYS = ("unshard_local.block", "unshard_local.root", "reduce_local.block", "reduce_local.root")
+"""The same hooks on a shard group of one (HSDP Nx1: replication), where FSDP2 issues no
+all-gather or reduce-scatter (``FSDPParamGroup.unshard``/``wait_for_unshard`` with a world of
+one): ``unshard_local`` copies each sharded parameter into its unsharded buffer
+(``tensor.copy_``), ``reduce_local`` copies the gradients in and into the reduce output
+(``foreach_reduce``). Optional: measured from a calibration trial on such a mesh; without
+one the simulator prices them like the anchor's ``unshard``/``reduce``."""
+CONCAT_HOOK_KEYS = ("concat.block", "concat.root", "restore.block", "restore.root")
+"""FSDP1-style eager concat (``defer_concat = false``): ``concat`` per non-sync microbatch
+(``flat += cat(grads)``), ``restore`` on the sync one (the flat accumulator added back), read
+from ``fsdp_runtime``'s ``FSDP::eager_concat``/``eager_restore`` labels. Optional: measured
+from a calibration trial that concatenates eagerly; without one priced as memory traffic."""
+OPTIONAL_HOOK_KEYS = (*LOCAL_HOOK_KEYS, *CONCAT_HOOK_KEYS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +66,7 @@ class MeasuredProfile:
     segments: dict[str, float]
     """``SEGMENT_KEYS`` -> seconds per microbatch (a block's: one block)."""
     hooks: dict[str, float]
-    """``HOOK_KEYS`` -> seconds per call."""
+    """``HOOK_KEYS`` (and those of ``OPTIONAL_HOOK_KEYS`` a calibration trial showed) -> seconds per call."""
     microbatch_s: float
     """Per microbatch outside the model and FSDP2's hooks: the batch, the loss's bookkeeping."""
     optimizer_s_per_element: float

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.sim.measured import HOOK_KEYS, SEGMENT_KEYS
+from autotune.sim.measured import HOOK_KEYS, OPTIONAL_HOOK_KEYS, SEGMENT_KEYS
 from fsdp_runtime import ROOT_UNIT
 from fsdp_runtime.errors import AutotuneError
 
@@ -51,15 +51,29 @@ def _gap_key(prev: Any, first_block: str, last_block: str, last_callback: bool) 
         return "tail.forward" if root or unit == last_block else "block.forward"
     if phase == "pre_backward":
         return "tail.backward" if root else "block.backward"
-    if phase.startswith("post_backward") and not root:
+    if (phase.startswith("post_backward") or phase in EAGER_PHASES) and not root:
         return "head.backward" if unit == first_block else "block.backward"
     if phase == "root_post_backward_callback":
         return "optimizer" if last_callback else "microbatch"
     return "microbatch"
 
 
-def _label_key(label: Any, copies_out: bool) -> str:
+ALL_HOOK_KEYS = (*HOOK_KEYS, *OPTIONAL_HOOK_KEYS)
+EAGER_PHASES = {"eager_concat": "concat", "eager_restore": "restore"}
+"""``fsdp_runtime``'s labels around FSDP1-style eager concat (``defer_concat = false``)."""
+
+
+def _label_key(label: Any, copies_out: bool, local: bool) -> str:
+    """The key a top-level label's own time counts under; ``local``: a trace on a shard group of
+    one, whose pre-forward hooks unshard by a plain copy (no copy-out label to tell them by) and
+    whose reduces copy instead of reduce-scattering (``LOCAL_HOOK_KEYS``)."""
     kind = _unit_kind(label.unit)
+    if label.phase in EAGER_PHASES:
+        return f"{EAGER_PHASES[label.phase]}.{kind}"
+    if local and label.phase == "pre_forward":
+        return f"unshard_local.{kind}"
+    if local and label.phase in ("post_backward_reduce", "root_post_backward_callback"):
+        return f"reduce_local.{kind}"
     match label.phase:
         case "pre_forward" | "pre_backward":
             return f"{'unshard' if copies_out else 'pre_hook'}.{kind}"
@@ -89,7 +103,7 @@ def _busy(intervals: list[tuple[float, float]], start: float, end: float) -> flo
     return sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals if b > start and a < end)
 
 
-def _get_step_sums(events: Any, step: Any, comm: list[tuple[float, float]], first_block: str, last_block: str) -> tuple[dict[str, float], dict[str, int]]:
+def _get_step_sums(events: Any, step: Any, comm: list[tuple[float, float]], first_block: str, last_block: str, local: bool) -> tuple[dict[str, float], dict[str, int]]:
     """Seconds per key over one profiled step of one rank, and how many labels each hook key counts."""
     inside = events.labels[(events.labels["start"] >= step.start) & (events.labels["end"] <= step.end)]
     labels = sorted(inside.itertuples(index=False), key=lambda r: (r.start, -r.end))
@@ -99,28 +113,37 @@ def _get_step_sums(events: Any, step: Any, comm: list[tuple[float, float]], firs
         if label.start >= cur_end:
             cur_end = label.end
     copy_outs = [(n.start, n.unit) for n in nested if n.phase == "all_gather_copy_out"]
+    eager = [n for n in nested if n.phase in EAGER_PHASES]  # the root's, inside its post-backward callback
     callbacks = [i for i, label in enumerate(top) if label.phase == "root_post_backward_callback"]
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
 
-    def add(key: str, start: float, end: float) -> None:
-        sums[key] = sums.get(key, 0.0) + max(0.0, (end - start) - _busy(comm, start, end)) * _US
+    def add(key: str, start: float, end: float, sign: float = 1.0) -> None:
+        sums[key] = sums.get(key, 0.0) + sign * max(0.0, (end - start) - _busy(comm, start, end)) * _US
+
+    def count(key: str, label: Any) -> None:
+        if key in ALL_HOOK_KEYS and label.phase != "post_backward_reshard" and label.phase != "post_backward_rs_wait":
+            counts[key] = counts.get(key, 0) + 1
 
     t, prev = step.start, None
     for i, label in enumerate(top):
         add(_gap_key(prev, first_block, last_block, bool(callbacks) and i - 1 == callbacks[-1]), t, label.start)
         copies_out = any(label.start <= s <= label.end and u == label.unit for s, u in copy_outs)
-        key = _label_key(label, copies_out)
+        key = _label_key(label, copies_out, local)
         add(key, label.start, label.end)
-        if key in HOOK_KEYS and label.phase != "post_backward_reshard" and label.phase != "post_backward_rs_wait":
-            counts[key] = counts.get(key, 0) + 1
+        count(key, label)
+        for inner in (e for e in eager if label.start <= e.start and e.end <= label.end):  # counted apart, not as the outer hook's
+            add(key, inner.start, inner.end, -1.0)
+            add(_label_key(inner, False, local), inner.start, inner.end)
+            count(_label_key(inner, False, local), inner)
         t, prev = label.end, label
     add(_gap_key(prev, first_block, last_block, bool(callbacks) and len(top) - 1 == callbacks[-1]), t, step.end)
     return sums, counts
 
 
-def get_trace_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, ...], num_microbatches: int) -> TraceCosts:
-    """Per-microbatch segment, hook, optimizer and collective seconds of one trial (see [Note: calibration])."""
+def get_trace_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, ...], num_microbatches: int, local: bool = False) -> TraceCosts:
+    """Per-microbatch segment, hook, optimizer and collective seconds of one trial (see [Note: calibration]);
+    ``local``: the trial ran on a shard group of one (its hooks count under ``LOCAL_HOOK_KEYS``)."""
     n, m = len(block_names), num_microbatches
     per_block = {"block.forward": n * m, "block.backward": n * m}
     rows: list[dict[str, float]] = []
@@ -128,10 +151,10 @@ def get_trace_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, .
     for events in events_by_rank.values():
         comm = _comm_intervals(events)
         for step in events.steps.itertuples(index=False):
-            sums, counts = _get_step_sums(events, step, comm, block_names[0], block_names[-1])
+            sums, counts = _get_step_sums(events, step, comm, block_names[0], block_names[-1], local)
             row = {key: sums.get(key, 0.0) / per_block.get(key, m) for key in (*SEGMENT_KEYS, "microbatch")}
             row["optimizer"] = sums.get("optimizer", 0.0)
-            row |= {key: sums.get(key, 0.0) / counts[key] for key in HOOK_KEYS if counts.get(key)}
+            row |= {key: sums.get(key, 0.0) / counts[key] for key in ALL_HOOK_KEYS if counts.get(key)}
             rows.append(row)
             in_step = events.comm[(events.comm["issue_ts"] >= step.start) & (events.comm["issue_ts"] < step.end)]
             collectives += [(c.kind, c.unit or "", (c.end - c.start) * _US) for c in in_step.itertuples(index=False) if c.kind in _COMM_KINDS]
@@ -143,6 +166,7 @@ def get_trace_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, .
         return statistics.median(values) if values else 0.0
 
     return TraceCosts(
-        segments={key: median(key) for key in SEGMENT_KEYS}, hooks={key: median(key) for key in HOOK_KEYS},
+        segments={key: median(key) for key in SEGMENT_KEYS},
+        hooks={key: median(key) for key in HOOK_KEYS} | {key: median(key) for key in OPTIONAL_HOOK_KEYS if any(key in r for r in rows)},
         microbatch_s=median("microbatch"), optimizer_s=median("optimizer"), collectives=collectives,
     )  # fmt: skip

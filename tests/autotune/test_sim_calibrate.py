@@ -13,7 +13,7 @@ import pytest
 from autotune.sim import Hardware, Simulator, get_model_work
 from autotune.sim.calibrate import CalibrationTrial, _fit_sync, _predict, calibrate, fit_collective, get_trace_costs, read_calibration_trial
 from autotune.sim.hardware import get_group
-from autotune.sim.measured import CollectiveFit, MeasuredProfile
+from autotune.sim.measured import LOCAL_HOOK_KEYS, CollectiveFit, MeasuredProfile
 from autotune.search import SearchSpace
 from autotune.trials import TrialSpec, run_trial
 from profiles import load_cluster_profile, load_model_profile
@@ -62,6 +62,41 @@ def test_trace_costs_attribute_the_time_between_fsdp_labels_by_hand():
     assert sorted(costs.collectives) == sorted([("all_gather", "root", 13 * US), ("all_gather", "layers.0", 18 * US), ("all_gather", "layers.1", 18 * US),
                                                 ("all_gather", "layers.1", 14 * US), ("reduce_scatter", "layers.1", 20 * US),
                                                 ("reduce_scatter", "layers.0", 20 * US), ("reduce_scatter", "root", 20 * US)])  # fmt: skip
+
+
+def test_a_trace_on_a_shard_group_of_one_counts_its_copies_as_local_hooks():
+    """HSDP Nx1: no all-gather and no copy-out label; the pre-forward hooks' copies and the reduces
+    (an all-reduce in them) count under the local keys, the pre-backward hooks as before."""
+    events = _events()
+    events.labels = events.labels[events.labels["phase"] != "all_gather_copy_out"].reset_index(drop=True)
+    comm = events.comm[events.comm["kind"] != "all_gather"].copy()
+    comm["kind"] = "all_reduce"
+    events.comm = comm.reset_index(drop=True)
+    local = get_trace_costs({0: events}, block_names=("layers.0", "layers.1"), num_microbatches=1, local=True)
+    # pre-forwards: root 20, blocks 30 and 30; reduces 27 - 20 and 28 - 20; the root's callback 40 - 20
+    assert {k: v for k, v in local.hooks.items() if "local" in k} == pytest.approx(
+        {"unshard_local.block": 30 * US, "unshard_local.root": 20 * US, "reduce_local.block": 7.5 * US, "reduce_local.root": 20 * US})
+    # pre-backwards: blocks 10 each, the root 20 (no prefetch's all-gather in it any more); nothing counts as a copy-out
+    assert local.hooks["pre_hook.block"] == pytest.approx(10 * US) and local.hooks["pre_hook.root"] == pytest.approx(20 * US)
+    assert local.hooks["unshard.block"] == 0.0 and local.hooks["reduce.block"] == 0.0
+    # Read as an ordinary trace, the same labels hold no local keys.
+    assert not any("local" in k for k in get_trace_costs({0: events}, block_names=("layers.0", "layers.1"), num_microbatches=1).hooks)
+
+
+def test_eager_concat_labels_are_counted_apart_from_the_hooks_around_them():
+    """``defer_concat = false``: fsdp_runtime's ``eager_concat`` label after a block's post-backward
+    (top level) and inside the root's post-backward callback (nested) count under ``concat``."""
+    events = _events()
+    labels = events.labels
+    labels.loc[(labels["phase"] == "post_backward_reduce") & (labels["unit"] == "layers.1"), "phase"] = "eager_concat"  # 663-690, no reduce
+    events.labels = pd.concat([labels, pd.DataFrame([(976.0, 979.0, "eager_concat", "root")], columns=labels.columns)], ignore_index=True)
+    events.comm = events.comm[~((events.comm["kind"] == "reduce_scatter") & (events.comm["unit"] == "layers.1"))].reset_index(drop=True)
+    costs = get_trace_costs({0: events}, block_names=("layers.0", "layers.1"), num_microbatches=1)
+    assert costs.hooks["concat.block"] == pytest.approx(27 * US) and costs.hooks["concat.root"] == pytest.approx(3 * US)
+    # layers.0's reduce alone (28 - 20); the root's callback less its nested concat (40 - 20 - 3); compute as before
+    assert costs.hooks["reduce.block"] == pytest.approx(8 * US) and costs.hooks["reduce.root"] == pytest.approx(17 * US)
+    assert costs.segments == pytest.approx(get_trace_costs({0: _events()}, block_names=("layers.0", "layers.1"), num_microbatches=1).segments)
+    assert "restore.block" not in costs.hooks and "concat.block" not in get_trace_costs({0: _events()}, block_names=("layers.0", "layers.1"), num_microbatches=1).hooks
 
 
 def test_collective_fits_by_hand():
@@ -146,6 +181,24 @@ def test_the_wait_per_collective_is_fitted_from_a_trial_that_skips_sync():
     assert hardware.get_collective_seconds("all_gather", 1e7, group) - bare.get_collective_seconds("all_gather", 1e7, group) == pytest.approx(2e-3)
 
 
+def test_a_shard_group_of_one_is_priced_by_its_own_copies_where_measured():
+    work = get_model_work(load_model_profile("tiny"), "float32")
+    space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=1, device_type="cpu")
+    local = {"unshard_local.block": 5e-4, "unshard_local.root": 6e-4, "reduce_local.block": 7e-4, "reduce_local.root": 8e-4}
+    plain = _measured(world_size=2, compute_scale=2.0)
+    measured = dataclasses.replace(plain, hooks={**plain.hooks, **local})
+
+    def costs(profile, mesh):
+        return Simulator(work, Hardware(load_cluster_profile("cpu-gloo"), num_ranks=2, measured=profile)).get_costs(_knobs_of(space, mesh, work))
+
+    replicated = costs(measured, "hsdp:2x1")
+    assert replicated.copy_out_s[0] == pytest.approx(2.0 * 5e-4) and replicated.copy_out_s[-1] == pytest.approx(2.0 * 6e-4)
+    assert replicated.copy_in_s[0] == pytest.approx(2.0 * 7e-4) and replicated.copy_in_s[-1] == pytest.approx(2.0 * 8e-4)
+    # A sharded mesh keeps the anchor's hooks; without local keys a shard group of one falls back to them.
+    assert costs(measured, "fsdp").copy_out_s == costs(plain, "fsdp").copy_out_s == costs(plain, "hsdp:2x1").copy_out_s
+    assert costs(plain, "hsdp:2x1").copy_out_s[0] == pytest.approx(2.0 * 1e-4)
+
+
 def _knobs_of(space: SearchSpace, mesh: str, work):
     from autotune.sim import resolve_knobs
 
@@ -158,15 +211,15 @@ def test_calibration_from_real_trials_reproduces_its_anchor_and_fits_the_cpu_sha
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=2, device_type="cpu")
     defaults = space.get_default_params()
     dirs = {}
-    nosync = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True, "keep_unsharded": False}
+    nosync = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": False, "keep_unsharded": False}
     for name, params, reference in (("defaults", defaults, None), ("async", {**defaults, "unshard_async": "on", "forward_prefetch": "depth1"}, None),
-                                    ("nosync", nosync, space.build_config(defaults))):  # fmt: skip
+                                    ("nosync", nosync, space.build_config(defaults)), ("local", {**defaults, "mesh": "hsdp:2x1"}, None)):  # fmt: skip
         spec = TrialSpec(model="tiny", config=space.build_config(params), world_size=2, out_dir=tmp_path / name, num_warmup=1, num_measured=3, num_profiled=2,
                          timeout_s=120, reference=reference)  # fmt: skip
         assert run_trial(spec, pool=pool2).ok
         dirs[name] = read_calibration_trial(tmp_path / name)
     assert dirs["nosync"].ratio is not None and dirs["async"].ratio is None
-    profile = calibrate(work, dirs["defaults"], extra=[dirs["async"], dirs["nosync"]])
+    profile = calibrate(work, dirs["defaults"], extra=[dirs["async"], dirs["nosync"], dirs["local"]])
     assert _predict(work, dirs["defaults"], profile) == pytest.approx(dirs["defaults"].step_s, rel=1e-3)
     # The wait per collective is fitted from the paired no-sync trial (>= 0, noted); how close it lands on a
     # 2-core box's measured ratio depends on the noise, so its exact recovery is the synthetic test above.
@@ -176,4 +229,8 @@ def test_calibration_from_real_trials_reproduces_its_anchor_and_fits_the_cpu_sha
         assert _predict(work, dirs["async"], profile) == pytest.approx(dirs["async"].step_s, rel=1e-3)
     assert profile.collectives["all_gather"].num_points > 0 and profile.collectives["all_gather"].seconds_per_byte > 0
     assert all(v >= 0 for v in (*profile.segments.values(), *profile.hooks.values())) and profile.segments["block.backward"] > 0
+    # The replicated trial's plain copies price a shard group of one (HSDP 2x1 ran no copy-out to read).
+    assert all(profile.hooks[key] > 0 for key in LOCAL_HOOK_KEYS) and any("shard group of one" in note for note in profile.notes)
+    # The no-sync trial concatenates eagerly: fsdp_runtime's labels price the concat and the restore.
+    assert all(profile.hooks[key] > 0 for key in ("concat.block", "restore.block")) and any("eager concat" in note for note in profile.notes)
     assert any("anchor" in note for note in profile.notes) and MeasuredProfile.from_dict(profile.to_dict()) == profile

@@ -102,6 +102,28 @@ def test_prefetch_lists_async_unshard_and_eager_concat_are_wired():
     assert set(applied.eager_concat) == {"layers.0"}
 
 
+def test_eager_concat_runs_under_its_own_labels():
+    """The simulator's calibration prices FSDP1-style concat from these labels (``FSDP::eager_concat``)."""
+    import torch
+    from torch.profiler import profile
+
+    from fsdp_runtime import GradAccumulator
+
+    config = default_config([f"layers.{i}" for i in range(4)], num_microbatches=2)
+    units = [dataclasses.replace(u, sync="last", defer_concat=False) if u.name == "layers.0" else u for u in config.units]
+    applied = apply_fsdp(_tiny(), dataclasses.replace(config, units=units))
+    accumulator = GradAccumulator(applied)
+    tokens = torch.randint(0, load_model_profile("tiny").shape.vocab_size, (1, 8))
+    with profile() as prof:
+        for m in range(2):
+            with accumulator.microbatch(m):
+                applied.model(tokens).float().pow(2).mean().backward()
+    names = [event.name for event in prof.events()]
+    assert names.count("FSDP::eager_concat (layers.0)") == 1 and names.count("FSDP::eager_restore (layers.0)") == 1
+    assert not any(name.startswith("FSDP::eager_") and "layers.0" not in name for name in names)
+    assert applied.eager_concat["layers.0"].num_eager_concats == 1
+
+
 def test_unshard_async_off():
     applied = apply_fsdp(_tiny(), dataclasses.replace(RuntimeConfig(), unshard_async="off"))
     assert not any(g.unshard_async_op for g in get_param_groups(applied.units["layers.0"]))
