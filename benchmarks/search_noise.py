@@ -10,8 +10,9 @@ the emitted knobs of each search, and whether the emitted speedups agree within 
 
 Each speedup over the defaults carries the noise of two configs' steps, so comparing two
 of them adds the noise of four. A head-to-head phase then measures each emitted config
-directly against the best hand-written one and against the quiet search's, paired on the
-same ranks in the same interleaved rounds, and prints those ratios with their spread.
+directly against the fastest hand-written ones (``--head-to-head-top``) and against the quiet
+search's, paired on the same ranks in the same interleaved rounds, and prints those ratios
+with their spread.
 
     python benchmarks/search_noise.py --trials 12 --out runs/search_noise
 """
@@ -100,12 +101,12 @@ def _measure(pool: RankPool, pairs: dict, out_dir: Path, args: argparse.Namespac
     return ratios
 
 
-def _head_to_head(pool: RankPool, emitted: dict, configs: dict, hand: str, out_dir: Path, args: argparse.Namespace) -> None:
-    """Each emitted config against the best hand-written one and against the quiet search's, directly paired."""
+def _head_to_head(pool: RankPool, emitted: dict, configs: dict, hands: list[str], out_dir: Path, args: argparse.Namespace) -> None:
+    """Each emitted config against the given hand-written ones and against the quiet search's, directly paired."""
     quiet = next(iter(emitted))
     pairs = {}
     for name in emitted:
-        for other in (hand, quiet):
+        for other in (*hands, quiet):
             if other == name:
                 continue
             if get_config_hash(configs[name]) == get_config_hash(configs[other]):
@@ -113,7 +114,7 @@ def _head_to_head(pool: RankPool, emitted: dict, configs: dict, hand: str, out_d
                 continue
             pairs[f"{name} vs {other}"] = (configs[name], configs[other])
     ratios = _measure(pool, pairs, out_dir / "head_to_head", args)
-    print(f"\n{'head to head (best hand-written: ' + hand + ')':80} {'speed':>6} {'IQR':>13}  (other / emitted step time)")
+    print(f"\n{'head to head':80} {'speed':>6} {'IQR':>13}  (other / emitted step time, {args.pairs * args.rounds} pairs in {args.rounds} interleaved rounds)")
     for name, values in ratios.items():
         if len(values) < 2:
             print(f"{name:80} failed")
@@ -131,6 +132,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the final re-measurement")
     parser.add_argument("--out", type=Path, default=Path("runs/search_noise"))
     parser.add_argument("--no-head-to-head", dest="head_to_head", action="store_false", help="skip the direct comparisons of the emitted configs")
+    parser.add_argument("--head-to-head-top", type=int, default=3, help="how many of the fastest hand-written configs each emitted one meets head to head")
+    parser.add_argument("--against", default=None, help="with --remeasure-only: skip the comparison with the defaults; meet the hand-written configs whose names hold this text")
     parser.add_argument("--remeasure-only", action="store_true", help="reuse the three searches already in --out; only re-measure")
     parser.add_argument("--searches", default="quiet,loaded1,loaded2", help="which searches to run (again); the others are reused from --out")
     args = parser.parse_args()
@@ -149,6 +152,11 @@ def main() -> None:
     print(f"load before re-measuring: {os.getloadavg()}", flush=True)
     remeasure_dir = args.out / time.strftime("remeasure-%Y%m%d-%H%M%S")
     with RankPool(2) as pool:
+        if args.against:  # only the head-to-head, against the hand-written configs whose names hold this text
+            hands = [name for name in HAND_WRITTEN if args.against in name]
+            _head_to_head(pool, emitted, configs, hands, remeasure_dir, args)
+            print(f"load after: {os.getloadavg()}")
+            return
         versus_defaults = {name: (config, defaults) for name, config in configs.items()}
         ratios = _measure(pool, versus_defaults, remeasure_dir, args)
         n = args.pairs * args.rounds
@@ -162,14 +170,15 @@ def main() -> None:
             speedups[name] = 1 / statistics.median(values)
             print(f"{name:48} {speedups[name]:8.3f} {1 / q75:7.3f}-{1 / q25:.3f}")
         searched = [speedups[name] for name in emitted if name in speedups]
-        hand = max((name for name in HAND_WRITTEN if name in speedups), key=speedups.get, default=None)
+        ranked_hands = sorted((name for name in HAND_WRITTEN if name in speedups), key=lambda name: -speedups[name])
+        hand = ranked_hands[0] if ranked_hands else None
         if searched:
             spread = max(searched) / min(searched) - 1
             print(f"\nemitted speedups agree within {100 * spread:.1f}% (target 5%)")
             if hand is not None:
                 print(f"slowest emitted / best hand-written: {min(searched) / speedups[hand]:.3f} (>= 1: every search at least as fast)")
         if hand is not None and args.head_to_head:
-            _head_to_head(pool, emitted, configs, hand, remeasure_dir, args)
+            _head_to_head(pool, emitted, configs, ranked_hands[: args.head_to_head_top], remeasure_dir, args)
     print(f"load after: {os.getloadavg()}")
 
 
