@@ -38,7 +38,10 @@ ordinary trials (paired with the defaults, prunable), each carrying its predicti
 (``predicted_step_ms``, ``predicted_ratio`` = predicted step / the defaults' predicted step)
 and its rank. Trials the sampler or the refinement proposes afterwards are predicted too, at
 the end, from the calibration the study keeps (``study.user_attrs["presearch"]``, so a
-resumed study predicts with the same profile).
+resumed study predicts with the same profile). ``search.json`` (v5; v6 rows name their
+calibration trial) and the rows record predicted vs measured; the terminal shows them in a
+table of their own. CPU only: the calibration reads the host's time between FSDP2's labels,
+which on a GPU is launch time.
 
 The defaults alone cannot price what the winning knobs change on this machine, so before
 calibrating, the presearch measures up to four more configs of the space as ordinary trials
@@ -47,9 +50,7 @@ defaults like every trial, so each counts toward ``--trials`` and can win):
 ``unshard_async`` (asynchronous all-gathers: the CPU share of gloo's worker thread), ``no_sync``
 (most collectives skipped: the wait per collective), ``replicated`` (HSDP Nx1: a shard group
 of one's plain copies) and ``eager_concat`` (FSDP1-style concat's own labels); see
-[Note: calibration]. With 2 trials or fewer left for the simulator's picks they are skipped. ``search.json`` (v5) and the rows record
-predicted vs measured; the terminal shows them in a table of their own. CPU only: the
-calibration reads the host's time between FSDP2's labels, which on a GPU is launch time.
+[Note: calibration]. With 2 trials or fewer left for the simulator's picks they are skipped.
 """
 
 from __future__ import annotations

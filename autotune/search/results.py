@@ -124,11 +124,11 @@ class SearchRecord:
     """``search.json``: what a search found (read back by ``autotune report``)."""
 
     KIND: ClassVar[str] = "search_summary"
-    SCHEMA_VERSION: ClassVar[int] = 5
+    SCHEMA_VERSION: ClassVar[int] = 6
     # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin, v5 rows the
-    # simulator's prediction and the record its presearch: all with defaults (v5 rows later gained ``calibration``,
-    # also with a default: a v5 reader that predates it drops it).
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_summary_v1, 2: lambda data: data, 3: lambda data: data, 4: lambda data: data}
+    # simulator's prediction and the record its presearch, v6 rows which presearch calibration trial they were:
+    # all with defaults.
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_summary_v1, 2: lambda data: data, 3: lambda data: data, 4: lambda data: data, 5: lambda data: data}
 
     model: str
     proxy: dict[str, Any] = field(default_factory=dict)
@@ -187,7 +187,7 @@ def _migrate_results_v1(data: dict[str, Any]) -> dict[str, Any]:
 def read_results(out_dir: Path) -> list[TrialRow]:
     """The rows of ``results.json``."""
     path = out_dir / "results.json"
-    data = read_artifact(path, kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: _migrate_results_v1, 2: lambda d: d, 3: lambda d: d, 4: lambda d: d})
+    data = read_artifact(path, kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: _migrate_results_v1, 2: lambda d: d, 3: lambda d: d, 4: lambda d: d, 5: lambda d: d})
     trials = data.get("trials")
     if not isinstance(trials, list):
         raise ArtifactError(f"{path}: 'trials' must be a list of rows")

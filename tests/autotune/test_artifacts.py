@@ -51,7 +51,7 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         assert "peak_memory_bytes" in text and "process_peak_bytes" not in text and "profiler_peak_allocated_bytes" not in text, name
     for name, kind, version in [
         ("metrics_v4.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
-        ("search_v5.json", "search_summary", SearchRecord.SCHEMA_VERSION),
+        ("search_v6.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v2.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
     ]:
         data = load_fixture(name)
@@ -130,7 +130,7 @@ def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v4.json")
 
 
-@pytest.mark.parametrize("name", ["search_v1.json", "search_v2.json", "search_v3.json", "search_v4.json", "search_v5.json"])
+@pytest.mark.parametrize("name", ["search_v1.json", "search_v2.json", "search_v3.json", "search_v4.json", "search_v5.json", "search_v6.json"])
 def test_search_summary_of_every_released_version_reads(name):
     record = SearchRecord.read(ARTIFACTS / name)
 
@@ -146,14 +146,14 @@ def test_search_summary_of_every_released_version_reads(name):
 
 def test_v1_search_summary_migrates_to_what_today_writes():
     """Same search; only the report list differs (v1 wrote search.json before the report)."""
-    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v5.json")
+    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v6.json")
     assert v1.report == [] and v2.report
     assert dataclasses.replace(v1, report=v2.report) == v2
 
 
 def test_search_summary_round_trip_is_lossless(tmp_path):
-    original = load_fixture("search_v5.json")
-    record = SearchRecord.read(ARTIFACTS / "search_v5.json")
+    original = load_fixture("search_v6.json")
+    record = SearchRecord.read(ARTIFACTS / "search_v6.json")
     assert record.to_dict() == original
     assert SearchRecord.read(record.write(tmp_path / "search.json")).to_dict() == original
 

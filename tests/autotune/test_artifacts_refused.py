@@ -37,7 +37,7 @@ class Reader:
 
 READERS = [
     Reader("TrialMetrics.read", "trial_metrics", TrialMetrics.SCHEMA_VERSION, "metrics.json", "metrics_v4.json", TrialMetrics.read, "search_v3.json"),
-    Reader("SearchRecord.read", "search_summary", SearchRecord.SCHEMA_VERSION, "search.json", "search_v5.json", SearchRecord.read, "metrics_v3.json"),
+    Reader("SearchRecord.read", "search_summary", SearchRecord.SCHEMA_VERSION, "search.json", "search_v6.json", SearchRecord.read, "metrics_v3.json"),
     Reader("read_results", "search_results", SearchRecord.SCHEMA_VERSION, "results.json", "results_v1.json", lambda p: read_results(p.parent), "search_v1.json"),
     Reader("TrialSpec.read", "trial_spec", TrialSpec.SCHEMA_VERSION, "trial_spec.json", "trial_spec_v2.json", TrialSpec.read, "metrics_v3.json"),
 ]
