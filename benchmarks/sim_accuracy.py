@@ -1,8 +1,8 @@
 """How well the calibrated step simulator predicts measured CPU trials ([Note: calibration]).
 
 For each workload x setting: calibrate on the defaults and calibration trials paired with
-them (unshard_async on: the CPU share; no gradient sync: the wait per collective; on emulated
-links, the defaults on raw loopback too) and two read from their traces only (the defaults
+them (unshard_async on: the CPU share; with ``--fit-sync``, no gradient sync: the wait per
+collective; on emulated links, the defaults on raw loopback too) and two read from their traces only (the defaults
 replicated, HSDP Nx1: a shard group of one's plain copies; no gradient sync with
 ``defer_concat = false``: FSDP1-style concat's own labels), then measure a deterministic sample of configs across the search space (unprofiled, a few
 steps each, on one rank pool) and compare with the simulator's predictions: median absolute
@@ -99,7 +99,7 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         extra = [read_calibration_trial(path) for path, *_ in calibration[1:]]
         # The anchor's step: the defaults as timed in alternation with the async trial (the profiled trial's own
         # unprofiled steps run first, when the pool is least warm).
-        profile = calibrate(work, read_calibration_trial(anchor_dir), extra=extra, anchor_step_s=extra[0].reference_step_s)
+        profile = calibrate(work, read_calibration_trial(anchor_dir), extra=extra, anchor_step_s=extra[0].reference_step_s, fit_sync=args.fit_sync)
         calibrate_s = time.monotonic() - started
         hardware = Hardware(load_cluster_profile(cluster or "cpu-gloo"), num_ranks=world, measured=profile)
         simulator = Simulator(work, hardware)
@@ -245,8 +245,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="measured steps (pairs) of each calibration trial (then a profiled window of 2)")
     parser.add_argument("--calibration-pairs", type=int, default=10, help="measured pairs of the calibration trials paired with the defaults")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--no-fit-sync", dest="fit_sync", action="store_false",
-                        help="calibrate without the no-sync trial (the wait per collective stays 0), as before it was fitted")
+    parser.add_argument("--fit-sync", action="store_true",
+                        help="also fit the wait per collective from a paired no-sync trial (off by default: see [Note: calibration])")
     parser.add_argument("--no-fit-local", dest="fit_local", action="store_false",
                         help="calibrate without the replicated (HSDP Nx1) trial: a shard group of one priced like the anchor's hooks")
     parser.add_argument("--no-fit-concat", dest="fit_concat", action="store_false",

@@ -44,13 +44,13 @@ table of their own. CPU only: the calibration reads the host's time between FSDP
 which on a GPU is launch time.
 
 The defaults alone cannot price what the winning knobs change on this machine, so before
-calibrating, the presearch measures up to four more configs of the space as ordinary trials
+calibrating, the presearch measures up to three more configs of the space as ordinary trials
 (``CALIBRATION_CHANGES``, each the defaults with a few knobs changed; paired with the
 defaults like every trial, so each counts toward ``--trials`` and can win):
-``unshard_async`` (asynchronous all-gathers: the CPU share of gloo's worker thread), ``no_sync``
-(most collectives skipped: the wait per collective), ``replicated`` (HSDP Nx1: a shard group
-of one's plain copies) and ``eager_concat`` (FSDP1-style concat's own labels); see
-[Note: calibration]. With 2 trials or fewer left for the simulator's picks they are skipped.
+``unshard_async`` (asynchronous all-gathers: the CPU share of gloo's worker thread),
+``replicated`` (HSDP Nx1: a shard group of one's plain copies) and ``eager_concat``
+(FSDP1-style concat's own labels); the wait per collective is not fitted (see
+[Note: calibration]). With 2 trials or fewer left for the simulator's picks they are skipped.
 """
 
 from __future__ import annotations
@@ -285,7 +285,6 @@ def get_default_top_k(settings: Any, num_calibration: int = 0) -> int:
 
 CALIBRATION_CHANGES: dict[str, dict[str, Any]] = {
     "unshard_async": {"unshard_async": "on", "forward_prefetch": "depth1"},
-    "no_sync": {"nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True, "keep_unsharded": True, "reshard_after_forward": "false"},
     "replicated": {"mesh": "hsdp:{world}x1"},
     "eager_concat": {"nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": False, "keep_unsharded": False},
 }  # fmt: skip
@@ -365,7 +364,7 @@ def run_presearch(ctx: "SearchContext") -> None:
         ctx.reporter.on_trial_end(default, default if default.state == "COMPLETE" else None)
     if default.state != "COMPLETE" or default.trial_dir is None:
         raise SearchError(f"--presearch sim calibrates on the defaults trial, which did not succeed ({default.status}: {default.reason[:200]})", field="presearch")
-    ctx.reporter.on_phase("presearch: measuring the calibration trials (the defaults with async unshard, no sync, replicated, eager concat)")
+    ctx.reporter.on_phase("presearch: measuring the calibration trials (the defaults with async unshard, replicated, with eager concat)")
     extra = []
     calibration_rows = _run_calibration_trials(ctx)
     for row in calibration_rows:

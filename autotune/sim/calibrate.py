@@ -62,7 +62,12 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
   never negative (a trial measured slower than predicted leaves it 0). The trial should drop
   many collectives (``sim_accuracy`` uses no sync + keep unsharded + no reshard after forward:
   ~10 collectives a step instead of ~28) and be measured in many pairs (10): at ~3 ms a
-  collective the saving is ~8% of the step, and 3-4 pairs spread 4-9%.
+  collective the saving is ~8% of the step, and 3-4 pairs spread 4-9%. *Off by default*
+  (``fit_sync``): the fit absorbs whatever else the simulator gets wrong about that trial.
+  It was added while eager concat and a shard group of one's copies were mispriced, and
+  helped then; once they were priced from their own labels it came out 0 on three of four
+  ``sim_accuracy`` rows and 6.2 ms on ``wide``/emulated, where it made every HSDP 2x1 config
+  predicted ~12% too fast (median error 8.6% with it, 2.7% without, on the same trials).
 - *CPU share of an asynchronous collective* (``cpu_share``): gloo's worker thread shares the
   cores with compute, so an asynchronous all-gather slows the compute it overlaps. Fitted
   (bisection on [0, 1.5]) so that the simulator predicts a calibration trial with
@@ -223,12 +228,13 @@ def _solve(predict: Any, target: float, low: float, high: float, *, iterations: 
     return (low + high) / 2
 
 
-def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[CalibrationTrial] = (), name: str | None = None, anchor_step_s: float | None = None) -> MeasuredProfile:
+def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[CalibrationTrial] = (), name: str | None = None, anchor_step_s: float | None = None,
+              fit_sync: bool = False) -> MeasuredProfile:  # fmt: skip
     """A measured profile of ``work`` on this machine: segments, hooks and the optimizer from
     ``anchor``'s traces, collectives from every trial's, scaled to ``anchor``'s unprofiled step
     (or ``anchor_step_s``: the anchor's config timed elsewhere, e.g. as the reference of paired
-    trials), the wait per collective from an ``extra`` trial that skips gradient sync (paired
-    with the anchor's config), and the CPU share of asynchronous collectives from an ``extra``
+    trials), with ``fit_sync`` the wait per collective from an ``extra`` trial that skips gradient
+    sync (paired with the anchor's config), and the CPU share of asynchronous collectives from an ``extra``
     trial with ``unshard_async`` on under ``anchor``'s links: its step, or its ratio to the
     anchor's config when it was measured against it in pairs (see [Note: calibration])."""
     costs = load_trace_costs(anchor, work)
@@ -261,7 +267,7 @@ def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[Calibrat
     profile = profile.replace(compute_scale=scale)
     notes = []
     sync_trials = [t for t in extra if _skips_sync(t) and not _is_async(t, work) and t.ratio is not None and t.world_size == anchor.world_size and _same_links(t, anchor)]
-    if sync_trials:
+    if sync_trials and fit_sync:
         trial = sync_trials[0]
         profile = _fit_sync(work, anchor, trial, profile, target)  # re-solves the compute scale too
         notes.append(f"sync wait {1e6 * profile.sync_s:.0f} us per collective from {trial.path} (skips gradient sync: {trial.ratio:.3f}x the anchor's config in pairs)")

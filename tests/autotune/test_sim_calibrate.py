@@ -219,7 +219,8 @@ def test_calibration_from_real_trials_reproduces_its_anchor_and_fits_the_cpu_sha
         assert run_trial(spec, pool=pool2).ok
         dirs[name] = read_calibration_trial(tmp_path / name)
     assert dirs["nosync"].ratio is not None and dirs["async"].ratio is None
-    profile = calibrate(work, dirs["defaults"], extra=[dirs["async"], dirs["nosync"], dirs["local"]])
+    profile = calibrate(work, dirs["defaults"], extra=[dirs["async"], dirs["nosync"], dirs["local"]], fit_sync=True)
+    assert calibrate(work, dirs["defaults"], extra=[dirs["nosync"]]).sync_s == 0.0  # the wait is fitted only when asked
     assert _predict(work, dirs["defaults"], profile) == pytest.approx(dirs["defaults"].step_s, rel=1e-3)
     # The wait per collective is fitted from the paired no-sync trial (>= 0, noted); how close it lands on a
     # 2-core box's measured ratio depends on the noise, so its exact recovery is the synthetic test above.

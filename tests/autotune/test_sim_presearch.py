@@ -23,15 +23,15 @@ FAST = {"model": "tiny", "world_size": 2, "num_warmup": 1, "num_measured": 2, "n
 
 @pytest.mark.multirank
 def test_presearch_measures_the_simulators_top_k_and_records_predicted_vs_measured(tmp_path):
-    settings = SearchSettings(out_dir=tmp_path, num_trials=8, num_confirm_pairs=1, presearch="sim", presearch_top_k=2, **FAST)
+    settings = SearchSettings(out_dir=tmp_path, num_trials=7, num_confirm_pairs=1, presearch="sim", presearch_top_k=2, **FAST)
     summary = run_search(settings)
     rows = summary.rows
-    assert [r.number for r in rows] == list(range(8)) and rows[0].is_default
-    # trials 1-4 calibrate the simulator (as ordinary paired trials), 5 and 6 are its two fastest predictions
-    assert [r.calibration for r in rows] == [None, "unshard_async", "no_sync", "replicated", "eager_concat", None, None, None]
-    assert [r.presearch_rank for r in rows] == [None, None, None, None, None, 1, 2, None]
-    assert all(r.ratio is not None for r in rows[1:5]) and rows[3].params["mesh"] == "hsdp:2x1"
-    assert rows[5].predicted_ratio <= rows[6].predicted_ratio
+    assert [r.number for r in rows] == list(range(7)) and rows[0].is_default
+    # trials 1-3 calibrate the simulator (as ordinary paired trials), 4 and 5 are its two fastest predictions
+    assert [r.calibration for r in rows] == [None, "unshard_async", "replicated", "eager_concat", None, None, None]
+    assert [r.presearch_rank for r in rows] == [None, None, None, None, 1, 2, None]
+    assert all(r.ratio is not None for r in rows[1:4]) and rows[2].params["mesh"] == "hsdp:2x1"
+    assert rows[4].predicted_ratio <= rows[5].predicted_ratio
     # every trial has a prediction: the enqueued ones from the presearch, the others from the study's calibration at the end
     assert all(r.predicted_step_ms > 0 and r.predicted_ratio > 0 for r in rows)
     assert rows[0].predicted_ratio == pytest.approx(1.0)  # the defaults, and the anchor: predicted at its step timed in the calibration trials' pairs
@@ -40,16 +40,16 @@ def test_presearch_measures_the_simulators_top_k_and_records_predicted_vs_measur
     presearch = record["presearch"]
     assert presearch["num_ranked"] > 100 and presearch["num_enqueued"] == 2 and presearch["num_compared"] >= 1
     assert presearch["calibrated_on"] == rows[0].trial_dir and "profile" not in presearch
-    assert presearch["calibration_trials"] == [r.trial_dir for r in rows[1:5]]
+    assert presearch["calibration_trials"] == [r.trial_dir for r in rows[1:4]]
     notes = " ".join(presearch["notes"])
     assert "(given)" in presearch["notes"][0]  # the anchor's step: the defaults as timed in the calibration trials' pairs
-    assert "cpu share" in notes and "sync wait" in notes and "shard group of one" in notes and "eager concat" in notes
+    assert "cpu share" in notes and "shard group of one" in notes and "eager concat" in notes and "sync wait" not in notes
     results = json.loads((tmp_path / "results.json").read_text())["trials"]
-    assert [t["presearch_rank"] for t in results] == [None] * 5 + [1, 2, None] and all(t["predicted_step_ms"] for t in results)
+    assert [t["presearch_rank"] for t in results] == [None] * 4 + [1, 2, None] and all(t["predicted_step_ms"] for t in results)
     table = get_prediction_table(rows)
-    assert [row[1] for row in table.rows][:7] == ["defaults", "calibration (unshard_async)", "calibration (no_sync)", "calibration (replicated)",
-                                                  "calibration (eager_concat)", "presearch #1", "presearch #2"]
-    assert table.rows[7][1] in ("sampled", "refined")
+    assert [row[1] for row in table.rows][:6] == ["defaults", "calibration (unshard_async)", "calibration (replicated)", "calibration (eager_concat)",
+                                                  "presearch #1", "presearch #2"]
+    assert table.rows[6][1] in ("sampled", "refined")
 
 
 def test_the_calibration_trials_are_points_of_the_space_it_can_express():
@@ -57,11 +57,11 @@ def test_the_calibration_trials_are_points_of_the_space_it_can_express():
 
     space = SearchSpace(block_names=("layers.0", "layers.1"), world_size=2, num_microbatches=4, device_type="cpu")
     points = get_calibration_params(space)
-    assert list(points) == ["unshard_async", "no_sync", "replicated", "eager_concat"]
+    assert list(points) == ["unshard_async", "replicated", "eager_concat"]
     defaults = space.get_default_params()
     assert points["unshard_async"] == {**defaults, "unshard_async": "on", "forward_prefetch": "depth1"}
-    assert points["no_sync"] == {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True, "keep_unsharded": True, "reshard_after_forward": "false"}
-    assert points["replicated"]["mesh"] == "hsdp:2x1" and points["eager_concat"]["defer_concat"] is False
+    assert points["eager_concat"] == {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": False, "keep_unsharded": False}
+    assert points["replicated"] == {**defaults, "mesh": "hsdp:2x1"}
     # One microbatch has no sync to skip; one rank nothing to replicate or gather.
     assert list(get_calibration_params(SearchSpace(block_names=("layers.0",), world_size=2, num_microbatches=1, device_type="cpu"))) == ["unshard_async", "replicated"]
     assert "replicated" not in get_calibration_params(SearchSpace(block_names=("layers.0",), world_size=1, num_microbatches=2, device_type="cpu"))
