@@ -53,7 +53,7 @@ def test_presearch_measures_the_simulators_top_k_and_records_predicted_vs_measur
 
 
 def test_the_calibration_trials_are_points_of_the_space_it_can_express():
-    from autotune.search.presearch import get_calibration_params
+    from autotune.search.calibration_trials import get_calibration_params
 
     space = SearchSpace(block_names=("layers.0", "layers.1"), world_size=2, num_microbatches=4, device_type="cpu")
     points = get_calibration_params(space)
