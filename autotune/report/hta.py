@@ -8,7 +8,6 @@ CPU traces the report says they do not apply instead of drawing empty figures.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,15 +31,12 @@ def run_hta(paths: list[Path]) -> dict[str, pd.DataFrame]:
     """HTA's three analyses of one trial's traces (one per rank), all ranks, every profiled step:
     ``temporal`` (rank, *_pctg), ``kernels`` (kernel_type, sum, percentage), ``idle`` (rank, stream,
     idle_category, idle_time, idle_time_ratio)."""
-    from hta.trace_analysis import TraceAnalysis as HtaTraceAnalysis
+    from autotune.analysis import FsdpTraceAnalysis, open_hta_analysis
 
-    from autotune.analysis import FsdpTraceAnalysis
-
-    logging.getLogger("hta").setLevel(logging.ERROR)
-    ranks = {rank: str(trace.path.resolve()) for rank, trace in FsdpTraceAnalysis(paths).traces.items()}
+    ranks = {rank: trace.path for rank, trace in FsdpTraceAnalysis(paths).traces.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # HTA's own pandas deprecations, not ours to act on
-        analysis = HtaTraceAnalysis(trace_files=ranks, trace_dir=str(Path(next(iter(ranks.values()))).parent), include_last_profiler_step=True)
+        analysis = open_hta_analysis(ranks)
         kernels, _ = analysis.get_gpu_kernel_breakdown(visualize=False, include_memory_kernels=True)
         idle, _ = analysis.get_idle_time_breakdown(ranks=list(ranks), visualize=False)
         return {"temporal": analysis.get_temporal_breakdown(visualize=False), "kernels": kernels, "idle": idle}

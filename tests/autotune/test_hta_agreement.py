@@ -92,3 +92,23 @@ def test_median_and_time_weighted_differ_where_steps_communicate_unevenly():
     aggregate = summary["aggregate"]
     assert round(100 * aggregate["overlap_ratio"], 1) == 18.9  # median of the 4 (rank, step) rows
     assert round(100 * aggregate["overlap_ratio_time_weighted"], 1) == 17.4  # hidden / total comm time
+
+
+def test_hta_parses_in_this_process_without_forking(monkeypatch):
+    """HTA parses several ranks in a ``fork`` pool; a fork of a process with other threads can
+    hang forever on a lock a thread held (the suite hung so). ``open_hta_analysis`` must parse
+    without any new process: forking raises here."""
+    import multiprocessing.context
+    import os
+
+    from autotune.analysis import open_hta_analysis
+
+    def no_fork(*args, **kwargs):
+        raise AssertionError("HTA forked a process")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    monkeypatch.setattr(multiprocessing.context.ForkContext, "Pool", no_fork)
+    paths = hta_traces(["sampled_rank-0.json.gz", "sampled_rank-1.json.gz"])
+    analysis = open_hta_analysis(dict(enumerate(paths)))
+    overlap = analysis.get_comm_comp_overlap(visualize=False).set_index("rank")["comp_comm_overlap_pctg"]
+    assert overlap.round(2).to_dict() == CASES["trace_filter"][2]
