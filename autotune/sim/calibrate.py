@@ -34,17 +34,6 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
 - *Collectives*: each traced collective's duration (gloo span, extended by its link-emulation
   hold) with its bytes from the model's units and the trial's mesh (all-gather output,
   reduce-scatter input, all-reduce of the shard: what link emulation and nccl-tests count).
-  The duration is the *shortest span over the ranks* of the same collective (the same step,
-  kind, unit and occurrence): a rank that arrived first spends the start of its span waiting
-  for the last one, and skipping that collective does not remove that wait, it moves to the
-  next rendezvous. With all ranks' spans, ``sim_accuracy``'s 2 x 2 cluster (4 ranks on 2
-  cores: the ranks' arrivals spread by a median 8.8 ms at each collective, spans 12.5 ms
-  shortest and 15.9 ms median) predicted every config that skips collectives ~7% too fast
-  (median error 7.9%, mean -7.4%); with the shortest span 3.5%, mean -0.4%, on the same
-  trials. On 2 ranks on 2 cores the arrivals spread less (3.2 ms on ``small``) and partly at
-  random, so skipping a collective does remove some of the wait: there the shortest span
-  under-predicts what skipping saves (``small`` mean error +3.7%, median 4.3%, where all spans
-  gave +0.0%, 2.0%; ``wide`` 1.9-2.6% either way).
   Under emulation a duration is ``max(real, modelled)``: only those above 1.15x the modelled
   time say what the real transfer costs; the others are dropped, and a trial without link
   emulation (raw loopback, same world size) supplies them. Per kind (all-gather; reduce-scatter

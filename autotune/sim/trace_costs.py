@@ -32,7 +32,7 @@ class TraceCosts:
     microbatch_s: float
     optimizer_s: float
     collectives: list[tuple[str, str, float]]
-    """(kind, unit, seconds) of every traced collective: its shortest span over the ranks."""
+    """(kind, unit, seconds) of every traced collective."""
 
 
 def _unit_kind(unit: str) -> str:
@@ -147,27 +147,19 @@ def get_trace_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, .
     n, m = len(block_names), num_microbatches
     per_block = {"block.forward": n * m, "block.backward": n * m}
     rows: list[dict[str, float]] = []
-    # (step, kind, unit, occurrence) -> that collective's span on each rank
-    spans: dict[tuple[int, str, str, int], list[float]] = {}
+    collectives: list[tuple[str, str, float]] = []
     for events in events_by_rank.values():
         comm = _comm_intervals(events)
-        for index, step in enumerate(events.steps.itertuples(index=False)):
+        for step in events.steps.itertuples(index=False):
             sums, counts = _get_step_sums(events, step, comm, block_names[0], block_names[-1], local)
             row = {key: sums.get(key, 0.0) / per_block.get(key, m) for key in (*SEGMENT_KEYS, "microbatch")}
             row["optimizer"] = sums.get("optimizer", 0.0)
             row |= {key: sums.get(key, 0.0) / counts[key] for key in ALL_HOOK_KEYS if counts.get(key)}
             rows.append(row)
             in_step = events.comm[(events.comm["issue_ts"] >= step.start) & (events.comm["issue_ts"] < step.end)]
-            seen: dict[tuple[str, str], int] = {}
-            for c in in_step.sort_values("issue_ts").itertuples(index=False):
-                if c.kind in _COMM_KINDS:
-                    occurrence = seen[(c.kind, c.unit or "")] = seen.get((c.kind, c.unit or ""), -1) + 1
-                    spans.setdefault((index, c.kind, c.unit or "", occurrence), []).append((c.end - c.start) * _US)
+            collectives += [(c.kind, c.unit or "", (c.end - c.start) * _US) for c in in_step.itertuples(index=False) if c.kind in _COMM_KINDS]
     if not rows:
         raise CalibrationError("the traces hold no profiled step")
-    # A collective's span on a rank that arrived early holds its wait for the last rank, which is
-    # not transfer: the transfer is the shortest span over the ranks ([Note: calibration]).
-    collectives = [(kind, unit, min(values)) for (_, kind, unit, _), values in spans.items()]
 
     def median(key: str) -> float:
         values = [r[key] for r in rows if key in r]

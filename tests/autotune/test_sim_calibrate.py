@@ -235,19 +235,3 @@ def test_calibration_from_real_trials_reproduces_its_anchor_and_fits_the_cpu_sha
     # The no-sync trial concatenates eagerly: fsdp_runtime's labels price the concat and the restore.
     assert all(profile.hooks[key] > 0 for key in ("concat.block", "restore.block")) and any("eager concat" in note for note in profile.notes)
     assert any("anchor" in note for note in profile.notes) and MeasuredProfile.from_dict(profile.to_dict()) == profile
-
-
-def test_a_collective_costs_its_shortest_span_over_the_ranks():
-    """A rank that arrives first at a collective waits for the last one inside the collective's
-    span; that wait is not transfer ([Note: calibration]). Rank 1 reaches every collective 6 us
-    late (its compute before is slower), so its spans are 6 us shorter: those are the costs."""
-    early = _events()
-    late = _events()
-    late.comm = late.comm.assign(start=late.comm["start"] + 6, issue_ts=late.comm["issue_ts"] + 6)
-    costs = get_trace_costs({0: early, 1: late}, block_names=("layers.0", "layers.1"), num_microbatches=1)
-    assert sorted(costs.collectives) == sorted([("all_gather", "root", 7 * US), ("all_gather", "layers.0", 12 * US), ("all_gather", "layers.1", 12 * US),
-                                                ("all_gather", "layers.1", 8 * US), ("reduce_scatter", "layers.1", 14 * US),
-                                                ("reduce_scatter", "layers.0", 14 * US), ("reduce_scatter", "root", 14 * US)])  # fmt: skip
-    # The same collective on the two ranks is matched by its step, kind, unit and occurrence:
-    # layers.1's two all-gathers (forward, then backward prefetch) stay apart.
-    assert len(costs.collectives) == 7
