@@ -199,7 +199,7 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 def _print_search_summary(summary) -> None:
     from autotune.report import get_search_outcome_lines, get_search_rows_table
 
-    from autotune.search.presearch import get_prediction_table
+    from autotune.search.predictions import get_prediction_table
 
     _print_tables([get_search_rows_table(summary.rows, summary.best)])
     _print_tables([t for t in (get_prediction_table(summary.rows),) if t is not None])

@@ -35,7 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autotune.search import SearchSettings, SearchSpace, SilentReporter, describe_params, run_search  # noqa: E402
-from autotune.search.presearch import get_spearman as spearman, iter_space_params, rank_space  # noqa: E402
+from autotune.search.predictions import get_spearman as spearman  # noqa: E402
+from autotune.search.presearch import iter_space_params, rank_space  # noqa: E402
 from autotune.sim import Hardware, Simulator, get_model_work  # noqa: E402
 from autotune.sim.calibrate import calibrate, read_calibration_trial  # noqa: E402
 from autotune.trials import RankPool, TrialSpec, run_trial  # noqa: E402

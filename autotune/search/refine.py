@@ -19,10 +19,10 @@ the evidence of the finished trials: an additive model of the log objective, one
 (knob, value), fitted to all finished trials by ridge regression (``RIDGE``; about 15 trials
 over about 30 values, so it is underdetermined without the penalty), each knob's columns
 centred over the trials that used it so that a conditional knob explains only the
-differences between its own values. A move's expected change
-is the new value's effect minus the current one's; a value no trial holds is taken
-optimistically, as good as the knob's best measured value is over its worst (the spread of
-its values' effects), so the unexplored values of the knobs that matter come first.
+differences between its own values. A move's expected change is the new value's effect
+minus the current one's; a value no trial holds is taken optimistically, as good as the
+knob's best measured value is over its worst (the spread of its values' effects), so the
+unexplored values of the knobs that matter come first.
 
 Why a joint fit and not each value's median objective (the first version): TPE samples knobs
 together, so a value's marginal median carries the other knobs it happened to be sampled
@@ -33,8 +33,8 @@ and a hand-written config with it beat every emitted one by 1.4-3.1% head to hea
 (``test_a_value_sampled_with_slow_knobs_is_not_blamed_for_them``). Replayed on those
 studies: in the quiet one the move now ranks first of the base's moves from the second
 refinement trial on (6th-9th by medians); in the two loaded ones the value was only ever
-sampled together with "no skipped sync", which no fit can tell apart (17th-25th either way). Before that, in
-``search_noise`` seed 1 (18 trials, whole default space) the TPE phase never sampled "no
+sampled together with "no skipped sync", which no fit can tell apart (17th-25th either
+way). Before that, in ``search_noise`` seed 1 (18 trials, whole default space) the TPE phase never sampled "no
 sync on all blocks", every donor carried "no sync on every second block", and six
 refinement trials of donor moves then knob moves in the space's order never reached the
 move that paid most (``test_an_unmeasured_value_of_a_knob_that_pays_is_moved_early``).

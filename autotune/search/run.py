@@ -38,7 +38,8 @@ from autotune.search.settings import SearchError, SearchReporter, SearchSettings
 from autotune.search.space import SearchSpace
 from autotune.search.outcome import STORAGE_ERRORS, apply_pending
 from autotune.search.preflight import preflight
-from autotune.search.presearch import PRESEARCH_ATTR, add_predictions, run_presearch, summarize_predictions
+from autotune.search.predictions import summarize_predictions
+from autotune.search.presearch import PRESEARCH_ATTR, add_predictions, run_presearch
 from autotune.search.study import claim_out_dir, close_interrupted, make_plan, open_study, resolve_plan
 from fsdp_runtime import RuntimeConfig
 from profiles.sources import load_model_source
