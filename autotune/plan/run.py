@@ -146,6 +146,7 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
     space = SearchSpace(
         block_names=work.block_names, world_size=hardware.world_size, num_microbatches=settings.num_microbatches, device_type=hardware.cluster.device,
         fixed_mesh=settings.fixed_mesh, grouping=settings.memory_knobs, root_knobs=settings.memory_knobs, checkpointing=searched_ac,
+        reduce_dtype_differs=settings.reduce_dtype != settings.param_dtype,
     )  # fmt: skip
     mp = MixedPrecisionConfig(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
     factory = KnobFactory(space, world_size=hardware.world_size, device=hardware.cluster.device, mixed_precision=mp)

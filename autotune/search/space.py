@@ -17,6 +17,14 @@ still hand-edit single units afterwards:
   reduce-scatters still overlap -- ``first_half``, ``second_half``), with ``nosync_level``
   ``last`` or, under HSDP, ``replica_last``; ``keep_unsharded`` (no reshard after backward
   for those blocks) and ``defer_concat`` apply to them. Only sampled with >1 microbatch.
+  ``replica_last`` is not offered on a shard group of one (HSDP Nx1, plain replication)
+  unless the reduce dtype differs from the param dtype: there FSDP2's ``foreach_reduce``
+  skips the reduce-scatter but still copies every microbatch's gradients into a flat buffer
+  and accumulates them in a second one, work that ``last`` does not do, for the same memory
+  (the accumulated gradient is the full size either way) and the same single all-reduce.
+  A dominated choice only spends a short search's trials: in ``search_noise`` run 4 a loaded
+  search emitted it and landed 6% behind the quiet search's ``last``. The level (and the
+  root's) then takes the FSDP parameter, whose choices are the same (:meth:`SearchSpace.get_sync_suffix`).
 - ``reshard_after_forward``: ``true``, ``false``, ``last_block_false`` (the block whose
   backward runs first keeps its params), or ``int:d`` for proper divisors d of the shard size.
   Optuna needs one fixed choice list per parameter name, and the valid ``int:d`` depend on
@@ -92,6 +100,10 @@ class SearchSpace:
     ``root_knobs``, ``root_split`` is offered."""
     head_names: tuple[str, ...] = ()
     """The model's final norm and output modules, sharded together when split."""
+    reduce_dtype_differs: bool = False
+    """Mixed precision reduces and accumulates gradients in another dtype than the params':
+    ``replica_last`` (which accumulates in the reduce dtype) then stays a choice on a shard
+    group of one, where ``last`` accumulates in the param dtype ([Note: search-space parametrization])."""
 
     def get_mesh_choices(self) -> list[str]:
         if self.fixed_mesh is not None:
@@ -122,10 +134,16 @@ class SearchSpace:
         if self.root_knobs:
             params["root_reshard_after_forward"] = "false"
             if self.num_microbatches > 1:
-                params[_root_sync_key(params["mesh"])] = "every"
+                params[f"root_sync_{self.get_sync_suffix(params['mesh'])}"] = "every"
             if self.can_split:
                 params["root_split"] = "none"
         return params
+
+    def get_sync_suffix(self, mesh: str) -> str:
+        """``hsdp`` where ``mesh`` offers ``replica_last`` (the ``*_hsdp`` sync parameters), else
+        ``fsdp`` ([Note: search-space parametrization]: not on a shard group of one)."""
+        replica_level = mesh.startswith("hsdp") and (self._get_shard_size(mesh) > 1 or self.reduce_dtype_differs)
+        return "hsdp" if replica_level else "fsdp"
 
     @property
     def can_split(self) -> bool:
@@ -147,8 +165,9 @@ class SearchSpace:
         if self.num_microbatches > 1:
             params["nosync_blocks"] = trial.suggest_categorical("nosync_blocks", NOSYNC_PATTERNS)
             if params["nosync_blocks"] != "none":
-                levels = ["last", "replica_last"] if mesh.startswith("hsdp") else ["last"]
-                level_key = "nosync_level_hsdp" if mesh.startswith("hsdp") else "nosync_level_fsdp"
+                suffix = self.get_sync_suffix(mesh)
+                levels = ["last", "replica_last"] if suffix == "hsdp" else ["last"]
+                level_key = f"nosync_level_{suffix}"
                 params["nosync_level"] = trial.suggest_categorical(level_key, levels)
                 params["keep_unsharded"] = trial.suggest_categorical("keep_unsharded", [False, True])
                 if params["nosync_level"] == "last":
@@ -168,8 +187,9 @@ class SearchSpace:
         if self.root_knobs:
             params["root_reshard_after_forward"] = trial.suggest_categorical("root_reshard_after_forward", ["false", "true"])
             if self.num_microbatches > 1:
-                key = _root_sync_key(mesh)
-                params[key] = trial.suggest_categorical(key, ["every", "replica_last", "last"] if mesh.startswith("hsdp") else ["every", "last"])
+                suffix = self.get_sync_suffix(mesh)
+                key = f"root_sync_{suffix}"
+                params[key] = trial.suggest_categorical(key, ["every", "replica_last", "last"] if suffix == "hsdp" else ["every", "last"])
                 if params[key] != "every":
                     params["root_keep_unsharded"] = trial.suggest_categorical("root_keep_unsharded", [False, True])
             if self.can_split:
@@ -255,11 +275,6 @@ class SearchSpace:
         root_reshard = True if params.get("root_reshard_after_forward", "false") == "true" else None  # None: FSDP2's root default (False)
         out.append(UnitConfig(name=ROOT_UNIT, reshard_after_forward=root_reshard, **state))
         return out
-
-
-def _root_sync_key(mesh: str) -> str:
-    """One parameter name per choice list (HSDP has ``replica_last``)."""
-    return "root_sync_hsdp" if mesh.startswith("hsdp") else "root_sync_fsdp"
 
 
 def _group_unit(modules: list[str]) -> UnitConfig:

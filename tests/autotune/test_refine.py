@@ -147,16 +147,16 @@ def test_an_unmeasured_value_of_a_knob_that_pays_is_moved_early():
 
 
 def test_a_move_to_hsdp_keeps_the_sync_levels_it_had():
-    space = SearchSpace(block_names=BLOCKS, world_size=2, num_microbatches=4, root_knobs=True)
+    space = SearchSpace(block_names=BLOCKS, world_size=4, num_microbatches=4, root_knobs=True)
     defaults = space.get_default_params()
     best = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": True, "defer_concat": True, "root_reshard_after_forward": "false",
             "root_sync_fsdp": "last", "root_keep_unsharded": True}
     study = _study_with(space, [(defaults, 1.0), (best, 0.7)])
     rows = get_rows(study)
-    move = next((p, f) for p, f, origin in get_candidates(rows, get_choices(study)) if origin == "trial 1 + mesh=hsdp:2x1")
+    move = next((p, f) for p, f, origin in get_candidates(rows, get_choices(study)) if origin == "trial 1 + mesh=hsdp:2x2")
     used, config = _resolve(space, *move)
     # Not the first choices (every microbatch): the levels of the FSDP knobs the base had.
-    assert used["mesh"] == "hsdp:2x1" and used["root_sync_hsdp"] == "last" and used["nosync_level_hsdp"] == "last"
+    assert used["mesh"] == "hsdp:2x2" and used["root_sync_hsdp"] == "last" and used["nosync_level_hsdp"] == "last"
     assert all(u.sync == "last" for u in config.units)
 
 

@@ -170,6 +170,29 @@ def test_root_sync_levels_follow_the_mesh():
     assert levels == {"every", "replica_last", "last"}
 
 
+@pytest.mark.parametrize("reduce_dtype_differs", [False, True])
+def test_replica_level_is_offered_only_where_it_is_not_dominated(reduce_dtype_differs):
+    # HSDP 4x1 replicates over a shard group of one: replica_last would copy and accumulate every
+    # microbatch's gradients for nothing, unless it accumulates in a wider reduce dtype than last does.
+    space = _space(root_knobs=True, fixed_mesh="hsdp:4x1", reduce_dtype_differs=reduce_dtype_differs)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=5))
+    levels, root_levels, keys = set(), set(), set()
+    for _ in range(60):
+        trial = study.ask()
+        config = space.suggest(trial)
+        levels |= {u.sync for u in config.units if u.name != "root"}
+        root_levels.add(config.get_unit("root").sync)
+        keys |= {k for k in trial.params if k.startswith(("nosync_level", "root_sync"))}
+        study.tell(trial, 1.0)
+    suffix = "hsdp" if reduce_dtype_differs else "fsdp"
+    assert keys == {f"nosync_level_{suffix}", f"root_sync_{suffix}"}
+    assert levels == ({"every", "last", "replica_last"} if reduce_dtype_differs else {"every", "last"})
+    assert root_levels == levels
+    assert space.get_sync_suffix("hsdp:2x2") == "hsdp" and space.get_sync_suffix("fsdp") == "fsdp"
+    # The defaults trial names the parameter the sampler asks for on its mesh.
+    assert f"root_sync_{suffix}" in space.get_default_params()
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_sampled_config_with_memory_knobs_is_valid(world_size):
     space = _space(world_size=world_size, **MEMORY_KNOBS)
@@ -185,4 +208,5 @@ def test_every_sampled_config_with_memory_knobs_is_valid(world_size):
         seen_params |= set(trial.params)
         assert "ac=" in describe_params(trial.params) and "group=" in describe_params(trial.params)
         study.tell(trial, 1.0)
-    assert SCHEMA2_PARAMS <= seen_params
+    # On 2 ranks HSDP is 2x1, which has no replica level: the root's level is the FSDP parameter there.
+    assert SCHEMA2_PARAMS - ({"root_sync_hsdp"} if world_size == 2 else set()) <= seen_params
