@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autotune.trials import run_ranks  # noqa: E402
 from autotune.trials import build_training  # noqa: E402
-from fsdp_runtime import RuntimeConfig, config_to_dict, default_config  # noqa: E402
+from fsdp_runtime import MeshConfig, RuntimeConfig, config_to_dict, default_config  # noqa: E402
 from profiles import load_model_profile  # noqa: E402
 
 
@@ -42,10 +42,12 @@ def _prefetch(config: RuntimeConfig, depth: int) -> RuntimeConfig:
     return dataclasses.replace(config, units=units)
 
 
-def get_cases(blocks: list[str], num_microbatches: int) -> dict[str, tuple[RuntimeConfig, RuntimeConfig]]:
+def get_cases(blocks: list[str], num_microbatches: int, world_size: int = 2) -> dict[str, tuple[RuntimeConfig, RuntimeConfig]]:
     """Knob name -> (A baseline, B with the knob)."""
     base = default_config(blocks, num_microbatches=num_microbatches)
     last = _units(base, sync="last")
+    # Plain replication (HSDP Nx1): the search space leaves replica_last out there as dominated by last.
+    replicated = dataclasses.replace(base, mesh=MeshConfig(kind="hsdp", replicate=world_size, shard=1))
     return {
         "unshard_async off": (base, dataclasses.replace(base, unshard_async="off")),
         "prefetch depth 1": (base, _prefetch(base, 1)),
@@ -56,6 +58,7 @@ def get_cases(blocks: list[str], num_microbatches: int) -> dict[str, tuple[Runti
         "sync last + no reshard_after_backward": (base, _units(last, reshard_after_backward=False)),
         "eager concat (vs deferred, sync last)": (last, _units(last, defer_concat=False)),
         "reduce_scatter buffers 2": (base, dataclasses.replace(base, reduce_scatter_max_input_buffers=2)),
+        "replica_last (vs last, HSDP Nx1)": (_units(replicated, sync="last"), _units(replicated, sync="replica_last")),
     }
 
 
@@ -95,7 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     profile = load_model_profile(args.model)
     blocks = profile.unit_names[:-1]
-    cases = {k: (config_to_dict(a), config_to_dict(b)) for k, (a, b) in get_cases(blocks, args.microbatches).items() if not args.only or args.only in k}
+    cases = {k: (config_to_dict(a), config_to_dict(b)) for k, (a, b) in get_cases(blocks, args.microbatches, args.world).items() if not args.only or args.only in k}
     run = run_ranks("knobs:rank_main", world_size=args.world, kwargs={"model": args.model, "cases": cases, "num_pairs": args.pairs, "num_steps": args.steps, "cluster": args.cluster}, timeout_s=3600)
     if not run.ok:
         sys.exit(f"benchmark failed: {run.status}: {run.reason}")

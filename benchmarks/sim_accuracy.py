@@ -115,11 +115,14 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
             config = space.build_config(params)
             spec = _spec(model, config, world, out / f"config_{i:03d}", cluster=cluster, steps=args.pairs, warmup=args.warmup, profile=False, reference=default_config)
             result = run_trial(spec, pool=pool)
-            predicted = simulator.simulate(config).step_s * 1e3
+            prediction = simulator.simulate(config)
+            predicted = prediction.step_s * 1e3
             paired = result.metrics.paired if result.metrics else {}
             rows.append({"params": params, "config": describe_params(params), "status": result.status, "measured_ms": result.step_ms, "predicted_ms": predicted,
                          "measured_ratio": paired.get("ratio"), "predicted_ratio": predicted / default_pred, "ratio_spread": paired.get("ratio_spread"),
                          "pair_ratios": paired.get("pair_ratios") or [],
+                         # how the predicted step splits: work on the cores vs waiting on links (for the misses' analysis)
+                         "predicted_compute_ms": prediction.compute_s * 1e3, "predicted_exposed_comm_ms": prediction.exposed_comm_s * 1e3,
                          "reference_ms": statistics.median(result.metrics.reference_step_ms_per_step) if result.metrics and result.metrics.reference_step_ms_per_step else None})  # fmt: skip
             print(f"  [{workload}/{setting}] {i + 1}/{len(sample)} measured {result.step_ms or float('nan'):7.1f} ms ({paired.get('ratio') or float('nan'):.3f}x the defaults)"
                   f"  predicted {predicted:7.1f} ms ({predicted / default_pred:.3f}x)  {describe_params(params)}", flush=True)  # fmt: skip
