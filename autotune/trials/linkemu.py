@@ -17,15 +17,28 @@ time the link model says the transfer would end:
   (``rank // ranks_per_node`` equal), ``inter_node`` otherwise. So under HSDP with
   ``ranks_per_node = 2`` at world 4, the shard groups {0,1}, {2,3} are intra-node and the
   replicate groups {0,2}, {1,3} cross nodes.
+- *the transfer starts when the last rank has issued it*: as on a real link, where a ring
+  or tree collective cannot move data before every rank of the group has joined, and then
+  all ranks leave it together. Each rank posts the time it issues each collective to an
+  :class:`ArrivalBoard` (shared memory in the launch's temp dir, one small file per process
+  group, slots indexed by the collective's sequence number on that group); once the real
+  gloo work has completed, every rank of the group has issued it, so the board holds every
+  issue time. Before this, each rank held to its *own* issue time + modelled: a rank that
+  arrived early left early and computed while its peers still slept, with the cores less
+  contended (on `wide` 2 x 2 the ends spread 17.4 ms median per collective against arrivals
+  spread 22.4 ms), which a real cluster never does. Where no board is shared (ranks on other
+  hosts under torchrun, or a board slot not written), the ranks this process can see stand
+  in: at worst its own issue time, the old rule.
 - *one transfer at a time per group*: a collective on a group starts when the previous
   one on that group is modelled to end (a link carries one collective at a time, as the
-  process group executes them in order); its end is ``max(issue, previous end) + modelled``.
+  process group executes them in order); its end is
+  ``max(last rank's issue, previous end) + modelled``.
 - *hold without a core*: an async collective (FSDP2's unshard with ``async_op=True``)
   returns a :class:`_HeldWork` whose ``wait()`` first waits for the real work and then
   sleeps until the modelled end; a synchronous one sleeps right after it returns.
   ``time.sleep`` releases the GIL and occupies no core, like a NIC that is busy while
   the host computes. If the real collective took longer than the model, nothing is added:
-  the emulated time is ``max(real, modelled)``. In traces the hold is a
+  the emulated time is ``max(real, start + modelled)``. In traces the hold is a
   ``linkemu::hold_<kind>`` span on the thread that waits (inside ``FSDP::all_gather_copy_out``
   for an async all-gather): communication time the gloo spans alone do not show.
 
@@ -41,15 +54,23 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import mmap
+import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch.distributed as dist
 from torch.profiler import record_function
 
 from profiles import ClusterProfile, LinkClass
+
+BOARD_ENV = "AUTOTUNE_LINKEMU_BOARD"
+"""Directory of the :class:`ArrivalBoard` the ranks of one launch share (set by the rank entry point)."""
 
 # torch.distributed function name -> (collective kind, name of the argument holding the full buffer)
 _HOOKED = {
@@ -71,6 +92,9 @@ class KindStats:
     """Sum of the link model's seconds (latency + bytes / bandwidth)."""
     held_s: float = 0.0
     """Seconds actually slept beyond the real collective's completion."""
+    late_peer_s: float = 0.0
+    """Sum over collectives of how long after this rank the last rank of the group issued it
+    (what the transfer's start waited for; 0 without an arrival board)."""
     count_by_link: dict[str, int] = field(default_factory=dict)
     """How many of them ran on each link class (``intra_node``, ``inter_node``)."""
 
@@ -81,9 +105,79 @@ def get_link_name(group_ranks: list[int], ranks_per_node: int) -> str:
     return "intra_node" if len(nodes) <= 1 else "inter_node"
 
 
-@dataclass
-class _GroupClock:
-    busy_until: float = 0.0
+class ArrivalBoard:
+    """Issue times of the collectives of every rank on this host, in shared memory.
+
+    One file per process group (named by the group's name, the same on every rank), holding
+    ``SLOTS`` (sequence number + 1, ``time.monotonic()``) pairs per rank of the group; 0 marks
+    an empty slot. A rank writes its slot before it issues the collective and reads its
+    peers' after the collective has completed, when each of them must have written it: no
+    lock is needed. ``time.monotonic`` is one clock for every process of a host.
+    """
+
+    SLOTS = 64
+    """A rank never runs more than a few collectives ahead of a peer on one group (each
+    needs the peer to complete); 64 slots leave a wide margin before one is reused."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._tables: dict[str, np.ndarray] = {}
+
+    def _get_table(self, group_name: str, group_size: int) -> np.ndarray:
+        table = self._tables.get(group_name)
+        if table is None:
+            path = self.root / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', group_name)}.arrivals"
+            size = group_size * self.SLOTS * 2 * 8
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size < size:
+                    os.ftruncate(fd, size)  # every rank sets the same size: a race only repeats it
+                buffer = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            table = np.frombuffer(buffer, dtype=np.float64).reshape(group_size, self.SLOTS, 2)
+            self._tables[group_name] = table
+        return table
+
+    def post(self, group_name: str, group_size: int, group_rank: int, seq: int, issued: float) -> None:
+        """Record that this rank issued collective ``seq`` of the group at ``issued``."""
+        slot = self._get_table(group_name, group_size)[group_rank, seq % self.SLOTS]
+        slot[1] = issued
+        slot[0] = seq + 1  # written last: a slot whose sequence matches holds its time
+
+    def get_last_arrival(self, group_name: str, group_size: int, seq: int) -> float | None:
+        """The latest issue time of collective ``seq`` over the ranks that posted it; None if none did."""
+        slots = self._get_table(group_name, group_size)[:, seq % self.SLOTS]
+        posted = slots[slots[:, 0] == seq + 1, 1]
+        return float(posted.max()) if len(posted) else None
+
+
+_SEQUENCES: dict[str, int] = {}
+"""Per process group name: how many hooked collectives this process has issued on it. One
+count per process, not per emulator: a trial's two sides (candidate, reference) may share a
+group, and every rank must number a group's collectives alike."""
+_SEQUENCES_LOCK = threading.Lock()
+
+
+@dataclass(eq=False)
+class _Transfer:
+    """One collective on one group's link; ``end`` is known once its predecessor's is."""
+
+    seq: int
+    issued: float
+    modeled: float
+    previous: "_Transfer | None"
+    end: float | None = None
+    late_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _GroupLink:
+    name: str
+    size: int
+    rank: int
+    link_name: str
+    link: LinkClass | None
 
 
 class _HeldWork(dist.Work):
@@ -122,19 +216,24 @@ class LinkEmulator:
 
     links: dict[str, LinkClass]
     ranks_per_node: int
+    board: ArrivalBoard | None = None
+    """Where the ranks post their issue times; None: each rank's own issue time starts a transfer."""
     stats: dict[str, KindStats] = field(default_factory=dict)
     _originals: dict[str, Callable[..., Any]] = field(default_factory=dict, init=False, repr=False)
-    _clocks: dict[int, _GroupClock] = field(default_factory=dict, init=False, repr=False)
-    _link_of_group: dict[int, tuple[str, LinkClass | None]] = field(default_factory=dict, init=False, repr=False)
+    _last: dict[str, _Transfer] = field(default_factory=dict, init=False, repr=False)
+    _groups: dict[int, _GroupLink] = field(default_factory=dict, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _local: threading.local = field(default_factory=threading.local, init=False, repr=False)
 
     @classmethod
     def from_cluster(cls, cluster: ClusterProfile) -> "LinkEmulator | None":
-        """An emulator for the cluster's links, or ``None`` when no link is emulated."""
+        """An emulator for the cluster's links (sharing the launch's arrival board, when the
+        rank entry point named one), or ``None`` when no link is emulated."""
         if not any(link.emulated for link in cluster.links.values()):
             return None
-        return cls(links=dict(cluster.links), ranks_per_node=cluster.ranks_per_node)
+        root = os.environ.get(BOARD_ENV)
+        board = ArrivalBoard(root) if root and Path(root).is_dir() else None
+        return cls(links=dict(cluster.links), ranks_per_node=cluster.ranks_per_node, board=board)
 
     # -- installation ---------------------------------------------------------------
 
@@ -173,18 +272,17 @@ class LinkEmulator:
             if getattr(self._local, "active", False):
                 return original(*args, **kwargs)  # an alias calling another: count once
             call = signature.bind(*args, **kwargs).arguments
-            buffer, group = call.get(arg_name), call.get("group")
-            link_name, link = self._get_link(group)
-            if buffer is None or link is None:
+            buffer, group = call.get(arg_name), self._get_group(call.get("group"))
+            if buffer is None or group.link is None:
                 return original(*args, **kwargs)
-            issued = time.monotonic()
+            num_bytes = buffer.numel() * buffer.element_size()
+            transfer = self._begin(kind, group, num_bytes)  # posted before the real issue
             self._local.active = True
             try:
                 work = original(*args, **kwargs)
             finally:
                 self._local.active = False
-            num_bytes = buffer.numel() * buffer.element_size()
-            release = self._schedule(kind, group, link_name, link, num_bytes, issued)
+            release = self._get_release(kind, group, transfer)
             if call.get("async_op", False) and isinstance(work, dist.Work):
                 return _HeldWork(work, release)
             release()
@@ -193,29 +291,62 @@ class LinkEmulator:
         hooked.__wrapped__ = original  # type: ignore[attr-defined]
         return hooked
 
-    def _get_link(self, group: Any) -> tuple[str, LinkClass | None]:
-        """The group's link class name, and its model (None when that class is not emulated)."""
+    def _get_group(self, group: Any) -> _GroupLink:
+        """The group's name, size, this rank's place in it, its link class and model (None when not emulated)."""
         group = group if group is not None else dist.group.WORLD
         key = id(group)
-        if key not in self._link_of_group:
-            name = get_link_name(dist.get_process_group_ranks(group), self.ranks_per_node)
-            link = self.links.get(name)
-            self._link_of_group[key] = (name, link if link is not None and link.emulated else None)
-        return self._link_of_group[key]
+        if key not in self._groups:
+            ranks = dist.get_process_group_ranks(group)
+            link_name = get_link_name(ranks, self.ranks_per_node)
+            link = self.links.get(link_name)
+            self._groups[key] = _GroupLink(
+                name=group.group_name, size=len(ranks), rank=dist.get_rank(group),
+                link_name=link_name, link=link if link is not None and link.emulated else None,
+            )
+        return self._groups[key]
 
-    def _schedule(self, kind: str, group: Any, link_name: str, link: LinkClass, num_bytes: int, issued: float) -> Callable[[], None]:
-        modeled = link.get_seconds(num_bytes)
+    def _begin(self, kind: str, group: _GroupLink, num_bytes: int) -> _Transfer:
+        assert group.link is not None
+        modeled = group.link.get_seconds(num_bytes)
+        with _SEQUENCES_LOCK:
+            seq = _SEQUENCES.get(group.name, 0)
+            _SEQUENCES[group.name] = seq + 1
+        issued = time.monotonic()
+        if self.board is not None:
+            self.board.post(group.name, group.size, group.rank, seq, issued)
         with self._lock:
-            clock = self._clocks.setdefault(id(group if group is not None else dist.group.WORLD), _GroupClock())
-            end = max(issued, clock.busy_until) + modeled
-            clock.busy_until = end
+            transfer = _Transfer(seq=seq, issued=issued, modeled=modeled, previous=self._last.get(group.name))
+            self._last[group.name] = transfer
             stats = self.stats.setdefault(kind, KindStats())
             stats.count += 1
             stats.num_bytes += num_bytes
             stats.modeled_s += modeled
-            stats.count_by_link[link_name] = stats.count_by_link.get(link_name, 0) + 1
+            stats.count_by_link[group.link_name] = stats.count_by_link.get(group.link_name, 0) + 1
+        return transfer
 
+    def _get_end(self, group: _GroupLink, transfer: _Transfer) -> float:
+        """``max(last rank's issue, previous end) + modelled``, for this transfer and any
+        predecessor not yet computed. Called once the real collective has completed: every
+        rank of the group then has issued it, and so every earlier one too."""
+        pending = []
+        while transfer is not None and transfer.end is None:
+            pending.append(transfer)
+            transfer = transfer.previous
+        end = transfer.end if transfer is not None else 0.0
+        for t in reversed(pending):
+            arrival = self.board.get_last_arrival(group.name, group.size, t.seq) if self.board is not None else None
+            start = max(t.issued, arrival if arrival is not None else t.issued)
+            t.late_s = start - t.issued
+            t.end = end = max(start, end) + t.modeled
+            t.previous = None  # the chain is only walked back to the last known end
+        return end
+
+    def _get_release(self, kind: str, group: _GroupLink, transfer: _Transfer) -> Callable[[], None]:
         def release() -> None:
+            with self._lock:
+                end = self._get_end(group, transfer)
+                stats = self.stats[kind]
+                stats.late_peer_s += transfer.late_s
             remaining = end - time.monotonic()
             if remaining > 0:
                 with record_function(f"linkemu::hold_{kind}"):

@@ -37,6 +37,12 @@ def init_rank(tmpdir: str, rank: int) -> tuple[dict, Any]:
     import torch
     import torch.distributed as dist
 
+    from autotune.trials.linkemu import BOARD_ENV
+
+    board = Path(tmpdir) / "linkemu"  # the launch's ranks share it: [Note: link emulation]
+    board.mkdir(exist_ok=True)
+    os.environ[BOARD_ENV] = str(board)
+
     torch.set_num_threads(spec["num_threads"])
     world_size = spec["world_size"]
     timeout = timedelta(seconds=spec["pg_timeout_s"])

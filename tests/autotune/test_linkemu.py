@@ -121,3 +121,85 @@ def test_emulated_link_holds_collectives_and_keeps_losses_bitwise(pool2, tmp_pat
     env = json.loads((tmp_path / "slow" / "env.json").read_text())
     assert env["link_emulation"]["cluster"] == "slow-test-link"
     assert env["link_emulation"]["links"] == {"inter_node": {"latency_us": LATENCY_US, "bandwidth_gbps": BANDWIDTH_GBPS, "efficiency": 1.0}}
+
+
+def test_the_arrival_board_returns_the_latest_issue_of_a_collective(tmp_path):
+    from autotune.trials.linkemu import ArrivalBoard
+
+    ranks = [ArrivalBoard(tmp_path) for _ in range(3)]  # one per rank: separate maps of one file
+    assert ranks[0].get_last_arrival("g", 3, 0) is None  # nothing posted
+    ranks[0].post("g", 3, 0, 0, 10.0)
+    ranks[2].post("g", 3, 2, 0, 12.5)
+    assert ranks[1].get_last_arrival("g", 3, 0) == 12.5  # rank 1 has not posted: the others stand in
+    ranks[1].post("g", 3, 1, 0, 11.0)
+    assert ranks[1].get_last_arrival("g", 3, 0) == 12.5
+    # A slot is reused SLOTS collectives later; a stale entry never answers for a newer one.
+    later = ArrivalBoard.SLOTS
+    ranks[0].post("g", 3, 0, later, 20.0)
+    assert ranks[2].get_last_arrival("g", 3, later) == 20.0
+    assert ranks[2].get_last_arrival("g", 3, 0) == 12.5  # ranks 1 and 2 still hold collective 0
+    assert ranks[2].get_last_arrival("other", 2, 0) is None  # groups do not share slots
+
+
+def test_an_emulator_built_in_a_rank_shares_the_launch_board(tmp_path, monkeypatch):
+    from autotune.trials import LinkEmulator
+    from autotune.trials.linkemu import BOARD_ENV
+
+    monkeypatch.delenv(BOARD_ENV, raising=False)
+    assert LinkEmulator.from_cluster(load_cluster_profile("cpu-emulated-ib")).board is None
+    monkeypatch.setenv(BOARD_ENV, str(tmp_path))
+    assert LinkEmulator.from_cluster(load_cluster_profile("cpu-emulated-ib")).board.root == tmp_path
+
+
+LATE_S, HOLD_S = 0.4, 0.2
+
+
+def late_peer_rank(rank: int, world_size: int) -> dict:
+    """Rank 1 joins each all-reduce LATE_S after rank 0 (a sync one, then an async one) on a
+    link of HOLD_S latency; returns when each call started and returned, on the host's clock."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from autotune.trials import LinkEmulator
+    from autotune.trials.linkemu import BOARD_ENV, ArrivalBoard
+    from profiles import LinkClass
+
+    emulator = LinkEmulator(links={"intra_node": LinkClass(latency_us=HOLD_S * 1e6)}, ranks_per_node=2, board=ArrivalBoard(os.environ[BOARD_ENV]))
+    out: dict = {"calls": []}
+    for async_op in (False, True):
+        tensor = torch.ones(4)
+        dist.barrier()
+        if rank == 1:
+            time.sleep(LATE_S)
+        with emulator:
+            start = time.monotonic()
+            work = dist.all_reduce(tensor, async_op=async_op)
+            if async_op:
+                work.wait()
+            out["calls"].append((start, time.monotonic()))
+        out.setdefault("sums", []).append(tensor.tolist())
+    out["stats"] = emulator.summary()
+    return out
+
+
+@pytest.mark.multirank
+def test_a_transfer_starts_when_the_last_rank_issues_it():
+    """On a real link no rank leaves a collective before the last one has joined and the
+    transfer has run: rank 0, early by LATE_S, is held to rank 1's issue + the modelled time
+    (the old rule, its own issue + modelled, released it as soon as gloo completed)."""
+    from autotune.trials import run_ranks
+
+    run = run_ranks("test_linkemu:late_peer_rank", world_size=2, timeout_s=60)
+    assert run.ok, (run.status, run.reason)
+    early, late = run.results
+    for call_early, call_late in zip(early["calls"], late["calls"], strict=True):
+        # Exact by construction: rank 1 stamps its issue after `start`, and the hold ends at
+        # that stamp + HOLD_S on one host-wide monotonic clock.
+        assert call_early[1] >= call_late[0] + HOLD_S, (call_early, call_late)
+        assert call_late[1] >= call_late[0] + HOLD_S
+    assert early["sums"] == late["sums"] == [[2.0] * 4] * 2  # the data moved through gloo unchanged
+    assert early["stats"]["all_reduce"]["late_peer_s"] >= 2 * (LATE_S - 0.1)
+    assert late["stats"]["all_reduce"]["late_peer_s"] == 0.0  # the last to arrive waits for nobody
