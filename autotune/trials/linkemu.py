@@ -108,7 +108,7 @@ def get_link_name(group_ranks: list[int], ranks_per_node: int) -> str:
 class ArrivalBoard:
     """Issue times of the collectives of every rank on this host, in shared memory.
 
-    One file per process group (named by the group's name, the same on every rank), holding
+    One file per process group (named by the group's name, the same on every rank, and size), holding
     ``SLOTS`` (sequence number + 1, ``time.monotonic()``) pairs per rank of the group; 0 marks
     an empty slot. A rank writes its slot before it issues the collective and reads its
     peers' after the collective has completed, when each of them must have written it: no
@@ -121,12 +121,12 @@ class ArrivalBoard:
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
-        self._tables: dict[str, np.ndarray] = {}
+        self._tables: dict[tuple[str, int], np.ndarray] = {}
 
     def _get_table(self, group_name: str, group_size: int) -> np.ndarray:
-        table = self._tables.get(group_name)
+        table = self._tables.get((group_name, group_size))
         if table is None:
-            path = self.root / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', group_name)}.arrivals"
+            path = self.root / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', group_name)}-{group_size}.arrivals"
             size = group_size * self.SLOTS * 2 * 8
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
@@ -136,7 +136,7 @@ class ArrivalBoard:
             finally:
                 os.close(fd)
             table = np.frombuffer(buffer, dtype=np.float64).reshape(group_size, self.SLOTS, 2)
-            self._tables[group_name] = table
+            self._tables[group_name, group_size] = table
         return table
 
     def post(self, group_name: str, group_size: int, group_rank: int, seq: int, issued: float) -> None:

@@ -139,6 +139,9 @@ def test_the_arrival_board_returns_the_latest_issue_of_a_collective(tmp_path):
     assert ranks[2].get_last_arrival("g", 3, later) == 20.0
     assert ranks[2].get_last_arrival("g", 3, 0) == 12.5  # ranks 1 and 2 still hold collective 0
     assert ranks[2].get_last_arrival("other", 2, 0) is None  # groups do not share slots
+    ranks[0].post("g", 2, 1, 0, 99.0)  # a name seen with another size is another table, never misread
+    assert ranks[1].get_last_arrival("g", 2, 0) == 99.0
+    assert ranks[1].get_last_arrival("g", 3, 0) == 12.5
 
 
 def test_an_emulator_built_in_a_rank_shares_the_launch_board(tmp_path, monkeypatch):
