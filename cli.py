@@ -24,8 +24,21 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err_console = Console(stderr=True)
-console = Console()
+PIPED_WIDTH = 240
+"""Columns of the tables when the output is not a terminal and ``COLUMNS`` is unset: rich then
+falls back to 80, which wraps the knobs column of a search's trials letter by letter in a log."""
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """A rich console: a terminal's own width, ``COLUMNS`` where set, else ``PIPED_WIDTH``."""
+    console = Console(stderr=stderr)
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console
+    return Console(stderr=stderr, width=PIPED_WIDTH)
+
+
+err_console = make_console(stderr=True)
+console = make_console()
 
 
 @app.command()

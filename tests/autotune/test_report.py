@@ -299,3 +299,23 @@ def test_trial_report_of_metrics_without_per_rank_profiler_figures_says_so(tmp_p
     assert dict(get_tables(load_report(tmp_path))[0].rows)["profiler"] == (
         "trace times as measured (this metrics.json has no per-rank unprofiled figures to scale by); profiler overhead +20% wall"
     )
+
+
+def test_tables_piped_to_a_log_keep_their_rows_on_one_line(monkeypatch, capsys):
+    """Rich lays out an 80-column table when stdout is no terminal, which wrapped a search's knobs
+    column letter by letter in `autotune search | tee log`; the CLI's console is wider there,
+    unless COLUMNS says otherwise."""
+    from rich.table import Table
+
+    import cli
+
+    knobs = "hsdp:2x1 fwd=depth3 bwd=depth1 raf=false rsbuf=2 async=on nosync=all level=last keep=true defer=true group=4"
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = cli.make_console()
+    assert not console.is_terminal and console.width == cli.PIPED_WIDTH
+    table = Table("trial", "status", "ratio", "knobs")
+    table.add_row("14", "ok", "0.761x", knobs)
+    console.print(table)
+    assert knobs in capsys.readouterr().out  # one line, unbroken
+    monkeypatch.setenv("COLUMNS", "100")
+    assert cli.make_console().width == 100
