@@ -108,8 +108,8 @@ def get_link_name(group_ranks: list[int], ranks_per_node: int) -> str:
 class ArrivalBoard:
     """Issue times of the collectives of every rank on this host, in shared memory.
 
-    One file per process group (named by the group's name, the same on every rank, and size), holding
-    ``SLOTS`` (sequence number + 1, ``time.monotonic()``) pairs per rank of the group; 0 marks
+    One file per process group, named by the group's name (the same on every rank) and size,
+    holding ``SLOTS`` (sequence number + 1, ``time.monotonic()``) pairs per rank of the group; 0 marks
     an empty slot. A rank writes its slot before it issues the collective and reads its
     peers' after the collective has completed, when each of them must have written it: no
     lock is needed. ``time.monotonic`` is one clock for every process of a host.
@@ -335,7 +335,7 @@ class LinkEmulator:
         end = transfer.end if transfer is not None else 0.0
         for t in reversed(pending):
             arrival = self.board.get_last_arrival(group.name, group.size, t.seq) if self.board is not None else None
-            start = max(t.issued, arrival if arrival is not None else t.issued)
+            start = t.issued if arrival is None else max(t.issued, arrival)
             t.late_s = start - t.issued
             t.end = end = max(start, end) + t.modeled
             t.previous = None  # the chain is only walked back to the last known end
