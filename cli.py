@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -44,8 +44,15 @@ console = make_console()
 @app.command()
 def validate(
     config: Annotated[Path, typer.Argument(help="Runtime config (.toml or .json) to check.")],
-    world_size: Annotated[Optional[int], typer.Option("--world-size", "-w", help="Also check the mesh against this world size.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Also check the units against this model (as in search), built on the meta device.")] = None,
+    world_size: Annotated[
+        int | None, typer.Option("--world-size", "-w", help="Also check the mesh against this world size.")
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", "-m", help="Also check the units against this model (as in search), built on the meta device."
+        ),
+    ] = None,
 ) -> None:
     """Check a runtime config; print a one-line error naming the field if it is invalid."""
     from fsdp_runtime import load_config, validate_for_world
@@ -57,15 +64,26 @@ def validate(
         from profiles.sources import resolve_config_for_model
 
         cfg, notes = resolve_config_for_model(cfg, model, source=str(config))
-    console.print(f"{config}: ok (schema_version {cfg.schema_version}, {len(cfg.units) or 'default'} units{f' of {model}' if model else ''})", highlight=False)
+    console.print(
+        f"{config}: ok (schema_version {cfg.schema_version}, {len(cfg.units) or 'default'} units{f' of {model}' if model else ''})",
+        highlight=False,
+    )
     for note in notes:
         console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
 @app.command()
 def report(
-    directory: Annotated[Path, typer.Argument(metavar="DIR", help="A trial dir (metrics.json + traces) or a search dir (trials/*/metrics.json).")],
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to write report.html and the PNGs; default: DIR/report.")] = None,
+    directory: Annotated[
+        Path,
+        typer.Argument(
+            metavar="DIR", help="A trial dir (metrics.json + traces) or a search dir (trials/*/metrics.json)."
+        ),
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Where to write report.html and the PNGs; default: DIR/report."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary JSON only (no tables, no files).")] = False,
 ) -> None:
     """Summarize a trial or a search: terminal tables, a self-contained HTML report and PNG plots."""
@@ -99,11 +117,25 @@ class _RichSearchReporter:
     """Live progress for ``autotune search``: trial n/N, current best, ETA."""
 
     def __init__(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.progress = Progress(
-            TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[best]}"),
-            console=err_console, transient=False,
+            TextColumn("[bold]trials"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[best]}"),
+            console=err_console,
+            transient=False,
         )
         self.task = None
 
@@ -117,9 +149,15 @@ class _RichSearchReporter:
             from autotune.search.proxy import get_plan_hint
 
             err_console.print(get_plan_hint(plan), highlight=False, soft_wrap=True)
-        err_console.print(f"study in {settings.get_storage()}" + (f" ({num_existing} trials already there)" if num_existing > 1 else ""), highlight=False)
+        err_console.print(
+            f"study in {settings.get_storage()}"
+            + (f" ({num_existing} trials already there)" if num_existing > 1 else ""),
+            highlight=False,
+        )
         self.progress.start()
-        self.task = self.progress.add_task("search", total=settings.num_trials, completed=max(0, num_existing - 1), best="")
+        self.task = self.progress.add_task(
+            "search", total=settings.num_trials, completed=max(0, num_existing - 1), best=""
+        )
 
     def on_trial_start(self, number: int, total: int) -> None:
         self.progress.update(self.task, completed=number)
@@ -131,7 +169,9 @@ class _RichSearchReporter:
         if row.predicted_step_ms is not None:
             status += f", predicted {row.predicted_step_ms:.1f} ms"
         best_text = f"best {fmt(best.ratio, 'x')} (trial {best.number})" if best else "no best yet"
-        self.progress.console.print(f"trial {row.number:>3}: {status}" + (f" - {row.reason[:120]}" if row.reason else ""), highlight=False)
+        self.progress.console.print(
+            f"trial {row.number:>3}: {status}" + (f" - {row.reason[:120]}" if row.reason else ""), highlight=False
+        )
         self.progress.update(self.task, advance=1, best=best_text)
 
     def on_phase(self, message: str) -> None:
@@ -144,30 +184,103 @@ class _RichSearchReporter:
 
 @app.command()
 def search(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model profile (tiny, small, llama1b, llama8b, llama70b), a model TOML, package.module:function (a factory) or a Hugging Face config.json / model dir.")] = "small",
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Model profile (tiny, small, llama1b, llama8b, llama70b), a model TOML, package.module:function (a factory) or a Hugging Face config.json / model dir.",
+        ),
+    ] = "small",
     nproc: Annotated[int, typer.Option("--nproc", "-n", help="Ranks (world size) of every trial.")] = 2,
-    trials: Annotated[int, typer.Option("--trials", "-t", help="Total trials in the study, the defaults trial included.")] = 16,
-    microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")] = 2,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (study, trials, best config, tables).")] = Path("runs/search"),
-    storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage shared by several workers: sqlite:///PATH, journal:PATH or postgresql+psycopg://USER@HOST/DB; default: sqlite in --out.")] = None,
-    study_name: Annotated[Optional[str], typer.Option("--study-name", help="Study name; default: MODEL-wN-mbM.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the study (or join it as another worker).")] = False,
+    trials: Annotated[
+        int, typer.Option("--trials", "-t", help="Total trials in the study, the defaults trial included.")
+    ] = 16,
+    microbatches: Annotated[
+        int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")
+    ] = 2,
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Run directory (study, trials, best config, tables).")
+    ] = Path("runs/search"),
+    storage: Annotated[
+        str | None,
+        typer.Option(
+            "--storage",
+            help="Optuna storage shared by several workers: sqlite:///PATH, journal:PATH or postgresql+psycopg://USER@HOST/DB; default: sqlite in --out.",
+        ),
+    ] = None,
+    study_name: Annotated[str | None, typer.Option("--study-name", help="Study name; default: MODEL-wN-mbM.")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the study (or join it as another worker).")
+    ] = False,
     sampler: Annotated[str, typer.Option("--sampler", help="tpe (seeded, default), random, cmaes or qmc.")] = "tpe",
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    memory_budget_gib: Annotated[Optional[float], typer.Option("--memory-budget-gib", help="Peak memory per rank above this makes a trial infeasible.")] = None,
-    grouping: Annotated[bool, typer.Option("--grouping/--no-grouping", help="Search 1, 2 or 4 blocks per FSDP unit.")] = True,
-    root_knobs: Annotated[bool, typer.Option("--root-knobs/--no-root-knobs", help="Search the root unit's reshard and sync level, and embeddings and head as units of their own.")] = True,
-    checkpointing: Annotated[Optional[bool], typer.Option("--checkpointing/--no-checkpointing", help="Search activation checkpointing per block (none, selective, full); default: only with --memory-budget-gib.", show_default=False)] = None,
-    cluster: Annotated[Optional[str], typer.Option("--cluster", help="Cluster profile whose links are emulated (e.g. cpu-emulated-ib).")] = None,
-    mesh: Annotated[Optional[str], typer.Option("--mesh", help="Fix the mesh: fsdp or hsdp:RxS.")] = None,
-    patience: Annotated[int, typer.Option("--patience", help="Stop after this many trials without a 1% improvement (0: never).")] = 10,
-    refine: Annotated[Optional[int], typer.Option("--refine", help="Last trials that try neighbours of the best config instead of sampling; default: a third of --trials.")] = None,
-    confirm_pairs: Annotated[int, typer.Option("--confirm-pairs", help="Alternating best/default re-measurements at the end.")] = 3,
-    trial_timeout: Annotated[float, typer.Option("--trial-timeout", help="Seconds before a trial's ranks are killed.")] = 180.0,
-    storage_timeout: Annotated[float, typer.Option("--storage-timeout", help="Seconds a write waits for a locked SQLite study.")] = 120.0,
-    heartbeat: Annotated[Optional[int], typer.Option("--heartbeat", help="Seconds between a worker's heartbeats on a database server; a trial silent for 4 of them is failed. Default: --trial-timeout / 20, 5 to 60.")] = None,
-    presearch: Annotated[Optional[str], typer.Option("--presearch", help="sim: calibrate the step simulator on the defaults trial, rank the whole space in it and measure the fastest predictions first.")] = None,
-    presearch_top: Annotated[Optional[int], typer.Option("--presearch-top", help="Configs --presearch measures; default: every trial before the refinement.")] = None,
+    memory_budget_gib: Annotated[
+        float | None,
+        typer.Option("--memory-budget-gib", help="Peak memory per rank above this makes a trial infeasible."),
+    ] = None,
+    grouping: Annotated[
+        bool, typer.Option("--grouping/--no-grouping", help="Search 1, 2 or 4 blocks per FSDP unit.")
+    ] = True,
+    root_knobs: Annotated[
+        bool,
+        typer.Option(
+            "--root-knobs/--no-root-knobs",
+            help="Search the root unit's reshard and sync level, and embeddings and head as units of their own.",
+        ),
+    ] = True,
+    checkpointing: Annotated[
+        bool | None,
+        typer.Option(
+            "--checkpointing/--no-checkpointing",
+            help="Search activation checkpointing per block (none, selective, full); default: only with --memory-budget-gib.",
+            show_default=False,
+        ),
+    ] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option("--cluster", help="Cluster profile whose links are emulated (e.g. cpu-emulated-ib)."),
+    ] = None,
+    mesh: Annotated[str | None, typer.Option("--mesh", help="Fix the mesh: fsdp or hsdp:RxS.")] = None,
+    patience: Annotated[
+        int, typer.Option("--patience", help="Stop after this many trials without a 1% improvement (0: never).")
+    ] = 10,
+    refine: Annotated[
+        int | None,
+        typer.Option(
+            "--refine",
+            help="Last trials that try neighbours of the best config instead of sampling; default: a third of --trials.",
+        ),
+    ] = None,
+    confirm_pairs: Annotated[
+        int, typer.Option("--confirm-pairs", help="Alternating best/default re-measurements at the end.")
+    ] = 3,
+    trial_timeout: Annotated[
+        float, typer.Option("--trial-timeout", help="Seconds before a trial's ranks are killed.")
+    ] = 180.0,
+    storage_timeout: Annotated[
+        float, typer.Option("--storage-timeout", help="Seconds a write waits for a locked SQLite study.")
+    ] = 120.0,
+    heartbeat: Annotated[
+        int | None,
+        typer.Option(
+            "--heartbeat",
+            help="Seconds between a worker's heartbeats on a database server; a trial silent for 4 of them is failed. Default: --trial-timeout / 20, 5 to 60.",
+        ),
+    ] = None,
+    presearch: Annotated[
+        str | None,
+        typer.Option(
+            "--presearch",
+            help="sim: calibrate the step simulator on the defaults trial, rank the whole space in it and measure the fastest predictions first.",
+        ),
+    ] = None,
+    presearch_top: Annotated[
+        int | None,
+        typer.Option(
+            "--presearch-top", help="Configs --presearch measures; default: every trial before the refinement."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout (no progress).")] = False,
 ) -> None:
     """Search the FSDP2 knobs with Optuna; write the best config, a results table and the report."""
@@ -177,12 +290,30 @@ def search(
     from autotune.search import SearchSettings, SilentReporter
 
     settings = SearchSettings(
-        model=model, world_size=nproc, num_trials=trials, num_microbatches=microbatches, out_dir=out, storage=storage,
-        study_name=study_name, resume=resume, sampler=sampler, seed=seed,
+        model=model,
+        world_size=nproc,
+        num_trials=trials,
+        num_microbatches=microbatches,
+        out_dir=out,
+        storage=storage,
+        study_name=study_name,
+        resume=resume,
+        sampler=sampler,
+        seed=seed,
         memory_budget_bytes=int(memory_budget_gib * 2**30) if memory_budget_gib is not None else None,
-        grouping=grouping, root_knobs=root_knobs, checkpointing=checkpointing,
-        cluster=cluster, fixed_mesh=mesh, patience=patience or None, num_refine=refine, num_confirm_pairs=confirm_pairs, trial_timeout_s=trial_timeout,
-        storage_timeout_s=storage_timeout, heartbeat_s=heartbeat, presearch=presearch, presearch_top_k=presearch_top,
+        grouping=grouping,
+        root_knobs=root_knobs,
+        checkpointing=checkpointing,
+        cluster=cluster,
+        fixed_mesh=mesh,
+        patience=patience or None,
+        num_refine=refine,
+        num_confirm_pairs=confirm_pairs,
+        trial_timeout_s=trial_timeout,
+        storage_timeout_s=storage_timeout,
+        heartbeat_s=heartbeat,
+        presearch=presearch,
+        presearch_top_k=presearch_top,
     )
     if not as_json:
         import optuna
@@ -201,7 +332,11 @@ def search(
     else:
         _print_search_summary(summary)
     if summary.best is None:
-        err_console.print(f"[bold red]error:[/] no trial succeeded ({len(summary.rows)} trials); see {summary.out_dir / 'results.csv'} for the reasons", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[bold red]error:[/] no trial succeeded ({len(summary.rows)} trials); see {summary.out_dir / 'results.csv'} for the reasons",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(1)
 
 
@@ -211,7 +346,6 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 
 def _print_search_summary(summary) -> None:
     from autotune.report import get_search_outcome_lines, get_search_rows_table
-
     from autotune.search.predictions import get_prediction_table
 
     _print_tables([get_search_rows_table(summary.rows, summary.best)])
@@ -222,18 +356,38 @@ def _print_search_summary(summary) -> None:
 
 @app.command()
 def trial(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model profile (tiny, small, ...), a model TOML, package.module:function or a Hugging Face config.json / model dir.")],
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Model profile (tiny, small, ...), a model TOML, package.module:function or a Hugging Face config.json / model dir.",
+        ),
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Trial dir: traces, metrics.json, config.toml, env.json.")],
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Runtime config (.toml/.json); default: FSDP2 defaults for the model.")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="Runtime config (.toml/.json); default: FSDP2 defaults for the model."),
+    ] = None,
     nproc: Annotated[int, typer.Option("--nproc", "-n", help="Ranks (world size).")] = 2,
     steps: Annotated[int, typer.Option("--steps", help="Measured (unprofiled) steps.")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="Warm-up steps before measuring.")] = 2,
     profiled_steps: Annotated[int, typer.Option("--profiled-steps", help="Steps in the traces (0: no profiling).")] = 2,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds before every rank is killed.")] = 120.0,
-    cluster: Annotated[Optional[str], typer.Option("--cluster", help="Cluster profile whose links are emulated (e.g. cpu-emulated-ib).")] = None,
-    backend: Annotated[Optional[str], typer.Option("--backend", help="gloo or nccl; default: nccl when CUDA is available.")] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option("--cluster", help="Cluster profile whose links are emulated (e.g. cpu-emulated-ib)."),
+    ] = None,
+    backend: Annotated[
+        str | None, typer.Option("--backend", help="gloo or nccl; default: nccl when CUDA is available.")
+    ] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    write_spec: Annotated[Optional[Path], typer.Option("--write-spec", help="Only write the trial spec JSON for `torchrun -m autotune.trials.torchrun --spec`.")] = None,
+    write_spec: Annotated[
+        Path | None,
+        typer.Option(
+            "--write-spec", help="Only write the trial spec JSON for `torchrun -m autotune.trials.torchrun --spec`."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics.json on stdout.")] = False,
 ) -> None:
     """Run one trial: N ranks, warm-up, timed steps, a profiled window; exit 1 if the trial failed."""
@@ -242,13 +396,25 @@ def trial(
     from autotune.trials import TrialSpec, load_trial_config, run_trial
 
     spec = TrialSpec(
-        model=model, config=load_trial_config(config, model), world_size=nproc, out_dir=out, num_warmup=warmup, num_measured=steps,
-        num_profiled=profiled_steps, profile=profiled_steps > 0, timeout_s=timeout, cluster=cluster, seed=seed,
+        model=model,
+        config=load_trial_config(config, model),
+        world_size=nproc,
+        out_dir=out,
+        num_warmup=warmup,
+        num_measured=steps,
+        num_profiled=profiled_steps,
+        profile=profiled_steps > 0,
+        timeout_s=timeout,
+        cluster=cluster,
+        seed=seed,
         **({"backend": backend} if backend else {}),
     )
     if write_spec is not None:
         spec.write(write_spec)
-        console.print(f"wrote {write_spec}; run on every node: torchrun --nnodes N --nproc-per-node M ... -m autotune.trials.torchrun --spec {write_spec}", highlight=False)
+        console.print(
+            f"wrote {write_spec}; run on every node: torchrun --nnodes N --nproc-per-node M ... -m autotune.trials.torchrun --spec {write_spec}",
+            highlight=False,
+        )
         return
     result = run_trial(spec)
     if as_json:
@@ -264,7 +430,12 @@ def _print_trial_summary(result) -> None:
 
     m = result.metrics
     color = "green" if result.ok else "red"
-    console.print(f"trial [{color}]{result.status}[/]" + (f": {result.reason}" if result.reason else "") + f" ({result.wall_s:.1f} s) -> {result.out_dir}", highlight=False)
+    console.print(
+        f"trial [{color}]{result.status}[/]"
+        + (f": {result.reason}" if result.reason else "")
+        + f" ({result.wall_s:.1f} s) -> {result.out_dir}",
+        highlight=False,
+    )
     if not m.ranks:
         return
     _print_tables([get_rank_table(m)])
@@ -276,27 +447,79 @@ def _print_trial_summary(result) -> None:
 
 # Library errors name settings in the library's terms (``AutotuneError.field``); users know the flags.
 _FLAGS = {
-    "model": "--model", "world_size": "--nproc", "num_trials": "--trials", "num_microbatches": "--microbatches", "prune_ratio": "--prune-ratio", "num_refine": "--refine",
-    "num_confirm_pairs": "--confirm-pairs", "patience": "--patience", "sampler": "--sampler", "trial_timeout_s": "--trial-timeout",
-    "num_warmup": "--warmup", "num_measured": "--steps", "num_profiled": "--profiled-steps", "timeout_s": "--timeout", "backend": "--backend",
-    "storage": "--storage", "out_dir": "--out", "fixed_mesh": "--mesh", "storage_timeout_s": "--storage-timeout", "heartbeat_s": "--heartbeat",
-    "presearch": "--presearch", "presearch_top_k": "--presearch-top",
-}  # fmt: skip
+    "model": "--model",
+    "world_size": "--nproc",
+    "num_trials": "--trials",
+    "num_microbatches": "--microbatches",
+    "prune_ratio": "--prune-ratio",
+    "num_refine": "--refine",
+    "num_confirm_pairs": "--confirm-pairs",
+    "patience": "--patience",
+    "sampler": "--sampler",
+    "trial_timeout_s": "--trial-timeout",
+    "num_warmup": "--warmup",
+    "num_measured": "--steps",
+    "num_profiled": "--profiled-steps",
+    "timeout_s": "--timeout",
+    "backend": "--backend",
+    "storage": "--storage",
+    "out_dir": "--out",
+    "fixed_mesh": "--mesh",
+    "storage_timeout_s": "--storage-timeout",
+    "heartbeat_s": "--heartbeat",
+    "presearch": "--presearch",
+    "presearch_top_k": "--presearch-top",
+}
 
 
 @app.command()
 def plan(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model profile (llama1b, llama8b, llama70b, ...), a model TOML, package.module:function (a factory) or a Hugging Face config.json / model dir.")] = "llama8b",
-    cluster: Annotated[str, typer.Option("--cluster", help="GPU cluster profile: h100-node, h200-node, a100-node or a TOML path.")] = "h100-node",
-    nodes: Annotated[int, typer.Option("--nodes", help="Nodes of that profile (world size = nodes x ranks per node).")] = 1,
-    microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")] = 2,
-    ac: Annotated[str, typer.Option("--ac", help="Activation checkpointing: auto (searched per unit and set in the config; with --no-memory-knobs: none if the defaults fit, else full), or none / full in your training script.")] = "auto",
-    mesh: Annotated[Optional[str], typer.Option("--mesh", help="Fix the mesh: fsdp or hsdp:RxS.")] = None,
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Model profile (llama1b, llama8b, llama70b, ...), a model TOML, package.module:function (a factory) or a Hugging Face config.json / model dir.",
+        ),
+    ] = "llama8b",
+    cluster: Annotated[
+        str, typer.Option("--cluster", help="GPU cluster profile: h100-node, h200-node, a100-node or a TOML path.")
+    ] = "h100-node",
+    nodes: Annotated[
+        int, typer.Option("--nodes", help="Nodes of that profile (world size = nodes x ranks per node).")
+    ] = 1,
+    microbatches: Annotated[
+        int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")
+    ] = 2,
+    ac: Annotated[
+        str,
+        typer.Option(
+            "--ac",
+            help="Activation checkpointing: auto (searched per unit and set in the config; with --no-memory-knobs: none if the defaults fit, else full), or none / full in your training script.",
+        ),
+    ] = "auto",
+    mesh: Annotated[str | None, typer.Option("--mesh", help="Fix the mesh: fsdp or hsdp:RxS.")] = None,
     top: Annotated[int, typer.Option("--top", help="Configs to show.")] = 10,
-    workers: Annotated[Optional[int], typer.Option("--workers", help="Simulating processes; default: CPU count (max 8).")] = None,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Where best.toml, best.json and plan.json go.")] = Path("runs/plan"),
-    exact: Annotated[bool, typer.Option("--exact", help="Simulate every config at the model's depth (deep models are otherwise extrapolated from 8 and 16 blocks, the fastest re-simulated).")] = False,
-    memory_knobs: Annotated[bool, typer.Option("--memory-knobs/--no-memory-knobs", help="Also rank blocks per unit, the root's knobs and (with --ac auto) checkpointing per unit, for the fastest configs.")] = True,
+    workers: Annotated[
+        int | None, typer.Option("--workers", help="Simulating processes; default: CPU count (max 8).")
+    ] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Where best.toml, best.json and plan.json go.")] = Path(
+        "runs/plan"
+    ),
+    exact: Annotated[
+        bool,
+        typer.Option(
+            "--exact",
+            help="Simulate every config at the model's depth (deep models are otherwise extrapolated from 8 and 16 blocks, the fastest re-simulated).",
+        ),
+    ] = False,
+    memory_knobs: Annotated[
+        bool,
+        typer.Option(
+            "--memory-knobs/--no-memory-knobs",
+            help="Also rank blocks per unit, the root's knobs and (with --ac auto) checkpointing per unit, for the fastest configs.",
+        ),
+    ] = True,
 ) -> None:
     """Rank every config of the search space in the FSDP2 step simulator for a GPU cluster; emit the best (provenance: simulated)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -304,9 +527,27 @@ def plan(
     from autotune.plan import PlanSettings, run_plan
     from autotune.plan.tables import get_config_lines, get_plan_lines, get_plan_table, get_unit_table
 
-    settings = PlanSettings(model=model, cluster=cluster, num_nodes=nodes, num_microbatches=microbatches, out_dir=out, activation_checkpointing=ac,  # type: ignore[arg-type]
-                            fixed_mesh=mesh, num_top=top, exact=exact, memory_knobs=memory_knobs, **({"num_workers": workers} if workers is not None else {}))  # fmt: skip
-    progress = Progress(TextColumn("[bold]configs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=False)
+    settings = PlanSettings(
+        model=model,
+        cluster=cluster,
+        num_nodes=nodes,
+        num_microbatches=microbatches,
+        out_dir=out,
+        activation_checkpointing=ac,  # type: ignore[arg-type]
+        fixed_mesh=mesh,
+        num_top=top,
+        exact=exact,
+        memory_knobs=memory_knobs,
+        **({"num_workers": workers} if workers is not None else {}),
+    )
+    progress = Progress(
+        TextColumn("[bold]configs"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=False,
+    )
 
     class Reporter:
         task = None
@@ -336,7 +577,9 @@ def plan(
         raise typer.Exit(1)
 
 
-_FLAGS.update(num_nodes="--nodes", num_top="--top", num_workers="--workers", activation_checkpointing="--ac", cluster="--cluster")
+_FLAGS.update(
+    num_nodes="--nodes", num_top="--top", num_workers="--workers", activation_checkpointing="--ac", cluster="--cluster"
+)
 
 
 def main() -> None:

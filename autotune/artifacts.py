@@ -32,7 +32,9 @@ class ArtifactError(AutotuneError):
     """An artifact file is unreadable, of another kind, or from a newer schema."""
 
 
-def check_artifact(data: Any, *, kind: str, version: int, migrations: Mapping[int, Migration] | None = None, source: str) -> dict[str, Any]:
+def check_artifact(
+    data: Any, *, kind: str, version: int, migrations: Mapping[int, Migration] | None = None, source: str
+) -> dict[str, Any]:
     """``data`` upgraded to ``version``, after checking it is a ``kind`` artifact not newer than ``version``."""
     if not isinstance(data, dict):
         raise ArtifactError(f"{source}: not a {kind} file (a JSON {type(data).__name__}, expected an object)")
@@ -42,17 +44,23 @@ def check_artifact(data: Any, *, kind: str, version: int, migrations: Mapping[in
     if isinstance(found_version, bool) or not isinstance(found_version, int) or found_version < 1:
         raise ArtifactError(f"{source}: schema_version must be a positive integer, got {found_version!r}")
     if found_version > version:
-        raise ArtifactError(f"{source}: {kind} schema_version {found_version} is newer than this fsdp-autotune reads ({version}); upgrade fsdp-autotune")
+        raise ArtifactError(
+            f"{source}: {kind} schema_version {found_version} is newer than this fsdp-autotune reads ({version}); upgrade fsdp-autotune"
+        )
     migrations = migrations or {}
     while data["schema_version"] < version:
         step = migrations.get(data["schema_version"])
         if step is None:
-            raise ArtifactError(f"{source}: {kind} schema_version {data['schema_version']} is no longer readable (oldest supported: {min(migrations, default=version)})")
+            raise ArtifactError(
+                f"{source}: {kind} schema_version {data['schema_version']} is no longer readable (oldest supported: {min(migrations, default=version)})"
+            )
         data = {**step(data), "schema_version": data["schema_version"] + 1}
     return data
 
 
-def read_artifact(path: str | Path, *, kind: str, version: int, migrations: Mapping[int, Migration] | None = None) -> dict[str, Any]:
+def read_artifact(
+    path: str | Path, *, kind: str, version: int, migrations: Mapping[int, Migration] | None = None
+) -> dict[str, Any]:
     """The JSON object in ``path``, checked and upgraded by :func:`check_artifact`."""
     path = Path(path)
     try:
@@ -85,7 +93,11 @@ def build_dataclass(cls: type, data: Any, *, source: str, what: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ArtifactError(f"{source}: unknown field {unknown[0]!r} in {what}")
-    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.init]
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.init
+    ]
     missing = [n for n in required if n not in data]
     if missing:
         raise ArtifactError(f"{source}: missing field {missing[0]!r} in {what}")

@@ -22,7 +22,18 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-_MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+_MALLINFO2_FIELDS = (
+    "arena",
+    "ordblks",
+    "smblks",
+    "hblks",
+    "hblkhd",
+    "usmblks",
+    "fsmblks",
+    "uordblks",
+    "fordblks",
+    "keepcost",
+)
 
 
 def _mallinfo2_type() -> Any:
@@ -71,7 +82,7 @@ class PeakRss:
         while not self._stop.wait(0.005):
             self.peak = max(self.peak, _rss())
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self._thread.start()
         return self
 
@@ -152,7 +163,9 @@ def _step_record(training: Any, step: int, device: Any) -> dict[str, float]:
     }
 
 
-def _run_kineto(training: Any, variant: dict[str, Any], first_step: int, active: int, device: Any, trace_path: Path | None) -> dict[str, Any]:
+def _run_kineto(
+    training: Any, variant: dict[str, Any], first_step: int, active: int, device: Any, trace_path: Path | None
+) -> dict[str, Any]:
     """One profiled window as a trial runs it (schedule, then on_trace_ready export)."""
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile, schedule
@@ -251,4 +264,10 @@ def alternate(
             gc.collect()  # outside the timed steps: no block inherits another's garbage
             result["after_block"] = _malloc_state()
             blocks.append({"round": r, "variant": name, **result})
-    return {"rank": rank, "blocks": blocks, "num_threads": torch.get_num_threads(), "peak_rss": rss.peak, "baseline_rss": rss.baseline}
+    return {
+        "rank": rank,
+        "blocks": blocks,
+        "num_threads": torch.get_num_threads(),
+        "peak_rss": rss.peak,
+        "baseline_rss": rss.baseline,
+    }

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from autotune.trials import TrialSpec, run_trial
 from autotune.trials.program import NO_HEAP_TUNING_ENV
@@ -25,7 +26,13 @@ def _environment(heap: str, env: dict[str, str]) -> dict[str, str]:
     return {**env, **({} if heap == "trial" else {NO_HEAP_TUNING_ENV: "default"})}
 
 
-def run_real_trials(configs: list[str], allocators: dict[str, tuple[str, dict[str, str]]], rounds: int, get_config: Callable[[Any, str], dict], load: Callable[[], str]) -> list[dict[str, Any]]:
+def run_real_trials(
+    configs: list[str],
+    allocators: dict[str, tuple[str, dict[str, str]]],
+    rounds: int,
+    get_config: Callable[[Any, str], dict],
+    load: Callable[[], str],
+) -> list[dict[str, Any]]:
     """Per round, config and allocator (ABBA over configs and rounds) one paired trial of ``small``."""
     out = Path(tempfile.mkdtemp(prefix="profiler-trials-"))
     defaults = config_from_dict(get_config("small", "defaults"))
@@ -39,8 +46,18 @@ def run_real_trials(configs: list[str], allocators: dict[str, tuple[str, dict[st
                 for k in saved:
                     os.environ.pop(k, None)
                 os.environ.update(env)
-                spec = TrialSpec(model="small", config=config_from_dict(get_config("small", config)), world_size=2, out_dir=out / f"{config}_{name}_r{r}",
-                                 num_warmup=2, num_measured=6, num_profiled=2, timeout_s=900, backend="gloo", reference=defaults)  # fmt: skip
+                spec = TrialSpec(
+                    model="small",
+                    config=config_from_dict(get_config("small", config)),
+                    world_size=2,
+                    out_dir=out / f"{config}_{name}_r{r}",
+                    num_warmup=2,
+                    num_measured=6,
+                    num_profiled=2,
+                    timeout_s=900,
+                    backend="gloo",
+                    reference=defaults,
+                )
                 before = load()
                 try:
                     metrics = run_trial(spec).metrics
@@ -50,19 +67,32 @@ def run_real_trials(configs: list[str], allocators: dict[str, tuple[str, dict[st
                         if v is not None:
                             os.environ[k] = v
                 if metrics is None or metrics.status != "ok":
-                    raise SystemExit(f"trial {config}/{name}: {metrics.status if metrics else 'no metrics'} {metrics.reason if metrics else ''}")
+                    raise SystemExit(
+                        f"trial {config}/{name}: {metrics.status if metrics else 'no metrics'} {metrics.reason if metrics else ''}"
+                    )
                 records.append({"config": config, "allocator": name, "metrics": metrics, "load": before})
-                print(f"  trial {config}/{name} round {r}: overhead {metrics.profiler_overhead:.3f} wall, {metrics.profiler_cpu_overhead:.3f} CPU, load {before}", flush=True)
+                print(
+                    f"  trial {config}/{name} round {r}: overhead {metrics.profiler_overhead:.3f} wall, {metrics.profiler_cpu_overhead:.3f} CPU, load {before}",
+                    flush=True,
+                )
     return records
 
 
 def _med(values: list[float], fmt: str = "{:.3f}") -> str:
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})" if values else "-"
+    return (
+        f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+        if values
+        else "-"
+    )
 
 
 def print_real_trials(records: list[dict[str, Any]]) -> None:
-    print("\n== 6. real trials (run_trial, fresh ranks, paired with the defaults, one profiled window): metrics.json's figures, median (min-max) over rounds")
-    print(f"{'config':15} {'alloc':7} {'step ms':>17} {'wall overhead':22} {'CPU overhead':22} {'faults/step p -> q (ranks summed)':>34} {'trace_scale':18} {'peak MiB':>8} load@start")
+    print(
+        "\n== 6. real trials (run_trial, fresh ranks, paired with the defaults, one profiled window): metrics.json's figures, median (min-max) over rounds"
+    )
+    print(
+        f"{'config':15} {'alloc':7} {'step ms':>17} {'wall overhead':22} {'CPU overhead':22} {'faults/step p -> q (ranks summed)':>34} {'trace_scale':18} {'peak MiB':>8} load@start"
+    )
     groups: dict[tuple[str, str], list[Any]] = {}
     for rec in records:
         groups.setdefault((rec["config"], rec["allocator"]), []).append(rec)
@@ -71,6 +101,8 @@ def print_real_trials(records: list[dict[str, Any]]) -> None:
         faults = [m.profiler["page_faults"] for m in ms]
         profiled = [m.profiler["profiled_page_faults"] for m in ms]
         scales = [s["trace_scale"] for m in ms for s in m.profiler["per_rank"]]
-        print(f"{config:15} {name:7} {_med([m.step_ms for m in ms], '{:.0f}'):>17} {_med([m.profiler_overhead for m in ms]):22} {_med([m.profiler_cpu_overhead for m in ms]):22} "
-              f"{statistics.median(faults):>16.0f} -> {statistics.median(profiled):<15.0f} {_med(scales, '{:.2f}'):18} {max(m.process_peak_bytes for m in ms) / 2**20:8.0f} "
-              f"{'; '.join(r['load'] for r in recs)}")  # fmt: skip
+        print(
+            f"{config:15} {name:7} {_med([m.step_ms for m in ms], '{:.0f}'):>17} {_med([m.profiler_overhead for m in ms]):22} {_med([m.profiler_cpu_overhead for m in ms]):22} "
+            f"{statistics.median(faults):>16.0f} -> {statistics.median(profiled):<15.0f} {_med(scales, '{:.2f}'):18} {max(m.process_peak_bytes for m in ms) / 2**20:8.0f} "
+            f"{'; '.join(r['load'] for r in recs)}"
+        )

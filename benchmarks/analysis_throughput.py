@@ -35,7 +35,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = {"cpu": REPO / "tests/data/cpu_tiny_2rank/trace_rank0.json.gz", "gpu": REPO / "tests/data/hta_nccl/sampled_rank-0.json.gz"}
+SOURCES = {
+    "cpu": REPO / "tests/data/cpu_tiny_2rank/trace_rank0.json.gz",
+    "gpu": REPO / "tests/data/hta_nccl/sampled_rank-0.json.gz",
+}
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -43,7 +46,9 @@ def _load(path: Path) -> dict[str, Any]:
     return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
 
 
-def _shifted(event: dict[str, Any], *, copy: int, offset: float, num_steps: int, max_correlation: int) -> dict[str, Any]:
+def _shifted(
+    event: dict[str, Any], *, copy: int, offset: float, num_steps: int, max_correlation: int
+) -> dict[str, Any]:
     event = dict(event, ts=event["ts"] + offset)
     name = event.get("name", "")
     if isinstance(name, str) and name.startswith("ProfilerStep#"):
@@ -63,7 +68,9 @@ def generate_trace(kind: str, out: Path, megabytes: float) -> Path:
     steps = [e for e in timed if str(e.get("name", "")).startswith("ProfilerStep#")]
     start = min(e["ts"] for e in timed)
     span = max(e["ts"] + e.get("dur", 0) for e in timed) - start + 1000.0
-    max_correlation = max((e.get("args", {}).get("correlation", 0) for e in timed if isinstance(e.get("args"), dict)), default=0)
+    max_correlation = max(
+        (e.get("args", {}).get("correlation", 0) for e in timed if isinstance(e.get("args"), dict)), default=0
+    )
     one_copy = sum(len(json.dumps(e, indent=2)) + 2 for e in timed)
     copies = max(1, round(megabytes * 1e6 / one_copy))
     header = {k: v for k, v in doc.items() if k not in ("traceEvents", "traceName")}
@@ -75,7 +82,9 @@ def generate_trace(kind: str, out: Path, megabytes: float) -> Path:
             first = False
         for copy in range(copies):
             for event in timed:
-                shifted = _shifted(event, copy=copy, offset=copy * span, num_steps=len(steps), max_correlation=max_correlation)
+                shifted = _shifted(
+                    event, copy=copy, offset=copy * span, num_steps=len(steps), max_correlation=max_correlation
+                )
                 f.write(("" if first else ",\n") + json.dumps(shifted, indent=2))
                 first = False
         f.write('\n  ],\n  "traceName": "generated"\n}\n')
@@ -111,7 +120,9 @@ def measure(paths: list[Path], mode: str) -> dict[str, float]:
 
 
 def _run_measure(paths: list[Path], mode: str) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--measure", mode, *map(str, paths)], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--measure", mode, *map(str, paths)], check=True, capture_output=True, text=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -157,13 +168,19 @@ def main() -> int:
         seconds, cpu = [r["seconds"] for r in runs], [r["cpu_seconds"] for r in runs]
         best = min(seconds)
         print(f"traces: {len(paths)} file(s), {raw / 1e6:.1f} MB JSON ({stored / 1e6:.1f} MB as stored)")
-        print(f"summarize_traces: wall best {best:.2f} s, median {statistics.median(seconds):.2f} s; CPU best {min(cpu):.2f} s, "
-              f"median {statistics.median(cpu):.2f} s, of {args.repeat} runs (each in a fresh process)")  # fmt: skip
-        print(f"throughput: {raw / 1e6 / min(cpu):.1f} MB/s of JSON per core-second of CPU (median {raw / 1e6 / statistics.median(cpu):.1f}); "
-              f"{raw / 1e6 / best:.1f} MB/s wall (median {raw / 1e6 / statistics.median(seconds):.1f})")  # fmt: skip
+        print(
+            f"summarize_traces: wall best {best:.2f} s, median {statistics.median(seconds):.2f} s; CPU best {min(cpu):.2f} s, "
+            f"median {statistics.median(cpu):.2f} s, of {args.repeat} runs (each in a fresh process)"
+        )
+        print(
+            f"throughput: {raw / 1e6 / min(cpu):.1f} MB/s of JSON per core-second of CPU (median {raw / 1e6 / statistics.median(cpu):.1f}); "
+            f"{raw / 1e6 / best:.1f} MB/s wall (median {raw / 1e6 / statistics.median(seconds):.1f})"
+        )
         rss = max(r["rss_rise_mb"] for r in runs)
-        print(f"peak memory: RSS rise {rss:.0f} MB ({rss / (raw / 1e6):.2f}x the JSON), tracemalloc peak {traced['tracemalloc_peak_mb']:.0f} MB "
-              f"({traced['tracemalloc_peak_mb'] / (raw / 1e6):.2f}x)")  # fmt: skip
+        print(
+            f"peak memory: RSS rise {rss:.0f} MB ({rss / (raw / 1e6):.2f}x the JSON), tracemalloc peak {traced['tracemalloc_peak_mb']:.0f} MB "
+            f"({traced['tracemalloc_peak_mb'] / (raw / 1e6):.2f}x)"
+        )
         print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         if args.profile:
             _profile(paths)

@@ -45,17 +45,34 @@ def get_cases(bucket_mibs: list[int]) -> dict[str, dict[str, Any]]:
     return cases
 
 
-def run_case(model: str | dict[str, Any], world_size: int, *, cases: dict[str, dict[str, Any]], num_repeats: int, timeout_s: float) -> list[dict[str, Any]] | None:
+def run_case(
+    model: str | dict[str, Any],
+    world_size: int,
+    *,
+    cases: dict[str, dict[str, Any]],
+    num_repeats: int,
+    timeout_s: float,
+) -> list[dict[str, Any]] | None:
     """One launch: every case, ``num_repeats`` times, then once for memory; each rank's
     result, or None (reported on stderr) if the launch failed."""
     run = run_ranks(
         "autotune.search.consolidation:consolidation_timing",
         world_size=world_size,
-        kwargs={"model": model, "config": {"schema_version": 1}, "cases": cases, "num_repeats": num_repeats, "measure_memory": True},
+        kwargs={
+            "model": model,
+            "config": {"schema_version": 1},
+            "cases": cases,
+            "num_repeats": num_repeats,
+            "measure_memory": True,
+        },
         timeout_s=timeout_s,
     )
     if not run.ok:
-        print(f"FAILED world {world_size}: {run.status}: {run.reason}\n" + "\n".join(run.stderr_tails), file=sys.stderr, flush=True)
+        print(
+            f"FAILED world {world_size}: {run.status}: {run.reason}\n" + "\n".join(run.stderr_tails),
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     return run.results
 
@@ -107,14 +124,26 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--bucket-mib", type=int, nargs="+", default=[DEFAULT_BUCKET_BYTES // _MIB, 256], help="all_gather bucket sizes to compare")
+    parser.add_argument(
+        "--bucket-mib",
+        type=int,
+        nargs="+",
+        default=[DEFAULT_BUCKET_BYTES // _MIB, 256],
+        help="all_gather bucket sizes to compare",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
     rows = []
     for name in args.models:
         for world_size in args.worlds:
-            per_rank = run_case(MODELS[name], world_size, cases=get_cases(args.bucket_mib), num_repeats=args.repeats, timeout_s=args.timeout)
+            per_rank = run_case(
+                MODELS[name],
+                world_size,
+                cases=get_cases(args.bucket_mib),
+                num_repeats=args.repeats,
+                timeout_s=args.timeout,
+            )
             for row in summarize(per_rank) if per_rank else []:
                 rows.append({"model": name, "world": world_size, **row})
             print(f"done: {name}, world {world_size}", file=sys.stderr, flush=True)

@@ -21,14 +21,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.trials import run_ranks  # noqa: E402
-from autotune.trials import build_training  # noqa: E402
+from autotune.trials import (
+    build_training,  # noqa: E402
+    run_ranks,  # noqa: E402
+)
 from fsdp_runtime import MeshConfig, RuntimeConfig, config_to_dict, default_config  # noqa: E402
 from profiles import load_model_profile  # noqa: E402
 
 
 def _units(config: RuntimeConfig, **changes) -> RuntimeConfig:
-    return dataclasses.replace(config, units=[dataclasses.replace(u, **changes) if u.name != "root" else u for u in config.units])
+    return dataclasses.replace(
+        config, units=[dataclasses.replace(u, **changes) if u.name != "root" else u for u in config.units]
+    )
 
 
 def _prefetch(config: RuntimeConfig, depth: int) -> RuntimeConfig:
@@ -37,12 +41,18 @@ def _prefetch(config: RuntimeConfig, depth: int) -> RuntimeConfig:
     for u in config.units:
         if u.name != "root":
             i = blocks.index(u.name)
-            u = dataclasses.replace(u, forward_prefetch=blocks[i + 1 : i + 1 + depth], backward_prefetch=list(reversed(blocks[max(0, i - depth) : i])))
+            u = dataclasses.replace(
+                u,
+                forward_prefetch=blocks[i + 1 : i + 1 + depth],
+                backward_prefetch=list(reversed(blocks[max(0, i - depth) : i])),
+            )
         units.append(u)
     return dataclasses.replace(config, units=units)
 
 
-def get_cases(blocks: list[str], num_microbatches: int, world_size: int = 2) -> dict[str, tuple[RuntimeConfig, RuntimeConfig]]:
+def get_cases(
+    blocks: list[str], num_microbatches: int, world_size: int = 2
+) -> dict[str, tuple[RuntimeConfig, RuntimeConfig]]:
     """Knob name -> (A baseline, B with the knob)."""
     base = default_config(blocks, num_microbatches=num_microbatches)
     last = _units(base, sync="last")
@@ -75,7 +85,16 @@ def time_config(rank: int, world_size: int, *, model: str, config: dict, num_ste
     return statistics.median(timed_step(training, s, device, emulator)[0] / 1e3 for s in range(1, num_steps + 1))
 
 
-def rank_main(rank: int, world_size: int, *, model: str, cases: dict[str, tuple[dict, dict]], num_pairs: int, num_steps: int, cluster: str | None = None) -> dict:
+def rank_main(
+    rank: int,
+    world_size: int,
+    *,
+    model: str,
+    cases: dict[str, tuple[dict, dict]],
+    num_pairs: int,
+    num_steps: int,
+    cluster: str | None = None,
+) -> dict:
     results = {}
     for name, (a, b) in cases.items():
         times_a, times_b = [], []
@@ -94,20 +113,41 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", default=None, help="substring filter on knob names")
-    parser.add_argument("--cluster", default=None, help="cluster profile whose links are emulated (e.g. cpu-emulated-ib)")
+    parser.add_argument(
+        "--cluster", default=None, help="cluster profile whose links are emulated (e.g. cpu-emulated-ib)"
+    )
     args = parser.parse_args()
     profile = load_model_profile(args.model)
     blocks = profile.unit_names[:-1]
-    cases = {k: (config_to_dict(a), config_to_dict(b)) for k, (a, b) in get_cases(blocks, args.microbatches, args.world).items() if not args.only or args.only in k}
-    run = run_ranks("knobs:rank_main", world_size=args.world, kwargs={"model": args.model, "cases": cases, "num_pairs": args.pairs, "num_steps": args.steps, "cluster": args.cluster}, timeout_s=3600)
+    cases = {
+        k: (config_to_dict(a), config_to_dict(b))
+        for k, (a, b) in get_cases(blocks, args.microbatches, args.world).items()
+        if not args.only or args.only in k
+    }
+    run = run_ranks(
+        "knobs:rank_main",
+        world_size=args.world,
+        kwargs={
+            "model": args.model,
+            "cases": cases,
+            "num_pairs": args.pairs,
+            "num_steps": args.steps,
+            "cluster": args.cluster,
+        },
+        timeout_s=3600,
+    )
     if not run.ok:
         sys.exit(f"benchmark failed: {run.status}: {run.reason}")
     results = run.results[0]
-    print(f"model={args.model} world={args.world} microbatches={args.microbatches} pairs={args.pairs} steps/measurement={args.steps} cluster={args.cluster}")
+    print(
+        f"model={args.model} world={args.world} microbatches={args.microbatches} pairs={args.pairs} steps/measurement={args.steps} cluster={args.cluster}"
+    )
     print(f"{'knob':40s} {'A ms':>9s} {'B ms':>9s} {'B/A':>7s}  per-pair B/A")
     for name, (times_a, times_b) in results.items():
         ratios = [b / a for a, b in zip(times_a, times_b)]
-        print(f"{name:40s} {statistics.median(times_a) * 1e3:9.1f} {statistics.median(times_b) * 1e3:9.1f} {statistics.median(ratios):7.3f}  {' '.join(f'{r:.3f}' for r in ratios)}")
+        print(
+            f"{name:40s} {statistics.median(times_a) * 1e3:9.1f} {statistics.median(times_b) * 1e3:9.1f} {statistics.median(ratios):7.3f}  {' '.join(f'{r:.3f}' for r in ratios)}"
+        )
 
 
 if __name__ == "__main__":

@@ -66,25 +66,66 @@ HAND_WRITTEN = {
     "root: no sync + keep unsharded": {"root_sync_fsdp": "last", "root_keep_unsharded": True},
     "embeddings + head as units": {"root_split": "split"},
     "2 per unit + AC full": {"blocks_per_unit": 2, "ac_units": "all", "ac_kind": "full"},
-    "AC full + no sync (blocks, root)": {"ac_units": "all", "ac_kind": "full", "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True,
-                                          "root_sync_fsdp": "last"},
-    "AC selective + no sync + prefetch 1": {"ac_units": "all", "ac_kind": "selective", "nosync_blocks": "all", "nosync_level_fsdp": "last",
-                                             "defer_concat": True, "unshard_async": "on", "forward_prefetch": "depth1", "backward_prefetch": "depth1"},
-}  # fmt: skip
+    "AC full + no sync (blocks, root)": {
+        "ac_units": "all",
+        "ac_kind": "full",
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "defer_concat": True,
+        "root_sync_fsdp": "last",
+    },
+    "AC selective + no sync + prefetch 1": {
+        "ac_units": "all",
+        "ac_kind": "selective",
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "defer_concat": True,
+        "unshard_async": "on",
+        "forward_prefetch": "depth1",
+        "backward_prefetch": "depth1",
+    },
+}
 
 
 def _space() -> SearchSpace:
-    return SearchSpace(block_names=BLOCKS, world_size=2, num_microbatches=MICROBATCHES, grouping=True, checkpointing=True, root_knobs=True,
-                       embedding_names=("tok_embeddings",), head_names=("norm", "output"))  # fmt: skip
+    return SearchSpace(
+        block_names=BLOCKS,
+        world_size=2,
+        num_microbatches=MICROBATCHES,
+        grouping=True,
+        checkpointing=True,
+        root_knobs=True,
+        embedding_names=("tok_embeddings",),
+        head_names=("norm", "output"),
+    )
 
 
-def _measure(pool: RankPool, model: str, configs: dict[str, RuntimeConfig], defaults: RuntimeConfig, *, rounds: int, pairs: int, out: Path) -> dict[str, dict]:
+def _measure(
+    pool: RankPool,
+    model: str,
+    configs: dict[str, RuntimeConfig],
+    defaults: RuntimeConfig,
+    *,
+    rounds: int,
+    pairs: int,
+    out: Path,
+) -> dict[str, dict]:
     """Per config: its pair ratios (config / defaults) and its process peaks (sampled before the defaults' build), over interleaved rounds."""
     got: dict[str, dict] = {name: {"ratios": [], "peaks": []} for name in configs}
     for r in range(rounds):
         for name, config in configs.items():
-            spec = TrialSpec(model=model, config=config, world_size=2, out_dir=out / f"round{r}" / re.sub(r"[^A-Za-z0-9.-]+", "_", name), num_warmup=1,
-                             num_measured=pairs, profile=False, reference=defaults, timeout_s=600, backend="gloo")  # fmt: skip
+            spec = TrialSpec(
+                model=model,
+                config=config,
+                world_size=2,
+                out_dir=out / f"round{r}" / re.sub(r"[^A-Za-z0-9.-]+", "_", name),
+                num_warmup=1,
+                num_measured=pairs,
+                profile=False,
+                reference=defaults,
+                timeout_s=600,
+                backend="gloo",
+            )
             result = run_trial(spec, pool=pool)
             if not result.ok:
                 print(f"  {name}: {result.status} {result.reason[:200] if result.reason else ''}", flush=True)
@@ -98,7 +139,10 @@ def _measure(pool: RankPool, model: str, configs: dict[str, RuntimeConfig], defa
 def _predict_peaks(model: Path, configs: dict[str, RuntimeConfig]) -> dict[str, float]:
     """The simulator's peak tensor memory per rank for each config (float32, 2 ranks); a config it cannot simulate is left out.
     Memory does not depend on the device's speeds: any profile with an accelerator table serves (its times are ignored)."""
-    simulator = Simulator(get_model_work(load_model_source(str(model)), "float32"), Hardware(load_cluster_profile("h100-node"), num_ranks=2))
+    simulator = Simulator(
+        get_model_work(load_model_source(str(model)), "float32"),
+        Hardware(load_cluster_profile("h100-node"), num_ranks=2),
+    )
     peaks = {}
     for name, config in configs.items():
         try:
@@ -108,13 +152,18 @@ def _predict_peaks(model: Path, configs: dict[str, RuntimeConfig]) -> dict[str, 
     return peaks
 
 
-def _print_table(got: dict[str, dict], default_peak: float, budget: int | None = None, predicted: dict[str, float] | None = None) -> dict[str, tuple[float, float]]:
+def _print_table(
+    got: dict[str, dict], default_peak: float, budget: int | None = None, predicted: dict[str, float] | None = None
+) -> dict[str, tuple[float, float]]:
     """The process peak includes the runtime (~constant across configs); the simulator predicts tensor memory, so the
     comparable figures are differences from the defaults: measured peak - defaults' peak vs predicted - predicted defaults'."""
     predicted = predicted or {}
     base = predicted.get("defaults (A/A)")
-    print(f"{'config':40} {'step/defaults':>13} {'IQR':>13} {'peak MiB':>9} {'peak/defaults':>13}" + ("  fits" if budget else "")
-          + (f" {'delta MiB':>9} {'sim delta':>9}" if base is not None else ""))  # fmt: skip
+    print(
+        f"{'config':40} {'step/defaults':>13} {'IQR':>13} {'peak MiB':>9} {'peak/defaults':>13}"
+        + ("  fits" if budget else "")
+        + (f" {'delta MiB':>9} {'sim delta':>9}" if base is not None else "")
+    )
     out = {}
     for name, g in got.items():
         if len(g["ratios"]) < 2 or not g["peaks"]:
@@ -128,7 +177,9 @@ def _print_table(got: dict[str, dict], default_peak: float, budget: int | None =
         if base is not None:
             sim = f"{(predicted[name] - base) / 2**20:+9.1f}" if name in predicted else f"{'-':>9}"
             deltas = f" {(peak - default_peak) / 2**20:+9.1f} {sim}"
-        print(f"{name:40} {median:13.3f} {q25:6.3f}-{q75:.3f} {peak / 2**20:9.1f} {peak / default_peak:13.3f}{fits}{deltas}")
+        print(
+            f"{name:40} {median:13.3f} {q25:6.3f}-{q75:.3f} {peak / 2**20:9.1f} {peak / default_peak:13.3f}{fits}{deltas}"
+        )
     return out
 
 
@@ -137,8 +188,18 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=12, help="trials of the search under the budget")
     parser.add_argument("--pairs", type=int, default=3, help="pairs per config per round")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
-    parser.add_argument("--budget-frac", type=float, default=0.5, help="budget: this far from the defaults' peak down to the lowest peak measured")
-    parser.add_argument("--seq-len", type=int, default=512, help="sequence length: at 512 checkpointing saves ~3x the spread of one config's peak")
+    parser.add_argument(
+        "--budget-frac",
+        type=float,
+        default=0.5,
+        help="budget: this far from the defaults' peak down to the lowest peak measured",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=512,
+        help="sequence length: at 512 checkpointing saves ~3x the spread of one config's peak",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/memory_knobs"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -153,43 +214,86 @@ def main() -> None:
     with RankPool(2) as pool:
         _measure(pool, str(model), {"warm-up": defaults}, defaults, rounds=1, pairs=1, out=args.out / "warmup")
         print(f"\n1. each knob vs FSDP2's defaults ({args.pairs} pairs x {args.rounds} interleaved rounds)", flush=True)
-        got = _measure(pool, str(model), {"defaults (A/A)": defaults, **hand}, defaults, rounds=args.rounds, pairs=args.pairs, out=args.out / "knobs")
+        got = _measure(
+            pool,
+            str(model),
+            {"defaults (A/A)": defaults, **hand},
+            defaults,
+            rounds=args.rounds,
+            pairs=args.pairs,
+            out=args.out / "knobs",
+        )
         default_peak = max(got["defaults (A/A)"]["peaks"])
-        knob_table = _print_table(got, default_peak, predicted=_predict_peaks(model, {"defaults (A/A)": defaults, **hand}))
+        knob_table = _print_table(
+            got, default_peak, predicted=_predict_peaks(model, {"defaults (A/A)": defaults, **hand})
+        )
         lowest = min(peak for _, peak in knob_table.values())
         budget = int(default_peak - args.budget_frac * (default_peak - lowest))
-        print(f"\n2. memory budget {budget / 2**20:.1f} MiB (defaults {default_peak / 2**20:.1f} MiB, lowest {lowest / 2**20:.1f} MiB)", flush=True)
+        print(
+            f"\n2. memory budget {budget / 2**20:.1f} MiB (defaults {default_peak / 2**20:.1f} MiB, lowest {lowest / 2**20:.1f} MiB)",
+            flush=True,
+        )
 
-    print(f"\n3. autotune search under the budget ({args.trials} trials; checkpointing, grouping, root knobs)", flush=True)
-    settings = SearchSettings(model=str(model), world_size=2, num_trials=args.trials, num_microbatches=MICROBATCHES, out_dir=args.out / "search",
-                              memory_budget_bytes=budget, seed=0, patience=None, trial_timeout_s=600)  # fmt: skip
+    print(
+        f"\n3. autotune search under the budget ({args.trials} trials; checkpointing, grouping, root knobs)", flush=True
+    )
+    settings = SearchSettings(
+        model=str(model),
+        world_size=2,
+        num_trials=args.trials,
+        num_microbatches=MICROBATCHES,
+        out_dir=args.out / "search",
+        memory_budget_bytes=budget,
+        seed=0,
+        patience=None,
+        trial_timeout_s=600,
+    )
     summary = run_search(settings)
     for row in summary.rows:
         peak = f"{row.process_peak_bytes / 2**20:7.1f} MiB" if row.process_peak_bytes else "       -"
         ratio = f"{row.ratio:.3f}" if row.ratio is not None else "-"
-        print(f"  trial {row.number:2d} {row.status:8} ratio {ratio:>6} peak {peak} {'fits' if row.feasible else 'OVER'}  {row.params}", flush=True)
+        print(
+            f"  trial {row.number:2d} {row.status:8} ratio {ratio:>6} peak {peak} {'fits' if row.feasible else 'OVER'}  {row.params}",
+            flush=True,
+        )
     if summary.best_config_path is None:
         print("the search emitted nothing")
         return
     emitted = load_config(summary.best_config_path)
     conf = summary.record.confirmation or {}
-    print(f"  search's best trial {summary.best.number}: {summary.best.params}; emitted: {conf.get('emitted')} (final-round winner: {conf.get('winner')})", flush=True)
+    print(
+        f"  search's best trial {summary.best.number}: {summary.best.params}; emitted: {conf.get('emitted')} (final-round winner: {conf.get('winner')})",
+        flush=True,
+    )
 
     feasible = {name: hand[name] for name, (_, peak) in knob_table.items() if name in hand and peak <= budget}
     with RankPool(2) as pool:
-        print(f"\n4. the emitted config and the {len(feasible)} feasible hand-written configs vs the defaults ({args.pairs} pairs x {args.rounds} rounds)", flush=True)
+        print(
+            f"\n4. the emitted config and the {len(feasible)} feasible hand-written configs vs the defaults ({args.pairs} pairs x {args.rounds} rounds)",
+            flush=True,
+        )
         # A fresh pool's first trial starts from a smaller resident set (~300 vs ~370 MiB here): warm it
         # first, as the search's pool is, so no config is measured on a younger process.
         _measure(pool, str(model), {"warm-up": defaults}, defaults, rounds=1, pairs=1, out=args.out / "final_warmup")
-        final = _measure(pool, str(model), {"search under the budget": emitted, **feasible}, defaults, rounds=args.rounds, pairs=args.pairs, out=args.out / "final")
+        final = _measure(
+            pool,
+            str(model),
+            {"search under the budget": emitted, **feasible},
+            defaults,
+            rounds=args.rounds,
+            pairs=args.pairs,
+            out=args.out / "final",
+        )
         final_table = _print_table(final, default_peak, budget)
     if "search under the budget" in final_table:
         ratio, peak = final_table["search under the budget"]
         fitting = {n: r for n, (r, p) in final_table.items() if n != "search under the budget" and p <= budget}
         if fitting:
             best_name = min(fitting, key=fitting.get)
-            print(f"\nemitted: {ratio:.3f} of the defaults' step, peak {peak / 2**20:.1f} MiB ({'fits' if peak <= budget else 'OVER the budget'}); "
-                  f"fastest feasible hand-written: {best_name!r} at {fitting[best_name]:.3f}; emitted / hand-written step: {ratio / fitting[best_name]:.3f} (<= 1: the search is at least as fast)")  # fmt: skip
+            print(
+                f"\nemitted: {ratio:.3f} of the defaults' step, peak {peak / 2**20:.1f} MiB ({'fits' if peak <= budget else 'OVER the budget'}); "
+                f"fastest feasible hand-written: {best_name!r} at {fitting[best_name]:.3f}; emitted / hand-written step: {ratio / fitting[best_name]:.3f} (<= 1: the search is at least as fast)"
+            )
     print(f"load after: {os.getloadavg()}; {time.monotonic() - started:.0f} s")
 
 

@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _profiler_probe import measure_unit_costs  # noqa: E402
 from _profiler_trials import print_real_trials, run_real_trials  # noqa: E402
+
 from autotune.search import SearchSpace  # noqa: E402
 from autotune.trials import resolve_profile, run_ranks  # noqa: E402
 from fsdp_runtime import config_to_dict  # noqa: E402
@@ -72,7 +73,15 @@ WORLD = 2
 MICROBATCHES = 4
 WORKLOADS: dict[str, Any] = {
     "small": "small",
-    "wide": {"name": "small", "dim": 1024, "num_heads": 16, "num_kv_heads": 8, "ffn_hidden_dim": 2816, "seq_len": 64, "batch_size": 1},
+    "wide": {
+        "name": "small",
+        "dim": 1024,
+        "num_heads": 16,
+        "num_kv_heads": 8,
+        "ffn_hidden_dim": 2816,
+        "seq_len": 64,
+        "batch_size": 1,
+    },
 }
 CONFIG_CHANGES: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -80,10 +89,16 @@ CONFIG_CHANGES: dict[str, dict[str, Any]] = {
     "nosync_all": {"nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": False, "defer_concat": True},
     "raf_false": {"reshard_after_forward": "false"},
     "combined": {
-        "unshard_async": "on", "forward_prefetch": "depth1", "backward_prefetch": "depth1",
-        "nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": False, "defer_concat": True, "reshard_after_forward": "false",
+        "unshard_async": "on",
+        "forward_prefetch": "depth1",
+        "backward_prefetch": "depth1",
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "keep_unsharded": False,
+        "defer_concat": True,
+        "reshard_after_forward": "false",
     },
-}  # fmt: skip
+}
 TODAY = {"kind": "kineto", "warmup": 1, "export": "gz"}
 VARIANTS: dict[str, dict[str, Any]] = {  # no trace needed where the ops are today's: export None
     "plain": {"kind": "plain"},
@@ -100,8 +115,14 @@ WHERE_FROM = ("plain", "today", "shapes", "stack", "itt")
 ALLOCATORS: dict[str, tuple[str, dict[str, str]]] = {  # name -> (the probe's heap argument, the ranks' environment)
     "glibc": ("glibc", {}),  # glibc's defaults: dynamic mmap and trim thresholds
     "trial": ("trial", {}),  # what a trial does (autotune/trials/program.py tune_heap, prefault_heap)
-    "notrim": ("glibc", {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=17179869184:glibc.malloc.mmap_threshold=33554432"}),
-    "thp": ("glibc", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}),  # transparent huge pages for malloc'd memory (madvise)
+    "notrim": (
+        "glibc",
+        {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=17179869184:glibc.malloc.mmap_threshold=33554432"},
+    ),
+    "thp": (
+        "glibc",
+        {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+    ),  # transparent huge pages for malloc'd memory (madvise)
 }
 
 
@@ -111,7 +132,9 @@ def load() -> str:
 
 def get_config(model: Any, name: str) -> dict[str, Any]:
     profile = resolve_profile(model)
-    space = SearchSpace(block_names=tuple(profile.block_names), world_size=WORLD, num_microbatches=MICROBATCHES, device_type="cpu")
+    space = SearchSpace(
+        block_names=tuple(profile.block_names), world_size=WORLD, num_microbatches=MICROBATCHES, device_type="cpu"
+    )
     return config_to_dict(space.build_config({**space.get_default_params(), **CONFIG_CHANGES[name]}))
 
 
@@ -124,7 +147,15 @@ def spread(values: list[float], fmt: str = "{:.3f}") -> str:
 # -- 2. runs ---------------------------------------------------------------------------
 
 
-def run_launch(workload: str, config: str, variants: dict[str, dict[str, Any]], rounds: int, block: int, trace_dir: Path, allocator: str) -> dict[str, Any]:
+def run_launch(
+    workload: str,
+    config: str,
+    variants: dict[str, dict[str, Any]],
+    rounds: int,
+    block: int,
+    trace_dir: Path,
+    allocator: str,
+) -> dict[str, Any]:
     model = WORKLOADS[workload]
     load_before = load()
     start = time.monotonic()
@@ -134,13 +165,30 @@ def run_launch(workload: str, config: str, variants: dict[str, dict[str, Any]], 
         timeout_s=1500,
         env=ALLOCATORS[allocator][1],
         kwargs={
-            "model": model, "config": get_config(model, config), "variants": variants, "rounds": rounds, "block": block,
-            "warmup_steps": 2, "trace_dir": str(trace_dir), "tag": f"{workload}_{config}_{allocator}", "heap": ALLOCATORS[allocator][0],
+            "model": model,
+            "config": get_config(model, config),
+            "variants": variants,
+            "rounds": rounds,
+            "block": block,
+            "warmup_steps": 2,
+            "trace_dir": str(trace_dir),
+            "tag": f"{workload}_{config}_{allocator}",
+            "heap": ALLOCATORS[allocator][0],
         },
-    )  # fmt: skip
+    )
     if not run.ok:
-        raise SystemExit(f"{workload}/{config}/{allocator}: ranks failed: {run.status}: {run.reason}\n" + "\n".join(run.stderr_tails))
-    return {"workload": workload, "config": config, "allocator": allocator, "results": run.results, "load": load_before, "load_after": load(), "wall_s": time.monotonic() - start}
+        raise SystemExit(
+            f"{workload}/{config}/{allocator}: ranks failed: {run.status}: {run.reason}\n" + "\n".join(run.stderr_tails)
+        )
+    return {
+        "workload": workload,
+        "config": config,
+        "allocator": allocator,
+        "results": run.results,
+        "load": load_before,
+        "load_after": load(),
+        "wall_s": time.monotonic() - start,
+    }
 
 
 def _blocks(launch: dict[str, Any]) -> dict[tuple[int, str], list[dict[str, Any]]]:
@@ -182,8 +230,19 @@ def analyze_window(paths: list[str]) -> dict[int, dict[str, float]]:
         pid, tid = events[is_step].groupby(["pid", "tid"]).size().idxmax()  # the training thread
         main = events[(events["pid"] == pid) & (events["tid"] == tid)]
         steps = main[is_step[main.index]]
-        ops = [int(((main["ts"] >= s.ts) & (main["ts"] < s.end) & main["cat"].isin(["cpu_op", "user_annotation"])).sum()) - 1 for s in steps.itertuples()]  # not the step's own span
-        others = [int(((events["ts"] >= s.ts) & (events["ts"] < s.end) & ~((events["pid"] == pid) & (events["tid"] == tid))).sum()) for s in steps.itertuples()]
+        ops = [
+            int(((main["ts"] >= s.ts) & (main["ts"] < s.end) & main["cat"].isin(["cpu_op", "user_annotation"])).sum())
+            - 1
+            for s in steps.itertuples()
+        ]  # not the step's own span
+        others = [
+            int(
+                (
+                    (events["ts"] >= s.ts) & (events["ts"] < s.end) & ~((events["pid"] == pid) & (events["tid"] == tid))
+                ).sum()
+            )
+            for s in steps.itertuples()
+        ]
         rows = metrics[metrics["rank"] == rank]
         out[rank] = {
             "ops": statistics.median(ops),
@@ -205,11 +264,18 @@ def summarize_launch(launch: dict[str, Any]) -> tuple[list[dict[str, Any]], list
     blocks = _blocks(launch)
     rounds = sorted({r for r, _ in blocks})
     variants = [v for v in dict.fromkeys(v for _, v in blocks) if v != "plain"]
-    key = {"workload": launch["workload"], "config": launch["config"], "allocator": launch["allocator"], "load": launch["load"]}
+    key = {
+        "workload": launch["workload"],
+        "config": launch["config"],
+        "allocator": launch["allocator"],
+        "load": launch["load"],
+    }
     ops_today: dict[int, float] = {}
     rows, windows = [], []
     for variant in ["today", *(v for v in variants if v != "today")] if "today" in variants else variants:
-        wall, cpu, first_wall, first_cpu, ops, faults_p, faults_q, per_op_cpu, stop, export, size = ([] for _ in range(11))
+        wall, cpu, first_wall, first_cpu, ops, faults_p, faults_q, per_op_cpu, stop, export, size = (
+            [] for _ in range(11)
+        )
         for r in rounds:
             plain, prof = blocks[(r, "plain")], blocks[(r, variant)]
             wp, wq = _combined(plain, "wall", max), _combined(prof, "wall", max)
@@ -235,24 +301,45 @@ def summarize_launch(launch: dict[str, Any]) -> tuple[list[dict[str, Any]], list
                 per_op_cpu.append((cq - cp) / WORLD / n * 1e3)
             if variant == "today" and per_rank:
                 for rank, (pb, qb) in enumerate(zip(plain, prof)):  # results are in rank order
-                    windows.append({
-                        "round": r, "rank": rank,
-                        "wall_p": _rank_median(pb, "wall"), "wall_q": _rank_median(qb, "wall"),
-                        "cpu_p": _rank_median(pb, "thread_cpu"), "cpu_q": _rank_median(qb, "thread_cpu"),
-                        "faults_p": _rank_median(pb, "minflt"), "faults_q": _rank_median(qb, "minflt"),
-                        **per_rank[rank],
-                    })  # fmt: skip
-        rows.append({
-            **key, "variant": variant, "wall": wall, "cpu": cpu, "first_wall": first_wall, "first_cpu": first_cpu,
-            "ops": ops, "faults_p": faults_p, "faults_q": faults_q, "per_op_cpu_us": per_op_cpu,
-            "stop_ms": stop, "export_ms": export, "trace_mb": [s / 2**20 for s in size],
-        })  # fmt: skip
+                    windows.append(
+                        {
+                            "round": r,
+                            "rank": rank,
+                            "wall_p": _rank_median(pb, "wall"),
+                            "wall_q": _rank_median(qb, "wall"),
+                            "cpu_p": _rank_median(pb, "thread_cpu"),
+                            "cpu_q": _rank_median(qb, "thread_cpu"),
+                            "faults_p": _rank_median(pb, "minflt"),
+                            "faults_q": _rank_median(qb, "minflt"),
+                            **per_rank[rank],
+                        }
+                    )
+        rows.append(
+            {
+                **key,
+                "variant": variant,
+                "wall": wall,
+                "cpu": cpu,
+                "first_wall": first_wall,
+                "first_cpu": first_cpu,
+                "ops": ops,
+                "faults_p": faults_p,
+                "faults_q": faults_q,
+                "per_op_cpu_us": per_op_cpu,
+                "stop_ms": stop,
+                "export_ms": export,
+                "trace_mb": [s / 2**20 for s in size],
+            }
+        )
     plain = [blocks[(r, "plain")] for r in rounds]
     allocator = {
-        **key, "wall_ms": statistics.median(_combined(b, "wall", max) for b in plain), "cpu_ms": statistics.median(_combined(b, "thread_cpu", sum) for b in plain),
-        "peak_rss": max(r["peak_rss"] for r in launch["results"]), "end_rss": max(r["blocks"][-1]["after_block"]["rss"] for r in launch["results"]),
+        **key,
+        "wall_ms": statistics.median(_combined(b, "wall", max) for b in plain),
+        "cpu_ms": statistics.median(_combined(b, "thread_cpu", sum) for b in plain),
+        "peak_rss": max(r["peak_rss"] for r in launch["results"]),
+        "end_rss": max(r["blocks"][-1]["after_block"]["rss"] for r in launch["results"]),
         "today": next((row for row in rows if row["variant"] == "today"), None),
-    }  # fmt: skip
+    }
     return rows, windows, allocator
 
 
@@ -261,9 +348,15 @@ def _median_of(row: dict[str, Any], key: str, fmt: str = "{:.0f}") -> str:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print("\n== 2. profiled / unprofiled step, per workload x config x allocator x variant (median over rounds (min-max))")
-    print("   CPU: training threads' CPU time, summed over ranks (what the profiler adds; wall is also what other load adds)")
-    print(f"{'workload':8} {'config':15} {'alloc':7} {'variant':12} {'wall ratio':22} {'CPU ratio':22} {'1st wall':>8} {'1st CPU':>8} {'ops/step':>8} {'faults/step p->q':>17} {'us/op CPU':>10} {'stop ms':>8} {'export ms':>9} {'MiB':>5} load@start")
+    print(
+        "\n== 2. profiled / unprofiled step, per workload x config x allocator x variant (median over rounds (min-max))"
+    )
+    print(
+        "   CPU: training threads' CPU time, summed over ranks (what the profiler adds; wall is also what other load adds)"
+    )
+    print(
+        f"{'workload':8} {'config':15} {'alloc':7} {'variant':12} {'wall ratio':22} {'CPU ratio':22} {'1st wall':>8} {'1st CPU':>8} {'ops/step':>8} {'faults/step p->q':>17} {'us/op CPU':>10} {'stop ms':>8} {'export ms':>9} {'MiB':>5} load@start"
+    )
     for row in rows:
         first_w = f"{row['first_wall'][0]:.3f}" if row["first_wall"] else "-"
         first_c = f"{row['first_cpu'][0]:.3f}" if row["first_cpu"] else "-"
@@ -274,26 +367,44 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def print_attribution(windows_by_launch: dict[tuple[str, str, str], list[dict[str, Any]]], costs: dict[str, float]) -> None:
+def print_attribution(
+    windows_by_launch: dict[tuple[str, str, str], list[dict[str, Any]]], costs: dict[str, float]
+) -> None:
     print("\n== 3. where the overhead goes (today's settings; per rank and round, medians (min-max); ms per step)")
-    print(f"c_op = {costs['c_op_today']:.2f} us per recorded op, c_fault = {costs['c_fault']:.2f} us per fresh page (section 1)")
-    print(f"{'workload':8} {'config':15} {'alloc':7} {'unprof ms':>9} {'extra wall':20} {'extra CPU':20} {'ops x c_op':>10} {'extra faults':>12} {'faults x c_fault':>16} {'model/CPU':>10}")
+    print(
+        f"c_op = {costs['c_op_today']:.2f} us per recorded op, c_fault = {costs['c_fault']:.2f} us per fresh page (section 1)"
+    )
+    print(
+        f"{'workload':8} {'config':15} {'alloc':7} {'unprof ms':>9} {'extra wall':20} {'extra CPU':20} {'ops x c_op':>10} {'extra faults':>12} {'faults x c_fault':>16} {'model/CPU':>10}"
+    )
     for (workload, config, allocator), ws in windows_by_launch.items():
         extra_cpu = [w["cpu_q"] - w["cpu_p"] for w in ws]
         op_cost = statistics.median(w["ops"] * costs["c_op_today"] / 1e3 for w in ws)
         extra_faults = statistics.median(w["faults_q"] - w["faults_p"] for w in ws)
         fault_cost = extra_faults * costs["c_fault"] / 1e3
-        ratio = (op_cost + fault_cost) / statistics.median(extra_cpu) if statistics.median(extra_cpu) > 0 else float("nan")
-        print(f"{workload:8} {config:15} {allocator:7} {statistics.median(w['wall_p'] for w in ws):9.0f} {spread([w['wall_q'] - w['wall_p'] for w in ws], '{:.0f}'):20} "
-              f"{spread(extra_cpu, '{:.0f}'):20} {op_cost:10.0f} {extra_faults:12.0f} {fault_cost:16.0f} {ratio:10.2f}")  # fmt: skip
+        ratio = (
+            (op_cost + fault_cost) / statistics.median(extra_cpu) if statistics.median(extra_cpu) > 0 else float("nan")
+        )
+        print(
+            f"{workload:8} {config:15} {allocator:7} {statistics.median(w['wall_p'] for w in ws):9.0f} {spread([w['wall_q'] - w['wall_p'] for w in ws], '{:.0f}'):20} "
+            f"{spread(extra_cpu, '{:.0f}'):20} {op_cost:10.0f} {extra_faults:12.0f} {fault_cost:16.0f} {ratio:10.2f}"
+        )
 
 
 def print_correction(windows_by_launch: dict[tuple[str, str, str], list[dict[str, Any]]]) -> None:
     print("\n== 4. trace figures vs the unprofiled step (today's settings; per rank and round, medians; ms)")
-    print("   uniform: x * unprofiled/profiled step (same rank, same trial: what the report shows); subtract: compute - (profiled - unprofiled step);")
-    print("   reference: compute - (profiled - unprofiled training-thread CPU), the CPU-time estimate of the unprofiled compute.")
-    print("   error = corrected - reference, in % of the unprofiled step; 'compute>step' counts raw compute above the unprofiled step.")
-    print(f"{'workload':8} {'config':15} {'alloc':7} {'unprof step':>11} {'prof step':>9} {'compute':>8} {'exposed':>8} {'compute>step':>12} {'uniform err %':18} {'subtract err %':18}")
+    print(
+        "   uniform: x * unprofiled/profiled step (same rank, same trial: what the report shows); subtract: compute - (profiled - unprofiled step);"
+    )
+    print(
+        "   reference: compute - (profiled - unprofiled training-thread CPU), the CPU-time estimate of the unprofiled compute."
+    )
+    print(
+        "   error = corrected - reference, in % of the unprofiled step; 'compute>step' counts raw compute above the unprofiled step."
+    )
+    print(
+        f"{'workload':8} {'config':15} {'alloc':7} {'unprof step':>11} {'prof step':>9} {'compute':>8} {'exposed':>8} {'compute>step':>12} {'uniform err %':18} {'subtract err %':18}"
+    )
     for (workload, config, allocator), ws in windows_by_launch.items():
         uniform_err, subtract_err = [], []
         for w in ws:
@@ -301,23 +412,35 @@ def print_correction(windows_by_launch: dict[tuple[str, str, str], list[dict[str
             uniform_err.append((w["compute_ms"] * w["wall_p"] / w["wall_q"] - reference) / w["wall_p"] * 100)
             subtract_err.append((w["compute_ms"] - (w["wall_q"] - w["wall_p"]) - reference) / w["wall_p"] * 100)
         above = sum(w["compute_ms"] > w["wall_p"] for w in ws)
-        med = {key: statistics.median(w[key] for w in ws) for key in ("wall_p", "wall_q", "compute_ms", "exposed_comm_ms")}
-        print(f"{workload:8} {config:15} {allocator:7} {med['wall_p']:11.0f} {med['wall_q']:9.0f} {med['compute_ms']:8.0f} {med['exposed_comm_ms']:8.0f} "
-              f"{f'{above}/{len(ws)}':>12} {spread(uniform_err, '{:+.1f}'):18} {spread(subtract_err, '{:+.1f}'):18}")  # fmt: skip
+        med = {
+            key: statistics.median(w[key] for w in ws) for key in ("wall_p", "wall_q", "compute_ms", "exposed_comm_ms")
+        }
+        print(
+            f"{workload:8} {config:15} {allocator:7} {med['wall_p']:11.0f} {med['wall_q']:9.0f} {med['compute_ms']:8.0f} {med['exposed_comm_ms']:8.0f} "
+            f"{f'{above}/{len(ws)}':>12} {spread(uniform_err, '{:+.1f}'):18} {spread(subtract_err, '{:+.1f}'):18}"
+        )
 
 
 def print_allocators(records: list[dict[str, Any]]) -> None:
     print("\n== 5. allocator settings of the ranks (unprofiled steps, and today's window against them)")
-    print("   unprof wall / CPU: median unprofiled step (slowest rank / CPU summed over ranks); vs first: the same over the first allocator's launch;")
-    print("   peak RSS: sampled over build + warm-up as a trial does (largest rank); end RSS: after the last block (largest rank)")
-    print(f"{'workload':8} {'config':15} {'alloc':7} {'unprof wall':>11} {'vs first':>8} {'unprof CPU':>10} {'vs first':>8} {'faults p->q':>13} {'wall ratio':22} {'CPU ratio':22} {'peak RSS MiB':>12} {'end RSS MiB':>11} load@start")
+    print(
+        "   unprof wall / CPU: median unprofiled step (slowest rank / CPU summed over ranks); vs first: the same over the first allocator's launch;"
+    )
+    print(
+        "   peak RSS: sampled over build + warm-up as a trial does (largest rank); end RSS: after the last block (largest rank)"
+    )
+    print(
+        f"{'workload':8} {'config':15} {'alloc':7} {'unprof wall':>11} {'vs first':>8} {'unprof CPU':>10} {'vs first':>8} {'faults p->q':>13} {'wall ratio':22} {'CPU ratio':22} {'peak RSS MiB':>12} {'end RSS MiB':>11} load@start"
+    )
     first: dict[tuple[str, str], dict[str, Any]] = {}
     for rec in records:
         base = first.setdefault((rec["workload"], rec["config"]), rec)
         today = rec["today"] or {"wall": [], "cpu": [], "faults_p": [], "faults_q": []}
-        print(f"{rec['workload']:8} {rec['config']:15} {rec['allocator']:7} {rec['wall_ms']:11.0f} {rec['wall_ms'] / base['wall_ms']:8.3f} {rec['cpu_ms']:10.0f} {rec['cpu_ms'] / base['cpu_ms']:8.3f} "
-              f"{_median_of(today, 'faults_p') + '->' + _median_of(today, 'faults_q'):>13} {spread(today['wall']):22} {spread(today['cpu']):22} "
-              f"{rec['peak_rss'] / 2**20:12.0f} {rec['end_rss'] / 2**20:11.0f} {rec['load']}")  # fmt: skip
+        print(
+            f"{rec['workload']:8} {rec['config']:15} {rec['allocator']:7} {rec['wall_ms']:11.0f} {rec['wall_ms'] / base['wall_ms']:8.3f} {rec['cpu_ms']:10.0f} {rec['cpu_ms'] / base['cpu_ms']:8.3f} "
+            f"{_median_of(today, 'faults_p') + '->' + _median_of(today, 'faults_q'):>13} {spread(today['wall']):22} {spread(today['cpu']):22} "
+            f"{rec['peak_rss'] / 2**20:12.0f} {rec['end_rss'] / 2**20:11.0f} {rec['load']}"
+        )
 
 
 def main() -> None:
@@ -325,17 +448,34 @@ def main() -> None:
     parser.add_argument("--workloads", default="small,wide")
     parser.add_argument("--configs", default="defaults,async_prefetch,nosync_all,raf_false")
     parser.add_argument("--variants", default=",".join(WHERE_FROM), help="variants every config runs")
-    parser.add_argument("--extended", default="defaults", help="configs that also run no_warmup, shapes_stack and trace_only")
-    parser.add_argument("--allocators", default="glibc,trial", help=f"rank allocator settings, one launch each per config: {', '.join(ALLOCATORS)}")
+    parser.add_argument(
+        "--extended", default="defaults", help="configs that also run no_warmup, shapes_stack and trace_only"
+    )
+    parser.add_argument(
+        "--allocators",
+        default="glibc,trial",
+        help=f"rank allocator settings, one launch each per config: {', '.join(ALLOCATORS)}",
+    )
     parser.add_argument("--rounds", type=int, default=4, help="rounds of each probe launch (0: no probe launches)")
-    parser.add_argument("--trial-rounds", type=int, default=2, help="rounds of real trials per config and allocator (section 6; small only)")
+    parser.add_argument(
+        "--trial-rounds",
+        type=int,
+        default=2,
+        help="rounds of real trials per config and allocator (section 6; small only)",
+    )
     parser.add_argument("--wide-rounds", type=int, default=2)
-    parser.add_argument("--block", type=int, default=2, help="profiled (active) steps per window, as a trial's num_profiled")
-    parser.add_argument("--wide-variants", default="plain,today,itt", help="variants of the wide launches (steps are ~3 s there)")
+    parser.add_argument(
+        "--block", type=int, default=2, help="profiled (active) steps per window, as a trial's num_profiled"
+    )
+    parser.add_argument(
+        "--wide-variants", default="plain,today,itt", help="variants of the wide launches (steps are ~3 s there)"
+    )
     parser.add_argument("--keep-traces", default=None)
     args = parser.parse_args()
     t0 = time.monotonic()
-    print(f"load average at start {load()} on {os.cpu_count()} cores; world {WORLD}, {MICROBATCHES} microbatches, block {args.block}")
+    print(
+        f"load average at start {load()} on {os.cpu_count()} cores; world {WORLD}, {MICROBATCHES} microbatches, block {args.block}"
+    )
     costs = measure_unit_costs()
     print(f"\n== 1. unit costs (one process, 1 thread; load {load()})")
     print(
@@ -361,7 +501,10 @@ def main() -> None:
                 order = args.allocators.split(",")
                 for allocator in order if launch_index % 2 == 0 else order[::-1]:  # ABBA over configs
                     launch = run_launch(workload, config, variants, rounds, args.block, trace_dir, allocator)
-                    print(f"  ran {workload}/{config}/{allocator}: {len(variants)} variants x {rounds} rounds in {launch['wall_s']:.0f}s, load {launch['load']} -> {launch['load_after']}", flush=True)
+                    print(
+                        f"  ran {workload}/{config}/{allocator}: {len(variants)} variants x {rounds} rounds in {launch['wall_s']:.0f}s, load {launch['load']} -> {launch['load_after']}",
+                        flush=True,
+                    )
                     launch_rows, launch_windows, allocator_record = summarize_launch(launch)
                     rows += launch_rows
                     windows[(workload, config, allocator)] = launch_windows
@@ -379,7 +522,9 @@ def main() -> None:
     print_allocators(allocators)
     if args.trial_rounds:
         allocator_settings = {name: ALLOCATORS[name] for name in args.allocators.split(",")}
-        print_real_trials(run_real_trials(args.configs.split(","), allocator_settings, args.trial_rounds, get_config, load))
+        print_real_trials(
+            run_real_trials(args.configs.split(","), allocator_settings, args.trial_rounds, get_config, load)
+        )
     print(f"\ntotal {time.monotonic() - t0:.0f}s, load average at end {load()}")
 
 

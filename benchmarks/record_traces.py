@@ -24,9 +24,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def record_rank(rank: int, world_size: int, *, model: str | dict, config: dict, out_dir: str, warmup: int, steps: int) -> str:
+def record_rank(
+    rank: int, world_size: int, *, model: str | dict, config: dict, out_dir: str, warmup: int, steps: int
+) -> str:
     """Rank program: train under the profiler and write this rank's gzipped trace."""
-    import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from autotune.trials import build_training
@@ -37,7 +38,12 @@ def record_rank(rank: int, world_size: int, *, model: str | dict, config: dict, 
     out = Path(out_dir) / f"trace_rank{rank}.json.gz"
     raw = out.with_suffix("")  # torch writes plain JSON; gzip it afterwards
     sched = schedule(wait=0, warmup=1, active=steps, repeat=1)
-    with profile(activities=[ProfilerActivity.CPU], schedule=sched, profile_memory=True, on_trace_ready=lambda p: p.export_chrome_trace(str(raw))) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        schedule=sched,
+        profile_memory=True,
+        on_trace_ready=lambda p: p.export_chrome_trace(str(raw)),
+    ) as prof:
         for s in range(1 + steps):
             training.step(warmup + s)
             prof.step()
@@ -66,7 +72,13 @@ def main() -> int:
     run = run_ranks(
         "benchmarks.record_traces:record_rank",
         world_size=args.world_size,
-        kwargs={"model": model, "config": config, "out_dir": str(args.out_dir.resolve()), "warmup": args.warmup, "steps": args.steps},
+        kwargs={
+            "model": model,
+            "config": config,
+            "out_dir": str(args.out_dir.resolve()),
+            "warmup": args.warmup,
+            "steps": args.steps,
+        },
         timeout_s=300,
     )
     if not run.ok:

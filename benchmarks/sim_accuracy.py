@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -45,15 +45,35 @@ from profiles.sources import load_model_source  # noqa: E402
 
 WORKLOADS = {
     "small": "small",
-    "wide": {"name": "small", "dim": 640, "num_layers": 3, "num_heads": 10, "num_kv_heads": 5, "ffn_hidden_dim": 1792, "seq_len": 16, "batch_size": 1},
+    "wide": {
+        "name": "small",
+        "dim": 640,
+        "num_layers": 3,
+        "num_heads": 10,
+        "num_kv_heads": 5,
+        "ffn_hidden_dim": 1792,
+        "seq_len": 16,
+        "batch_size": 1,
+    },
 }
 SETTINGS = {"raw": (2, None), "emulated": (2, "cpu-emulated-ib"), "2x2": (4, "cpu-emulated-ib")}
 NUM_MICROBATCHES = 2
 
 
 def _spec(model, config, world, out, *, cluster, steps, warmup, profile, reference=None):
-    return TrialSpec(model=model, config=config, world_size=world, out_dir=out, num_warmup=warmup, num_measured=steps, num_profiled=2,
-                     profile=profile, cluster=cluster, timeout_s=600.0, reference=reference)  # fmt: skip
+    return TrialSpec(
+        model=model,
+        config=config,
+        world_size=world,
+        out_dir=out,
+        num_warmup=warmup,
+        num_measured=steps,
+        num_profiled=2,
+        profile=profile,
+        cluster=cluster,
+        timeout_s=600.0,
+        reference=reference,
+    )
 
 
 def _load() -> str:
@@ -69,7 +89,14 @@ def _nosync_params(space: SearchSpace) -> dict:
     most of their collectives (no gradient sync before the last microbatch, blocks kept unsharded
     across microbatches and from forward to backward: ~10 collectives a step instead of ~28 on
     ``small`` with 2 microbatches), so the wait it saves stands out of the pairs' noise."""
-    return {**space.get_default_params(), "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True, "keep_unsharded": True, "reshard_after_forward": "false"}
+    return {
+        **space.get_default_params(),
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "defer_concat": True,
+        "keep_unsharded": True,
+        "reshard_after_forward": "false",
+    }
 
 
 def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path) -> dict:
@@ -77,35 +104,79 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
     model = WORKLOADS[workload]
     source = load_model_source(model)
     work = get_model_work(source, "float32")
-    space = SearchSpace(block_names=work.block_names, world_size=world, num_microbatches=NUM_MICROBATCHES, device_type="cpu")
+    space = SearchSpace(
+        block_names=work.block_names, world_size=world, num_microbatches=NUM_MICROBATCHES, device_type="cpu"
+    )
     defaults = space.get_default_params()
     started = time.monotonic()
     with RankPool(world) as pool:
-        run_trial(_spec(model, space.build_config(defaults), world, out / "warmup", cluster=cluster, steps=3, warmup=2, profile=False), pool=pool)
-        anchor_dir, async_dir, nosync_dir, raw_dir = out / "cal_defaults", out / "cal_async", out / "cal_nosync", out / "cal_raw"
+        run_trial(
+            _spec(
+                model,
+                space.build_config(defaults),
+                world,
+                out / "warmup",
+                cluster=cluster,
+                steps=3,
+                warmup=2,
+                profile=False,
+            ),
+            pool=pool,
+        )
+        anchor_dir, async_dir, nosync_dir, raw_dir = (
+            out / "cal_defaults",
+            out / "cal_async",
+            out / "cal_nosync",
+            out / "cal_raw",
+        )
         default_config = space.build_config(defaults)
-        calibration = [(anchor_dir, defaults, cluster, None), (async_dir, _calibration_params(space), cluster, default_config)]
+        calibration = [
+            (anchor_dir, defaults, cluster, None),
+            (async_dir, _calibration_params(space), cluster, default_config),
+        ]
         calibration += [(nosync_dir, _nosync_params(space), cluster, default_config)] if args.fit_sync else []
         # A shard group of one (replication) unshards and reduces by plain copies the FSDP anchor cannot show.
-        calibration += [(out / "cal_local", {**defaults, "mesh": f"hsdp:{world}x1"}, cluster, None)] if args.fit_local else []
+        calibration += (
+            [(out / "cal_local", {**defaults, "mesh": f"hsdp:{world}x1"}, cluster, None)] if args.fit_local else []
+        )
         # FSDP1-style eager concat, priced from fsdp_runtime's labels around it (not as memory traffic).
         concat = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": False}
         calibration += [(out / "cal_concat", concat, cluster, None)] if args.fit_concat else []
         calibration += [(raw_dir, defaults, None, None)] if cluster else []
         for path, params, links, reference in calibration:
-            steps = args.calibration_pairs if reference is not None else args.steps  # a fitted ratio: as many pairs as the noise asks
-            spec = _spec(model, space.build_config(params), world, path, cluster=links, steps=steps, warmup=args.warmup, profile=True, reference=reference)
+            steps = (
+                args.calibration_pairs if reference is not None else args.steps
+            )  # a fitted ratio: as many pairs as the noise asks
+            spec = _spec(
+                model,
+                space.build_config(params),
+                world,
+                path,
+                cluster=links,
+                steps=steps,
+                warmup=args.warmup,
+                profile=True,
+                reference=reference,
+            )
             result = run_trial(spec, pool=pool)
             assert result.ok, f"calibration trial {path}: {result.status} {result.reason}"
         extra = [read_calibration_trial(path) for path, *_ in calibration[1:]]
         # The anchor's step: the defaults as timed in alternation with the async trial (the profiled trial's own
         # unprofiled steps run first, when the pool is least warm).
-        profile = calibrate(work, read_calibration_trial(anchor_dir), extra=extra, anchor_step_s=extra[0].reference_step_s, fit_sync=args.fit_sync)
+        profile = calibrate(
+            work,
+            read_calibration_trial(anchor_dir),
+            extra=extra,
+            anchor_step_s=extra[0].reference_step_s,
+            fit_sync=args.fit_sync,
+        )
         calibrate_s = time.monotonic() - started
         hardware = Hardware(load_cluster_profile(cluster or "cpu-gloo"), num_ranks=world, measured=profile)
         simulator = Simulator(work, hardware)
         points = list(iter_space_params(space))
-        sample = [defaults] + random.Random(args.seed).sample([p for p in points if p != defaults], min(args.configs - 1, len(points) - 1))
+        sample = [defaults] + random.Random(args.seed).sample(
+            [p for p in points if p != defaults], min(args.configs - 1, len(points) - 1)
+        )
         ranked = rank_space(space, simulator, world_size=world, device="cpu") if setting == "2x2" else []
         if ranked and ranked[0][0] not in sample:
             sample.append(ranked[0][0])
@@ -113,42 +184,97 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         rows, loads = [], [_load()]
         for i, params in enumerate(sample):
             config = space.build_config(params)
-            spec = _spec(model, config, world, out / f"config_{i:03d}", cluster=cluster, steps=args.pairs, warmup=args.warmup, profile=False, reference=default_config)
+            spec = _spec(
+                model,
+                config,
+                world,
+                out / f"config_{i:03d}",
+                cluster=cluster,
+                steps=args.pairs,
+                warmup=args.warmup,
+                profile=False,
+                reference=default_config,
+            )
             result = run_trial(spec, pool=pool)
             prediction = simulator.simulate(config)
             predicted = prediction.step_s * 1e3
             paired = result.metrics.paired if result.metrics else {}
-            rows.append({"params": params, "config": describe_params(params), "status": result.status, "measured_ms": result.step_ms, "predicted_ms": predicted,
-                         "measured_ratio": paired.get("ratio"), "predicted_ratio": predicted / default_pred, "ratio_spread": paired.get("ratio_spread"),
-                         "pair_ratios": paired.get("pair_ratios") or [],
-                         # how the predicted step splits: work on the cores vs waiting on links (for the misses' analysis)
-                         "predicted_compute_ms": prediction.compute_s * 1e3, "predicted_exposed_comm_ms": prediction.exposed_comm_s * 1e3,
-                         "reference_ms": statistics.median(result.metrics.reference_step_ms_per_step) if result.metrics and result.metrics.reference_step_ms_per_step else None})  # fmt: skip
-            print(f"  [{workload}/{setting}] {i + 1}/{len(sample)} measured {result.step_ms or float('nan'):7.1f} ms ({paired.get('ratio') or float('nan'):.3f}x the defaults)"
-                  f"  predicted {predicted:7.1f} ms ({predicted / default_pred:.3f}x)  {describe_params(params)}", flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "params": params,
+                    "config": describe_params(params),
+                    "status": result.status,
+                    "measured_ms": result.step_ms,
+                    "predicted_ms": predicted,
+                    "measured_ratio": paired.get("ratio"),
+                    "predicted_ratio": predicted / default_pred,
+                    "ratio_spread": paired.get("ratio_spread"),
+                    "pair_ratios": paired.get("pair_ratios") or [],
+                    # how the predicted step splits: work on the cores vs waiting on links (for the misses' analysis)
+                    "predicted_compute_ms": prediction.compute_s * 1e3,
+                    "predicted_exposed_comm_ms": prediction.exposed_comm_s * 1e3,
+                    "reference_ms": statistics.median(result.metrics.reference_step_ms_per_step)
+                    if result.metrics and result.metrics.reference_step_ms_per_step
+                    else None,
+                }
+            )
+            print(
+                f"  [{workload}/{setting}] {i + 1}/{len(sample)} measured {result.step_ms or float('nan'):7.1f} ms ({paired.get('ratio') or float('nan'):.3f}x the defaults)"
+                f"  predicted {predicted:7.1f} ms ({predicted / default_pred:.3f}x)  {describe_params(params)}",
+                flush=True,
+            )
         loads.append(_load())
     ok = [r for r in rows if r["status"] == "ok" and r["measured_ms"] and r["measured_ratio"]]
     errors = [r["predicted_ms"] / r["measured_ms"] - 1 for r in ok]
     ratio_errors = [r["predicted_ratio"] / r["measured_ratio"] - 1 for r in ok]
     anchor_ms = 1e3 * read_calibration_trial(anchor_dir).step_s
     summary = {
-        "workload": workload, "setting": setting, "world_size": world, "cluster": cluster, "num_configs": len(ok), "num_points": len(points),
-        "median_abs_error": _median_abs(errors), "p90_abs_error": _p90_abs(errors), "mean_error": statistics.fmean(errors) if errors else None,
+        "workload": workload,
+        "setting": setting,
+        "world_size": world,
+        "cluster": cluster,
+        "num_configs": len(ok),
+        "num_points": len(points),
+        "median_abs_error": _median_abs(errors),
+        "p90_abs_error": _p90_abs(errors),
+        "mean_error": statistics.fmean(errors) if errors else None,
         "spearman": spearman([r["predicted_ms"] for r in ok], [r["measured_ms"] for r in ok]) if len(ok) > 2 else None,
-        "ratio_median_abs_error": _median_abs(ratio_errors), "ratio_p90_abs_error": _p90_abs(ratio_errors),
-        "ratio_spearman": spearman([r["predicted_ratio"] for r in ok], [r["measured_ratio"] for r in ok]) if len(ok) > 2 else None,
+        "ratio_median_abs_error": _median_abs(ratio_errors),
+        "ratio_p90_abs_error": _p90_abs(ratio_errors),
+        "ratio_spearman": spearman([r["predicted_ratio"] for r in ok], [r["measured_ratio"] for r in ok])
+        if len(ok) > 2
+        else None,
         "measured_range_ms": [min(r["measured_ms"] for r in ok), max(r["measured_ms"] for r in ok)] if ok else None,
-        "measured_ratio_range": [min(r["measured_ratio"] for r in ok), max(r["measured_ratio"] for r in ok)] if ok else None,
-        "reference_ms": [min(r["reference_ms"] for r in ok), statistics.median(r["reference_ms"] for r in ok), max(r["reference_ms"] for r in ok)] if ok else None,
-        "anchor_ms": anchor_ms, "load": loads,
+        "measured_ratio_range": [min(r["measured_ratio"] for r in ok), max(r["measured_ratio"] for r in ok)]
+        if ok
+        else None,
+        "reference_ms": [
+            min(r["reference_ms"] for r in ok),
+            statistics.median(r["reference_ms"] for r in ok),
+            max(r["reference_ms"] for r in ok),
+        ]
+        if ok
+        else None,
+        "anchor_ms": anchor_ms,
+        "load": loads,
         # The measurement's own noise: the interquartile range of a config's pair ratios over their median. A
         # prediction cannot be checked closer than this, nor ranked where configs differ by less.
-        "median_ratio_spread": statistics.median(r["ratio_spread"] for r in ok if r.get("ratio_spread") is not None) if ok else None,
+        "median_ratio_spread": statistics.median(r["ratio_spread"] for r in ok if r.get("ratio_spread") is not None)
+        if ok
+        else None,
         **_rank_ceiling(ok),
         "defaults_pair_ratio": next((r["measured_ratio"] for r in ok if r["params"] == defaults), None),
-        "calibration": {"notes": profile.notes, "compute_scale": profile.compute_scale, "cpu_share": profile.cpu_share, "sync_s": profile.sync_s, "seconds": calibrate_s},
-        "wall_s": time.monotonic() - started, "rows": rows, "misses": _explain(ok),
-    }  # fmt: skip
+        "calibration": {
+            "notes": profile.notes,
+            "compute_scale": profile.compute_scale,
+            "cpu_share": profile.cpu_share,
+            "sync_s": profile.sync_s,
+            "seconds": calibrate_s,
+        },
+        "wall_s": time.monotonic() - started,
+        "rows": rows,
+        "misses": _explain(ok),
+    }
     if ranked:
         summary["sim_pick"] = _pick(ranked[0][0], rows)
         summary["measured_pick"] = _pick(min(ok, key=lambda r: r["measured_ms"])["params"], rows)
@@ -165,10 +291,20 @@ def _rank_ceiling(rows: list[dict]) -> dict:
     n = min((len(r["pair_ratios"]) for r in rows), default=0)
     if n < 2 or len(rows) < 3:
         return {}
-    pairs = [spearman([r["pair_ratios"][i] for r in rows], [r["pair_ratios"][j] for r in rows]) for i in range(n) for j in range(i + 1, n)]
+    pairs = [
+        spearman([r["pair_ratios"][i] for r in rows], [r["pair_ratios"][j] for r in rows])
+        for i in range(n)
+        for j in range(i + 1, n)
+    ]
     single = statistics.fmean(pairs)
-    sim = statistics.fmean(spearman([r["predicted_ratio"] for r in rows], [r["pair_ratios"][i] for r in rows]) for i in range(n))
-    return {"pair_spearman": single, "sim_pair_spearman": sim, "spearman_ceiling": n * single / (1 + (n - 1) * single) if single > 0 else single}
+    sim = statistics.fmean(
+        spearman([r["predicted_ratio"] for r in rows], [r["pair_ratios"][i] for r in rows]) for i in range(n)
+    )
+    return {
+        "pair_spearman": single,
+        "sim_pair_spearman": sim,
+        "spearman_ceiling": n * single / (1 + (n - 1) * single) if single > 0 else single,
+    }
 
 
 def _median_abs(errors: list[float]) -> float | None:
@@ -181,8 +317,14 @@ def _p90_abs(errors: list[float]) -> float | None:
 
 def _pick(params: dict, rows: list[dict]) -> dict:
     row = next(r for r in rows if r["params"] == params)
-    return {"config": row["config"], "mesh": params["mesh"], "predicted_ms": row["predicted_ms"], "measured_ms": row["measured_ms"],
-            "predicted_ratio": row["predicted_ratio"], "tuned_over_default": row["measured_ratio"]}  # fmt: skip
+    return {
+        "config": row["config"],
+        "mesh": params["mesh"],
+        "predicted_ms": row["predicted_ms"],
+        "measured_ms": row["measured_ms"],
+        "predicted_ratio": row["predicted_ratio"],
+        "tuned_over_default": row["measured_ratio"],
+    }
 
 
 def _explain(rows: list[dict]) -> list[str]:
@@ -192,74 +334,144 @@ def _explain(rows: list[dict]) -> list[str]:
         error = r["predicted_ratio"] / r["measured_ratio"] - 1
         for key, value in r["params"].items():
             groups.setdefault((key, str(value)), []).append(error)
-    scored = sorted(((statistics.fmean(v), k, len(v)) for k, v in groups.items() if len(v) >= 3), key=lambda t: -abs(t[0]))
-    lines = [f"{key}={value}: mean ratio error {100 * mean:+.1f}% over {count} configs" for mean, (key, value), count in scored[:4]]
+    scored = sorted(
+        ((statistics.fmean(v), k, len(v)) for k, v in groups.items() if len(v) >= 3), key=lambda t: -abs(t[0])
+    )
+    lines = [
+        f"{key}={value}: mean ratio error {100 * mean:+.1f}% over {count} configs"
+        for mean, (key, value), count in scored[:4]
+    ]
     worst = sorted(rows, key=lambda r: -abs(r["predicted_ratio"] / r["measured_ratio"] - 1))[:3]
-    lines += [f"worst: {r['config']}: predicted {r['predicted_ratio']:.3f}x ({r['predicted_ms']:.1f} ms), measured {r['measured_ratio']:.3f}x ({r['measured_ms']:.1f} ms)" for r in worst]
+    lines += [
+        f"worst: {r['config']}: predicted {r['predicted_ratio']:.3f}x ({r['predicted_ms']:.1f} ms), measured {r['measured_ratio']:.3f}x ({r['measured_ms']:.1f} ms)"
+        for r in worst
+    ]
     return lines
 
 
 def run_search_2x2(args: argparse.Namespace, out: Path) -> dict:
     """A real (paired, TPE) search on the 2 x 2 emulated cluster: the mesh it emits and its confirmed speedup."""
-    settings = SearchSettings(model="small", world_size=4, num_trials=args.search_trials, num_microbatches=NUM_MICROBATCHES, out_dir=out, cluster="cpu-emulated-ib",
-                              num_warmup=1, num_measured=3, num_profiled=1, patience=None, num_confirm_pairs=2, trial_timeout_s=600.0)  # fmt: skip
+    settings = SearchSettings(
+        model="small",
+        world_size=4,
+        num_trials=args.search_trials,
+        num_microbatches=NUM_MICROBATCHES,
+        out_dir=out,
+        cluster="cpu-emulated-ib",
+        num_warmup=1,
+        num_measured=3,
+        num_profiled=1,
+        patience=None,
+        num_confirm_pairs=2,
+        trial_timeout_s=600.0,
+    )
     started = time.monotonic()
     summary = run_search(settings, reporter=SilentReporter())
     best = summary.best
     conf = summary.confirmation or {}
-    return {"trials": len(summary.rows), "best": describe_params(best.params) if best else None, "mesh": best.params.get("mesh") if best else None,
-            "best_ratio": best.ratio if best else None, "emitted": conf.get("emitted"), "confirmed_speedup": conf.get("speedup_median"), "wall_s": time.monotonic() - started}  # fmt: skip
+    return {
+        "trials": len(summary.rows),
+        "best": describe_params(best.params) if best else None,
+        "mesh": best.params.get("mesh") if best else None,
+        "best_ratio": best.ratio if best else None,
+        "emitted": conf.get("emitted"),
+        "confirmed_speedup": conf.get("speedup_median"),
+        "wall_s": time.monotonic() - started,
+    }
 
 
 def print_table(results: list[dict]) -> None:
-    print("\npredicted vs measured (error = predicted / measured - 1). step: median unprofiled step time; ratio: a config's step over the")
-    print("defaults' step, measured in alternating pairs on the same ranks (load cancels), predicted as sim(config) / sim(defaults);")
+    print(
+        "\npredicted vs measured (error = predicted / measured - 1). step: median unprofiled step time; ratio: a config's step over the"
+    )
+    print(
+        "defaults' step, measured in alternating pairs on the same ranks (load cancels), predicted as sim(config) / sim(defaults);"
+    )
     print("noise: the median over configs of the interquartile range of a config's pair ratios over their median")
-    print(f"{'workload':<8} {'setting':<9} {'ranks':>5} {'configs':>7} {'step ms':>11} {'ratio':>11} | {'step: med|err|':>14} {'rho':>6} | {'ratio: med|err|':>15} {'p90':>6} {'rho':>6} | {'noise':>6} {'min':>4} {'load':>14}")
+    print(
+        f"{'workload':<8} {'setting':<9} {'ranks':>5} {'configs':>7} {'step ms':>11} {'ratio':>11} | {'step: med|err|':>14} {'rho':>6} | {'ratio: med|err|':>15} {'p90':>6} {'rho':>6} | {'noise':>6} {'min':>4} {'load':>14}"
+    )
     for r in results:
         lo, hi = r["measured_range_ms"] or (0, 0)
         rlo, rhi = r["measured_ratio_range"] or (0, 0)
-        print(f"{r['workload']:<8} {r['setting']:<9} {r['world_size']:>5} {r['num_configs']:>7} {f'{lo:.0f}-{hi:.0f}':>11} {f'{rlo:.2f}-{rhi:.2f}':>11} | "
-              f"{100 * r['median_abs_error']:>13.1f}% {r['spearman']:>6.3f} | {100 * r['ratio_median_abs_error']:>14.1f}% {100 * r['ratio_p90_abs_error']:>5.1f}% "
-              f"{r['ratio_spearman']:>6.3f} | {100 * (r.get('median_ratio_spread') or float('nan')):>5.1f}% {r['wall_s'] / 60:>4.1f} {r['load'][0]:>14}")  # fmt: skip
+        print(
+            f"{r['workload']:<8} {r['setting']:<9} {r['world_size']:>5} {r['num_configs']:>7} {f'{lo:.0f}-{hi:.0f}':>11} {f'{rlo:.2f}-{rhi:.2f}':>11} | "
+            f"{100 * r['median_abs_error']:>13.1f}% {r['spearman']:>6.3f} | {100 * r['ratio_median_abs_error']:>14.1f}% {100 * r['ratio_p90_abs_error']:>5.1f}% "
+            f"{r['ratio_spearman']:>6.3f} | {100 * (r.get('median_ratio_spread') or float('nan')):>5.1f}% {r['wall_s'] / 60:>4.1f} {r['load'][0]:>14}"
+        )
     for r in results:
         ref = r["reference_ms"]
-        print(f"\n{r['workload']}/{r['setting']}: the defaults measured {ref[0]:.0f}/{ref[1]:.0f}/{ref[2]:.0f} ms (min/median/max over the trials' pairs; "
-              f"the anchor trial: {r['anchor_ms']:.0f} ms); load average before/after {r['load'][0]} / {r['load'][1]}")  # fmt: skip
+        print(
+            f"\n{r['workload']}/{r['setting']}: the defaults measured {ref[0]:.0f}/{ref[1]:.0f}/{ref[2]:.0f} ms (min/median/max over the trials' pairs; "
+            f"the anchor trial: {r['anchor_ms']:.0f} ms); load average before/after {r['load'][0]} / {r['load'][1]}"
+        )
         print("  calibration: " + "; ".join(r["calibration"]["notes"]))
         if "pair_spearman" in r:
-            print(f"  rank reliability of the measurements: one pair vs another of the same configs rho {r['pair_spearman']:.2f} "
-                  f"(the simulator vs one pair: {r['sim_pair_spearman']:.2f}); projected to the median of all pairs: {r['spearman_ceiling']:.2f} "
-                  f"(the ceiling of any predictor's rho, against the simulator's {r['ratio_spearman']:.2f})")
+            print(
+                f"  rank reliability of the measurements: one pair vs another of the same configs rho {r['pair_spearman']:.2f} "
+                f"(the simulator vs one pair: {r['sim_pair_spearman']:.2f}); projected to the median of all pairs: {r['spearman_ceiling']:.2f} "
+                f"(the ceiling of any predictor's rho, against the simulator's {r['ratio_spearman']:.2f})"
+            )
         for line in r["misses"]:
             print(f"  {line}")
         for key in ("sim_pick", "measured_pick"):
             if key in r:
                 p = r[key]
-                print(f"  {key.replace('_', ' ')}: {p['config']}: predicted {p['predicted_ratio']:.3f}x the defaults ({p['predicted_ms']:.1f} ms), "
-                      f"measured {p['tuned_over_default']:.3f}x ({p['measured_ms']:.1f} ms)")  # fmt: skip
+                print(
+                    f"  {key.replace('_', ' ')}: {p['config']}: predicted {p['predicted_ratio']:.3f}x the defaults ({p['predicted_ms']:.1f} ms), "
+                    f"measured {p['tuned_over_default']:.3f}x ({p['measured_ms']:.1f} ms)"
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="small,wide")
     parser.add_argument("--settings", default="raw,emulated,2x2")
-    parser.add_argument("--configs", type=int, default=30, help="configs measured per workload and setting (the defaults included)")
+    parser.add_argument(
+        "--configs", type=int, default=30, help="configs measured per workload and setting (the defaults included)"
+    )
     parser.add_argument("--pairs", type=int, default=3, help="measured pairs (config, defaults) per config")
-    parser.add_argument("--steps", type=int, default=4, help="measured steps (pairs) of each calibration trial (then a profiled window of 2)")
-    parser.add_argument("--calibration-pairs", type=int, default=10, help="measured pairs of the calibration trials paired with the defaults")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=4,
+        help="measured steps (pairs) of each calibration trial (then a profiled window of 2)",
+    )
+    parser.add_argument(
+        "--calibration-pairs",
+        type=int,
+        default=10,
+        help="measured pairs of the calibration trials paired with the defaults",
+    )
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--fit-sync", action="store_true",
-                        help="also fit the wait per collective from a paired no-sync trial (off by default: see [Note: calibration])")
-    parser.add_argument("--no-fit-local", dest="fit_local", action="store_false",
-                        help="calibrate without the replicated (HSDP Nx1) trial: a shard group of one priced like the anchor's hooks")
-    parser.add_argument("--no-fit-concat", dest="fit_concat", action="store_false",
-                        help="calibrate without the eager-concat trial: FSDP1-style concat priced as memory traffic")
+    parser.add_argument(
+        "--fit-sync",
+        action="store_true",
+        help="also fit the wait per collective from a paired no-sync trial (off by default: see [Note: calibration])",
+    )
+    parser.add_argument(
+        "--no-fit-local",
+        dest="fit_local",
+        action="store_false",
+        help="calibrate without the replicated (HSDP Nx1) trial: a shard group of one priced like the anchor's hooks",
+    )
+    parser.add_argument(
+        "--no-fit-concat",
+        dest="fit_concat",
+        action="store_false",
+        help="calibrate without the eager-concat trial: FSDP1-style concat priced as memory traffic",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--search-trials", type=int, default=8, help="trials of the real search on the 2x2 cluster (small); 0: none")
-    parser.add_argument("--out", type=Path, default=None, help="where trial dirs and results.json go (default: a temp dir)")
+    parser.add_argument(
+        "--search-trials", type=int, default=8, help="trials of the real search on the 2x2 cluster (small); 0: none"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where trial dirs and results.json go (default: a temp dir)"
+    )
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # close the rank pools on a kill
+    signal.signal(
+        signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt())
+    )  # close the rank pools on a kill
     out = args.out or Path(tempfile.mkdtemp(prefix="sim_accuracy_"))
     started = time.monotonic()
     results = []
@@ -270,8 +482,10 @@ def main() -> None:
     search = run_search_2x2(args, out / "search_2x2") if args.search_trials and "2x2" in args.settings else None
     print_table(results)
     if search:
-        print(f"\nreal search on 2x2 (small, {search['trials']} trials, {search['wall_s'] / 60:.1f} min): best {search['best']} (mesh {search['mesh']}), "
-              f"ratio {search['best_ratio']}, emitted {search['emitted']}, confirmed speedup {search['confirmed_speedup']}")  # fmt: skip
+        print(
+            f"\nreal search on 2x2 (small, {search['trials']} trials, {search['wall_s'] / 60:.1f} min): best {search['best']} (mesh {search['mesh']}), "
+            f"ratio {search['best_ratio']}, emitted {search['emitted']}, confirmed speedup {search['confirmed_speedup']}"
+        )
     (out / "results.json").write_text(json.dumps({"results": results, "search": search}, indent=1, default=str))
     print(f"\ntotal {(time.monotonic() - started) / 60:.1f} min; details in {out / 'results.json'}")
 

@@ -21,8 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.trials import RankPool  # noqa: E402
-from autotune.trials import TrialResult, TrialSpec, load_trial_config, run_trial  # noqa: E402
+from autotune.trials import (  # noqa: E402
+    RankPool,  # noqa: E402
+    TrialResult,
+    TrialSpec,
+    load_trial_config,
+    run_trial,
+)
 
 
 def _overhead_s(result: TrialResult) -> float:
@@ -39,10 +44,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="trial-overhead-") as tmp, RankPool(args.world, backend="gloo") as pool:
+
         def spec(name: str) -> TrialSpec:
             return TrialSpec(
-                model=args.model, config=load_trial_config(None, args.model), world_size=args.world, out_dir=Path(tmp) / name,
-                num_warmup=0, num_measured=args.steps, profile=False, backend="gloo", timeout_s=300,
+                model=args.model,
+                config=load_trial_config(None, args.model),
+                world_size=args.world,
+                out_dir=Path(tmp) / name,
+                num_warmup=0,
+                num_measured=args.steps,
+                profile=False,
+                backend="gloo",
+                timeout_s=300,
             )
 
         start = run_trial(spec("pool-start"), pool=pool)
@@ -53,10 +66,14 @@ def main() -> None:
             b = run_trial(spec(f"pool{i}"), pool=pool)
             fresh.append((_overhead_s(a), a.wall_s))
             pooled.append((_overhead_s(b), b.wall_s))
-            print(f"pair {i}: fresh overhead {fresh[-1][0]:.2f} s (wall {a.wall_s:.2f}), pool overhead {pooled[-1][0]:.2f} s (wall {b.wall_s:.2f})")
+            print(
+                f"pair {i}: fresh overhead {fresh[-1][0]:.2f} s (wall {a.wall_s:.2f}), pool overhead {pooled[-1][0]:.2f} s (wall {b.wall_s:.2f})"
+            )
     fo, fw = (statistics.median(x[k] for x in fresh) for k in (0, 1))
     po, pw = (statistics.median(x[k] for x in pooled) for k in (0, 1))
-    print(f"{args.model}, world {args.world}, {args.steps} steps/trial, {args.pairs} pairs, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"{args.model}, world {args.world}, {args.steps} steps/trial, {args.pairs} pairs, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     print(f"median overhead per trial: fresh {fo:.2f} s, pool {po:.2f} s, fresh/pool {fo / po:.1f}x")
     print(f"median wall per trial:     fresh {fw:.2f} s, pool {pw:.2f} s, fresh/pool {fw / pw:.1f}x")
 

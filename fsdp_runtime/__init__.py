@@ -1,7 +1,7 @@
 """fsdp_runtime: apply a tuned FSDP2 runtime config to a model. Depends on torch only.
 
-    from fsdp_runtime import load_config, apply_fsdp, GradAccumulator
-    applied = apply_fsdp(model, load_config("best.toml"))
+from fsdp_runtime import load_config, apply_fsdp, GradAccumulator
+applied = apply_fsdp(model, load_config("best.toml"))
 """
 
 from fsdp_runtime.accumulation import GradAccumulator
@@ -29,7 +29,14 @@ from fsdp_runtime.consolidate import (
     save_consolidated_checkpoint,
 )
 from fsdp_runtime.errors import AutotuneError, ConfigError
-from fsdp_runtime.serialize import config_from_dict, config_to_dict, dumps_config, load_config, loads_config, save_config
+from fsdp_runtime.serialize import (
+    config_from_dict,
+    config_to_dict,
+    dumps_config,
+    load_config,
+    loads_config,
+    save_config,
+)
 
 __all__ = [
     "CHECKPOINTING_KINDS",

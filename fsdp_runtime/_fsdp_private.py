@@ -45,7 +45,8 @@ apart (the simulator's calibration reads it).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

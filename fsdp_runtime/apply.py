@@ -19,6 +19,7 @@ from fsdp_runtime.errors import ConfigError
 
 __all__ = ["AppliedFsdp", "apply_fsdp", "build_mesh", "find_block_names", "resolve_units"]
 
+
 @dataclass(kw_only=True)
 class AppliedFsdp:
     """What ``apply_fsdp`` did: the resolved config, the mesh, and each unit's module."""
@@ -53,7 +54,9 @@ def _depth(unit: UnitConfig) -> int:
     return -1 if unit.name == ROOT_UNIT else max(m.count(".") + 1 for m in unit.get_modules())
 
 
-def apply_fsdp(model: nn.Module, config: RuntimeConfig, *, mesh: DeviceMesh | None = None, device_type: str | None = None) -> AppliedFsdp:
+def apply_fsdp(
+    model: nn.Module, config: RuntimeConfig, *, mesh: DeviceMesh | None = None, device_type: str | None = None
+) -> AppliedFsdp:
     """Shard ``model`` in place as ``config`` says and wire every runtime knob.
 
     Call after ``torch.distributed.init_process_group`` and before building the
@@ -86,7 +89,12 @@ def apply_fsdp(model: nn.Module, config: RuntimeConfig, *, mesh: DeviceMesh | No
                 applied.checkpointed[path] = forward
     for unit in sorted(config.units, key=lambda u: -_depth(u)):
         targets = [model] if unit.name == ROOT_UNIT else [modules[path] for path in unit.get_modules()]
-        fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, reshard_after_forward=unit.reshard_after_forward, mp_policy=mp_policy)
+        fully_shard(
+            targets if len(targets) > 1 else targets[0],
+            mesh=mesh,
+            reshard_after_forward=unit.reshard_after_forward,
+            mp_policy=mp_policy,
+        )
         applied.units[unit.name] = targets[0]  # type: ignore[assignment]
     _apply_runtime_knobs(applied, device_type)
     return applied
@@ -119,6 +127,9 @@ def _apply_runtime_knobs(applied: AppliedFsdp, device_type: str) -> None:
             if hasattr(module, "set_reduce_scatter_max_input_buffers"):
                 module.set_reduce_scatter_max_input_buffers(config.reduce_scatter_max_input_buffers, recurse=False)
             else:
-                warnings.warn(f"reduce_scatter_max_input_buffers ignored: torch {torch.__version__} has no such FSDP2 setter", stacklevel=3)
+                warnings.warn(
+                    f"reduce_scatter_max_input_buffers ignored: torch {torch.__version__} has no such FSDP2 setter",
+                    stacklevel=3,
+                )
         if not unit.defer_concat:
             applied.eager_concat[unit.name] = EagerConcat(module)

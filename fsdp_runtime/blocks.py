@@ -41,7 +41,15 @@ from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig, validate_c
 from fsdp_runtime.errors import ConfigError
 
 # Where the repeated blocks of common decoder implementations live.
-BLOCK_CONTAINERS = ("layers", "model.layers", "transformer.h", "model.decoder.layers", "transformer.layers", "h", "blocks")
+BLOCK_CONTAINERS = (
+    "layers",
+    "model.layers",
+    "transformer.h",
+    "model.decoder.layers",
+    "transformer.layers",
+    "h",
+    "blocks",
+)
 
 
 def find_block_names(model: nn.Module) -> list[str]:
@@ -81,7 +89,9 @@ def find_edge_modules(model: nn.Module) -> tuple[list[str], list[str]]:
         if any(p.requires_grad for p in module.parameters(recurse=False)):
             (embeddings if isinstance(module, nn.Embedding) else head).append(path)
     modules = dict(model.named_modules())
-    shared = {id(p) for n in embeddings for p in modules[n].parameters()} & {id(p) for n in head for p in modules[n].parameters()}
+    shared = {id(p) for n in embeddings for p in modules[n].parameters()} & {
+        id(p) for n in head for p in modules[n].parameters()
+    }
     candidates = embeddings + head
     nested = any(b.startswith(a + ".") for a in candidates for b in candidates)
     return ([], []) if shared or nested or not embeddings or not head else (embeddings, head)
@@ -117,7 +127,11 @@ def _rename(config: RuntimeConfig, mapping: dict[str, str]) -> RuntimeConfig:
 
     units = [
         dataclasses.replace(
-            u, name=mapping.get(u.name, u.name), modules=rename_list(u.modules), forward_prefetch=rename_list(u.forward_prefetch), backward_prefetch=rename_list(u.backward_prefetch)
+            u,
+            name=mapping.get(u.name, u.name),
+            modules=rename_list(u.modules),
+            forward_prefetch=rename_list(u.forward_prefetch),
+            backward_prefetch=rename_list(u.backward_prefetch),
         )
         for u in config.units
     ]
@@ -149,11 +163,19 @@ def _check_names(model: nn.Module, config: RuntimeConfig, modules: dict[str, nn.
         if unit.name == ROOT_UNIT:
             continue
         if unit.modules is not None and unit.name in modules and unit.name not in unit.modules:
-            raise ConfigError(f"units[{i}].name", f"{unit.name!r} is a module of {type(model).__name__} but not one of this unit's modules", fix="name the unit after what it holds (e.g. 'layers.0-1')")
+            raise ConfigError(
+                f"units[{i}].name",
+                f"{unit.name!r} is a module of {type(model).__name__} but not one of this unit's modules",
+                fix="name the unit after what it holds (e.g. 'layers.0-1')",
+            )
         for j, module in enumerate(unit.get_modules()):
             if module not in modules:
                 path = f"units[{i}].modules[{j}]" if unit.modules is not None else f"units[{i}].name"
-                raise ConfigError(path, f"module {module!r} not found in {type(model).__name__}", fix=f"{_hint(model, block_units)}; the model itself is {ROOT_UNIT!r}")
+                raise ConfigError(
+                    path,
+                    f"module {module!r} not found in {type(model).__name__}",
+                    fix=f"{_hint(model, block_units)}; the model itself is {ROOT_UNIT!r}",
+                )
     return config
 
 
@@ -161,7 +183,9 @@ def _hint(model: nn.Module, block_units: list[str]) -> str:
     blocks = _try_blocks(model)
     hint = f"blocks in this model: {_summarize(blocks)}" if blocks else "this model has no repeated blocks"
     if blocks and len(block_units) != len(blocks):
-        hint += f"; the config has {len(block_units)} block units for {len(blocks)} blocks, so none is matched by position"
+        hint += (
+            f"; the config has {len(block_units)} block units for {len(blocks)} blocks, so none is matched by position"
+        )
     return hint
 
 
@@ -228,5 +252,7 @@ def find_parameters_outside(model: nn.Module) -> tuple[str, list[str]]:
     if top is model:
         return "", []
     inside = {id(p) for p in model.parameters()}
-    outside = [n for n, p in top.named_parameters() if id(p) not in inside and p.requires_grad and not isinstance(p, DTensor)]
+    outside = [
+        n for n, p in top.named_parameters() if id(p) not in inside and p.requires_grad and not isinstance(p, DTensor)
+    ]
     return (f"{type(top).__name__} (it is {path!r} there)", outside) if outside else ("", [])

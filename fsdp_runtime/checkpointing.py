@@ -35,10 +35,15 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 _aten = torch.ops.aten
 _SAVE_OP_NAMES = (
-    "mm", "addmm", "bmm", "baddbmm",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-)  # fmt: skip
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
 SAVED_OPS = frozenset(getattr(_aten, name).default for name in _SAVE_OP_NAMES if hasattr(_aten, name))
 """Ops whose outputs ``selective`` checkpointing saves (those this torch build has)."""
 
@@ -99,4 +104,3 @@ def apply_checkpointing(module: nn.Module, kind: str) -> CheckpointedForward | N
     forward = CheckpointedForward(module, kind)
     module.forward = forward  # type: ignore[method-assign]
     return forward
-

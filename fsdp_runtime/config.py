@@ -197,14 +197,22 @@ def validate_config(config: RuntimeConfig, *, source: str | None = None) -> Runt
         raise ConfigError(path, problem, fix=fix, source=source)
 
     if config.schema_version != SCHEMA_VERSION:
-        fail("schema_version", f"unsupported version {config.schema_version}", f"this fsdp-autotune reads version {SCHEMA_VERSION}")
+        fail(
+            "schema_version",
+            f"unsupported version {config.schema_version}",
+            f"this fsdp-autotune reads version {SCHEMA_VERSION}",
+        )
     mesh = config.mesh
     if mesh.replicate < 1:
         fail("mesh.replicate", f"must be >= 1, got {mesh.replicate}")
     if mesh.shard is not None and mesh.shard < 1:
         fail("mesh.shard", f"must be >= 1, got {mesh.shard}")
     if mesh.kind == "fsdp" and mesh.replicate != 1:
-        fail("mesh.replicate", f"is {mesh.replicate} but mesh.kind is 'fsdp'", "set mesh.kind = 'hsdp' or mesh.replicate = 1")
+        fail(
+            "mesh.replicate",
+            f"is {mesh.replicate} but mesh.kind is 'fsdp'",
+            "set mesh.kind = 'hsdp' or mesh.replicate = 1",
+        )
     if mesh.kind == "hsdp" and mesh.replicate < 2:
         fail("mesh.replicate", "HSDP needs replicate >= 2", "use mesh.kind = 'fsdp' for a 1-D mesh")
     if config.num_microbatches < 1:
@@ -237,12 +245,24 @@ def _validate_modules(config: RuntimeConfig, fail) -> None:
         path = f"units[{i}]"
         if unit.modules is not None:
             if unit.name == ROOT_UNIT:
-                fail(f"{path}.modules", "the root unit is the model itself and takes no module list", "remove modules, or give the unit another name")
+                fail(
+                    f"{path}.modules",
+                    "the root unit is the model itself and takes no module list",
+                    "remove modules, or give the unit another name",
+                )
             if not unit.modules:
-                fail(f"{path}.modules", "is empty", f"list the modules to shard together, or remove it to shard the module {unit.name!r}")
+                fail(
+                    f"{path}.modules",
+                    "is empty",
+                    f"list the modules to shard together, or remove it to shard the module {unit.name!r}",
+                )
         if unit.name == ROOT_UNIT:
             if unit.activation_checkpointing != "none":
-                fail(f"{path}.activation_checkpointing", "the root unit cannot be checkpointed (its forward runs every other unit)", "checkpoint the blocks' units instead")
+                fail(
+                    f"{path}.activation_checkpointing",
+                    "the root unit cannot be checkpointed (its forward runs every other unit)",
+                    "checkpoint the blocks' units instead",
+                )
             continue
         field_path = f"{path}.modules" if unit.modules is not None else f"{path}.name"
         modules = unit.get_modules()
@@ -264,13 +284,21 @@ def _validate_modules(config: RuntimeConfig, fail) -> None:
         mine = unit.get_modules()
         for module, other in owner.items():
             if other != f"units[{i}]" and any(module.startswith(m + ".") for m in mine):
-                fail(f"units[{i}].activation_checkpointing", f"the unit holds {other} ({module!r}); checkpointing around another unit is not supported", f"checkpoint {other} instead")
+                fail(
+                    f"units[{i}].activation_checkpointing",
+                    f"the unit holds {other} ({module!r}); checkpointing around another unit is not supported",
+                    f"checkpoint {other} instead",
+                )
 
 
 def _validate_unit(unit: UnitConfig, path: str, names: set[str], config: RuntimeConfig, fail) -> None:
     raf = unit.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool) and raf < 2:
-        fail(f"{path}.reshard_after_forward", f"integer value must be >= 2 (a divisor of the shard size), got {raf}", "use true/false for full reshard/no reshard")
+        fail(
+            f"{path}.reshard_after_forward",
+            f"integer value must be >= 2 (a divisor of the shard size), got {raf}",
+            "use true/false for full reshard/no reshard",
+        )
     for key in ("forward_prefetch", "backward_prefetch"):
         targets = getattr(unit, key)
         for j, target in enumerate(targets or []):
@@ -284,9 +312,15 @@ def _validate_unit(unit: UnitConfig, path: str, names: set[str], config: Runtime
         if targets is not None and len(set(targets)) != len(targets):
             fail(f"{path}.{key}", "lists a unit twice")
     if unit.sync == "replica_last" and config.mesh.kind != "hsdp":
-        fail(f"{path}.sync", "'replica_last' needs an HSDP mesh", "set mesh.kind = 'hsdp' or use sync = 'every' / 'last'")
+        fail(
+            f"{path}.sync", "'replica_last' needs an HSDP mesh", "set mesh.kind = 'hsdp' or use sync = 'every' / 'last'"
+        )
     if not unit.defer_concat and unit.sync != "last":
-        fail(f"{path}.defer_concat", f"false only applies with sync = 'last' (this unit syncs {unit.sync!r})", "set defer_concat = true")
+        fail(
+            f"{path}.defer_concat",
+            f"false only applies with sync = 'last' (this unit syncs {unit.sync!r})",
+            "set defer_concat = true",
+        )
 
 
 def _summarize_names(names: list[str]) -> str:
@@ -297,7 +331,12 @@ def validate_for_world(config: RuntimeConfig, world_size: int, *, source: str | 
     """Checks that need the world size; returns the mesh shape ``(replicate, shard)``."""
     replicate, shard = config.mesh.get_shape(world_size)
     if config.mesh.kind == "fsdp" and config.mesh.shard not in (None, world_size):
-        raise ConfigError("mesh.shard", f"is {config.mesh.shard} but the world size is {world_size}", fix="leave mesh.shard unset for FSDP", source=source)
+        raise ConfigError(
+            "mesh.shard",
+            f"is {config.mesh.shard} but the world size is {world_size}",
+            fix="leave mesh.shard unset for FSDP",
+            source=source,
+        )
     if replicate * shard != world_size or world_size % config.mesh.replicate:
         raise ConfigError(
             "mesh",
@@ -308,5 +347,10 @@ def validate_for_world(config: RuntimeConfig, world_size: int, *, source: str | 
     for i, unit in enumerate(config.units):
         raf = unit.reshard_after_forward
         if isinstance(raf, int) and not isinstance(raf, bool) and (shard % raf or raf >= shard):
-            raise ConfigError(f"units[{i}].reshard_after_forward", f"{raf} is not a proper divisor of the shard size {shard}", fix="use true, false, or a divisor d with 1 < d < shard size", source=source)
+            raise ConfigError(
+                f"units[{i}].reshard_after_forward",
+                f"{raf} is not a proper divisor of the shard size {shard}",
+                fix="use true, false, or a divisor d with 1 < d < shard size",
+                source=source,
+            )
     return replicate, shard

@@ -23,7 +23,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     for writers that pick a format by name); renamed onto ``path`` when the block succeeds,
     removed when it raises."""
     path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem.split('.')[0]}.", suffix="".join(path.suffixes) + ".tmp")
+    fd, tmp_name = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.stem.split('.')[0]}.", suffix="".join(path.suffixes) + ".tmp"
+    )
     os.close(fd)
     tmp = Path(tmp_name)
     # Writers that pick the format from the name need the real suffix last.

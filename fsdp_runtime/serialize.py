@@ -59,9 +59,19 @@ def config_from_dict(data: Any, *, source: str | None = None) -> RuntimeConfig:
     if not isinstance(version, int) or isinstance(version, bool):
         raise ConfigError("schema_version", f"must be an integer, got {version!r}", source=source)
     if version > SCHEMA_VERSION:
-        raise ConfigError("schema_version", f"{version} is newer than this fsdp-autotune understands ({SCHEMA_VERSION})", fix="upgrade fsdp-autotune", source=source)
+        raise ConfigError(
+            "schema_version",
+            f"{version} is newer than this fsdp-autotune understands ({SCHEMA_VERSION})",
+            fix="upgrade fsdp-autotune",
+            source=source,
+        )
     if version < 1:
-        raise ConfigError("schema_version", f"{version} was never a schema version", fix=f"use schema_version = {SCHEMA_VERSION}", source=source)
+        raise ConfigError(
+            "schema_version",
+            f"{version} was never a schema version",
+            fix=f"use schema_version = {SCHEMA_VERSION}",
+            source=source,
+        )
     while version < SCHEMA_VERSION:
         data, version = {**_MIGRATIONS[version](data), "schema_version": version + 1}, version + 1
     config = _parse(RuntimeConfig, data, "", source)
@@ -165,7 +175,9 @@ def _parse_dataclass(tp: Any, value: Any, path: str, source: str | None) -> Any:
     fields = {f.name: f for f in dataclasses.fields(tp)}
     for key in value:
         if key not in fields:
-            raise ConfigError(_join(path, key), "unknown field", fix=f"known fields: {', '.join(fields)}", source=source)
+            raise ConfigError(
+                _join(path, key), "unknown field", fix=f"known fields: {', '.join(fields)}", source=source
+            )
     kwargs = {}
     for name, f in fields.items():
         if name in value:

@@ -77,13 +77,15 @@ class ModelProfile:
     def get_num_params(self) -> int:
         return self.shape.get_num_params()
 
-    def build(self, *, device: str = "cpu", seed: int = 0) -> "Llama":
+    def build(self, *, device: str = "cpu", seed: int = 0) -> Llama:
         """The model on ``device`` (``meta``: nothing allocated); the same for every model source
         (:mod:`profiles.sources`)."""
         return build_model(self, device=device, seed=seed)
 
-    def with_overrides(self, **changes: Any) -> "ModelProfile":
-        shape_changes = {k: changes.pop(k) for k in list(changes) if k in {f.name for f in dataclasses.fields(LlamaShape)}}
+    def with_overrides(self, **changes: Any) -> ModelProfile:
+        shape_changes = {
+            k: changes.pop(k) for k in list(changes) if k in {f.name for f in dataclasses.fields(LlamaShape)}
+        }
         shape = dataclasses.replace(self.shape, **shape_changes) if shape_changes else self.shape
         return dataclasses.replace(self, shape=shape, **changes)
 
@@ -157,7 +159,9 @@ class ClusterProfile:
 
     def __post_init__(self) -> None:
         if self.collective_model not in COLLECTIVE_MODELS:
-            raise ValueError(f"collective_model must be one of {', '.join(COLLECTIVE_MODELS)}, got {self.collective_model!r}")
+            raise ValueError(
+                f"collective_model must be one of {', '.join(COLLECTIVE_MODELS)}, got {self.collective_model!r}"
+            )
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be a positive integer, got {self.ranks_per_node!r}")
 
@@ -181,14 +185,18 @@ def _resolve(name_or_path: str, folder: str, kind: str) -> Path:
     if builtin.exists():
         return builtin
     known = ", ".join(sorted(p.stem for p in (_HERE / folder).glob("*.toml")))
-    raise ConfigError("", f"unknown {kind} profile {name_or_path!r}", fix=f"use one of: {known}, or a path to a .toml file")
+    raise ConfigError(
+        "", f"unknown {kind} profile {name_or_path!r}", fix=f"use one of: {known}, or a path to a .toml file"
+    )
 
 
 def _build(cls: type, data: dict[str, Any], path: str, source: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            raise ConfigError(f"{path}{key}", "unknown field", fix=f"known fields: {', '.join(sorted(names))}", source=source)
+            raise ConfigError(
+                f"{path}{key}", "unknown field", fix=f"known fields: {', '.join(sorted(names))}", source=source
+            )
     try:
         return cls(**data)
     except (TypeError, ValueError) as e:

@@ -33,8 +33,9 @@ import importlib
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from fsdp_runtime import ROOT_UNIT, find_block_names
 from fsdp_runtime.errors import AutotuneError, ConfigError
@@ -66,7 +67,7 @@ class ModelFacts:
     has_hooks: bool
 
 
-def get_vocab_size(model: "nn.Module") -> int | None:
+def get_vocab_size(model: nn.Module) -> int | None:
     """The vocabulary size of a causal LM, as [Note: model factory protocol] looks for it."""
     config = getattr(model, "config", None)
     for value in (getattr(config, "vocab_size", None), getattr(model, "vocab_size", None)):
@@ -77,12 +78,14 @@ def get_vocab_size(model: "nn.Module") -> int | None:
     return getattr(embedding, "num_embeddings", None)
 
 
-def inspect_model(model: "nn.Module", label: str) -> ModelFacts:
+def inspect_model(model: nn.Module, label: str) -> ModelFacts:
     """Units, parameter count and batch protocol of ``model`` (built on meta), or one line on what is missing."""
     try:
         blocks = find_block_names(model)
     except ConfigError as e:
-        raise ModelSourceError(f"{label}: {e.problem}; the search's units are a model's repeated blocks: build them as one ModuleList") from None
+        raise ModelSourceError(
+            f"{label}: {e.problem}; the search's units are a model's repeated blocks: build them as one ModuleList"
+        ) from None
     has_hooks = callable(getattr(model, BATCH_HOOK, None)) and callable(getattr(model, LOSS_HOOK, None))
     vocab_size = get_vocab_size(model)
     if vocab_size is None and not has_hooks:
@@ -90,7 +93,12 @@ def inspect_model(model: "nn.Module", label: str) -> ModelFacts:
             f"{label} builds {type(model).__name__}, whose vocabulary size is unknown (no config.vocab_size, vocab_size or get_input_embeddings()): "
             f"give it a vocab_size attribute, or the methods {BATCH_HOOK} and {LOSS_HOOK}"
         )
-    return ModelFacts(block_names=tuple(blocks), num_params=sum(p.numel() for p in model.parameters()), vocab_size=vocab_size, has_hooks=has_hooks)
+    return ModelFacts(
+        block_names=tuple(blocks),
+        num_params=sum(p.numel() for p in model.parameters()),
+        vocab_size=vocab_size,
+        has_hooks=has_hooks,
+    )
 
 
 def load_factory(ref: str) -> Callable[[], Any]:
@@ -103,14 +111,16 @@ def load_factory(ref: str) -> Callable[[], Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise ModelSourceError(f"model factory {ref!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); it must be importable from the current directory or PYTHONPATH") from None
+        raise ModelSourceError(
+            f"model factory {ref!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); it must be importable from the current directory or PYTHONPATH"
+        ) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ModelSourceError(f"model factory {ref!r}: module {module_name!r} has no function {attr!r}")
     return factory
 
 
-def call_factory(factory: Callable[[], Any], ref: str, *, device: str, seed: int) -> "nn.Module":
+def call_factory(factory: Callable[[], Any], ref: str, *, device: str, seed: int) -> nn.Module:
     """``factory()`` under ``torch.manual_seed(seed)`` and ``torch.device(device)``; one line if it raises or returns no module."""
     import torch
     from torch import nn
@@ -122,7 +132,9 @@ def call_factory(factory: Callable[[], Any], ref: str, *, device: str, seed: int
     except AutotuneError:
         raise
     except Exception as e:
-        raise ModelSourceError(f"model factory {ref!r} raised {type(e).__name__}: {e} (building on the {device} device)") from None
+        raise ModelSourceError(
+            f"model factory {ref!r} raised {type(e).__name__}: {e} (building on the {device} device)"
+        ) from None
     if not isinstance(model, nn.Module):
         raise ModelSourceError(f"model factory {ref!r} returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -169,18 +181,19 @@ class FactoryModel(FactsModel):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ModelSourceError(f"{self.name}: {name} must be a positive integer, got {value!r}")
 
-    def build(self, *, device: str = "cpu", seed: int = 0) -> "nn.Module":
+    def build(self, *, device: str = "cpu", seed: int = 0) -> nn.Module:
         return call_factory(load_factory(self.ref), self.ref, device=device, seed=seed)
 
     @property
     def facts(self) -> ModelFacts:
         return _inspect_factory(self.ref)
 
-
-    def with_overrides(self, **changes: Any) -> "FactoryModel":
+    def with_overrides(self, **changes: Any) -> FactoryModel:
         widths = sorted(set(changes) - {"seq_len", "batch_size"})
         if widths:
-            raise ModelSourceError(f"model factory {self.ref!r} cannot be resized ({', '.join(widths)}): its widths are the factory's own")
+            raise ModelSourceError(
+                f"model factory {self.ref!r} cannot be resized ({', '.join(widths)}): its widths are the factory's own"
+            )
         return replace(self, **changes)
 
 

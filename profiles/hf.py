@@ -22,7 +22,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from profiles.factory import DEFAULT_BATCH_SIZE, DEFAULT_SEQ_LEN, FactsModel, ModelFacts, ModelSourceError, inspect_model
+from profiles.factory import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_SEQ_LEN,
+    FactsModel,
+    ModelFacts,
+    ModelSourceError,
+    inspect_model,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -45,7 +52,9 @@ def find_config_file(value: str) -> Path:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ModelSourceError(f"no Hugging Face config at {value!r} ({path} does not exist); pass a config.json or a local model directory (nothing is downloaded)")
+        raise ModelSourceError(
+            f"no Hugging Face config at {value!r} ({path} does not exist); pass a config.json or a local model directory (nothing is downloaded)"
+        )
     return path.resolve()
 
 
@@ -74,7 +83,7 @@ class HFModel(FactsModel):
         """A fresh ``PretrainedConfig`` with the overrides applied and the KV cache off."""
         return _read_config(self.config_path, self.config_overrides)
 
-    def build(self, *, device: str = "cpu", seed: int = 0) -> "nn.Module":
+    def build(self, *, device: str = "cpu", seed: int = 0) -> nn.Module:
         import torch
 
         transformers = _import_transformers()
@@ -85,27 +94,44 @@ class HFModel(FactsModel):
                 return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             first = (str(e).strip().splitlines() or [""])[0]
-            raise ModelSourceError(f"{self.config_path}: AutoModelForCausalLM cannot build this config ({type(e).__name__}: {first})") from None
+            raise ModelSourceError(
+                f"{self.config_path}: AutoModelForCausalLM cannot build this config ({type(e).__name__}: {first})"
+            ) from None
 
     @property
     def facts(self) -> ModelFacts:
         return _inspect_hf(self.config_path, self.config_overrides)
 
-
     def get_widths(self) -> dict[str, Any]:
         """``dim``, ``ffn_hidden_dim``, ``num_heads``, ``num_kv_heads``, ``vocab_size``,
         ``tie_embeddings``, ``num_layers``, read from the config; one line if one is missing."""
         config = self.get_config()
-        missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size") if not isinstance(getattr(config, k, None), int)]
+        missing = [
+            k
+            for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+            if not isinstance(getattr(config, k, None), int)
+        ]
         if missing:
-            raise ModelSourceError(f"{self.config_path}: no {', '.join(missing)} in this {type(config).__name__}, so no scale proxy can be made; search it where it fits")
+            raise ModelSourceError(
+                f"{self.config_path}: no {', '.join(missing)} in this {type(config).__name__}, so no scale proxy can be made; search it where it fits"
+            )
         dim, heads = config.hidden_size, config.num_attention_heads
         ffn = next((getattr(config, k) for k in _FFN_FIELDS if isinstance(getattr(config, k, None), int)), 4 * dim)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         tie = bool(getattr(config, "tie_word_embeddings", False))
-        return {"dim": dim, "ffn_hidden_dim": ffn, "num_heads": heads, "num_kv_heads": kv_heads, "vocab_size": config.vocab_size, "tie_embeddings": tie, "num_layers": config.num_hidden_layers}
+        return {
+            "dim": dim,
+            "ffn_hidden_dim": ffn,
+            "num_heads": heads,
+            "num_kv_heads": kv_heads,
+            "vocab_size": config.vocab_size,
+            "tie_embeddings": tie,
+            "num_layers": config.num_hidden_layers,
+        }
 
-    def get_width_overrides(self, *, dim: int, ffn_hidden_dim: int, vocab_size: int, num_heads: int, num_kv_heads: int) -> dict[str, int]:
+    def get_width_overrides(
+        self, *, dim: int, ffn_hidden_dim: int, vocab_size: int, num_heads: int, num_kv_heads: int
+    ) -> dict[str, int]:
         """The config fields that give this model these widths (for :meth:`with_overrides`)."""
         config = self.get_config()
         overrides = {"hidden_size": dim}
@@ -119,12 +145,14 @@ class HFModel(FactsModel):
             overrides["head_dim"] = dim // num_heads
         return overrides
 
-    def with_overrides(self, **changes: Any) -> "HFModel":
+    def with_overrides(self, **changes: Any) -> HFModel:
         shape = {k: changes.pop(k) for k in ("seq_len", "batch_size") if k in changes}
         config = self.get_config()
         unknown = sorted(k for k in changes if not hasattr(config, k))
         if unknown:
-            raise ModelSourceError(f"{self.config_path}: {type(config).__name__} has no field {unknown[0]!r} to override")
+            raise ModelSourceError(
+                f"{self.config_path}: {type(config).__name__} has no field {unknown[0]!r} to override"
+            )
         merged = dict(self.config_overrides) | changes
         return replace(self, config_overrides=tuple(merged.items()), **shape)
 
@@ -136,7 +164,9 @@ def _load_config(config_path: str) -> Any:
         return transformers.AutoConfig.from_pretrained(config_path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         first = (str(e).strip().splitlines() or [""])[0]
-        raise ModelSourceError(f"{config_path}: not a Hugging Face config transformers can read ({type(e).__name__}: {first})") from None
+        raise ModelSourceError(
+            f"{config_path}: not a Hugging Face config transformers can read ({type(e).__name__}: {first})"
+        ) from None
 
 
 def _read_config(config_path: str, overrides: tuple[tuple[str, Any], ...]) -> Any:
@@ -149,12 +179,21 @@ def _read_config(config_path: str, overrides: tuple[tuple[str, Any], ...]) -> An
 
 @functools.lru_cache(maxsize=64)
 def _inspect_hf(config_path: str, overrides: tuple[tuple[str, Any], ...]) -> ModelFacts:
-    model = HFModel(name=config_path, config_path=config_path, source=config_path, config_overrides=overrides).build(device="meta")
+    model = HFModel(name=config_path, config_path=config_path, source=config_path, config_overrides=overrides).build(
+        device="meta"
+    )
     return inspect_model(model, f"Hugging Face config {config_path}")
 
 
 def get_default_seq_len(config_path: str) -> int:
     """``DEFAULT_SEQ_LEN``, at most the config's maximum positions."""
     config = _load_config(config_path)
-    limit = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx") if isinstance(getattr(config, k, None), int)), None)
+    limit = next(
+        (
+            getattr(config, k)
+            for k in ("max_position_embeddings", "n_positions", "n_ctx")
+            if isinstance(getattr(config, k, None), int)
+        ),
+        None,
+    )
     return min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN

@@ -71,7 +71,9 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def _rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(
+    head_dim: int, seq_len: int, theta: float, device: torch.device | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
@@ -156,7 +158,9 @@ class Llama(nn.Module):
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
                 else:
-                    scale = std / math.sqrt(2 * self.shape.num_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+                    scale = (
+                        std / math.sqrt(2 * self.shape.num_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+                    )
                     param.copy_(torch.randn(param.shape, generator=gen) * scale)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ it from), ``seq_len``, ``batch_size``, ``vocab_size``, ``block_names`` and ``uni
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from fsdp_runtime.errors import ConfigError
 from profiles import ModelProfile, _read_toml, list_model_profiles, load_model_profile
@@ -39,7 +39,7 @@ from profiles.hf import HFModel, find_config_file, get_default_seq_len
 if TYPE_CHECKING:
     from fsdp_runtime import RuntimeConfig
 
-ModelSource = Union[ModelProfile, FactoryModel, HFModel]
+ModelSource = ModelProfile | FactoryModel | HFModel
 """Any model ``--model`` can name (see [Note: model sources])."""
 
 _WRAPPER_FIELDS = ("name", "description", "factory", "hf_config", "seq_len", "batch_size")
@@ -61,7 +61,12 @@ def load_model_source(model: str | dict[str, Any]) -> ModelSource:
     if path.suffix == ".json" or path.is_dir():
         config_path = find_config_file(model)
         name = config_path.parent.name or config_path.stem
-        return HFModel(name=name, config_path=str(config_path), source=str(config_path), seq_len=get_default_seq_len(str(config_path)))
+        return HFModel(
+            name=name,
+            config_path=str(config_path),
+            source=str(config_path),
+            seq_len=get_default_seq_len(str(config_path)),
+        )
     if ":" in model and not path.exists():
         return FactoryModel(name=model, ref=model, source=model)
     try:
@@ -83,7 +88,9 @@ def _load_wrapper(path: Path, data: dict[str, Any]) -> ModelSource:
 
     for key in data:
         if key not in _WRAPPER_FIELDS:
-            raise fail(key, f"unknown field (a model TOML naming a factory or an HF config knows {', '.join(_WRAPPER_FIELDS)})")
+            raise fail(
+                key, f"unknown field (a model TOML naming a factory or an HF config knows {', '.join(_WRAPPER_FIELDS)})"
+            )
     if "factory" in data and "hf_config" in data:
         raise fail("factory", "a model TOML names a factory or an hf_config, not both")
     for key in ("name", "description", "factory", "hf_config"):
@@ -94,14 +101,22 @@ def _load_wrapper(path: Path, data: dict[str, Any]) -> ModelSource:
             raise fail(key, f"must be a positive integer, got {data[key]!r}")
     common = {"name": data.get("name", path.stem), "source": source, "description": data.get("description", "")}
     if "factory" in data:
-        shape = {"seq_len": data.get("seq_len", DEFAULT_SEQ_LEN), "batch_size": data.get("batch_size", DEFAULT_BATCH_SIZE)}
+        shape = {
+            "seq_len": data.get("seq_len", DEFAULT_SEQ_LEN),
+            "batch_size": data.get("batch_size", DEFAULT_BATCH_SIZE),
+        }
         return FactoryModel(ref=data["factory"], **common, **shape)
     config_path = find_config_file(str(path.parent / Path(data["hf_config"]).expanduser()))
-    shape = {"seq_len": data.get("seq_len", get_default_seq_len(str(config_path))), "batch_size": data.get("batch_size", DEFAULT_BATCH_SIZE)}
+    shape = {
+        "seq_len": data.get("seq_len", get_default_seq_len(str(config_path))),
+        "batch_size": data.get("batch_size", DEFAULT_BATCH_SIZE),
+    }
     return HFModel(config_path=str(config_path), **common, **shape)
 
 
-def resolve_config_for_model(config: "RuntimeConfig", model: str, *, source: str | None = None) -> tuple["RuntimeConfig", list[str]]:
+def resolve_config_for_model(
+    config: RuntimeConfig, model: str, *, source: str | None = None
+) -> tuple[RuntimeConfig, list[str]]:
     """``config``'s units resolved against the model ``model`` names, built on the meta device
     (nothing allocated), as ``apply_fsdp`` would resolve them ([Note: unit names]); returns
     the resolved config and what the resolution said (e.g. names mapped by position).

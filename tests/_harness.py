@@ -12,17 +12,28 @@ from typing import Any
 
 import torch
 
-from autotune.trials.workload import LEARNING_RATE, Training, build_training, compute_loss, make_microbatch, resolve_profile
+from autotune.trials.workload import (
+    LEARNING_RATE,
+    Training,
+    build_training,
+    compute_loss,
+    make_microbatch,
+    resolve_profile,
+)
 from profiles import build_model
 
 
-def train_losses(rank: int, world_size: int, *, model: str | dict[str, Any], config: dict[str, Any], num_steps: int, seed: int = 0) -> list[float]:
+def train_losses(
+    rank: int, world_size: int, *, model: str | dict[str, Any], config: dict[str, Any], num_steps: int, seed: int = 0
+) -> list[float]:
     """Rank program: train ``num_steps`` steps and return this rank's per-step losses."""
     training = build_training(rank, world_size, model=model, config=config, seed=seed)
     return [training.step(s) for s in range(num_steps)]
 
 
-def reference_losses(*, model: str | dict[str, Any], world_size: int, num_microbatches: int, num_steps: int, seed: int = 0) -> list[list[float]]:
+def reference_losses(
+    *, model: str | dict[str, Any], world_size: int, num_microbatches: int, num_steps: int, seed: int = 0
+) -> list[list[float]]:
     """Single-process, non-FSDP run on the combined batch; per-step losses as each rank would see them."""
     profile = resolve_profile(model)
     torch.manual_seed(seed)
@@ -115,12 +126,22 @@ def refit_loss(training: Training, step: int) -> float:
     total = 0.0
     with torch.no_grad():
         for m in range(num):
-            tokens = make_microbatch(training.profile, seed=training.seed, step=step, microbatch=m, dp_rank=training.dp_rank).to(training.device)
+            tokens = make_microbatch(
+                training.profile, seed=training.seed, step=step, microbatch=m, dp_rank=training.dp_rank
+            ).to(training.device)
             total += (compute_loss(training.model, tokens) / num).item()
     return total
 
 
-def train_configs(rank: int, world_size: int, *, model: str | dict[str, Any], configs: list[dict[str, Any]], num_steps: int, seed: int = 0) -> list[dict[str, Any]]:
+def train_configs(
+    rank: int,
+    world_size: int,
+    *,
+    model: str | dict[str, Any],
+    configs: list[dict[str, Any]],
+    num_steps: int,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """Rank program: train each config from the same init in turn (one launch, many configs).
 
     Returns per config this rank's losses, the collectives its training steps issued, how
@@ -137,6 +158,14 @@ def train_configs(rank: int, world_size: int, *, model: str | dict[str, Any], co
         refit = refit_loss(training, num_steps - 1)  # after counting: its all-gathers are not training traffic
         eager = sum(e.num_eager_concats for e in training.applied.eager_concat.values())
         recomputes = sum(f.num_recomputes for f in training.applied.checkpointed.values())
-        results.append({"losses": losses, "collectives": dict(counts), "eager_concats": eager, "recomputes": recomputes, "refit_loss": refit})
+        results.append(
+            {
+                "losses": losses,
+                "collectives": dict(counts),
+                "eager_concats": eager,
+                "recomputes": recomputes,
+                "refit_loss": refit,
+            }
+        )
         del training
     return results

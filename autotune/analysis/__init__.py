@@ -112,7 +112,14 @@ from autotune.analysis._facade import FsdpTraceAnalysis
 from autotune.analysis._hta_overlap import open_hta_analysis
 from autotune.analysis._summary import SUMMARY_SCHEMA_VERSION, check_summary
 
-__all__ = ["SUMMARY_SCHEMA_VERSION", "FsdpTraceAnalysis", "TraceError", "check_summary", "open_hta_analysis", "summarize_traces"]
+__all__ = [
+    "SUMMARY_SCHEMA_VERSION",
+    "FsdpTraceAnalysis",
+    "TraceError",
+    "check_summary",
+    "open_hta_analysis",
+    "summarize_traces",
+]
 
 
 def summarize_traces(trace_paths: list) -> dict:

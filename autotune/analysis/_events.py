@@ -38,7 +38,14 @@ _NCCL_KERNEL = re.compile(r"^nccl")
 _FSDP_LABEL = re.compile(r"^FSDP::")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 # What gloo runs for each c10d collective kind (it runs reduce-scatter as an all-reduce).
-_GLOO_RUNS_AS = {"all_gather": "all_gather", "reduce_scatter": "all_reduce", "all_reduce": "all_reduce", "send_recv": "send_recv", "other": "other", BARRIER: BARRIER}
+_GLOO_RUNS_AS = {
+    "all_gather": "all_gather",
+    "reduce_scatter": "all_reduce",
+    "all_reduce": "all_reduce",
+    "send_recv": "send_recv",
+    "other": "other",
+    BARRIER: BARRIER,
+}
 _SEND_RECV = re.compile(r"send|recv", re.IGNORECASE)
 
 
@@ -107,7 +114,9 @@ def _training_thread(events: pd.DataFrame) -> tuple[object, object]:
 def _get_steps(events: pd.DataFrame, main_mask: np.ndarray) -> pd.DataFrame:
     spans = events.loc[main_mask & get_name_mask(events["name"], _STEP), ["name", "ts", "end"]]
     numbers = [int(_STEP.match(str(n)).group(1)) for n in spans["name"]]
-    steps = pd.DataFrame({"step": np.array(numbers, dtype=int), "start": spans["ts"].to_numpy(), "end": spans["end"].to_numpy()})
+    steps = pd.DataFrame(
+        {"step": np.array(numbers, dtype=int), "start": spans["ts"].to_numpy(), "end": spans["end"].to_numpy()}
+    )
     return steps.sort_values("start", kind="stable").reset_index(drop=True)
 
 
@@ -117,10 +126,14 @@ def _get_labels(main: pd.DataFrame) -> pd.DataFrame:
     labelled = [parsed[name] for name in spans["name"]]
     keep = np.array([p is not None for p in labelled], dtype=bool)
     kept = [p for p in labelled if p is not None]
-    frame = pd.DataFrame({
-        "start": spans["ts"].to_numpy()[keep], "end": spans["end"].to_numpy()[keep],
-        "phase": pd.Series([p[0] for p in kept], dtype=object), "unit": pd.Series([p[1] for p in kept], dtype=object),
-    })  # fmt: skip
+    frame = pd.DataFrame(
+        {
+            "start": spans["ts"].to_numpy()[keep],
+            "end": spans["end"].to_numpy()[keep],
+            "phase": pd.Series([p[0] for p in kept], dtype=object),
+            "unit": pd.Series([p[1] for p in kept], dtype=object),
+        }
+    )
     return frame.sort_values("start", kind="stable").reset_index(drop=True)
 
 
@@ -199,7 +212,9 @@ def _cpu_comm(events: pd.DataFrame, main_mask: pd.Series) -> pd.DataFrame:
     is_enqueue = events["name"].str.startswith("c10d::") & ~events["name"].str.contains("wait", case=False)
     enqueues = events[is_enqueue & main_mask].sort_values("ts", kind="stable")
     kinds, issue = _match_gloo_to_enqueue(spans, enqueues)
-    gloo = pd.DataFrame({"start": spans["ts"].to_numpy(), "end": spans["end"].to_numpy(), "issue_ts": issue, "kind": kinds})
+    gloo = pd.DataFrame(
+        {"start": spans["ts"].to_numpy(), "end": spans["end"].to_numpy(), "issue_ts": issue, "kind": kinds}
+    )
     holds = events[events["name"].str.startswith(_LINKEMU_HOLD) & main_mask].sort_values("ts", kind="stable")
     if holds.empty:
         return gloo
@@ -223,10 +238,14 @@ def _attach_holds(gloo: pd.DataFrame, holds: pd.DataFrame, labels: pd.DataFrame)
     hold_units = _assign_units(holds["ts"].to_numpy(), labels)
     waiting = np.ones(len(gloo), dtype=bool)
     own = []
-    for (name, hold_start, hold_end), hold_unit in zip(holds[["name", "ts", "end"]].itertuples(index=False), hold_units):
+    for (name, hold_start, hold_end), hold_unit in zip(
+        holds[["name", "ts", "end"]].itertuples(index=False), hold_units
+    ):
         kind = name.removeprefix(_LINKEMU_HOLD)
         kind = kind if kind in COMM_KINDS else "other"
-        candidates = np.flatnonzero(waiting & (kinds == kind) & (issue <= hold_start) & (transfer_end <= hold_start + _HOLD_FOLLOWS_US))
+        candidates = np.flatnonzero(
+            waiting & (kinds == kind) & (issue <= hold_start) & (transfer_end <= hold_start + _HOLD_FOLLOWS_US)
+        )
         if len(candidates) == 0:
             own.append((hold_start, hold_end, hold_start, kind))
             continue
@@ -249,15 +268,21 @@ def _attach_holds(gloo: pd.DataFrame, holds: pd.DataFrame, labels: pd.DataFrame)
 def _gpu_kernels(events: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, int]:
     """(compute, comm, number dropped): kernels with their launch's start on the host as issue
     time; kernels whose launch is not in the trace are dropped (as HTA does)."""
-    launches = events.loc[events["cat"].isin(_LAUNCH_CATS).to_numpy() & (events["correlation"].to_numpy() >= 0), ["correlation", "ts"]]
+    launches = events.loc[
+        events["cat"].isin(_LAUNCH_CATS).to_numpy() & (events["correlation"].to_numpy() >= 0), ["correlation", "ts"]
+    ]
     order = np.argsort(launches["correlation"].to_numpy(), kind="stable")
     launch_corr, launch_ts = launches["correlation"].to_numpy()[order], launches["ts"].to_numpy()[order]
     kernels = events[(events["cat"] == "kernel").to_numpy()]
     corr = kernels["correlation"].to_numpy()
     at = np.searchsorted(launch_corr, corr, side="right") - 1  # the last launch with that correlation
-    launched = (at >= 0) & (launch_corr[np.maximum(at, 0)] == corr) if len(launch_corr) else np.zeros(len(corr), dtype=bool)
+    launched = (
+        (at >= 0) & (launch_corr[np.maximum(at, 0)] == corr) if len(launch_corr) else np.zeros(len(corr), dtype=bool)
+    )
     kernels = kernels[launched]
-    frame = pd.DataFrame({"start": kernels["ts"].to_numpy(), "end": kernels["end"].to_numpy(), "issue_ts": launch_ts[at[launched]]})
+    frame = pd.DataFrame(
+        {"start": kernels["ts"].to_numpy(), "end": kernels["end"].to_numpy(), "issue_ts": launch_ts[at[launched]]}
+    )
     is_comm = get_name_mask(kernels["name"], _NCCL_KERNEL)
     is_compute = ~is_comm & ~get_name_mask(kernels["name"], _MEMORY_KERNEL)
     comm = frame[is_comm].assign(kind=[get_collective_kind(str(n)) for n in kernels["name"].to_numpy()[is_comm]])

@@ -12,8 +12,8 @@ from autotune.analysis._events import RankEvents, classify_events
 from autotune.analysis._hta_overlap import HtaOverlapAnalyzer
 from autotune.analysis._load import RankTrace, load_trace
 from autotune.analysis._step_analysis import WINDOW_COLUMNS, StepAnalyzer
-from autotune.analysis._timeline_analysis import TimelineAnalyzer
 from autotune.analysis._summary import build_summary
+from autotune.analysis._timeline_analysis import TimelineAnalyzer
 from autotune.analysis._unit_analysis import UnitAnalyzer
 
 
@@ -89,4 +89,6 @@ class FsdpTraceAnalysis:
 
     def summarize(self) -> dict:
         """The JSON-able summary documented in ``autotune.analysis._summary``."""
-        return build_summary(self.events, self.get_step_metrics(), self.get_unit_metrics(), self.get_window_metrics(), device=self.device)
+        return build_summary(
+            self.events, self.get_step_metrics(), self.get_unit_metrics(), self.get_window_metrics(), device=self.device
+        )

@@ -60,7 +60,9 @@ def load_trace(path: str | Path, *, default_rank: int = 0) -> RankTrace:
     header, columns = read_events(path)
     events, memory = columns.to_frames()
     if not events["name"].cat.categories.str.match(_STEP_NAME.pattern).any():
-        raise TraceError(path, "no ProfilerStep#N spans (profile with a torch.profiler schedule and call prof.step() every step)")
+        raise TraceError(
+            path, "no ProfilerStep#N spans (profile with a torch.profiler schedule and call prof.step() every step)"
+        )
     device = "gpu" if (events["cat"] == "kernel").any() else "cpu"
     rank, source = get_rank(path, header) or (default_rank, "position")
     return RankTrace(

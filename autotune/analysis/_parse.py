@@ -257,11 +257,15 @@ class EventColumns:
                 fields = list(zip(*map(_FIELDS, spans))) or [()] * 6
             except KeyError:  # a field missing somewhere: read each with its default
                 spans = [e for e in spans if "ts" in e and "dur" in e]
-                fields = [[e.get(c, d) for e in spans] for c, d in (("name", ""), ("cat", ""), ("pid", None), ("tid", None))]
+                fields = [
+                    [e.get(c, d) for e in spans] for c, d in (("name", ""), ("cat", ""), ("pid", None), ("tid", None))
+                ]
                 fields += [[e["ts"] for e in spans], [e["dur"] for e in spans]]
             for column, values in zip(_CODED, fields):
                 lookup = self._lookups[column]
-                self._parts[column].append(np.fromiter(map(lookup.__getitem__, values), dtype=np.int32, count=len(values)))
+                self._parts[column].append(
+                    np.fromiter(map(lookup.__getitem__, values), dtype=np.int32, count=len(values))
+                )
             self._parts["ts"].append(np.array(fields[4], dtype=np.float64))
             self._parts["dur"].append(np.array(fields[5], dtype=np.float64))
             self._parts["correlation"].append(self._correlations(spans, self._parts["cat"][-1]))
@@ -287,7 +291,9 @@ class EventColumns:
     def to_frames(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """``(events, memory)``: columns :data:`EVENT_COLUMNS` (name, cat, pid, tid categorical) and :data:`MEMORY_COLUMNS`."""
         joined = {c: np.concatenate(p) if p else np.empty(0) for c, p in self._parts.items()}
-        columns: dict[str, Any] = {c: _categorical(joined[c].astype(np.int32), self._lookups[c], as_str=c in ("name", "cat")) for c in _CODED}
+        columns: dict[str, Any] = {
+            c: _categorical(joined[c].astype(np.int32), self._lookups[c], as_str=c in ("name", "cat")) for c in _CODED
+        }
         columns["ts"], columns["dur"] = joined["ts"].astype(np.float64), joined["dur"].astype(np.float64)
         columns["end"] = columns["ts"] + columns["dur"]
         columns["correlation"] = joined["correlation"].astype(np.int64)

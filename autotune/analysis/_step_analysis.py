@@ -11,9 +11,20 @@ from autotune.analysis._events import RankEvents
 from autotune.analysis._steps import StepSlice, get_step_slices, get_window_compute
 
 STEP_COLUMNS = [
-    "rank", "step", "step_ms", "compute_ms", "comm_ms", *KIND_COLUMNS, "exposed_comm_ms",
-    "overlap_ratio", "bound_ms", "bound_ratio", "num_collectives", "barrier_ms", "profiler_peak_allocated_bytes",
-]  # fmt: skip
+    "rank",
+    "step",
+    "step_ms",
+    "compute_ms",
+    "comm_ms",
+    *KIND_COLUMNS,
+    "exposed_comm_ms",
+    "overlap_ratio",
+    "bound_ms",
+    "bound_ratio",
+    "num_collectives",
+    "barrier_ms",
+    "profiler_peak_allocated_bytes",
+]
 WINDOW_COLUMNS = ["rank", "comm_ms", "exposed_comm_ms", "overlap_ratio_time_weighted"]
 
 
@@ -82,4 +93,9 @@ class StepAnalyzer:
         spans = iv.union(np.concatenate([s.comm for s in slices])) if slices else iv.EMPTY.copy()
         comm_ms = iv.total(spans) / US_PER_MS
         exposed_ms = iv.total(iv.subtract(spans, get_window_compute(events))) / US_PER_MS
-        return {"rank": events.rank, "comm_ms": comm_ms, "exposed_comm_ms": exposed_ms, "overlap_ratio_time_weighted": get_overlap_ratio(comm_ms, exposed_ms)}
+        return {
+            "rank": events.rank,
+            "comm_ms": comm_ms,
+            "exposed_comm_ms": exposed_ms,
+            "overlap_ratio_time_weighted": get_overlap_ratio(comm_ms, exposed_ms),
+        }

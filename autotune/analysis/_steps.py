@@ -67,16 +67,27 @@ def get_step_slices(events: RankEvents) -> list[StepSlice]:
         steps = events.steps
         starts, ends = steps["start"].to_numpy(dtype=float), steps["end"].to_numpy(dtype=float)
         comm, barriers = events.comm, events.barriers
-        comm_spans, kinds = comm[["start", "end"]].to_numpy(dtype=float).reshape(-1, 2), comm["kind"].to_numpy(dtype=object)
+        comm_spans, kinds = (
+            comm[["start", "end"]].to_numpy(dtype=float).reshape(-1, 2),
+            comm["kind"].to_numpy(dtype=object),
+        )
         units = comm["unit"].to_numpy(dtype=object)
         barrier_spans = barriers[["start", "end"]].to_numpy(dtype=float).reshape(-1, 2)
         computes = _step_computes(events, starts, ends)
         comm_rows, barrier_rows = _split(comm, len(steps), starts, ends), _split(barriers, len(steps), starts, ends)
         events.cache["steps"] = [
-            StepSlice(step=int(n), start=float(s), end=float(e), compute=computes[i], comm=comm_spans[comm_rows[i]],
-                      kinds=kinds[comm_rows[i]], units=units[comm_rows[i]], barriers=barrier_spans[barrier_rows[i]])
+            StepSlice(
+                step=int(n),
+                start=float(s),
+                end=float(e),
+                compute=computes[i],
+                comm=comm_spans[comm_rows[i]],
+                kinds=kinds[comm_rows[i]],
+                units=units[comm_rows[i]],
+                barriers=barrier_spans[barrier_rows[i]],
+            )
             for i, (n, s, e) in enumerate(zip(steps["step"], starts, ends))
-        ]  # fmt: skip
+        ]
     return events.cache["steps"]
 
 
@@ -84,5 +95,7 @@ def get_window_compute(events: RankEvents) -> np.ndarray:
     """The compute of every profiled step, merged: what hides communication (see [Note: trace metrics])."""
     if "window_compute" not in events.cache:
         slices = get_step_slices(events)
-        events.cache["window_compute"] = iv.union(np.concatenate([s.compute for s in slices])) if slices else iv.EMPTY.copy()
+        events.cache["window_compute"] = (
+            iv.union(np.concatenate([s.compute for s in slices])) if slices else iv.EMPTY.copy()
+        )
     return events.cache["window_compute"]

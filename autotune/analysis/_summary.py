@@ -93,12 +93,21 @@ def _aggregate(steps: pd.DataFrame, units: pd.DataFrame, unit_order: list[str], 
         aggregate[f] = _median(steps[f])
     peaks = pd.to_numeric(steps["profiler_peak_allocated_bytes"], errors="coerce").dropna()
     aggregate["profiler_peak_allocated_bytes"] = int(peaks.max()) if len(peaks) else None
-    aggregate["overlap_ratio_time_weighted"] = _time_weighted(float(window["comm_ms"].sum()), float(window["exposed_comm_ms"].sum()))
+    aggregate["overlap_ratio_time_weighted"] = _time_weighted(
+        float(window["comm_ms"].sum()), float(window["exposed_comm_ms"].sum())
+    )
     aggregate["per_unit"] = _unit_medians(units, unit_order)
     return aggregate
 
 
-def build_summary(events_by_rank: dict[int, RankEvents], steps: pd.DataFrame, units: pd.DataFrame, window: pd.DataFrame, *, device: str) -> dict[str, Any]:
+def build_summary(
+    events_by_rank: dict[int, RankEvents],
+    steps: pd.DataFrame,
+    units: pd.DataFrame,
+    window: pd.DataFrame,
+    *,
+    device: str,
+) -> dict[str, Any]:
     """The summary of every rank and the cross-rank aggregate (schema above); ``window``: one
     row per rank over its whole profiled window (``StepAnalyzer.get_window_metrics``)."""
     time_weighted = dict(zip(window["rank"], window["overlap_ratio_time_weighted"]))
@@ -106,14 +115,16 @@ def build_summary(events_by_rank: dict[int, RankEvents], steps: pd.DataFrame, un
     per_rank = []
     for rank, events in events_by_rank.items():
         rank_units = units[units["rank"] == rank]
-        per_rank.append({
-            "rank": rank,
-            "trace": events.path.name,
-            "profiler_peak_allocated_bytes": get_profiler_peak(events.memory),
-            "overlap_ratio_time_weighted": _plain(time_weighted.get(rank)),
-            "steps": _records(steps[steps["rank"] == rank], ["step", *STEP_FIELDS]),
-            "per_unit": _unit_medians(rank_units, events.units),
-        })  # fmt: skip
+        per_rank.append(
+            {
+                "rank": rank,
+                "trace": events.path.name,
+                "profiler_peak_allocated_bytes": get_profiler_peak(events.memory),
+                "overlap_ratio_time_weighted": _plain(time_weighted.get(rank)),
+                "steps": _records(steps[steps["rank"] == rank], ["step", *STEP_FIELDS]),
+                "per_unit": _unit_medians(rank_units, events.units),
+            }
+        )
     return {
         "schema_version": SUMMARY_SCHEMA_VERSION,
         "kind": SUMMARY_KIND,
@@ -133,7 +144,9 @@ def _rename_peak(row: dict[str, Any]) -> dict[str, Any]:
 
 def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
     """v1 -> v2: the profiler's peaks are ``profiler_peak_allocated_bytes``."""
-    per_rank = [{**_rename_peak(r), "steps": [_rename_peak(s) for s in r.get("steps", [])]} for r in data.get("per_rank", [])]
+    per_rank = [
+        {**_rename_peak(r), "steps": [_rename_peak(s) for s in r.get("steps", [])]} for r in data.get("per_rank", [])
+    ]
     return {**data, "per_rank": per_rank, "aggregate": _rename_peak(data.get("aggregate") or {})}
 
 

@@ -31,10 +31,19 @@ class TimelineAnalyzer:
             for lane, spans in lanes.items():
                 if len(spans) == 0:
                     continue
-                frames.append(pd.DataFrame({
-                    "rank": events.rank, "step": s.step, "lane": lane,
-                    "start_ms": (spans[:, 0] - origin) / US_PER_MS, "end_ms": (spans[:, 1] - origin) / US_PER_MS,
-                }))  # fmt: skip
+                frames.append(
+                    pd.DataFrame(
+                        {
+                            "rank": events.rank,
+                            "step": s.step,
+                            "lane": lane,
+                            "start_ms": (spans[:, 0] - origin) / US_PER_MS,
+                            "end_ms": (spans[:, 1] - origin) / US_PER_MS,
+                        }
+                    )
+                )
         if not frames:
-            return pd.DataFrame({c: np.array([], dtype=float if c.endswith("_ms") else object) for c in TIMELINE_COLUMNS})
+            return pd.DataFrame(
+                {c: np.array([], dtype=float if c.endswith("_ms") else object) for c in TIMELINE_COLUMNS}
+            )
         return pd.concat(frames, ignore_index=True)[TIMELINE_COLUMNS]

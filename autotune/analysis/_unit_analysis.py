@@ -10,9 +10,16 @@ from autotune.analysis._events import RankEvents
 from autotune.analysis._steps import get_step_slices, get_window_compute
 
 UNIT_COLUMNS = [
-    "rank", "step", "unit", "comm_ms", *KIND_COLUMNS, "exposed_comm_ms", "overlap_ratio",
-    "num_collectives", "hook_ms",
-]  # fmt: skip
+    "rank",
+    "step",
+    "unit",
+    "comm_ms",
+    *KIND_COLUMNS,
+    "exposed_comm_ms",
+    "overlap_ratio",
+    "num_collectives",
+    "hook_ms",
+]
 
 
 class UnitAnalyzer:
@@ -21,7 +28,10 @@ class UnitAnalyzer:
     @classmethod
     def get_unit_metrics(cls, events: RankEvents) -> pd.DataFrame:
         rows = []
-        hooks = {unit: iv.union(spans[["start", "end"]].to_numpy()) for unit, spans in events.labels.groupby("unit", sort=False)}
+        hooks = {
+            unit: iv.union(spans[["start", "end"]].to_numpy())
+            for unit, spans in events.labels.groupby("unit", sort=False)
+        }
         hiding = get_window_compute(events)
         for s in get_step_slices(events):
             for unit in events.units:

@@ -86,14 +86,28 @@ class Pricer:
     simulator: Simulator
 
 
-def make_pricer(work: ModelWork, hardware: Hardware, space: SearchSpace, *, mixed_precision: MixedPrecisionConfig, activation_checkpointing: bool, depth: int | None = None) -> Pricer:
+def make_pricer(
+    work: ModelWork,
+    hardware: Hardware,
+    space: SearchSpace,
+    *,
+    mixed_precision: MixedPrecisionConfig,
+    activation_checkpointing: bool,
+    depth: int | None = None,
+) -> Pricer:
     """A pricer for ``work``, or for its first ``depth`` blocks (same per-block shapes, same root)."""
     if depth is not None:
         blocks = work.block_names[:depth]
-        work = dataclasses.replace(work, block_names=blocks, param_shapes={u: work.param_shapes[u] for u in (*blocks, ROOT_UNIT)})
+        work = dataclasses.replace(
+            work, block_names=blocks, param_shapes={u: work.param_shapes[u] for u in (*blocks, ROOT_UNIT)}
+        )
         space = dataclasses.replace(space, block_names=blocks)
-    factory = KnobFactory(space, world_size=hardware.world_size, device=hardware.cluster.device, mixed_precision=mixed_precision)
-    return Pricer(factory=factory, simulator=Simulator(work, hardware, activation_checkpointing=activation_checkpointing))
+    factory = KnobFactory(
+        space, world_size=hardware.world_size, device=hardware.cluster.device, mixed_precision=mixed_precision
+    )
+    return Pricer(
+        factory=factory, simulator=Simulator(work, hardware, activation_checkpointing=activation_checkpointing)
+    )
 
 
 def get_identity(knobs: Knobs) -> Knobs:
@@ -101,9 +115,10 @@ def get_identity(knobs: Knobs) -> Knobs:
     n = len(knobs.backward_prefetch) - 1
     implicit = tuple(((u - 1,) if u > 0 else ()) if u < n else (n - 1,) for u in range(n + 1))
     return dataclasses.replace(
-        knobs, backward_prefetch=tuple(i if b is None else b for b, i in zip(knobs.backward_prefetch, implicit)),
+        knobs,
+        backward_prefetch=tuple(i if b is None else b for b, i in zip(knobs.backward_prefetch, implicit)),
         forward_prefetch=tuple(() if f is None else f for f in knobs.forward_prefetch),
-    )  # fmt: skip
+    )
 
 
 def is_dominated(params: dict[str, Any]) -> bool:
@@ -126,7 +141,13 @@ def _simulate_group(task: tuple[int, list[dict[str, Any]]]) -> tuple[list[StepPr
     return [predictions[i] for i in index], len(distinct)
 
 
-def _run(pricers: list[Pricer], tasks: list[tuple[int, list[dict[str, Any]]]], num_workers: int, reporter: PlanReporter, weight: float) -> tuple[list[list[StepPrediction]], int]:
+def _run(
+    pricers: list[Pricer],
+    tasks: list[tuple[int, list[dict[str, Any]]]],
+    num_workers: int,
+    reporter: PlanReporter,
+    weight: float,
+) -> tuple[list[list[StepPrediction]], int]:
     """Each task's predictions, in order, and the number of distinct simulations; advances the reporter by ``weight`` per point."""
     global _PRICERS
     _PRICERS = pricers
@@ -159,7 +180,9 @@ def _group(points: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return list(groups.values())
 
 
-def extrapolate(shallow: StepPrediction, deep: StepPrediction, factor: float, full: Simulator, num_microbatches: int) -> StepPrediction:
+def extrapolate(
+    shallow: StepPrediction, deep: StepPrediction, factor: float, full: Simulator, num_microbatches: int
+) -> StepPrediction:
     """``deep + factor x (deep - shallow)`` for every time and memory figure; throughput and MFU from the extrapolated step."""
 
     def line(a: float, b: float) -> float:
@@ -171,16 +194,30 @@ def extrapolate(shallow: StepPrediction, deep: StepPrediction, factor: float, fu
     # sharded state overtakes a backward's buffers): the maximum of the extrapolated phase peaks.
     phase_peaks = {k: line(shallow.phase_peaks.get(k, 0.0), v) for k, v in deep.phase_peaks.items()}
     return StepPrediction(
-        step_s=step, compute_s=line(shallow.compute_s, deep.compute_s), comm_s=line(shallow.comm_s, deep.comm_s),
-        exposed_comm_s=line(shallow.exposed_comm_s, deep.exposed_comm_s), tokens_per_s_per_device=num_microbatches * full.work.tokens / step,
+        step_s=step,
+        compute_s=line(shallow.compute_s, deep.compute_s),
+        comm_s=line(shallow.comm_s, deep.comm_s),
+        exposed_comm_s=line(shallow.exposed_comm_s, deep.exposed_comm_s),
+        tokens_per_s_per_device=num_microbatches * full.work.tokens / step,
         mfu=num_microbatches * full.flops_per_microbatch / (step * full.peak_flops) if full.peak_flops else 0.0,
-        peak_memory_bytes=max(phase_peaks.values(), default=line(shallow.peak_memory_bytes, deep.peak_memory_bytes)), memory_capacity_bytes=deep.memory_capacity_bytes,
-        memory_breakdown={k: line(shallow.memory_breakdown.get(k, 0.0), deep.memory_breakdown.get(k, 0.0)) for k in keys}, phase_peaks=phase_peaks,
-    )  # fmt: skip
+        peak_memory_bytes=max(phase_peaks.values(), default=line(shallow.peak_memory_bytes, deep.peak_memory_bytes)),
+        memory_capacity_bytes=deep.memory_capacity_bytes,
+        memory_breakdown={
+            k: line(shallow.memory_breakdown.get(k, 0.0), deep.memory_breakdown.get(k, 0.0)) for k in keys
+        },
+        phase_peaks=phase_peaks,
+    )
 
 
-def evaluate_space(points: list[dict[str, Any]], full: Pricer, *, default: dict[str, Any], reporter: PlanReporter, num_workers: int,
-                   reduced: tuple[Pricer, Pricer] | None = None) -> Evaluation:  # fmt: skip
+def evaluate_space(
+    points: list[dict[str, Any]],
+    full: Pricer,
+    *,
+    default: dict[str, Any],
+    reporter: PlanReporter,
+    num_workers: int,
+    reduced: tuple[Pricer, Pricer] | None = None,
+) -> Evaluation:
     """Predictions for every point but the dominated ones: at full depth, or extrapolated from the
     ``reduced`` pricers with the fastest re-simulated at full depth ([Note: plan speed])."""
     kept = [p for p in points if not is_dominated(p)]
@@ -197,14 +234,28 @@ def evaluate_space(points: list[dict[str, Any]], full: Pricer, *, default: dict[
     m = full.factory.space.num_microbatches
     rows = [
         PlanRow(params=p, prediction=extrapolate(a, b, factor, full.simulator, m), exact=False)
-        for g, shallow, deep in zip(groups, results[0::2], results[1::2]) for p, a, b in zip(g, shallow, deep)
-    ]  # fmt: skip
-    candidates = sorted((r for r in rows if r.prediction.peak_memory_bytes <= MEMORY_MARGIN * r.prediction.memory_capacity_bytes), key=lambda r: r.prediction.step_s)
-    over = sorted((r for r in rows if r.prediction.peak_memory_bytes > MEMORY_MARGIN * r.prediction.memory_capacity_bytes), key=lambda r: r.prediction.peak_memory_bytes)
-    chosen = {id(r): r for r in [*candidates[:NUM_EXACT], *over[:NUM_EXACT_DROPPED], *(r for r in rows if r.params == default)]}
+        for g, shallow, deep in zip(groups, results[0::2], results[1::2])
+        for p, a, b in zip(g, shallow, deep)
+    ]
+    candidates = sorted(
+        (r for r in rows if r.prediction.peak_memory_bytes <= MEMORY_MARGIN * r.prediction.memory_capacity_bytes),
+        key=lambda r: r.prediction.step_s,
+    )
+    over = sorted(
+        (r for r in rows if r.prediction.peak_memory_bytes > MEMORY_MARGIN * r.prediction.memory_capacity_bytes),
+        key=lambda r: r.prediction.peak_memory_bytes,
+    )
+    chosen = {
+        id(r): r
+        for r in [*candidates[:NUM_EXACT], *over[:NUM_EXACT_DROPPED], *(r for r in rows if r.params == default)]
+    }
     exact_groups = _group([r.params for r in chosen.values()])
     exact, exact_count = _run([full], [(0, g) for g in exact_groups], num_workers, reporter, 1.0)
-    by_params = {tuple(sorted(p.items(), key=str)): pred for g, preds in zip(exact_groups, exact) for p, pred in zip(g, preds)}
+    by_params = {
+        tuple(sorted(p.items(), key=str)): pred for g, preds in zip(exact_groups, exact) for p, pred in zip(g, preds)
+    }
     for row in chosen.values():
         row.prediction, row.exact = by_params[tuple(sorted(row.params.items(), key=str))], True
-    return Evaluation(rows=rows, num_simulated=count + exact_count, num_pruned=len(points) - len(kept), num_exact=len(chosen))
+    return Evaluation(
+        rows=rows, num_simulated=count + exact_count, num_pruned=len(points) - len(kept), num_exact=len(chosen)
+    )

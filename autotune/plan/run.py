@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from autotune.plan.evaluate import REDUCED_DEPTHS, PlanReporter, PlanRow, evaluate_space, make_pricer
 from autotune.plan.points import KnobFactory, iter_space_params
-from autotune.search.presearch import get_core_space, has_memory_knobs, iter_memory_variants
 from autotune.search import SearchSpace
 from autotune.search.preflight import check_mesh
+from autotune.search.presearch import get_core_space, has_memory_knobs, iter_memory_variants
 from autotune.sim import Hardware, ModelWork, Simulator, StepPrediction, get_model_work
 from fsdp_runtime import MixedPrecisionConfig, Provenance, RuntimeConfig, save_config
 from fsdp_runtime.errors import AutotuneError
@@ -65,8 +65,12 @@ class PlanSettings:
             ("num_microbatches", self.num_microbatches >= 1, f"microbatches must be >= 1, got {self.num_microbatches}"),
             ("num_top", self.num_top >= 1, f"top must be >= 1, got {self.num_top}"),
             ("num_workers", self.num_workers >= 1, f"workers must be >= 1, got {self.num_workers}"),
-            ("activation_checkpointing", self.activation_checkpointing in ("auto", "none", "full"), f"activation checkpointing must be auto, none or full, got {self.activation_checkpointing!r}"),
-        ):  # fmt: skip
+            (
+                "activation_checkpointing",
+                self.activation_checkpointing in ("auto", "none", "full"),
+                f"activation checkpointing must be auto, none or full, got {self.activation_checkpointing!r}",
+            ),
+        ):
             if not ok:
                 raise PlanError(problem, field=name)
         if self.out_dir.exists() and not self.out_dir.is_dir():
@@ -144,47 +148,91 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
     work = get_model_work(profile, settings.param_dtype)
     searched_ac = settings.memory_knobs and settings.activation_checkpointing == "auto"
     space = SearchSpace(
-        block_names=work.block_names, world_size=hardware.world_size, num_microbatches=settings.num_microbatches, device_type=hardware.cluster.device,
-        fixed_mesh=settings.fixed_mesh, grouping=settings.memory_knobs, root_knobs=settings.memory_knobs, checkpointing=searched_ac,
+        block_names=work.block_names,
+        world_size=hardware.world_size,
+        num_microbatches=settings.num_microbatches,
+        device_type=hardware.cluster.device,
+        fixed_mesh=settings.fixed_mesh,
+        grouping=settings.memory_knobs,
+        root_knobs=settings.memory_knobs,
+        checkpointing=searched_ac,
         reduce_dtype_differs=settings.reduce_dtype != settings.param_dtype,
-    )  # fmt: skip
+    )
     mp = MixedPrecisionConfig(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
     factory = KnobFactory(space, world_size=hardware.world_size, device=hardware.cluster.device, mixed_precision=mp)
     variants = {mesh: list(iter_memory_variants(space, mesh)) for mesh in space.get_mesh_choices()}
-    points = [{**p, **variants[p["mesh"]][0]} for p in iter_space_params(get_core_space(space))]  # the memory knobs at FSDP2's defaults
+    points = [
+        {**p, **variants[p["mesh"]][0]} for p in iter_space_params(get_core_space(space))
+    ]  # the memory knobs at FSDP2's defaults
     if searched_ac:
-        ac, ac_reason = False, "searched per unit (none, selective or full on a pattern of blocks) and set in the emitted config"
+        ac, ac_reason = (
+            False,
+            "searched per unit (none, selective or full on a pattern of blocks) and set in the emitted config",
+        )
     else:
         ac, ac_reason = _choose_checkpointing(settings, factory, work, hardware, space)
     simulator = Simulator(work, hardware, activation_checkpointing=ac)
-    full = dataclasses.replace(make_pricer(work, hardware, space, mixed_precision=mp, activation_checkpointing=ac), factory=factory, simulator=simulator)
+    full = dataclasses.replace(
+        make_pricer(work, hardware, space, mixed_precision=mp, activation_checkpointing=ac),
+        factory=factory,
+        simulator=simulator,
+    )
     reduced = None
     if len(work.block_names) > 2 * REDUCED_DEPTHS[1] and not settings.exact:
-        reduced = tuple(make_pricer(work, hardware, space, mixed_precision=mp, activation_checkpointing=ac, depth=d) for d in REDUCED_DEPTHS)
-    reporter.on_phase(f"simulating {len(points)} configs of {profile.name} on {settings.num_nodes} x {hardware.cluster.name} "
-                      f"({hardware.world_size} ranks, {settings.num_microbatches} microbatches, activation checkpointing {'full' if ac else 'none'})"
-                      + (f"; at {' and '.join(map(str, REDUCED_DEPTHS))} blocks, extrapolated to {len(work.block_names)}, the fastest then at full depth" if reduced else ""))  # fmt: skip
+        reduced = tuple(
+            make_pricer(work, hardware, space, mixed_precision=mp, activation_checkpointing=ac, depth=d)
+            for d in REDUCED_DEPTHS
+        )
+    reporter.on_phase(
+        f"simulating {len(points)} configs of {profile.name} on {settings.num_nodes} x {hardware.cluster.name} "
+        f"({hardware.world_size} ranks, {settings.num_microbatches} microbatches, activation checkpointing {'full' if ac else 'none'})"
+        + (
+            f"; at {' and '.join(map(str, REDUCED_DEPTHS))} blocks, extrapolated to {len(work.block_names)}, the fastest then at full depth"
+            if reduced
+            else ""
+        )
+    )
     started = time.perf_counter()
     default_params = space.get_default_params()
-    evaluation = evaluate_space(points, full, default=default_params, reporter=reporter, num_workers=settings.num_workers, reduced=reduced)  # type: ignore[arg-type]
+    evaluation = evaluate_space(
+        points, full, default=default_params, reporter=reporter, num_workers=settings.num_workers, reduced=reduced
+    )  # type: ignore[arg-type]
     rows = evaluation.rows
     if has_memory_knobs(space):
         staged = _get_staged_points(rows, variants)
-        reporter.on_phase(f"memory knobs (blocks per unit, the root's knobs{', checkpointing per unit' if searched_ac else ''}): "
-                          f"{len(staged)} variants of the {STAGED_TOP} fastest configs and the {STAGED_TOP} fastest that fit, at full depth")  # fmt: skip
+        reporter.on_phase(
+            f"memory knobs (blocks per unit, the root's knobs{', checkpointing per unit' if searched_ac else ''}): "
+            f"{len(staged)} variants of the {STAGED_TOP} fastest configs and the {STAGED_TOP} fastest that fit, at full depth"
+        )
         more = evaluate_space(staged, full, default=default_params, reporter=reporter, num_workers=settings.num_workers)
         rows += more.rows
-        evaluation = dataclasses.replace(evaluation, num_simulated=evaluation.num_simulated + more.num_simulated, num_pruned=evaluation.num_pruned + more.num_pruned,
-                                         num_exact=evaluation.num_exact + more.num_exact)  # fmt: skip
+        evaluation = dataclasses.replace(
+            evaluation,
+            num_simulated=evaluation.num_simulated + more.num_simulated,
+            num_pruned=evaluation.num_pruned + more.num_pruned,
+            num_exact=evaluation.num_exact + more.num_exact,
+        )
     elapsed = time.perf_counter() - started
     default = next(row for row in rows if row.params == default_params)
-    ranked = sorted((r for r in rows if r.prediction.fits), key=lambda r: (not r.exact, *_get_rank_key(r, default_params)))
+    ranked = sorted(
+        (r for r in rows if r.prediction.fits), key=lambda r: (not r.exact, *_get_rank_key(r, default_params))
+    )
     dropped = sorted((r for r in rows if not r.prediction.fits), key=lambda r: r.prediction.peak_memory_bytes)
     result = PlanResult(
-        settings=settings, world_size=hardware.world_size, activation_checkpointing=ac, ac_reason=ac_reason, ranked=ranked, dropped=dropped,
-        num_evaluated=len(rows), evaluate_s=elapsed, default=default, num_simulated=evaluation.num_simulated, num_pruned=evaluation.num_pruned,
-        num_exact=evaluation.num_exact, ac_in_config=searched_ac,
-    )  # fmt: skip
+        settings=settings,
+        world_size=hardware.world_size,
+        activation_checkpointing=ac,
+        ac_reason=ac_reason,
+        ranked=ranked,
+        dropped=dropped,
+        num_evaluated=len(rows),
+        evaluate_s=elapsed,
+        default=default,
+        num_simulated=evaluation.num_simulated,
+        num_pruned=evaluation.num_pruned,
+        num_exact=evaluation.num_exact,
+        ac_in_config=searched_ac,
+    )
     if ranked:
         result.best_config = factory.build_config(ranked[0].params)
         result.best_detail = simulator.simulate(result.best_config)
@@ -206,14 +254,19 @@ def _get_rank_key(row: PlanRow, default_params: dict[str, Any]) -> tuple[float, 
     return round(row.prediction.step_s * 1e6), changed, row.prediction.peak_memory_bytes
 
 
-def _choose_checkpointing(settings: PlanSettings, factory: KnobFactory, work: ModelWork, hardware: Hardware, space: SearchSpace) -> tuple[bool, str]:
+def _choose_checkpointing(
+    settings: PlanSettings, factory: KnobFactory, work: ModelWork, hardware: Hardware, space: SearchSpace
+) -> tuple[bool, str]:
     if settings.activation_checkpointing != "auto":
         return settings.activation_checkpointing == "full", f"--ac {settings.activation_checkpointing}"
     knobs = factory.get_knobs(space.get_default_params())
     prediction = Simulator(work, hardware).simulate_knobs([knobs])[0]
     if prediction.memory_headroom_bytes >= AUTO_AC_HEADROOM * prediction.memory_capacity_bytes:
         return False, f"FSDP2's defaults fit without it with {AUTO_AC_HEADROOM:.0%} to spare"
-    return True, f"without it FSDP2's defaults have less than {AUTO_AC_HEADROOM:.0%} to spare: {prediction.describe_memory()}; --ac none ranks without it"
+    return (
+        True,
+        f"without it FSDP2's defaults have less than {AUTO_AC_HEADROOM:.0%} to spare: {prediction.describe_memory()}; --ac none ranks without it",
+    )
 
 
 def _emit(result: PlanResult, model_name: str, hardware: Hardware) -> list[Path]:
@@ -226,29 +279,55 @@ def _emit(result: PlanResult, model_name: str, hardware: Hardware) -> list[Path]
     notes = [
         f"simulated, not measured: autotune plan ranked {result.num_evaluated} configs on {settings.num_nodes} x {hardware.cluster.name} "
         f"({result.world_size} ranks of {hardware.accelerator.name}) with the FSDP2 step simulator (autotune.sim)",
-        (f"activation checkpointing is set per unit in this config ({result.ac_reason}); the training script must not checkpoint the blocks itself"
-         if result.ac_in_config else
-         f"assumes activation checkpointing {'full (every block)' if result.activation_checkpointing else 'none'} in the training script ({result.ac_reason}); this config does not set it"),
+        (
+            f"activation checkpointing is set per unit in this config ({result.ac_reason}); the training script must not checkpoint the blocks itself"
+            if result.ac_in_config
+            else f"assumes activation checkpointing {'full (every block)' if result.activation_checkpointing else 'none'} in the training script ({result.ac_reason}); this config does not set it"
+        ),
         f"chosen: {best.description}",
     ]
     if speedup is not None:
-        notes.append(f"predicted {speedup:.3f}x FSDP2's defaults ({1e3 * result.default.prediction.step_s:.0f} ms -> {1e3 * detail.step_s:.0f} ms per step)")
+        notes.append(
+            f"predicted {speedup:.3f}x FSDP2's defaults ({1e3 * result.default.prediction.step_s:.0f} ms -> {1e3 * detail.step_s:.0f} ms per step)"
+        )
     provenance = Provenance(
-        produced_by="autotune plan (simulated)", model=model_name, world_size=result.world_size, backend=hardware.cluster.backend,
-        torch_version=torch.__version__, measured=False, created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        notes=notes, metrics={**detail.to_metrics(), **({"predicted_speedup_vs_default": speedup} if speedup else {})},
-    )  # fmt: skip
+        produced_by="autotune plan (simulated)",
+        model=model_name,
+        world_size=result.world_size,
+        backend=hardware.cluster.backend,
+        torch_version=torch.__version__,
+        measured=False,
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        notes=notes,
+        metrics={**detail.to_metrics(), **({"predicted_speedup_vs_default": speedup} if speedup else {})},
+    )
     config = dataclasses.replace(result.best_config, provenance=provenance)
     out = settings.out_dir
     files = [save_config(config, out / "best.toml"), save_config(config, out / "best.json")]
     summary = {
-        "kind": "autotune-plan", "model": model_name, "cluster": hardware.cluster.name, "num_nodes": settings.num_nodes, "world_size": result.world_size,
-        "num_microbatches": settings.num_microbatches, "activation_checkpointing": "per_unit" if result.ac_in_config else ("full" if result.activation_checkpointing else "none"),
-        "num_evaluated": result.num_evaluated, "num_simulated": result.num_simulated, "num_pruned": result.num_pruned, "num_exact": result.num_exact, "num_fit": len(result.ranked), "num_dropped": len(result.dropped), "configs_per_s": result.configs_per_s,
+        "kind": "autotune-plan",
+        "model": model_name,
+        "cluster": hardware.cluster.name,
+        "num_nodes": settings.num_nodes,
+        "world_size": result.world_size,
+        "num_microbatches": settings.num_microbatches,
+        "activation_checkpointing": "per_unit"
+        if result.ac_in_config
+        else ("full" if result.activation_checkpointing else "none"),
+        "num_evaluated": result.num_evaluated,
+        "num_simulated": result.num_simulated,
+        "num_pruned": result.num_pruned,
+        "num_exact": result.num_exact,
+        "num_fit": len(result.ranked),
+        "num_dropped": len(result.dropped),
+        "configs_per_s": result.configs_per_s,
         "default": {"config": result.default.description, **result.default.prediction.to_dict()},
         "best": {"config": best.description, "params": best.params, **detail.to_dict()},
-        "top": [{"config": r.description, "params": r.params, "num_alike": n, **r.prediction.to_metrics()} for r, n in result.get_distinct_top()],
-    }  # fmt: skip
+        "top": [
+            {"config": r.description, "params": r.params, "num_alike": n, **r.prediction.to_metrics()}
+            for r, n in result.get_distinct_top()
+        ],
+    }
     path = out / "plan.json"
     path.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
     return [*files, path]

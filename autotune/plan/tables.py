@@ -12,20 +12,30 @@ def _row(rank: str, row: PlanRow, default_step_s: float | None) -> list[str]:
     p = row.prediction
     speedup = default_step_s / p.step_s if default_step_s else None
     return [
-        rank, fmt(1e3 * p.step_s), fmt(speedup, "x"), f"{p.tokens_per_s_per_device:,.0f}", fmt(p.mfu, "pct"),
-        fmt(1e3 * p.exposed_comm_s), f"{p.peak_memory_bytes / _GIB:.1f}", f"{p.memory_headroom_bytes / _GIB:+.1f}",
-    ]  # fmt: skip
+        rank,
+        fmt(1e3 * p.step_s),
+        fmt(speedup, "x"),
+        f"{p.tokens_per_s_per_device:,.0f}",
+        fmt(p.mfu, "pct"),
+        fmt(1e3 * p.exposed_comm_s),
+        f"{p.peak_memory_bytes / _GIB:.1f}",
+        f"{p.memory_headroom_bytes / _GIB:+.1f}",
+    ]
 
 
 def get_plan_table(result: PlanResult) -> ReportTable:
     """The top distinct predictions among configs that fit, then FSDP2's defaults for reference."""
     s = result.settings
     default_step = result.default.prediction.step_s if result.default.prediction.fits else None
-    title = (f"{s.model} on {s.num_nodes} x {s.cluster} ({result.world_size} ranks), {s.num_microbatches} microbatches, "
-             f"activation checkpointing {result.ac_label}: of {len(result.ranked)} configs that fit, "
-             f"the top distinct predictions (simulated; tokens/s per device; peak and free memory in GiB; speedup over the defaults 'def'; 'same': configs predicted alike)")  # fmt: skip
+    title = (
+        f"{s.model} on {s.num_nodes} x {s.cluster} ({result.world_size} ranks), {s.num_microbatches} microbatches, "
+        f"activation checkpointing {result.ac_label}: of {len(result.ranked)} configs that fit, "
+        f"the top distinct predictions (simulated; tokens/s per device; peak and free memory in GiB; speedup over the defaults 'def'; 'same': configs predicted alike)"
+    )
     columns = ["#", "step ms", "speedup", "tok/s", "MFU", "exp ms", "peak", "free", "same"]
-    rows = [[*_row(str(i + 1), row, default_step), str(count)] for i, (row, count) in enumerate(result.get_distinct_top())]
+    rows = [
+        [*_row(str(i + 1), row, default_step), str(count)] for i, (row, count) in enumerate(result.get_distinct_top())
+    ]
     rows.append([*_row("def", result.default, default_step), ""])
     return ReportTable(title=title, columns=columns, rows=rows)
 
@@ -43,24 +53,38 @@ def get_unit_table(result: PlanResult, *, num_units: int = 6) -> ReportTable | N
         return None
     units = sorted(detail.units, key=lambda u: -u.exposed_s)[:num_units]
     rows = [[u.name, fmt(1e3 * u.comm_s), fmt(1e3 * u.exposed_s), fmt(u.overlap, "pct")] for u in units]
-    return ReportTable(title="best config: units with the most exposed communication (per step)", columns=["unit", "comm ms", "exposed ms", "overlap"], rows=rows)
+    return ReportTable(
+        title="best config: units with the most exposed communication (per step)",
+        columns=["unit", "comm ms", "exposed ms", "overlap"],
+        rows=rows,
+    )
 
 
 def get_plan_lines(result: PlanResult) -> list[str]:
     """What was evaluated, how fast, what was dropped and why, and what was written."""
     extrapolated = result.num_evaluated - result.num_exact
-    how = f"{extrapolated} extrapolated from shallower simulations, the fastest {result.num_exact} at full depth; " if extrapolated else ""
-    lines = [f"evaluated {result.num_evaluated} configs in {result.evaluate_s:.1f} s ({result.configs_per_s:,.0f} configs/s; {how}{result.num_simulated} distinct "
-             f"simulations, the other configs' knobs equal one of them; {result.num_pruned} not simulated: defer_concat=false, dominated by its deferred twin)",
-             f"activation checkpointing: {result.ac_label} ({result.ac_reason})"]  # fmt: skip
+    how = (
+        f"{extrapolated} extrapolated from shallower simulations, the fastest {result.num_exact} at full depth; "
+        if extrapolated
+        else ""
+    )
+    lines = [
+        f"evaluated {result.num_evaluated} configs in {result.evaluate_s:.1f} s ({result.configs_per_s:,.0f} configs/s; {how}{result.num_simulated} distinct "
+        f"simulations, the other configs' knobs equal one of them; {result.num_pruned} not simulated: defer_concat=false, dominated by its deferred twin)",
+        f"activation checkpointing: {result.ac_label} ({result.ac_reason})",
+    ]
     if result.dropped:
         least = result.dropped[0]
-        lines.append(f"dropped {len(result.dropped)} configs over memory; the closest to fitting: {least.description}: {least.prediction.describe_memory()}")
+        lines.append(
+            f"dropped {len(result.dropped)} configs over memory; the closest to fitting: {least.description}: {least.prediction.describe_memory()}"
+        )
     if not result.ranked:
         lines.append("no config fits in memory")
     if result.best_detail is not None:
         best = result.best_detail
-        lines.append(f"best: {result.ranked[0].description}: {1e3 * best.step_s:.1f} ms/step, {best.tokens_per_s_per_device:,.0f} tokens/s/device, "
-                     f"MFU {100 * best.mfu:.1f}%, exposed communication {1e3 * best.exposed_comm_s:.1f} ms, {best.describe_memory()}")  # fmt: skip
+        lines.append(
+            f"best: {result.ranked[0].description}: {1e3 * best.step_s:.1f} ms/step, {best.tokens_per_s_per_device:,.0f} tokens/s/device, "
+            f"MFU {100 * best.mfu:.1f}%, exposed communication {1e3 * best.exposed_comm_s:.1f} ms, {best.describe_memory()}"
+        )
     lines.extend(f"wrote {path}" for path in result.out_files)
     return lines

@@ -74,7 +74,9 @@ class PageCheck:
         return not self.errors and not self.missing and self.num_plots >= len(self.figures)
 
     def describe(self) -> list[str]:
-        lines = [f"{'ok' if self.ok else 'FAILED'}: {len(self.rendered)} of {len(self.figures)} figures drawn, {self.num_plots} plotly plots, {len(self.errors)} errors"]
+        lines = [
+            f"{'ok' if self.ok else 'FAILED'}: {len(self.rendered)} of {len(self.figures)} figures drawn, {self.num_plots} plotly plots, {len(self.errors)} errors"
+        ]
         lines += [f"  figure {name}: {'drawn' if name in self.rendered else 'MISSING'}" for name in self.figures]
         lines += [f"  absent (the page says why): {name}" for name in self.absent]
         lines += [f"  error: {e}" for e in self.errors]
@@ -130,11 +132,23 @@ def find_chromium() -> str | None:
 
 def _run_chromium(chromium: str, profile: Path, url: str, extra: list[str], timeout_s: float) -> str:
     command = [
-        chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--no-default-browser-check",
-        "--disable-extensions", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={profile}", "--proxy-server=http://127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND",
-        "--hide-scrollbars", *extra, url,
-    ]  # fmt: skip
+        chromium,
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--no-default-browser-check",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--proxy-server=http://127.0.0.1:9",
+        "--host-resolver-rules=MAP * ~NOTFOUND",
+        "--hide-scrollbars",
+        *extra,
+        url,
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
@@ -145,13 +159,22 @@ def _run_chromium(chromium: str, profile: Path, url: str, extra: list[str], time
     return done.stdout
 
 
-def check_page(page: str | Path, *, screenshot: str | Path | None = None, expect: list[str] | None = None,
-               chromium: str | None = None, budget_ms: int = 30000, timeout_s: float = 300.0) -> PageCheck:  # fmt: skip
+def check_page(
+    page: str | Path,
+    *,
+    screenshot: str | Path | None = None,
+    expect: list[str] | None = None,
+    chromium: str | None = None,
+    budget_ms: int = 30000,
+    timeout_s: float = 300.0,
+) -> PageCheck:
     """Load ``page`` offline in headless Chromium (see [Note: browser check]); raises
     :class:`BrowserError` when Chromium itself is missing or fails, returns the findings otherwise."""
     chromium = chromium or find_chromium()
     if chromium is None:
-        raise BrowserError(f"no Chromium on PATH (looked for {', '.join(CHROMIUM_NAMES)}; Debian: apt-get install chromium)")
+        raise BrowserError(
+            f"no Chromium on PATH (looked for {', '.join(CHROMIUM_NAMES)}; Debian: apt-get install chromium)"
+        )
     text = Path(page).read_text(encoding="utf-8")
     head = text.find("<head>")
     probed = text[: head + 6] + _PROBE + text[head + 6 :] if head >= 0 else _PROBE + text
@@ -159,22 +182,34 @@ def check_page(page: str | Path, *, screenshot: str | Path | None = None, expect
         copy = Path(tmp) / "page.html"
         copy.write_text(probed, encoding="utf-8")
         url = copy.resolve().as_uri()
-        dom = _run_chromium(chromium, Path(tmp) / "profile", url, [f"--virtual-time-budget={budget_ms}", "--dump-dom"], timeout_s)
+        dom = _run_chromium(
+            chromium, Path(tmp) / "profile", url, [f"--virtual-time-budget={budget_ms}", "--dump-dom"], timeout_s
+        )
         reader = _DomReader()
         reader.feed(dom)
         if not reader.root_attrs:
             raise BrowserError(f"{chromium} printed no DOM for {page}")
         figures = list(dict.fromkeys([*(reader.meta_figures or list(reader.wrapped)), *(expect or [])]))
-        check = PageCheck(figures=figures, num_plots=reader.num_plots, absent=reader.absent,
-                          rendered=[name for name, seen in reader.wrapped.items() if seen["plot"] and seen["svg"]],
-                          errors=json.loads(reader.root_attrs.get("data-autotune-errors", "[]")))  # fmt: skip
+        check = PageCheck(
+            figures=figures,
+            num_plots=reader.num_plots,
+            absent=reader.absent,
+            rendered=[name for name, seen in reader.wrapped.items() if seen["plot"] and seen["svg"]],
+            errors=json.loads(reader.root_attrs.get("data-autotune-errors", "[]")),
+        )
         height = reader.root_attrs.get("data-autotune-height", "")
         check.height_px = int(height) if height.isdigit() else None
         if screenshot is not None:
             target = Path(screenshot).resolve()
             target.parent.mkdir(parents=True, exist_ok=True)
             size = f"--window-size=1400,{min(check.height_px or 2000, MAX_SCREENSHOT_HEIGHT)}"
-            _run_chromium(chromium, Path(tmp) / "profile", url, [f"--virtual-time-budget={budget_ms}", size, f"--screenshot={target}"], timeout_s)
+            _run_chromium(
+                chromium,
+                Path(tmp) / "profile",
+                url,
+                [f"--virtual-time-budget={budget_ms}", size, f"--screenshot={target}"],
+                timeout_s,
+            )
             if not target.exists():
                 raise BrowserError(f"{chromium} wrote no screenshot at {target}")
             check.screenshot = target
@@ -182,14 +217,23 @@ def check_page(page: str | Path, *, screenshot: str | Path | None = None, expect
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autotune.report.browser", description="Check a report page in headless Chromium, offline.")
+    parser = argparse.ArgumentParser(
+        prog="python -m autotune.report.browser", description="Check a report page in headless Chromium, offline."
+    )
     parser.add_argument("page", type=Path, help="report.html")
     parser.add_argument("--screenshot", type=Path, help="write a full-page PNG here")
-    parser.add_argument("--expect", default="", help="comma-separated figure names that must be drawn (besides the page's own list)")
+    parser.add_argument(
+        "--expect", default="", help="comma-separated figure names that must be drawn (besides the page's own list)"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per Chromium run")
     args = parser.parse_args(argv)
     try:
-        check = check_page(args.page, screenshot=args.screenshot, expect=[n for n in args.expect.split(",") if n], timeout_s=args.timeout)
+        check = check_page(
+            args.page,
+            screenshot=args.screenshot,
+            expect=[n for n in args.expect.split(",") if n],
+            timeout_s=args.timeout,
+        )
     except (BrowserError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

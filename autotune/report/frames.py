@@ -10,9 +10,14 @@ import pandas as pd
 from autotune.report.model import Report, TrialSummary
 
 LANE_COLORS = {
-    "compute": "#4c78a8", "all_gather": "#54a24b", "reduce_scatter": "#f58518",
-    "all_reduce": "#b279a2", "send_recv": "#72b7b2", "other": "#9d9d9d", "exposed": "#e45756",
-}  # fmt: skip
+    "compute": "#4c78a8",
+    "all_gather": "#54a24b",
+    "reduce_scatter": "#f58518",
+    "all_reduce": "#b279a2",
+    "send_recv": "#72b7b2",
+    "other": "#9d9d9d",
+    "exposed": "#e45756",
+}
 """One color per timeline lane; ``exposed`` (communication while not computing) stands out in red."""
 
 
@@ -33,7 +38,9 @@ class FigureSection:
 def get_lanes(timeline: pd.DataFrame) -> pd.DataFrame:
     """Timeline rows with a ``y`` label per (rank, lane), lanes in :data:`LANE_COLORS` order."""
     order = {lane: i for i, lane in enumerate(LANE_COLORS)}
-    frame = timeline.assign(order=timeline["lane"].map(lambda lane: order.get(lane, len(order)))).sort_values(["rank", "order", "start_ms"], kind="stable")
+    frame = timeline.assign(order=timeline["lane"].map(lambda lane: order.get(lane, len(order)))).sort_values(
+        ["rank", "order", "start_ms"], kind="stable"
+    )
     return frame.assign(y=[f"rank {r} {lane}" for r, lane in zip(frame["rank"], frame["lane"])])
 
 
@@ -53,18 +60,31 @@ def get_unit_frame(trial: TrialSummary) -> pd.DataFrame:
 
 def get_trials_frame(report: Report) -> pd.DataFrame:
     """One row per trial of a search report: name, status, step_ms, overlap_ratio, best."""
-    return pd.DataFrame([
-        {"name": t.name, "status": t.status, "step_ms": t.step_ms, "overlap_ratio": t.get_aggregate("overlap_ratio"), "best": t is report.best}
-        for t in report.trials
-    ])  # fmt: skip
+    return pd.DataFrame(
+        [
+            {
+                "name": t.name,
+                "status": t.status,
+                "step_ms": t.step_ms,
+                "overlap_ratio": t.get_aggregate("overlap_ratio"),
+                "best": t is report.best,
+            }
+            for t in report.trials
+        ]
+    )
 
 
 def get_unit_compare_frame(best: TrialSummary, default: TrialSummary | None) -> pd.DataFrame:
     """Per FSDP unit (the best trial's order, then any only the defaults have): exposed and total
     communication of both trials, ms per step (shown, i.e. scaled where the trial's traces are)."""
     columns = ["unit", "exposed_comm_ms", "comm_ms"]
-    frames = {"best": get_unit_frame(best), "defaults": get_unit_frame(default) if default is not None else pd.DataFrame()}
+    frames = {
+        "best": get_unit_frame(best),
+        "defaults": get_unit_frame(default) if default is not None else pd.DataFrame(),
+    }
     frames = {k: (f[columns] if not f.empty else pd.DataFrame(columns=columns)) for k, f in frames.items()}
-    merged = frames["best"].merge(frames["defaults"], on="unit", how="outer", suffixes=("_best", "_defaults"), sort=False)
+    merged = frames["best"].merge(
+        frames["defaults"], on="unit", how="outer", suffixes=("_best", "_defaults"), sort=False
+    )
     order = list(dict.fromkeys([*frames["best"]["unit"], *frames["defaults"]["unit"]]))
     return merged.set_index("unit").loc[order].reset_index() if order else merged

@@ -18,12 +18,20 @@ import plotly.graph_objects as go
 from autotune.report.frames import FigureSection
 from autotune.report.model import TrialSummary, TrialTraces
 
-HTA_FIGURES = {"hta_temporal": "temporal breakdown", "hta_kernels": "kernel breakdown", "hta_idle": "idle time breakdown"}
+HTA_FIGURES = {
+    "hta_temporal": "temporal breakdown",
+    "hta_kernels": "kernel breakdown",
+    "hta_idle": "idle time breakdown",
+}
 CPU_TRACES_LINE = (
     "HTA's temporal breakdown, kernel breakdown and idle time do not apply to these traces: they are CPU traces (gloo), "
     "and HTA's analyses read GPU kernels on CUDA streams, of which CPU traces have none."
 )
-_TEMPORAL = {"idle_time_pctg": ("idle", "#9d9d9d"), "compute_time_pctg": ("compute", "#4c78a8"), "non_compute_time_pctg": ("non-compute (comm, memory)", "#f58518")}
+_TEMPORAL = {
+    "idle_time_pctg": ("idle", "#9d9d9d"),
+    "compute_time_pctg": ("compute", "#4c78a8"),
+    "non_compute_time_pctg": ("non-compute (comm, memory)", "#f58518"),
+}
 _IDLE_COLORS = {"host_wait": "#b279a2", "kernel_wait": "#54a24b", "other": "#9d9d9d"}
 
 
@@ -46,10 +54,18 @@ def get_temporal_figure(results: dict[str, dict[str, pd.DataFrame]]) -> go.Figur
     """Stacked bars per (trial, rank): % of the rank's GPU time idle, computing, in other kernels."""
     fig = go.Figure()
     for column, (name, color) in _TEMPORAL.items():
-        x = [[label for label, r in results.items() for _ in r["temporal"]["rank"]], [f"rank {k}" for r in results.values() for k in r["temporal"]["rank"]]]
+        x = [
+            [label for label, r in results.items() for _ in r["temporal"]["rank"]],
+            [f"rank {k}" for r in results.values() for k in r["temporal"]["rank"]],
+        ]
         y = [v for r in results.values() for v in r["temporal"][column]]
         fig.add_bar(x=x, y=y, name=name, marker_color=color)
-    fig.update_layout(title="HTA temporal breakdown (% of each rank's GPU time)", barmode="stack", yaxis_title="%", yaxis_range=[0, 100])
+    fig.update_layout(
+        title="HTA temporal breakdown (% of each rank's GPU time)",
+        barmode="stack",
+        yaxis_title="%",
+        yaxis_range=[0, 100],
+    )
     return fig
 
 
@@ -58,8 +74,13 @@ def get_kernel_figure(results: dict[str, dict[str, pd.DataFrame]]) -> go.Figure:
     fig = go.Figure()
     for label, r in results.items():
         kernels = r["kernels"]
-        fig.add_bar(x=kernels["kernel_type"], y=kernels["percentage"], name=label, customdata=kernels["sum"] / 1e3,
-                    hovertemplate="%{x}: %{y:.1f}% (%{customdata:.2f} ms)<extra>" + label + "</extra>")  # fmt: skip
+        fig.add_bar(
+            x=kernels["kernel_type"],
+            y=kernels["percentage"],
+            name=label,
+            customdata=kernels["sum"] / 1e3,
+            hovertemplate="%{x}: %{y:.1f}% (%{customdata:.2f} ms)<extra>" + label + "</extra>",
+        )
     fig.update_layout(title="HTA kernel breakdown (% of GPU kernel time, all ranks)", barmode="group", yaxis_title="%")
     return fig
 
@@ -87,7 +108,10 @@ def get_hta_section(compared: dict[str, tuple[TrialSummary, TrialTraces]]) -> Fi
         if "cpu" in devices:
             section.lines.append(CPU_TRACES_LINE)
         else:
-            reasons = "; ".join(f"{label}: {traces.error}" for label, (_, traces) in compared.items()) or "no trial to analyse"
+            reasons = (
+                "; ".join(f"{label}: {traces.error}" for label, (_, traces) in compared.items())
+                or "no trial to analyse"
+            )
             section.absent = dict.fromkeys(HTA_FIGURES, f"no traces HTA could read ({reasons})")
         return section
     results: dict[str, Any] = {}
@@ -95,11 +119,19 @@ def get_hta_section(compared: dict[str, tuple[TrialSummary, TrialTraces]]) -> Fi
         try:
             results[label] = run_hta(traces.paths)
         except Exception as e:  # HTA is a third-party parser: any failure is one line, the report stands
-            section.lines.append(f"HTA failed on {label}'s traces: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            section.lines.append(
+                f"HTA failed on {label}'s traces: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            )
     if not results:
         section.absent = dict.fromkeys(HTA_FIGURES, "HTA could not analyse the traces (see above)")
         return section
-    section.lines += [f"{label}: HTA read {len(gpu[label].paths)} traces in {gpu[label].paths[0].parent}" for label in results]
-    for name, draw in (("hta_temporal", get_temporal_figure), ("hta_kernels", get_kernel_figure), ("hta_idle", get_idle_figure)):
+    section.lines += [
+        f"{label}: HTA read {len(gpu[label].paths)} traces in {gpu[label].paths[0].parent}" for label in results
+    ]
+    for name, draw in (
+        ("hta_temporal", get_temporal_figure),
+        ("hta_kernels", get_kernel_figure),
+        ("hta_idle", get_idle_figure),
+    ):
         section.figures[name] = draw(results)
     return section

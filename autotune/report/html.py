@@ -10,7 +10,14 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from autotune.report.compare import COMPARE_FIGURES, get_compare_section, get_compared_traces
-from autotune.report.frames import LANE_COLORS, FigureSection, get_lanes, get_step_frame, get_trials_frame, get_unit_frame
+from autotune.report.frames import (
+    LANE_COLORS,
+    FigureSection,
+    get_lanes,
+    get_step_frame,
+    get_trials_frame,
+    get_unit_frame,
+)
 from autotune.report.hta import HTA_FIGURES, get_hta_section
 from autotune.report.model import Report, ReportTable
 from autotune.report.study import OPTUNA_FIGURES, get_study_section
@@ -36,11 +43,25 @@ def get_timeline_figure(report: Report) -> go.Figure | None:
         rows = lanes[lanes["lane"] == lane]
         if rows.empty:
             continue
-        fig.add_bar(x=rows["end_ms"] - rows["start_ms"], base=rows["start_ms"], y=rows["y"], orientation="h", name=lane,
-                    marker={"color": color, "line": {"width": 0}}, hovertemplate="%{y}<br>%{base:.3f} ms +%{x:.3f} ms<extra></extra>")  # fmt: skip
-    title = "Timeline: compute vs communication (red: exposed communication)" + (", as traced (not scaled)" if report.trials[0].trace_scale else "")
-    fig.update_layout(title=title, barmode="overlay", bargap=0.2,
-                      xaxis_title="ms from the first profiled step", height=120 + 28 * lanes["y"].nunique())  # fmt: skip
+        fig.add_bar(
+            x=rows["end_ms"] - rows["start_ms"],
+            base=rows["start_ms"],
+            y=rows["y"],
+            orientation="h",
+            name=lane,
+            marker={"color": color, "line": {"width": 0}},
+            hovertemplate="%{y}<br>%{base:.3f} ms +%{x:.3f} ms<extra></extra>",
+        )
+    title = "Timeline: compute vs communication (red: exposed communication)" + (
+        ", as traced (not scaled)" if report.trials[0].trace_scale else ""
+    )
+    fig.update_layout(
+        title=title,
+        barmode="overlay",
+        bargap=0.2,
+        xaxis_title="ms from the first profiled step",
+        height=120 + 28 * lanes["y"].nunique(),
+    )
     fig.update_yaxes(categoryorder="array", categoryarray=list(dict.fromkeys(lanes["y"]))[::-1])
     return fig
 
@@ -65,10 +86,21 @@ def get_step_figure(report: Report) -> go.Figure | None:
         return None
     fig = make_subplots(rows=1, cols=2, subplot_titles=("Overlap per step", "Step time vs bound max(compute, comm)"))
     for rank, rows in steps.groupby("rank"):
-        fig.add_scatter(x=rows["step"], y=100 * rows["overlap_ratio"].astype(float), mode="lines+markers", name=f"rank {rank} overlap", row=1, col=1)
+        fig.add_scatter(
+            x=rows["step"],
+            y=100 * rows["overlap_ratio"].astype(float),
+            mode="lines+markers",
+            name=f"rank {rank} overlap",
+            row=1,
+            col=1,
+        )
         label = [f"r{rank} s{s}" for s in rows["step"]]
-        fig.add_bar(x=label, y=rows["step_ms"], name=f"rank {rank} step", marker_color=LANE_COLORS["other"], row=1, col=2)
-        fig.add_bar(x=label, y=rows["bound_ms"], name=f"rank {rank} bound", marker_color=LANE_COLORS["compute"], row=1, col=2)
+        fig.add_bar(
+            x=label, y=rows["step_ms"], name=f"rank {rank} step", marker_color=LANE_COLORS["other"], row=1, col=2
+        )
+        fig.add_bar(
+            x=label, y=rows["bound_ms"], name=f"rank {rank} bound", marker_color=LANE_COLORS["compute"], row=1, col=2
+        )
     fig.update_yaxes(title_text="% of communication hidden", range=[0, 105], row=1, col=1)
     fig.update_yaxes(title_text="ms", row=1, col=2)
     fig.update_xaxes(title_text="step", dtick=1, row=1, col=1)
@@ -82,10 +114,20 @@ def get_search_figure(report: Report) -> go.Figure | None:
     if trials.empty:
         return None
     colors = [LANE_COLORS["exposed"] if b else LANE_COLORS["compute"] for b in trials["best"]]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("Step time per trial (red: the lowest objective)", "Overlap vs step time"))
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=("Step time per trial (red: the lowest objective)", "Overlap vs step time")
+    )
     fig.add_bar(x=trials["name"], y=trials["step_ms"], marker_color=colors, name="step ms", row=1, col=1)
-    fig.add_scatter(x=trials["step_ms"], y=100 * trials["overlap_ratio"].astype(float), mode="markers", text=trials["name"],
-                    marker={"color": colors, "size": 9}, name="trials", row=1, col=2)  # fmt: skip
+    fig.add_scatter(
+        x=trials["step_ms"],
+        y=100 * trials["overlap_ratio"].astype(float),
+        mode="markers",
+        text=trials["name"],
+        marker={"color": colors, "size": 9},
+        name="trials",
+        row=1,
+        col=2,
+    )
     fig.update_yaxes(title_text="ms", row=1, col=1)
     fig.update_xaxes(title_text="step ms", row=1, col=2)
     fig.update_yaxes(title_text="overlap %", row=1, col=2)
@@ -146,7 +188,9 @@ class _Page:
             self.add_figure(name, fig)
         for name, reason in section.absent.items():
             what = _DESCRIPTIONS.get(name, name)
-            self.parts.append(f"<p class='absent' data-absent='{name}'>No {html.escape(what)} figure: {html.escape(reason)}</p>")
+            self.parts.append(
+                f"<p class='absent' data-absent='{name}'>No {html.escape(what)} figure: {html.escape(reason)}</p>"
+            )
 
 
 def write_html(report: Report, path: Path) -> Path:
@@ -154,7 +198,9 @@ def write_html(report: Report, path: Path) -> Path:
     page = _Page()
     page.parts.append(f"<h1>fsdp-autotune {report.kind} report: {html.escape(str(report.root))}</h1>")
     if report.comparison is not None:
-        page.parts.append(f"<p class='lead'>{html.escape(report.comparison.note[0].upper() + report.comparison.note[1:])}.</p>")
+        page.parts.append(
+            f"<p class='lead'>{html.escape(report.comparison.note[0].upper() + report.comparison.note[1:])}.</p>"
+        )
     page.parts += [_table_html(t) for t in get_tables(report)]
     if report.kind == "search":
         for section in get_search_sections(report):
@@ -165,8 +211,12 @@ def write_html(report: Report, path: Path) -> Path:
     if report.timeline_error:
         page.parts.append(f"<p>Timeline unavailable: {html.escape(report.timeline_error)}</p>")
     if report.kind == "trial" and report.trace_paths:
-        page.parts.append("<p>Raw traces: open the trial dir's <code>trace_rank*.json.gz</code> files in "
-                          "<a href='https://ui.perfetto.dev'>Perfetto</a> or chrome://tracing.</p>")  # fmt: skip
+        page.parts.append(
+            "<p>Raw traces: open the trial dir's <code>trace_rank*.json.gz</code> files in "
+            "<a href='https://ui.perfetto.dev'>Perfetto</a> or chrome://tracing.</p>"
+        )
     head = f"<meta charset='utf-8'><meta name='{FIGURES_META}' content='{','.join(page.names)}'><title>fsdp-autotune report</title><style>{_STYLE}</style>"
-    path.write_text(f"<!DOCTYPE html><html><head>{head}</head><body>{''.join(page.parts)}</body></html>", encoding="utf-8")
+    path.write_text(
+        f"<!DOCTYPE html><html><head>{head}</head><body>{''.join(page.parts)}</body></html>", encoding="utf-8"
+    )
     return path

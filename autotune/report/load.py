@@ -22,7 +22,6 @@ from autotune.report.model import TRACE_GLOB, Comparison, Report, ReportError, T
 from autotune.search import SearchRecord, TrialRow, pick_best, read_results
 from autotune.trials import INCOMPLETE_MARKER, TrialMetrics
 
-
 ARTIFACT_NAMES = frozenset({"metrics.json", "env.json", "search.json", "results.json", "best.json"})
 """The JSON files fsdp-autotune itself writes into trial and search dirs: never traces."""
 _SNIFF_BYTES = 1 << 20
@@ -60,7 +59,11 @@ def find_traces(folder: Path) -> list[Path]:
     for path in sorted(p for p in folder.iterdir() if p.name.endswith((".json", ".json.gz"))):
         if path.name in ARTIFACT_NAMES or not path.is_file():
             continue
-        if path.match(TRACE_GLOB) or path.name.endswith((".pt.trace.json", ".pt.trace.json.gz")) or _looks_like_trace(path):
+        if (
+            path.match(TRACE_GLOB)
+            or path.name.endswith((".pt.trace.json", ".pt.trace.json.gz"))
+            or _looks_like_trace(path)
+        ):
             found.append(path)
     return found
 
@@ -80,9 +83,17 @@ def load_trial(trial_dir: Path, *, analyze_traces: bool = True, feasible: bool =
         except ArtifactError as e:
             raise ReportError(str(e)) from None
         trial.status, trial.reason, trial.step_ms = metrics.status, metrics.reason, metrics.step_ms
-        trial.ratio, trial.ratio_spread, trial.profiler_overhead = metrics.ratio, metrics.paired.get("ratio_spread"), metrics.profiler_overhead
+        trial.ratio, trial.ratio_spread, trial.profiler_overhead = (
+            metrics.ratio,
+            metrics.paired.get("ratio_spread"),
+            metrics.profiler_overhead,
+        )
         trial.profiler_cpu_overhead, trial.profiler = metrics.profiler_cpu_overhead, metrics.profiler
-        trial.process_peak_bytes, trial.trace_metrics, trial.analysis_error = metrics.process_peak_bytes, metrics.trace_metrics, metrics.analysis_error
+        trial.process_peak_bytes, trial.trace_metrics, trial.analysis_error = (
+            metrics.process_peak_bytes,
+            metrics.trace_metrics,
+            metrics.analysis_error,
+        )
     traces = find_traces(trial_dir)
     if trial.trace_metrics is None and traces and analyze_traces:
         try:
@@ -126,7 +137,9 @@ def _find_trial(trials: list[TrialSummary], root: Path, trial_dir: str | None) -
     return next((t for t in trials if t.path == target or t.path in target.parents), None)
 
 
-def _load_compared(root: Path, trials: list[TrialSummary], row: TrialRow | None, number: int | None) -> TrialSummary | None:
+def _load_compared(
+    root: Path, trials: list[TrialSummary], row: TrialRow | None, number: int | None
+) -> TrialSummary | None:
     """The trial dir that stands for trial ``number`` (its re-measurement where it had one): from its row, else by name."""
     if row is not None and row.trial_dir and (root / row.trial_dir / "metrics.json").exists():
         return load_trial(root / row.trial_dir, analyze_traces=False, feasible=row.feasible)
@@ -143,15 +156,21 @@ def _describe_comparison(best_number: int | None, lowest: TrialRow | None, conf:
         return f"best = trial {best_number}, the lowest ratio in the search (no final round ran)"
     final = {f.get("trial"): f.get("ratio") for f in conf.get("finalists", [])}
     ratio = f"ratio {final[best_number]:.3f}, " if final.get(best_number) is not None else ""
-    text = (f"best = trial {best_number}, the emitted config: the fastest of {len(final)} finalists re-measured against the defaults "
-            f"in the final round ({ratio}{conf['speedup_median']:.3f}x the defaults' speed)")  # fmt: skip
+    text = (
+        f"best = trial {best_number}, the emitted config: the fastest of {len(final)} finalists re-measured against the defaults "
+        f"in the final round ({ratio}{conf['speedup_median']:.3f}x the defaults' speed)"
+    )
     if lowest is not None and lowest.number != best_number:
         again = f", {final[lowest.number]:.3f} in the final round" if final.get(lowest.number) is not None else ""
-        text += f"; the lowest ratio in the search was trial {lowest.number} ({lowest.objective:.3f} in the search{again})"
+        text += (
+            f"; the lowest ratio in the search was trial {lowest.number} ({lowest.objective:.3f} in the search{again})"
+        )
     return text
 
 
-def get_comparison(root: Path, trials: list[TrialSummary], record: SearchRecord | None, rows: list[TrialRow]) -> Comparison | None:
+def get_comparison(
+    root: Path, trials: list[TrialSummary], record: SearchRecord | None, rows: list[TrialRow]
+) -> Comparison | None:
     """Best vs defaults (see :class:`~autotune.report.model.Comparison`); None without a best trial."""
     by_number = {r.number: r for r in rows}
     lowest = record.best if record and record.best else pick_best(rows)
@@ -165,9 +184,15 @@ def get_comparison(root: Path, trials: list[TrialSummary], record: SearchRecord 
     default_row = (record.default if record else None) or next((r for r in rows if r.is_default), None)
     default_number = default_row.number if default_row else None
     default = _load_compared(root, trials, by_number.get(default_number, default_row), default_number)
-    return Comparison(best=best, best_number=best_number, default=default, default_number=default_number,
-                      lowest_number=lowest.number if lowest else None, emitted=emitted,
-                      note=_describe_comparison(best_number, lowest, conf, emitted))  # fmt: skip
+    return Comparison(
+        best=best,
+        best_number=best_number,
+        default=default,
+        default_number=default_number,
+        lowest_number=lowest.number if lowest else None,
+        emitted=emitted,
+        note=_describe_comparison(best_number, lowest, conf, emitted),
+    )
 
 
 def load_trial_traces(trial: TrialSummary) -> TrialTraces:
@@ -182,22 +207,49 @@ def load_trial_traces(trial: TrialSummary) -> TrialTraces:
         return TrialTraces(paths=paths, error=str(e))
 
 
-def load_search(root: Path, *, search: SearchRecord | None = None, rows: list[TrialRow] | None = None,
-                storage: str | None = None, study_name: str | None = None) -> Report:  # fmt: skip
+def load_search(
+    root: Path,
+    *,
+    search: SearchRecord | None = None,
+    rows: list[TrialRow] | None = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+) -> Report:
     """A search dir's report; ``search`` and ``rows`` replace its ``search.json`` and ``results.json``
     (a worker reporting its own); ``storage``/``study_name`` locate its Optuna study (default ``root/study.db``)."""
-    trial_dirs = sorted({p.parent for pattern in ("trials/*/metrics.json", f"trials/*/{INCOMPLETE_MARKER}") for p in root.glob(pattern)})
+    trial_dirs = sorted(
+        {p.parent for pattern in ("trials/*/metrics.json", f"trials/*/{INCOMPLETE_MARKER}") for p in root.glob(pattern)}
+    )
     rows = _read_rows(root) if rows is None else rows
     feasible = {_trial_name(r.trial_dir): r.feasible for r in rows if r.trial_dir}
     trials = [load_trial(d, analyze_traces=False, feasible=feasible.get(d.name, True)) for d in trial_dirs]
     record = search or _read_search(root)
-    best = _find_trial(trials, root, record.best.trial_dir) if record and record.best and record.best.trial_dir else pick_best(trials)
-    return Report(kind="search", root=root, trials=trials, best=best, search=record, rows=rows,
-                  comparison=get_comparison(root, trials, record, rows), storage=storage, study_name=study_name)  # fmt: skip
+    best = (
+        _find_trial(trials, root, record.best.trial_dir)
+        if record and record.best and record.best.trial_dir
+        else pick_best(trials)
+    )
+    return Report(
+        kind="search",
+        root=root,
+        trials=trials,
+        best=best,
+        search=record,
+        rows=rows,
+        comparison=get_comparison(root, trials, record, rows),
+        storage=storage,
+        study_name=study_name,
+    )
 
 
-def load_report(path: str | Path, *, search: SearchRecord | None = None, rows: list[TrialRow] | None = None,
-                storage: str | None = None, study_name: str | None = None) -> Report:  # fmt: skip
+def load_report(
+    path: str | Path,
+    *,
+    search: SearchRecord | None = None,
+    rows: list[TrialRow] | None = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+) -> Report:
     """A trial report (``metrics.json`` or traces in ``path``) or a search report (``path/trials/*/metrics.json``;
     the keywords as in :func:`load_search`)."""
     root = Path(path)
@@ -209,4 +261,6 @@ def load_report(path: str | Path, *, search: SearchRecord | None = None, rows: l
         return Report(kind="trial", root=root, trials=[trial], best=trial, trace_paths=traces)
     if any(root.glob("trials/*/metrics.json")):
         return load_search(root, search=search, rows=rows, storage=storage, study_name=study_name)
-    raise ReportError(f"{root}: neither a trial dir (metrics.json or chrome trace files: {TRACE_GLOB}, *.json, *.json.gz) nor a search dir (trials/*/metrics.json)")
+    raise ReportError(
+        f"{root}: neither a trial dir (metrics.json or chrome trace files: {TRACE_GLOB}, *.json, *.json.gz) nor a search dir (trials/*/metrics.json)"
+    )

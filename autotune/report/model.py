@@ -72,7 +72,11 @@ class TrialSummary:
     def shown_trace_metrics(self) -> dict[str, Any] | None:
         """The trace summary the report shows: :attr:`trace_metrics` scaled by :attr:`trace_scale`."""
         scale = self.trace_scale
-        return scale_trace_metrics(self.trace_metrics, scale) if self.trace_metrics is not None and scale else self.trace_metrics
+        return (
+            scale_trace_metrics(self.trace_metrics, scale)
+            if self.trace_metrics is not None and scale
+            else self.trace_metrics
+        )
 
     def get_aggregate(self, key: str) -> Any:
         """A field of the shown trace summary's cross-rank aggregate."""
@@ -80,11 +84,20 @@ class TrialSummary:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "name": self.name, "status": self.status, "reason": self.reason, "step_ms": self.step_ms, "ratio": self.ratio,
-            "ratio_spread": self.ratio_spread, "profiler_overhead": self.profiler_overhead, "profiler_cpu_overhead": self.profiler_cpu_overhead,
-            "process_peak_bytes": self.process_peak_bytes, "feasible": self.feasible, "analysis_error": self.analysis_error,
-            "trace_metrics": self.trace_metrics, "trace_scale": self.trace_scale,
-        }  # fmt: skip
+            "name": self.name,
+            "status": self.status,
+            "reason": self.reason,
+            "step_ms": self.step_ms,
+            "ratio": self.ratio,
+            "ratio_spread": self.ratio_spread,
+            "profiler_overhead": self.profiler_overhead,
+            "profiler_cpu_overhead": self.profiler_cpu_overhead,
+            "process_peak_bytes": self.process_peak_bytes,
+            "feasible": self.feasible,
+            "analysis_error": self.analysis_error,
+            "trace_metrics": self.trace_metrics,
+            "trace_scale": self.trace_scale,
+        }
 
 
 def _scale_row(row: dict[str, Any], factor: float) -> dict[str, Any]:

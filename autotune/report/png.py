@@ -42,7 +42,13 @@ def plot_units(report: Report) -> Figure | None:
     fig = _new_figure(7, 3.5)
     ax = fig.subplots()
     ax.bar(units["unit"], units["hidden_comm_ms"], color=LANE_COLORS["compute"], label="hidden")
-    ax.bar(units["unit"], units["exposed_comm_ms"], bottom=units["hidden_comm_ms"], color=LANE_COLORS["exposed"], label="exposed")
+    ax.bar(
+        units["unit"],
+        units["exposed_comm_ms"],
+        bottom=units["hidden_comm_ms"],
+        color=LANE_COLORS["exposed"],
+        label="exposed",
+    )
     ax.set_ylabel("ms per step (median)")
     ax.set_title("Communication per FSDP unit")
     ax.legend()
@@ -57,7 +63,13 @@ def plot_steps(report: Report) -> Figure | None:
     overlap_ax, bound_ax = fig.subplots(1, 2)
     for rank, rows in steps.groupby("rank"):
         overlap_ax.plot(rows["step"], 100 * rows["overlap_ratio"].astype(float), marker="o", label=f"rank {rank}")
-    overlap_ax.set(title="Overlap per step", xlabel="step", ylabel="% of communication hidden", ylim=(0, 105), xticks=sorted(steps["step"].unique()))
+    overlap_ax.set(
+        title="Overlap per step",
+        xlabel="step",
+        ylabel="% of communication hidden",
+        ylim=(0, 105),
+        xticks=sorted(steps["step"].unique()),
+    )
     overlap_ax.legend()
     labels = [f"r{r} s{s}" for r, s in zip(steps["rank"], steps["step"])]
     bound_ax.bar(labels, steps["step_ms"], color=LANE_COLORS["other"], label="step")
@@ -85,7 +97,11 @@ def plot_trials(report: Report) -> Figure | None:
 
 def write_pngs(report: Report, out_dir: Path) -> list[Path]:
     """One PNG per plot (``timeline``/``units``/``steps``, or ``trials`` for a search)."""
-    plots = {"trials": plot_trials} if report.kind == "search" else {"timeline": plot_timeline, "units": plot_units, "steps": plot_steps}
+    plots = (
+        {"trials": plot_trials}
+        if report.kind == "search"
+        else {"timeline": plot_timeline, "units": plot_units, "steps": plot_steps}
+    )
     written = []
     for name, plot in plots.items():
         fig = plot(report)

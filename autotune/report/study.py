@@ -67,14 +67,24 @@ def load_study(report: Report) -> tuple[Any, str | None]:
     if url is None:
         db = report.root / "study.db"
         if not db.exists():
-            return None, f"no Optuna study: {db} does not exist (a search run with --storage elsewhere keeps its study there)"
+            return (
+                None,
+                f"no Optuna study: {db} does not exist (a search run with --storage elsewhere keeps its study there)",
+            )
         url = f"sqlite:///{db.resolve()}"
     if url.startswith(JOURNAL_PREFIX) and not Path(url[len(JOURNAL_PREFIX) :]).exists():
         return None, f"no Optuna study: the journal file {url[len(JOURNAL_PREFIX) :]} does not exist"
     try:
         with _quiet_optuna():
             return optuna.load_study(study_name=report.study_name, storage=_open_storage(url)), None
-    except (ValueError, KeyError, ImportError, RuntimeError, sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.OptunaError) as e:
+    except (
+        ValueError,
+        KeyError,
+        ImportError,
+        RuntimeError,
+        sqlalchemy.exc.SQLAlchemyError,
+        optuna.exceptions.OptunaError,
+    ) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         return None, f"cannot read the Optuna study {report.study_name or '(the only one)'} in {url}: {first}"
 
@@ -92,7 +102,9 @@ def why_no_importances(completed: list[Any]) -> str | None:
     if len(completed) < 2:
         return f"parameter importances need at least 2 completed trials with a value; this study has {len(completed)}"
     if len({t.value for t in completed}) < 2:
-        return f"all {len(completed)} completed trials have the same objective value: there is no variation to attribute"
+        return (
+            f"all {len(completed)} completed trials have the same objective value: there is no variation to attribute"
+        )
     names = {name for t in completed for name in t.params}
     if not any(len({repr(t.params[name]) for t in completed if name in t.params}) > 1 for name in names):
         return f"no parameter takes two values in the {len(completed)} completed trials: there is no variation to attribute"
@@ -106,7 +118,9 @@ def _draw(name: str, study: Any) -> Any:
         case "optuna_history":
             return vis.plot_optimization_history(study, target_name=TARGET_NAME)
         case "optuna_importances":
-            return vis.plot_param_importances(study, target_name=TARGET_NAME)  # PED-ANOVA: deterministic, no scikit-learn
+            return vis.plot_param_importances(
+                study, target_name=TARGET_NAME
+            )  # PED-ANOVA: deterministic, no scikit-learn
         case "optuna_parallel":
             return vis.plot_parallel_coordinate(study, target_name=TARGET_NAME)
         case "optuna_slice":
@@ -122,7 +136,9 @@ def get_study_section(report: Report) -> FigureSection:
         section.absent = dict.fromkeys(OPTUNA_FIGURES, error)
         return section
     completed = _completed(study)
-    section.lines.append(f"study {study.study_name!r}: {len(study.trials)} trials, {len(completed)} completed; objective: {TARGET_NAME} (lower is faster)")
+    section.lines.append(
+        f"study {study.study_name!r}: {len(study.trials)} trials, {len(completed)} completed; objective: {TARGET_NAME} (lower is faster)"
+    )
     for name, what in OPTUNA_FIGURES.items():
         reason = why_no_importances(completed) if name == "optuna_importances" else None
         if not completed:
@@ -132,9 +148,15 @@ def get_study_section(report: Report) -> FigureSection:
                 with _quiet_optuna(), warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always", UserWarning)
                     fig = _draw(name, study)
-                section.lines += list(dict.fromkeys(f"Optuna on the {what}: {w.message}" for w in caught if issubclass(w.category, UserWarning)))
+                section.lines += list(
+                    dict.fromkeys(
+                        f"Optuna on the {what}: {w.message}" for w in caught if issubclass(w.category, UserWarning)
+                    )
+                )
             except (ValueError, RuntimeError, ZeroDivisionError) as e:
-                reason = f"Optuna could not draw the {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                reason = (
+                    f"Optuna could not draw the {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                )
             else:
                 if fig.data:
                     section.figures[name] = fig

@@ -13,19 +13,27 @@ if TYPE_CHECKING:
     from autotune.trials import TrialMetrics
 
 STEP_TABLE = [  # (short column title, long title, summary field, format)
-    ("step", "step ms", "step_ms", "ms"), ("compute", "compute ms", "compute_ms", "ms"),
-    ("comm", "communication ms", "comm_ms", "ms"), ("AG", "all-gather ms", "all_gather_ms", "ms"),
-    ("RS", "reduce-scatter ms", "reduce_scatter_ms", "ms"), ("AR", "all-reduce ms", "all_reduce_ms", "ms"),
-    ("exposed", "exposed communication ms", "exposed_comm_ms", "ms"), ("overlap", "overlap", "overlap_ratio", "pct"),
-    ("bound", "bound max(compute, comm) ms", "bound_ms", "ms"), ("/bound", "step / bound", "bound_ratio", "x"),
+    ("step", "step ms", "step_ms", "ms"),
+    ("compute", "compute ms", "compute_ms", "ms"),
+    ("comm", "communication ms", "comm_ms", "ms"),
+    ("AG", "all-gather ms", "all_gather_ms", "ms"),
+    ("RS", "reduce-scatter ms", "reduce_scatter_ms", "ms"),
+    ("AR", "all-reduce ms", "all_reduce_ms", "ms"),
+    ("exposed", "exposed communication ms", "exposed_comm_ms", "ms"),
+    ("overlap", "overlap", "overlap_ratio", "pct"),
+    ("bound", "bound max(compute, comm) ms", "bound_ms", "ms"),
+    ("/bound", "step / bound", "bound_ratio", "x"),
     ("barrier", "barrier (synchronization, not comm) ms", "barrier_ms", "ms"),
-]  # fmt: skip
+]
 UNIT_TABLE = [
-    ("AG", "all-gather ms", "all_gather_ms", "ms"), ("RS", "reduce-scatter ms", "reduce_scatter_ms", "ms"),
-    ("AR", "all-reduce ms", "all_reduce_ms", "ms"), ("comm", "communication ms", "comm_ms", "ms"),
-    ("exposed", "exposed communication ms", "exposed_comm_ms", "ms"), ("overlap", "overlap", "overlap_ratio", "pct"),
+    ("AG", "all-gather ms", "all_gather_ms", "ms"),
+    ("RS", "reduce-scatter ms", "reduce_scatter_ms", "ms"),
+    ("AR", "all-reduce ms", "all_reduce_ms", "ms"),
+    ("comm", "communication ms", "comm_ms", "ms"),
+    ("exposed", "exposed communication ms", "exposed_comm_ms", "ms"),
+    ("overlap", "overlap", "overlap_ratio", "pct"),
     ("hooks", "time in the unit's FSDP hooks ms", "hook_ms", "ms"),
-]  # fmt: skip
+]
 _LEGEND = "ms; AG/RS/AR: all-gather/reduce-scatter/all-reduce"
 _SUMMARY_ONLY = ("AG", "RS", "AR", "barrier")  # kept out of the per-step table, to fit 80 columns
 
@@ -73,7 +81,9 @@ def describe_profiler(trial: TrialSummary) -> str | None:
         cost.append(f"page faults ×{trial.profiler['page_fault_ratio']:.1f}")
     scale = trial.trace_scale
     if scale:
-        how = "trace times scaled to the unprofiled step: " + ", ".join(f"×{s:.2f} rank {r}" for r, s in sorted(scale.items()))
+        how = "trace times scaled to the unprofiled step: " + ", ".join(
+            f"×{s:.2f} rank {r}" for r, s in sorted(scale.items())
+        )
     elif trial.profiler.get("per_rank"):
         how = f"trace times as measured (within {100 * OVERHEAD_TOLERANCE:.0f}% of the unprofiled step)"
     else:
@@ -83,27 +93,43 @@ def describe_profiler(trial: TrialSummary) -> str | None:
 
 def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
     summary = ReportTable(title=f"Trial {trial.name}", columns=["metric", "value"])
-    summary.rows += [["status", trial.status + (f" ({trial.reason})" if trial.reason else "")],
-                     ["step ms (unprofiled, median)", fmt(trial.step_ms)],
-                     ["process peak memory", fmt(trial.process_peak_bytes, "mb")]]  # fmt: skip
+    summary.rows += [
+        ["status", trial.status + (f" ({trial.reason})" if trial.reason else "")],
+        ["step ms (unprofiled, median)", fmt(trial.step_ms)],
+        ["process peak memory", fmt(trial.process_peak_bytes, "mb")],
+    ]
     if trial.ratio is not None:
-        summary.rows.append(["step time / defaults (paired)", f"{fmt(trial.ratio, 'x')} (spread {fmt(trial.ratio_spread, 'pct')})"])
+        summary.rows.append(
+            ["step time / defaults (paired)", f"{fmt(trial.ratio, 'x')} (spread {fmt(trial.ratio_spread, 'pct')})"]
+        )
     profiler = describe_profiler(trial)
     if profiler is not None:
         summary.rows.append(["profiler", profiler])
     metrics = trial.shown_trace_metrics
     if metrics is None:
-        summary.rows.append(["trace metrics", f"unavailable{': ' + trial.analysis_error if trial.analysis_error else ''}"])
+        summary.rows.append(
+            ["trace metrics", f"unavailable{': ' + trial.analysis_error if trial.analysis_error else ''}"]
+        )
         return [summary]
     note = ", scaled" if trial.trace_scale is not None else ""  # times only: ratios stay as measured
     aggregate = metrics["aggregate"]
-    summary.rows += [[f"profiled {title} (median{note if kind == 'ms' else ''})", fmt(aggregate[key], kind)] for _, title, key, kind in STEP_TABLE]
+    summary.rows += [
+        [f"profiled {title} (median{note if kind == 'ms' else ''})", fmt(aggregate[key], kind)]
+        for _, title, key, kind in STEP_TABLE
+    ]
     columns = [c for c in STEP_TABLE if c[0] not in _SUMMARY_ONLY]
-    steps = ReportTable(title=f"Per rank and profiled step (ms{note})", columns=["rank", "step#", *(t for t, _, _, _ in columns)])
+    steps = ReportTable(
+        title=f"Per rank and profiled step (ms{note})", columns=["rank", "step#", *(t for t, _, _, _ in columns)]
+    )
     for rank in metrics["per_rank"]:
         for step in rank["steps"]:
-            steps.rows.append([str(rank["rank"]), str(step["step"]), *(fmt(step[k], kind) for _, _, k, kind in columns)])
-    units = ReportTable(title=f"Per FSDP unit, median over ranks and steps ({_LEGEND}{note})", columns=["unit", *(t for t, _, _, _ in UNIT_TABLE)])
+            steps.rows.append(
+                [str(rank["rank"]), str(step["step"]), *(fmt(step[k], kind) for _, _, k, kind in columns)]
+            )
+    units = ReportTable(
+        title=f"Per FSDP unit, median over ranks and steps ({_LEGEND}{note})",
+        columns=["unit", *(t for t, _, _, _ in UNIT_TABLE)],
+    )
     for unit in aggregate["per_unit"]:
         units.rows.append([unit["unit"], *(fmt(unit[k], kind) for _, _, k, kind in UNIT_TABLE)])
     return [summary, steps, units]
@@ -115,14 +141,21 @@ def get_search_summary_table(summary: SearchRecord, comparison: Comparison | Non
     proxy = summary.proxy or {}
     table.rows.append(["model", str(summary.model)])
     if proxy.get("is_proxy"):
-        table.rows.append(["measured on", f"scale proxy {proxy.get('name')} (not {summary.model}): {proxy.get('reason')}"])
+        table.rows.append(
+            ["measured on", f"scale proxy {proxy.get('name')} (not {summary.model}): {proxy.get('reason')}"]
+        )
     table.rows.append(["stopped", str(summary.stopped_because)])
     best, default = summary.best, summary.default
     if comparison is not None:
         table.rows.append(["best", comparison.note])
     if best:
         ratio = f"ratio {fmt(best.ratio, 'x')}, " if best.ratio is not None else ""
-        table.rows.append(["lowest ratio in the search" if comparison else "best", f"trial {best.number}: {ratio}{fmt(best.step_ms)} ms, overlap {fmt(best.overlap_ratio, 'pct')}, {fmt(best.bound_ratio, 'x')} the max(compute, comm) bound"])
+        table.rows.append(
+            [
+                "lowest ratio in the search" if comparison else "best",
+                f"trial {best.number}: {ratio}{fmt(best.step_ms)} ms, overlap {fmt(best.overlap_ratio, 'pct')}, {fmt(best.bound_ratio, 'x')} the max(compute, comm) bound",
+            ]
+        )
     if default:
         table.rows.append(["defaults", f"trial {default.number}: {fmt(default.step_ms)} ms"])
     conf = summary.confirmation or {}
@@ -131,7 +164,12 @@ def get_search_summary_table(summary: SearchRecord, comparison: Comparison | Non
     cons = summary.consolidation or {}
     if cons.get("seconds"):
         parts = [f"{m} {sec * 1e3:.0f} ms" for m, sec in cons["seconds"].items()]
-        table.rows.append(["checkpoint consolidation", f"{', '.join(parts)} (emitted config uses {cons.get('chosen', cons.get('method'))})"])
+        table.rows.append(
+            [
+                "checkpoint consolidation",
+                f"{', '.join(parts)} (emitted config uses {cons.get('chosen', cons.get('method'))})",
+            ]
+        )
     elif cons.get("error"):
         table.rows.append(["checkpoint consolidation", f"failed: {cons['error']}"])
     return table
@@ -142,27 +180,60 @@ def _describe_speedup(conf: dict[str, Any]) -> str:
     spread = f"interquartile {conf['speedup_q25']:.3f}-{conf['speedup_q75']:.3f}, " if "speedup_q25" in conf else ""
     text = f"{conf['speedup_median']:.3f}x median of {len(conf['speedups'])} pairs ({spread}min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f})"
     if conf.get("finalists"):
-        verdict = f"trial {conf['winner']}" if conf.get("winner") is not None else "the defaults (no finalist beat them)"
+        verdict = (
+            f"trial {conf['winner']}" if conf.get("winner") is not None else "the defaults (no finalist beat them)"
+        )
         return f"{text}; {len(conf['finalists'])} finalists re-measured, emitted {verdict}"
     return f"{text}; emitted: {conf.get('emitted', 'best')}"
 
 
-def get_search_tables(trials: list[TrialSummary], best: TrialSummary | None, summary: SearchRecord | None = None) -> list[ReportTable]:
+def get_search_tables(
+    trials: list[TrialSummary], best: TrialSummary | None, summary: SearchRecord | None = None
+) -> list[ReportTable]:
     """Every trial: step, paired ratio, profiler overhead (``prof``, profiled / unprofiled wall) and
     trace figures (times scaled to the unprofiled step where ``prof`` is beyond 3%, marked ``*``)."""
-    table = ReportTable(title=f"{len(trials)} trials" + (f", best: {best.name}" if best else ", no successful trial"),
-                        columns=["trial", "status", "step ms", "/defaults", "prof", "overlap", "exposed", "/bound", "peak", "note"])  # fmt: skip
+    table = ReportTable(
+        title=f"{len(trials)} trials" + (f", best: {best.name}" if best else ", no successful trial"),
+        columns=["trial", "status", "step ms", "/defaults", "prof", "overlap", "exposed", "/bound", "peak", "note"],
+    )
     for t in sorted(trials, key=lambda t: (t.objective is None, t.objective or 0.0)):
         note = "best" if t is best else t.reason or (t.analysis_error or "")
         exposed = fmt(t.get_aggregate("exposed_comm_ms")) + ("*" if t.trace_scale else "")
-        table.rows.append([t.name, t.status, fmt(t.step_ms), fmt(t.ratio, "x"), fmt(t.profiler_overhead, "over"), fmt(t.get_aggregate("overlap_ratio"), "pct"),
-                           exposed, fmt(t.get_aggregate("bound_ratio"), "x"), fmt(t.process_peak_bytes, "mb"), note[:80]])  # fmt: skip
+        table.rows.append(
+            [
+                t.name,
+                t.status,
+                fmt(t.step_ms),
+                fmt(t.ratio, "x"),
+                fmt(t.profiler_overhead, "over"),
+                fmt(t.get_aggregate("overlap_ratio"), "pct"),
+                exposed,
+                fmt(t.get_aggregate("bound_ratio"), "x"),
+                fmt(t.process_peak_bytes, "mb"),
+                note[:80],
+            ]
+        )
     if any(t.trace_scale for t in trials):
         table.title += "; * trace times scaled to the unprofiled step"
     return [get_search_summary_table(summary), table] if summary else [table]
 
 
-TRIALS_COLUMNS = ["trial", "status", "/defaults", "IQR", "spread", "attempts", "made from", "step ms", "prof", "overlap", "exposed ms", "peak", "knobs", "note"]
+TRIALS_COLUMNS = [
+    "trial",
+    "status",
+    "/defaults",
+    "IQR",
+    "spread",
+    "attempts",
+    "made from",
+    "step ms",
+    "prof",
+    "overlap",
+    "exposed ms",
+    "peak",
+    "knobs",
+    "note",
+]
 
 
 def _mark(row: TrialRow, comparison: Comparison | None) -> str:
@@ -180,7 +251,9 @@ def _describe_attempts(row: TrialRow) -> str:
     """``1``, or ``2 (first: pruned 1.520x)`` for a trial measured again ([Note: paired measurement])."""
     if row.attempts <= 1:
         return str(row.attempts)
-    first = " ".join(x for x in (row.first_status, fmt(row.first_ratio, "x") if row.first_ratio is not None else None) if x)
+    first = " ".join(
+        x for x in (row.first_status, fmt(row.first_ratio, "x") if row.first_ratio is not None else None) if x
+    )
     return f"{row.attempts} (first: {first})" if first else str(row.attempts)
 
 
@@ -191,54 +264,117 @@ def get_search_trials_table(rows: list[TrialRow], comparison: Comparison | None 
     title = f"{len(rows)} trials (ratio: median step time / the defaults' in alternating pairs; IQR and spread of those pairs)"
     table = ReportTable(title=title, columns=list(TRIALS_COLUMNS))
     for row in sorted(rows, key=lambda r: r.number):
-        status = row.status + (" (noisy)" if row.noisy else "") + (f" (= {row.duplicate_of})" if row.duplicate_of is not None else "")
-        iqr = f"{row.ratio_q25:.3f}-{row.ratio_q75:.3f}" if row.ratio_q25 is not None and row.ratio_q75 is not None else "-"
+        status = (
+            row.status
+            + (" (noisy)" if row.noisy else "")
+            + (f" (= {row.duplicate_of})" if row.duplicate_of is not None else "")
+        )
+        iqr = (
+            f"{row.ratio_q25:.3f}-{row.ratio_q75:.3f}"
+            if row.ratio_q25 is not None and row.ratio_q75 is not None
+            else "-"
+        )
         made_from = row.refined_from or ("defaults" if row.is_default else "sampled")
-        table.rows.append([_mark(row, comparison), status, fmt(row.ratio, "x"), iqr, fmt(row.ratio_spread, "pct"), _describe_attempts(row), made_from,
-                           fmt(row.step_ms), fmt(row.profiler_overhead, "over"), fmt(row.overlap_ratio, "pct"), fmt(row.exposed_comm_ms),
-                           fmt(row.process_peak_bytes, "mb"), describe_params(row.params), row.reason[:80]])  # fmt: skip
+        table.rows.append(
+            [
+                _mark(row, comparison),
+                status,
+                fmt(row.ratio, "x"),
+                iqr,
+                fmt(row.ratio_spread, "pct"),
+                _describe_attempts(row),
+                made_from,
+                fmt(row.step_ms),
+                fmt(row.profiler_overhead, "over"),
+                fmt(row.overlap_ratio, "pct"),
+                fmt(row.exposed_comm_ms),
+                fmt(row.process_peak_bytes, "mb"),
+                describe_params(row.params),
+                row.reason[:80],
+            ]
+        )
     return table
 
 
 def get_search_rows_table(rows: list[TrialRow], best: TrialRow | None) -> ReportTable:
     """Every trial of a search with its knobs (the terminal summary of ``autotune search``);
     ``prof``: profiler overhead (profiled / unprofiled step); exposed and overlap as traced."""
-    table = ReportTable(title="trials", columns=["trial", "status", "/defaults", "spread", "step ms", "prof", "peak", "exposed ms", "overlap", "knobs"])
+    table = ReportTable(
+        title="trials",
+        columns=["trial", "status", "/defaults", "spread", "step ms", "prof", "peak", "exposed ms", "overlap", "knobs"],
+    )
     for row in rows:
         mark = " *" if best and row.number == best.number else (" (defaults)" if row.is_default else "")
-        status = row.status + (" (noisy)" if row.noisy else "") + (f" (= {row.duplicate_of})" if row.duplicate_of is not None else "")
-        table.rows.append([f"{row.number}{mark}", status, fmt(row.ratio, "x"), fmt(row.ratio_spread, "pct"), fmt(row.step_ms), fmt(row.profiler_overhead, "over"),
-                           fmt(row.process_peak_bytes, "mb"), fmt(row.exposed_comm_ms), fmt(row.overlap_ratio, "pct"), describe_params(row.params)])  # fmt: skip
+        status = (
+            row.status
+            + (" (noisy)" if row.noisy else "")
+            + (f" (= {row.duplicate_of})" if row.duplicate_of is not None else "")
+        )
+        table.rows.append(
+            [
+                f"{row.number}{mark}",
+                status,
+                fmt(row.ratio, "x"),
+                fmt(row.ratio_spread, "pct"),
+                fmt(row.step_ms),
+                fmt(row.profiler_overhead, "over"),
+                fmt(row.process_peak_bytes, "mb"),
+                fmt(row.exposed_comm_ms),
+                fmt(row.overlap_ratio, "pct"),
+                describe_params(row.params),
+            ]
+        )
     return table
 
 
-def get_search_outcome_lines(summary: "SearchSummary") -> list[str]:
+def get_search_outcome_lines(summary: SearchSummary) -> list[str]:
     """What ``autotune search`` says after its table: why it stopped, the speedup, where the files are."""
     lines = [f"stopped: {summary.record.stopped_because}"]
     conf = summary.confirmation
     if conf and conf["speedup_median"] is not None:
         lines.append(f"emitted config vs defaults: {_describe_speedup(conf)}")
     if conf and conf.get("defaults_over_budget"):
-        lines.append("FSDP2's defaults are over the memory budget: the emitted config is the fastest finalist that fits")
+        lines.append(
+            "FSDP2's defaults are over the memory budget: the emitted config is the fastest finalist that fits"
+        )
     if conf and conf.get("memory"):
         lines.append(f"{conf['memory']}: emitted the search's pick")
     if summary.plan.is_proxy:
         lines.append(f"measured on proxy {summary.plan.proxy_name}, not {summary.plan.requested.name}")
     if summary.best_config_path:
         report = summary.report_paths[0] if summary.report_paths else f"failed ({summary.record.report_error})"
-        lines += [f"best config: {summary.best_config_path} (and .json)", f"results: {summary.out_dir / 'results.csv'}", f"report: {report}"]
+        lines += [
+            f"best config: {summary.best_config_path} (and .json)",
+            f"results: {summary.out_dir / 'results.csv'}",
+            f"report: {report}",
+        ]
     else:
         lines.append("no trial succeeded; see results.csv for the reasons")
     return lines
 
 
-def get_rank_table(metrics: "TrialMetrics") -> ReportTable:
+def get_rank_table(metrics: TrialMetrics) -> ReportTable:
     """Per rank of one trial: median unprofiled and profiled step, profiler overhead (wall, CPU, page faults), process peak."""
-    table = ReportTable(title=f"step {fmt(metrics.step_ms)} ms (median of the slowest rank per step)",
-                        columns=["rank", "median step ms", "profiled step ms", "prof wall", "prof CPU", "faults/step", "peak"])  # fmt: skip
+    table = ReportTable(
+        title=f"step {fmt(metrics.step_ms)} ms (median of the slowest rank per step)",
+        columns=["rank", "median step ms", "profiled step ms", "prof wall", "prof CPU", "faults/step", "peak"],
+    )
     for r in metrics.ranks:
         cost = r.get_profiler_figures() or {}
-        faults = f"{cost['page_faults']:.0f} -> {cost['profiled_page_faults']:.0f}" if cost.get("page_faults") is not None else "-"
-        table.rows.append([str(r.rank), fmt(r.median_step_ms), fmt(r.median_profiled_step_ms), fmt(cost.get("wall"), "over"),
-                           fmt(cost.get("cpu"), "over"), faults, fmt(r.process_peak_bytes, "mb")])  # fmt: skip
+        faults = (
+            f"{cost['page_faults']:.0f} -> {cost['profiled_page_faults']:.0f}"
+            if cost.get("page_faults") is not None
+            else "-"
+        )
+        table.rows.append(
+            [
+                str(r.rank),
+                fmt(r.median_step_ms),
+                fmt(r.median_profiled_step_ms),
+                fmt(cost.get("wall"), "over"),
+                fmt(cost.get("cpu"), "over"),
+                faults,
+                fmt(r.process_peak_bytes, "mb"),
+            ]
+        )
     return table

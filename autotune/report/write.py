@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from autotune.report.html import write_html
@@ -23,7 +22,9 @@ def write_report(report: Report, out_dir: str | Path) -> list[Path]:
     return [write_html(report, out / "report.html"), *write_pngs(report, out)]
 
 
-def write_search_report(summary: "SearchSummary", *, storage: str | None = None, study_name: str | None = None) -> "SearchSummary":
+def write_search_report(
+    summary: SearchSummary, *, storage: str | None = None, study_name: str | None = None
+) -> SearchSummary:
     """The report of a finished search into ``report/`` of its worker's dir, noted in its
     ``search.json``; a failure to render is recorded there, never raised (the search's results stand).
 
@@ -31,7 +32,9 @@ def write_search_report(summary: "SearchSummary", *, storage: str | None = None,
     ``get_study_name``); default ``<run dir>/study.db`` and the only study there."""
     record = summary.record
     try:
-        report = load_report(summary.study_dir, search=record, rows=summary.rows, storage=storage, study_name=study_name)
+        report = load_report(
+            summary.study_dir, search=record, rows=summary.rows, storage=storage, study_name=study_name
+        )
         summary.report_paths = write_report(report, summary.out_dir / "report")
         record.report, record.report_error = [str(p) for p in summary.report_paths], None
     except (AutotuneError, OSError, ValueError) as e:

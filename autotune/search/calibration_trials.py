@@ -25,8 +25,13 @@ if TYPE_CHECKING:
 CALIBRATION_CHANGES: dict[str, dict[str, Any]] = {
     "unshard_async": {"unshard_async": "on", "forward_prefetch": "depth1"},
     "replicated": {"mesh": "hsdp:{world}x1"},
-    "eager_concat": {"nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": False, "keep_unsharded": False},
-}  # fmt: skip
+    "eager_concat": {
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "defer_concat": False,
+        "keep_unsharded": False,
+    },
+}
 """The presearch's calibration trials: the defaults with these knobs changed (``{world}``: the
 world size); ``reshard_after_forward`` names the question of whichever mesh."""
 CALIBRATION_ATTR = "calibration"
@@ -62,12 +67,15 @@ def get_calibration_params(space: SearchSpace) -> dict[str, dict[str, Any]]:
         wanted = {k: v.format(world=space.world_size) if isinstance(v, str) else v for k, v in changes.items()}
         trial = _AnswerTrial(wanted, defaults)
         config = space.suggest(trial)  # type: ignore[arg-type]
-        if all(trial.params.get(k) == v for k, v in wanted.items() if k != "reshard_after_forward") and config != default_config:
+        if (
+            all(trial.params.get(k) == v for k, v in wanted.items() if k != "reshard_after_forward")
+            and config != default_config
+        ):
             points[name] = trial.params
     return points
 
 
-def run_calibration_trials(ctx: "SearchContext") -> list["TrialRow"]:
+def run_calibration_trials(ctx: SearchContext) -> list[TrialRow]:
     """Measure the calibration points not measured yet (see [Note: presearch]); the finished rows of all of them."""
     from autotune.search.loop import get_rows, run_one
 
@@ -79,7 +87,9 @@ def run_calibration_trials(ctx: "SearchContext") -> list["TrialRow"]:
     for name, params in points.items():
         if name in done:
             continue
-        study.enqueue_trial({**params, "root_split": "none"} if ctx.space.can_split else params, user_attrs={CALIBRATION_ATTR: name})
+        study.enqueue_trial(
+            {**params, "root_split": "none"} if ctx.space.can_split else params, user_attrs={CALIBRATION_ATTR: name}
+        )
         ctx.reporter.on_trial_start(len(get_rows(study)), settings.num_trials)
         row = run_one(ctx, None)
         ctx.reporter.on_trial_end(row, None)

@@ -32,8 +32,8 @@ import statistics
 from typing import Any
 
 from autotune.search.context import SearchContext
-from autotune.search.results import TrialRow, pick_best
 from autotune.search.refine import pick_base
+from autotune.search.results import TrialRow, pick_best
 from autotune.trials import median_or_none, run_trial
 from fsdp_runtime import RuntimeConfig
 
@@ -57,14 +57,26 @@ def get_finalists(rows: list[TrialRow], num_finalists: int) -> list[TrialRow]:
 def _measure_finalist(ctx: SearchContext, row: TrialRow, *, window: int = 0) -> dict[str, Any]:
     config = ctx.space.build_config(row.params)
     name = f"trial_{row.number:04d}" + (f"_window{window}" if window else "")
-    spec = ctx.trial_spec(config, ctx.write_dir / "final" / name, profile=False, num_pairs=2 * ctx.settings.num_confirm_pairs)
+    spec = ctx.trial_spec(
+        config, ctx.write_dir / "final" / name, profile=False, num_pairs=2 * ctx.settings.num_confirm_pairs
+    )
     result = run_trial(spec, pool=ctx.pool)
     paired = result.metrics.paired if result.metrics and result.ok else {}
     reference_ms = median_or_none(result.metrics.reference_step_ms_per_step) if result.metrics else None
     budget, peak = ctx.settings.memory_budget_bytes, result.process_peak_bytes
-    memory = {"process_peak_bytes": peak, "over_budget": peak > budget} if budget is not None and peak is not None else {}
-    return {"trial": row.number, "status": result.status, "reason": result.reason, "search_ratio": row.ratio, "step_ms": result.step_ms,
-            "reference_step_ms": reference_ms, **paired, **memory}  # fmt: skip
+    memory = (
+        {"process_peak_bytes": peak, "over_budget": peak > budget} if budget is not None and peak is not None else {}
+    )
+    return {
+        "trial": row.number,
+        "status": result.status,
+        "reason": result.reason,
+        "search_ratio": row.ratio,
+        "step_ms": result.step_ms,
+        "reference_step_ms": reference_ms,
+        **paired,
+        **memory,
+    }
 
 
 def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeConfig, dict[str, Any] | None]:
@@ -73,31 +85,61 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
     if ctx.settings.num_confirm_pairs == 0 or not finalists:
         best = pick_best(rows)
         return (ctx.space.build_config(best.params) if best else ctx.default_config), None
-    ctx.reporter.on_phase(f"final round: {len(finalists)} best configs vs the defaults, {2 * ctx.settings.num_confirm_pairs} pairs each")
+    ctx.reporter.on_phase(
+        f"final round: {len(finalists)} best configs vs the defaults, {2 * ctx.settings.num_confirm_pairs} pairs each"
+    )
     measured = [_measure_finalist(ctx, row) for row in finalists]
     contested = get_contested(measured, ctx.settings.max_ratio_spread)
     if contested:
-        ctx.reporter.on_phase(f"final round contested (trials {', '.join(str(n) for n in contested)}): a second window each")
+        ctx.reporter.on_phase(
+            f"final round contested (trials {', '.join(str(n) for n in contested)}): a second window each"
+        )
         by_number = {row.number: row for row in finalists}
-        measured = [pool_windows(m, _measure_finalist(ctx, by_number[m["trial"]], window=1)) if m["trial"] in contested else m for m in measured]
-    ranked = sorted((m for m in measured if m.get("ratio") is not None and not m.get("over_budget")), key=lambda m: m["ratio"])
-    record: dict[str, Any] = {"finalists": measured, "num_pairs": 2 * ctx.settings.num_confirm_pairs, "contested": contested}
+        measured = [
+            pool_windows(m, _measure_finalist(ctx, by_number[m["trial"]], window=1)) if m["trial"] in contested else m
+            for m in measured
+        ]
+    ranked = sorted(
+        (m for m in measured if m.get("ratio") is not None and not m.get("over_budget")), key=lambda m: m["ratio"]
+    )
+    record: dict[str, Any] = {
+        "finalists": measured,
+        "num_pairs": 2 * ctx.settings.num_confirm_pairs,
+        "contested": contested,
+    }
     # Under a memory budget the defaults may not fit: they are then the yardstick, never the fallback.
     defaults_fit = all(r.feasible for r in rows if r.is_default)
     any_over = any(m.get("over_budget") for m in measured)
     if not ranked and (any_over or not defaults_fit):
         # Keep the search's pick (it fit once), and say why.
         best = pick_best(rows)
-        why = ("every finalist was over the memory budget in the final round" if any_over
-               else "no finalist was measured in the final round and the defaults are over the memory budget")  # fmt: skip
-        return ctx.space.build_config(best.params), record | {"emitted": "search", "winner": None, "memory": why, **_speedups(None)}
+        why = (
+            "every finalist was over the memory budget in the final round"
+            if any_over
+            else "no finalist was measured in the final round and the defaults are over the memory budget"
+        )
+        return ctx.space.build_config(best.params), record | {
+            "emitted": "search",
+            "winner": None,
+            "memory": why,
+            **_speedups(None),
+        }
     if not ranked or (ranked[0]["ratio"] >= 1.0 and defaults_fit):
         # Not one finalist beats the defaults side by side: the search's ranking was noise.
-        return ctx.default_config, record | {"emitted": "defaults", "winner": None, **_speedups(ranked[0] if ranked else None)}
+        return ctx.default_config, record | {
+            "emitted": "defaults",
+            "winner": None,
+            **_speedups(ranked[0] if ranked else None),
+        }
     winner = ranked[0]
     row = next(r for r in finalists if r.number == winner["trial"])
     slower = {"defaults_over_budget": True} if winner["ratio"] >= 1.0 else {}
-    return ctx.space.build_config(row.params), record | {"emitted": "best", "winner": winner["trial"], **slower, **_speedups(winner)}
+    return ctx.space.build_config(row.params), record | {
+        "emitted": "best",
+        "winner": winner["trial"],
+        **slower,
+        **_speedups(winner),
+    }
 
 
 def get_contested(measured: list[dict[str, Any]], max_spread: float) -> list[int]:
@@ -117,18 +159,37 @@ def pool_windows(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
     ratios = list(first.get("pair_ratios", [])) + list(second.get("pair_ratios", []))
     if not ratios:
         return first | {"windows": 2}
-    q25, _, q75 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0], 0, ratios[0])
+    q25, _, q75 = (
+        statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0], 0, ratios[0])
+    )
     median = statistics.median(ratios)
     noise = [x for x in (first.get("candidate_noise"), second.get("candidate_noise")) if x is not None]
     reference_noise = [x for x in (first.get("reference_noise"), second.get("reference_noise")) if x is not None]
     peaks = [x for x in (first.get("process_peak_bytes"), second.get("process_peak_bytes")) if x is not None]
-    memory = {"process_peak_bytes": max(peaks), "over_budget": first.get("over_budget") or bool(second.get("over_budget"))} if peaks else {}
-    return first | memory | {
-        "ratio": median, "ratio_q25": q25, "ratio_q75": q75, "ratio_min": min(ratios), "ratio_max": max(ratios),
-        "ratio_spread": (q75 - q25) / median if median > 0 else None, "pair_ratios": ratios, "num_pairs": len(ratios),
-        "candidate_noise": max(noise, default=None), "reference_noise": max(reference_noise, default=None),
-        "windows": 2, "first_window_ratio": first.get("ratio"), "second_window_status": second.get("status"),
-    }  # fmt: skip
+    memory = (
+        {"process_peak_bytes": max(peaks), "over_budget": first.get("over_budget") or bool(second.get("over_budget"))}
+        if peaks
+        else {}
+    )
+    return (
+        first
+        | memory
+        | {
+            "ratio": median,
+            "ratio_q25": q25,
+            "ratio_q75": q75,
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "ratio_spread": (q75 - q25) / median if median > 0 else None,
+            "pair_ratios": ratios,
+            "num_pairs": len(ratios),
+            "candidate_noise": max(noise, default=None),
+            "reference_noise": max(reference_noise, default=None),
+            "windows": 2,
+            "first_window_ratio": first.get("ratio"),
+            "second_window_status": second.get("status"),
+        }
+    )
 
 
 def _speedups(figures: dict[str, Any] | None) -> dict[str, Any]:

@@ -72,7 +72,9 @@ def consolidation_timing(
     """
     runtime = config_from_dict(config)
     if cases is None:
-        cases = {m: {"method": m, "bucket_bytes": bucket_bytes} for m in (methods or [runtime.checkpoint.consolidation])}
+        cases = {
+            m: {"method": m, "bucket_bytes": bucket_bytes} for m in (methods or [runtime.checkpoint.consolidation])
+        }
     for case in cases.values():
         check_method(case.get("method", "all_gather"))
     training = build_training(rank, world_size, model=model, config=config, seed=seed)
@@ -88,7 +90,12 @@ def consolidation_timing(
     rise = {}
     if measure_memory:
         rise = {name: _measure_rise_once(training, to_cpu=runtime.checkpoint.to_cpu, **cases[name]) for name in names}
-    return {"seconds": seconds, "consolidation_rise_bytes": rise, "state_bytes": state_bytes, "num_params": training.profile.get_num_params()}
+    return {
+        "seconds": seconds,
+        "consolidation_rise_bytes": rise,
+        "state_bytes": state_bytes,
+        "num_params": training.profile.get_num_params(),
+    }
 
 
 def _time_once(training: Training, **kwargs: Any) -> tuple[float, int]:
@@ -161,7 +168,12 @@ def time_consolidation(ctx: SearchContext, config: RuntimeConfig) -> dict[str, A
     """
     own = config.checkpoint.consolidation
     methods = [own, *(m for m in TIMED_METHODS if m != own)]
-    kwargs = {"model": ctx.plan.trial_model, "config": config_to_dict(config), "methods": methods, "seed": ctx.settings.seed}
+    kwargs = {
+        "model": ctx.plan.trial_model,
+        "config": config_to_dict(config),
+        "methods": methods,
+        "seed": ctx.settings.seed,
+    }
     target, timeout_s = "autotune.search.consolidation:consolidation_timing", ctx.settings.trial_timeout_s
     if ctx.pool is not None:
         run = ctx.pool.run(target, kwargs, timeout_s=timeout_s)

@@ -14,21 +14,33 @@ from fsdp_runtime import Provenance, RuntimeConfig, save_config
 
 def _get_notes(ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] | None) -> list[str]:
     settings, plan = ctx.settings, ctx.plan
-    notes = [f"chosen by {settings.sampler} search over {settings.num_trials} trials (best in the search: trial {best.number})"]
+    notes = [
+        f"chosen by {settings.sampler} search over {settings.num_trials} trials (best in the search: trial {best.number})"
+    ]
     if confirmation and confirmation.get("emitted") == "defaults":
-        notes = [f"no finalist of the search (best: trial {best.number}) was faster than FSDP2's defaults side by side in the final round: these are the defaults"]
+        notes = [
+            f"no finalist of the search (best: trial {best.number}) was faster than FSDP2's defaults side by side in the final round: these are the defaults"
+        ]
     elif confirmation and confirmation.get("winner") is not None:
-        notes.append(f"emitted: trial {confirmation['winner']}, the fastest of {len(confirmation['finalists'])} finalists re-measured against the defaults "
-                     f"({confirmation['speedup_median']:.3f}x, interquartile {confirmation['speedup_q25']:.3f}-{confirmation['speedup_q75']:.3f}x)")  # fmt: skip
+        notes.append(
+            f"emitted: trial {confirmation['winner']}, the fastest of {len(confirmation['finalists'])} finalists re-measured against the defaults "
+            f"({confirmation['speedup_median']:.3f}x, interquartile {confirmation['speedup_q25']:.3f}-{confirmation['speedup_q75']:.3f}x)"
+        )
     conf = confirmation or {}
     over = [f["trial"] for f in conf.get("finalists", []) if f.get("over_budget")]
     if conf.get("memory"):
-        notes.append(f"{conf['memory']}: emitted the search's pick (trial {best.number}), which fit the budget in the search")
+        notes.append(
+            f"{conf['memory']}: emitted the search's pick (trial {best.number}), which fit the budget in the search"
+        )
     else:
         if conf.get("defaults_over_budget"):
-            notes.append("FSDP2's defaults are over the memory budget: this is the fastest finalist that fits, slower than the defaults")
+            notes.append(
+                "FSDP2's defaults are over the memory budget: this is the fastest finalist that fits, slower than the defaults"
+            )
         if over:
-            notes.append(f"finalist trial(s) {', '.join(map(str, over))} went over the memory budget when re-measured and were not ranked")
+            notes.append(
+                f"finalist trial(s) {', '.join(map(str, over))} went over the memory budget when re-measured and were not ranked"
+            )
     if plan.is_proxy:
         notes.append(
             f"trials ran on a scale proxy ({plan.proxy_name}) because {plan.requested.name} does not fit this machine "
@@ -39,23 +51,43 @@ def _get_notes(ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] 
     return notes
 
 
-def _get_metrics(best: TrialRow, default: TrialRow | None, confirmation: dict[str, Any] | None, consolidation: dict[str, Any], emitted_defaults: bool) -> dict[str, float]:
+def _get_metrics(
+    best: TrialRow,
+    default: TrialRow | None,
+    confirmation: dict[str, Any] | None,
+    consolidation: dict[str, Any],
+    emitted_defaults: bool,
+) -> dict[str, float]:
     metrics = {"search_best_step_ms": best.step_ms, "search_best_ratio": best.ratio}
     if default is not None and default.step_ms:
         metrics["default_step_ms"] = default.step_ms
     metrics["step_ms"] = metrics.get("default_step_ms", best.step_ms) if emitted_defaults else best.step_ms
-    winner = next((f for f in (confirmation or {}).get("finalists", []) if f["trial"] == (confirmation or {}).get("winner")), None)
+    winner = next(
+        (f for f in (confirmation or {}).get("finalists", []) if f["trial"] == (confirmation or {}).get("winner")), None
+    )
     if winner is not None:  # the emitted config as the final round measured it
         metrics["step_ms"], metrics["final_default_step_ms"] = winner["step_ms"], winner["reference_step_ms"]
     if confirmation and confirmation["speedup_median"] is not None:
-        metrics |= {k: confirmation[k] for k in ("speedup_median", "speedup_q25", "speedup_q75", "speedup_min", "speedup_max") if k in confirmation}
+        metrics |= {
+            k: confirmation[k]
+            for k in ("speedup_median", "speedup_q25", "speedup_q75", "speedup_min", "speedup_max")
+            if k in confirmation
+        }
     metrics = {k: v for k, v in metrics.items() if v is not None}
     for method, seconds in consolidation.get("seconds", {}).items():
         metrics[f"consolidation_s_{method}"] = seconds
     return metrics
 
 
-def emit_best(ctx: SearchContext, config: RuntimeConfig, *, best: TrialRow, default: TrialRow | None, confirmation: dict[str, Any] | None, consolidation: dict[str, Any]) -> Path:
+def emit_best(
+    ctx: SearchContext,
+    config: RuntimeConfig,
+    *,
+    best: TrialRow,
+    default: TrialRow | None,
+    confirmation: dict[str, Any] | None,
+    consolidation: dict[str, Any],
+) -> Path:
     """Write ``best.json`` and ``best.toml`` (the path returned) into the run dir."""
     import torch
 
@@ -68,7 +100,7 @@ def emit_best(ctx: SearchContext, config: RuntimeConfig, *, best: TrialRow, defa
         backend="nccl" if torch.cuda.is_available() else "gloo",
         torch_version=torch.__version__,
         measured=True,
-        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         notes=_get_notes(ctx, best, confirmation),
         metrics=_get_metrics(best, default, confirmation, consolidation, emitted_defaults),
     )

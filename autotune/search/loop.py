@@ -43,9 +43,22 @@ from fsdp_runtime import RuntimeConfig, dumps_config
 
 PLATEAU_MIN_GAIN = 0.01
 _COPIED_ATTRS = (
-    "status", "reason", "step_ms", "ratio", "ratio_q25", "ratio_q75", "ratio_spread", "noisy", "profiler_overhead", "process_peak_bytes",
-    "memory_over_budget", "exposed_comm_ms", "overlap_ratio", "bound_ratio", "trial_dir",
-)  # fmt: skip
+    "status",
+    "reason",
+    "step_ms",
+    "ratio",
+    "ratio_q25",
+    "ratio_q75",
+    "ratio_spread",
+    "noisy",
+    "profiler_overhead",
+    "process_peak_bytes",
+    "memory_over_budget",
+    "exposed_comm_ms",
+    "overlap_ratio",
+    "bound_ratio",
+    "trial_dir",
+)
 
 
 def get_config_hash(config: RuntimeConfig) -> str:
@@ -56,17 +69,35 @@ def get_config_hash(config: RuntimeConfig) -> str:
 def to_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
     attrs = trial.user_attrs
     return TrialRow(
-        number=trial.number, state=trial.state.name, status=attrs.get("status", trial.state.name.lower()), reason=attrs.get("reason", ""),
-        step_ms=attrs.get("step_ms"), ratio=attrs.get("ratio"), ratio_q25=attrs.get("ratio_q25"), ratio_q75=attrs.get("ratio_q75"),
-        ratio_spread=attrs.get("ratio_spread"), noisy=bool(attrs.get("noisy", False)),
-        attempts=int(attrs.get("attempts", 1)), refined_from=attrs.get(ORIGIN_ATTR), first_status=attrs.get("first_status"), first_ratio=attrs.get("first_ratio"), profiler_overhead=attrs.get("profiler_overhead"),
+        number=trial.number,
+        state=trial.state.name,
+        status=attrs.get("status", trial.state.name.lower()),
+        reason=attrs.get("reason", ""),
+        step_ms=attrs.get("step_ms"),
+        ratio=attrs.get("ratio"),
+        ratio_q25=attrs.get("ratio_q25"),
+        ratio_q75=attrs.get("ratio_q75"),
+        ratio_spread=attrs.get("ratio_spread"),
+        noisy=bool(attrs.get("noisy", False)),
+        attempts=int(attrs.get("attempts", 1)),
+        refined_from=attrs.get(ORIGIN_ATTR),
+        first_status=attrs.get("first_status"),
+        first_ratio=attrs.get("first_ratio"),
+        profiler_overhead=attrs.get("profiler_overhead"),
         process_peak_bytes=attrs.get("process_peak_bytes", attrs.get("peak_memory_bytes")),
-        exposed_comm_ms=attrs.get("exposed_comm_ms"), overlap_ratio=attrs.get("overlap_ratio"), bound_ratio=attrs.get("bound_ratio"),
-        feasible=attrs.get("memory_over_budget", 0.0) <= 0.0, is_default=bool(attrs.get("is_default", False)), duplicate_of=attrs.get("duplicate_of"),
-        trial_dir=attrs.get("trial_dir"), params=dict(trial.params),
-        predicted_step_ms=attrs.get("predicted_step_ms"), predicted_ratio=attrs.get("predicted_ratio"), presearch_rank=attrs.get("presearch_rank"),
+        exposed_comm_ms=attrs.get("exposed_comm_ms"),
+        overlap_ratio=attrs.get("overlap_ratio"),
+        bound_ratio=attrs.get("bound_ratio"),
+        feasible=attrs.get("memory_over_budget", 0.0) <= 0.0,
+        is_default=bool(attrs.get("is_default", False)),
+        duplicate_of=attrs.get("duplicate_of"),
+        trial_dir=attrs.get("trial_dir"),
+        params=dict(trial.params),
+        predicted_step_ms=attrs.get("predicted_step_ms"),
+        predicted_ratio=attrs.get("predicted_ratio"),
+        presearch_rank=attrs.get("presearch_rank"),
         calibration=attrs.get("calibration"),
-    )  # fmt: skip
+    )
 
 
 def get_rows(study: optuna.Study) -> list[TrialRow]:
@@ -107,20 +138,39 @@ def _find_measured(study: optuna.Study, config_hash: str) -> optuna.trial.Frozen
     """A finished trial that measured the same effective config (a failure counts: it would fail again)."""
     done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
     for t in study.get_trials(deepcopy=False, states=done):
-        if t.user_attrs.get("config_hash") == config_hash and "duplicate_of" not in t.user_attrs and t.user_attrs.get("status") != "interrupted":
+        if (
+            t.user_attrs.get("config_hash") == config_hash
+            and "duplicate_of" not in t.user_attrs
+            and t.user_attrs.get("status") != "interrupted"
+        ):
             return t
     return None
 
 
 def _duplicate_outcome(number: int, original: optuna.trial.FrozenTrial) -> Outcome:
-    attrs = {key: original.user_attrs[key] for key in _COPIED_ATTRS if key in original.user_attrs} | {"duplicate_of": original.number}
+    attrs = {key: original.user_attrs[key] for key in _COPIED_ATTRS if key in original.user_attrs} | {
+        "duplicate_of": original.number
+    }
     constraints = {"memory_over_budget": attrs["memory_over_budget"]} if "memory_over_budget" in attrs else {}
     state = original.state.name if original.state.name in ("COMPLETE", "PRUNED") else "FAIL"
-    return Outcome(number=number, state=state, value=original.value if state == "COMPLETE" else None, user_attrs=attrs, constraints=constraints)
+    return Outcome(
+        number=number,
+        state=state,
+        value=original.value if state == "COMPLETE" else None,
+        user_attrs=attrs,
+        constraints=constraints,
+    )
 
 
 def _interrupted_outcome(number: int) -> Outcome:
-    return Outcome(number=number, state="FAIL", user_attrs={"status": "interrupted", "reason": "the search was stopped (Ctrl-C or SIGTERM) while this trial ran"})
+    return Outcome(
+        number=number,
+        state="FAIL",
+        user_attrs={
+            "status": "interrupted",
+            "reason": "the search was stopped (Ctrl-C or SIGTERM) while this trial ran",
+        },
+    )
 
 
 def run_one(ctx: SearchContext, best: TrialRow | None) -> TrialRow:
@@ -140,7 +190,12 @@ def run_one(ctx: SearchContext, best: TrialRow | None) -> TrialRow:
         try:
             result, attempts = _measure(ctx, config, trial_dir, get_prune_limit(best, ctx.settings.prune_ratio))
         except KeyboardInterrupt:
-            record(ctx.study, _interrupted_outcome(trial.number), pending_dir=ctx.settings.out_dir / "pending", retry_wait_s=0.1)
+            record(
+                ctx.study,
+                _interrupted_outcome(trial.number),
+                pending_dir=ctx.settings.out_dir / "pending",
+                retry_wait_s=0.1,
+            )
             raise
         outcome = get_outcome(ctx, trial.number, result)
         outcome.user_attrs |= attempts
@@ -161,7 +216,9 @@ def _too_noisy(result: TrialResult, max_spread: float) -> bool:
     return result.status == "ok" and spread is not None and spread > max_spread
 
 
-def _measure(ctx: SearchContext, config: RuntimeConfig, trial_dir: Path, prune_limit: float | None) -> tuple[TrialResult, dict[str, Any]]:
+def _measure(
+    ctx: SearchContext, config: RuntimeConfig, trial_dir: Path, prune_limit: float | None
+) -> tuple[TrialResult, dict[str, Any]]:
     """Run the trial; measure it again in a second window, with twice the pairs, when the first
     one pruned it or spread too wide to rank: no trial is pruned or ranked on one window.
 
@@ -175,9 +232,20 @@ def _measure(ctx: SearchContext, config: RuntimeConfig, trial_dir: Path, prune_l
         return result, {"attempts": 1}
     first = (result.metrics.paired if result.metrics else None) or {}
     limit = prune_limit if pruned else None
-    spec = ctx.trial_spec(config, trial_dir / "remeasured", profile=True, num_pairs=2 * ctx.settings.num_measured, prune_if_ratio_above=limit)
+    spec = ctx.trial_spec(
+        config,
+        trial_dir / "remeasured",
+        profile=True,
+        num_pairs=2 * ctx.settings.num_measured,
+        prune_if_ratio_above=limit,
+    )
     again = run_trial(spec, pool=ctx.pool)
-    attempts = {"attempts": 2, "first_status": result.status, "first_ratio": first.get("ratio"), "first_ratio_spread": first.get("ratio_spread")}
+    attempts = {
+        "attempts": 2,
+        "first_status": result.status,
+        "first_ratio": first.get("ratio"),
+        "first_ratio_spread": first.get("ratio_spread"),
+    }
     if again.status not in ("ok", "pruned"):
         return result, attempts | ({} if pruned else {"noisy": True}) | {"remeasure_failed": again.reason[:300]}
     attempts["trial_dir"] = str(again.out_dir.relative_to(ctx.settings.out_dir))
@@ -209,7 +277,10 @@ def wait_for_other_workers(study: optuna.Study, *, timeout_s: float, poll_s: flo
     ``timeout_s`` (a trial's timeout and then some: a worker on another host of a shared
     SQLite file cannot be seen to die; ``--resume`` closes its trial later)."""
     me, deadline = get_worker_id(), time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(t.user_attrs.get("worker") != me for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))):
+    while time.monotonic() < deadline and any(
+        t.user_attrs.get("worker") != me
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    ):
         close_interrupted(study)
         time.sleep(poll_s)
 

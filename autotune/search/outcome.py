@@ -80,7 +80,10 @@ def record(study: optuna.Study, outcome: Outcome, *, pending_dir: Path, retry_wa
     pending_dir.mkdir(parents=True, exist_ok=True)
     path = write_json_atomic(pending_dir / f"trial_{outcome.number:04d}.json", outcome.to_dict())
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    raise SearchError(f"the study storage is unavailable ({first[:200]}); trial {outcome.number}'s result is kept in {path} and is recorded by --resume", field="storage")
+    raise SearchError(
+        f"the study storage is unavailable ({first[:200]}); trial {outcome.number}'s result is kept in {path} and is recorded by --resume",
+        field="storage",
+    )
 
 
 def apply_pending(study: optuna.Study, pending_dir: Path) -> list[int]:

@@ -12,11 +12,13 @@ if TYPE_CHECKING:
     from autotune.search.results import TrialRow
 
 
-def summarize_predictions(rows: list["TrialRow"], presearch: dict[str, Any] | None) -> dict[str, Any] | None:
+def summarize_predictions(rows: list[TrialRow], presearch: dict[str, Any] | None) -> dict[str, Any] | None:
     """``search.json``'s ``presearch``: what was ranked and how predictions compared with measurements."""
     if not presearch:
         return None
-    pairs = [(r.predicted_step_ms, r.step_ms) for r in rows if r.predicted_step_ms and r.step_ms and r.state == "COMPLETE"]
+    pairs = [
+        (r.predicted_step_ms, r.step_ms) for r in rows if r.predicted_step_ms and r.step_ms and r.state == "COMPLETE"
+    ]
     errors = [p / m - 1 for p, m in pairs]
     summary = {k: v for k, v in presearch.items() if k != "profile"}
     summary["num_compared"] = len(pairs)
@@ -55,7 +57,7 @@ class PredictionTable:
     rows: list[list[str]]
 
 
-def get_prediction_table(rows: list["TrialRow"]) -> PredictionTable | None:
+def get_prediction_table(rows: list[TrialRow]) -> PredictionTable | None:
     """The trials that have a prediction, with their measurements; None when none has one."""
     with_prediction = [r for r in rows if r.predicted_step_ms is not None]
     if not with_prediction:
@@ -66,11 +68,31 @@ def get_prediction_table(rows: list["TrialRow"]) -> PredictionTable | None:
 
     table = PredictionTable(
         title="predicted (simulator, calibrated on the defaults' and the calibration trials' traces) vs measured; ratio: step time / the defaults'",
-        columns=["trial", "from", "pred ms", "meas ms", "error", "pred ratio", "meas ratio"], rows=[],
-    )  # fmt: skip
+        columns=["trial", "from", "pred ms", "meas ms", "error", "pred ratio", "meas ratio"],
+        rows=[],
+    )
     for r in sorted(with_prediction, key=lambda r: r.number):
-        origin = "defaults" if r.is_default else (f"presearch #{r.presearch_rank}" if r.presearch_rank else (f"calibration ({r.calibration})" if r.calibration else ("refined" if r.refined_from else "sampled")))
+        origin = (
+            "defaults"
+            if r.is_default
+            else (
+                f"presearch #{r.presearch_rank}"
+                if r.presearch_rank
+                else (
+                    f"calibration ({r.calibration})" if r.calibration else ("refined" if r.refined_from else "sampled")
+                )
+            )
+        )
         error = r.predicted_step_ms / r.step_ms - 1 if r.step_ms else None
-        table.rows.append([str(r.number), origin, num(r.predicted_step_ms, ".1f"), num(r.step_ms, ".1f"), "-" if error is None else f"{100 * error:+.1f}%",
-                           num(r.predicted_ratio, ".3f"), num(r.ratio, ".3f")])  # fmt: skip
+        table.rows.append(
+            [
+                str(r.number),
+                origin,
+                num(r.predicted_step_ms, ".1f"),
+                num(r.step_ms, ".1f"),
+                "-" if error is None else f"{100 * error:+.1f}%",
+                num(r.predicted_ratio, ".3f"),
+                num(r.ratio, ".3f"),
+            ]
+        )
     return table

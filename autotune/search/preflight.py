@@ -18,12 +18,16 @@ def check_mesh(mesh: str | None, world_size: int) -> None:
         return
     match = _HSDP.match(mesh)
     if match is None:
-        raise SearchError(f"mesh {mesh!r} is neither 'fsdp' nor 'hsdp:RxS' (R replicas x S shards, e.g. hsdp:2x4)", field="fixed_mesh")
+        raise SearchError(
+            f"mesh {mesh!r} is neither 'fsdp' nor 'hsdp:RxS' (R replicas x S shards, e.g. hsdp:2x4)", field="fixed_mesh"
+        )
     replicate, shard = int(match.group(1)), int(match.group(2))
     if replicate < 2 or shard < 1:
         raise SearchError(f"mesh {mesh!r} needs at least 2 replicas and 1 shard", field="fixed_mesh")
     if replicate * shard != world_size:
-        raise SearchError(f"mesh {mesh!r} spans {replicate * shard} ranks but the world size is {world_size}", field="fixed_mesh")
+        raise SearchError(
+            f"mesh {mesh!r} spans {replicate * shard} ranks but the world size is {world_size}", field="fixed_mesh"
+        )
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -52,7 +56,9 @@ def check_storage_url(url: str) -> None:
     try:
         sqlalchemy.engine.make_url(url).get_dialect()
     except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError, ValueError, ImportError) as e:
-        raise SearchError(f"not a usable storage URL {url!r} ({type(e).__name__}: {str(e).splitlines()[0]})", field="storage") from None
+        raise SearchError(
+            f"not a usable storage URL {url!r} ({type(e).__name__}: {str(e).splitlines()[0]})", field="storage"
+        ) from None
 
 
 def check_model(model: str) -> None:

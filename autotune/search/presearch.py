@@ -70,7 +70,16 @@ if TYPE_CHECKING:
 
 PRESEARCH_KINDS = ("sim",)
 PRESEARCH_ATTR = "presearch"
-_FORWARD_KEYS = ("mesh", "forward_prefetch", "unshard_async", "blocks_per_unit", "ac_units", "ac_kind", "root_reshard_after_forward", "root_split")
+_FORWARD_KEYS = (
+    "mesh",
+    "forward_prefetch",
+    "unshard_async",
+    "blocks_per_unit",
+    "ac_units",
+    "ac_kind",
+    "root_reshard_after_forward",
+    "root_split",
+)
 """What the first forward depends on besides the blocks' reshard: the units (grouping), what they
 save (checkpointing, which also prices their backward) and the root's reshard."""
 
@@ -100,7 +109,7 @@ class _Questions(SearchSpace):
     def build_config(self, params: dict[str, Any]) -> Any:
         return None
 
-    @functools.cache
+    @functools.cache  # noqa: B019 (one _Questions per walk, short-lived: the cache holding it is intended)
     def get_mesh_choices(self) -> list[str]:
         return SearchSpace.get_mesh_choices(self)
 
@@ -141,7 +150,9 @@ def iter_memory_variants(space: SearchSpace, mesh: str) -> Iterator[dict[str, An
 
 def get_core_space(space: SearchSpace) -> SearchSpace:
     """``space`` without its memory-knob families."""
-    return dataclasses.replace(space, grouping=False, checkpointing=False, root_knobs=False, embedding_names=(), head_names=())
+    return dataclasses.replace(
+        space, grouping=False, checkpointing=False, root_knobs=False, embedding_names=(), head_names=()
+    )
 
 
 def has_memory_knobs(space: SearchSpace) -> bool:
@@ -157,7 +168,9 @@ def get_forward_key(params: dict[str, Any]) -> tuple[Any, ...]:
 class KnobFactory:
     """Knobs for any point of ``space``, from per-parameter expansions of ``build_config``."""
 
-    def __init__(self, space: SearchSpace, *, world_size: int, device: str, mixed_precision: MixedPrecisionConfig) -> None:
+    def __init__(
+        self, space: SearchSpace, *, world_size: int, device: str, mixed_precision: MixedPrecisionConfig
+    ) -> None:
         self.space, self.world_size, self.device, self.mp = space, world_size, device, mixed_precision
         self.defaults = space.get_default_params()
         self._cache: dict[tuple[Any, ...], Knobs] = {}
@@ -168,7 +181,9 @@ class KnobFactory:
     def _expand(self, key: tuple[Any, ...], params: dict[str, Any]) -> Knobs:
         if key not in self._cache:
             config = self.build_config(params)
-            self._cache[key] = resolve_knobs(config, self.space.block_names, world_size=self.world_size, device=self.device)
+            self._cache[key] = resolve_knobs(
+                config, self.space.block_names, world_size=self.world_size, device=self.device
+            )
         return self._cache[key]
 
     def get_knobs(self, params: dict[str, Any]) -> Knobs:
@@ -177,47 +192,92 @@ class KnobFactory:
         units = {k: params[k] for k in _UNIT_KEYS if k in params}
         ukey = tuple(sorted((k, str(v)) for k, v in units.items()))
         base = {k: v for k, v in {**self.defaults, "mesh": mesh, **units}.items() if not _is_own_key(k)}
-        raf = {k: v for k, v in params.items() if k.startswith("reshard_after_forward") or k == "root_reshard_after_forward"}
+        raf = {
+            k: v
+            for k, v in params.items()
+            if k.startswith("reshard_after_forward") or k == "root_reshard_after_forward"
+        }
         meshed = self._expand(("mesh", mesh, *ukey, *sorted((k, str(v)) for k, v in raf.items())), {**base, **raf})
-        fwd = self._expand(("fwd", params["forward_prefetch"], *ukey), {**base, "forward_prefetch": params["forward_prefetch"]})
-        bwd = self._expand(("bwd", params["backward_prefetch"], *ukey), {**base, "backward_prefetch": params["backward_prefetch"]})
+        fwd = self._expand(
+            ("fwd", params["forward_prefetch"], *ukey), {**base, "forward_prefetch": params["forward_prefetch"]}
+        )
+        bwd = self._expand(
+            ("bwd", params["backward_prefetch"], *ukey), {**base, "backward_prefetch": params["backward_prefetch"]}
+        )
         nosync_params = {k: params[k] for k in _SYNC_KEYS if k in params}
-        nosync = self._expand(("nosync", mesh, *ukey, *sorted((k, str(v)) for k, v in nosync_params.items())), {**base, **nosync_params})
+        nosync = self._expand(
+            ("nosync", mesh, *ukey, *sorted((k, str(v)) for k, v in nosync_params.items())), {**base, **nosync_params}
+        )
         ac_params = {k: params[k] for k in _AC_KEYS if k in params}
-        checkpointing = self._expand(("ac", *ukey, *sorted((k, str(v)) for k, v in ac_params.items())), {**base, **ac_params}).checkpointing
+        checkpointing = self._expand(
+            ("ac", *ukey, *sorted((k, str(v)) for k, v in ac_params.items())), {**base, **ac_params}
+        ).checkpointing
         asynchronous = params.get("unshard_async", "auto")
         return dataclasses.replace(
-            meshed, unshard_async=asynchronous == "on" or (asynchronous == "auto" and self.device == "cpu"), max_rs_buffers=params.get("reduce_scatter_buffers", 1),
-            forward_prefetch=fwd.forward_prefetch, backward_prefetch=bwd.backward_prefetch, sync=nosync.sync,
-            reshard_after_backward=nosync.reshard_after_backward, defer_concat=nosync.defer_concat, checkpointing=checkpointing,
-        )  # fmt: skip
+            meshed,
+            unshard_async=asynchronous == "on" or (asynchronous == "auto" and self.device == "cpu"),
+            max_rs_buffers=params.get("reduce_scatter_buffers", 1),
+            forward_prefetch=fwd.forward_prefetch,
+            backward_prefetch=bwd.backward_prefetch,
+            sync=nosync.sync,
+            reshard_after_backward=nosync.reshard_after_backward,
+            defer_concat=nosync.defer_concat,
+            checkpointing=checkpointing,
+        )
 
 
 _UNIT_KEYS = ("blocks_per_unit", "root_split")
-_SYNC_KEYS = ("nosync_blocks", "nosync_level_fsdp", "nosync_level_hsdp", "keep_unsharded", "defer_concat", "root_sync_fsdp", "root_sync_hsdp", "root_keep_unsharded")
+_SYNC_KEYS = (
+    "nosync_blocks",
+    "nosync_level_fsdp",
+    "nosync_level_hsdp",
+    "keep_unsharded",
+    "defer_concat",
+    "root_sync_fsdp",
+    "root_sync_hsdp",
+    "root_keep_unsharded",
+)
 _AC_KEYS = ("ac_units", "ac_kind")
 
 
 def _is_own_key(key: str) -> bool:
     """A parameter one expansion of :meth:`KnobFactory.get_knobs` owns: left out of the shared base,
     so that (say) the defaults' ``root_sync_fsdp`` never shadows a point's ``root_sync_hsdp``."""
-    return key.startswith("reshard_after_forward") or key == "root_reshard_after_forward" or key in _SYNC_KEYS or key in _AC_KEYS
+    return (
+        key.startswith("reshard_after_forward")
+        or key == "root_reshard_after_forward"
+        or key in _SYNC_KEYS
+        or key in _AC_KEYS
+    )
 
 
 def get_simulated_space(space: SearchSpace) -> SearchSpace:
     """``space`` as the simulator can price it: the embeddings and head stay in the root (the
     simulator's units are blocks and the root, so ``root_split`` is measured, never simulated)."""
-    return dataclasses.replace(space, embedding_names=(), head_names=()) if space.embedding_names or space.head_names else space
+    return (
+        dataclasses.replace(space, embedding_names=(), head_names=())
+        if space.embedding_names or space.head_names
+        else space
+    )
 
 
 STAGED_TOP = 64
 """Core configs whose memory-knob variants a staged ranking simulates ([Note: staged ranking])."""
 
 
-def rank_space(space: SearchSpace, simulator: Simulator, *, world_size: int, device: str, mixed_precision: MixedPrecisionConfig | None = None) -> list[tuple[dict[str, Any], StepPrediction]]:
+def rank_space(
+    space: SearchSpace,
+    simulator: Simulator,
+    *,
+    world_size: int,
+    device: str,
+    mixed_precision: MixedPrecisionConfig | None = None,
+) -> list[tuple[dict[str, Any], StepPrediction]]:
     """The points of ``space`` with their predictions, fastest first (one process; ``autotune plan``
     parallelises): every point, or with memory knobs on, the staged subset of [Note: staged ranking]."""
-    factory = KnobFactory(space, world_size=world_size, device=device, mixed_precision=mixed_precision or MixedPrecisionConfig())
+    factory = KnobFactory(
+        space, world_size=world_size, device=device, mixed_precision=mixed_precision or MixedPrecisionConfig()
+    )
     if not has_memory_knobs(space):
         return _rank_points(iter_space_params(space), factory, simulator)
     variants: dict[str, list[dict[str, Any]]] = {}
@@ -229,7 +289,9 @@ def rank_space(space: SearchSpace, simulator: Simulator, *, world_size: int, dev
     return sorted(core + _rank_points(varied, factory, simulator), key=lambda pair: pair[1].step_s)
 
 
-def _rank_points(points: Iterable[dict[str, Any]], factory: KnobFactory, simulator: Simulator) -> list[tuple[dict[str, Any], StepPrediction]]:
+def _rank_points(
+    points: Iterable[dict[str, Any]], factory: KnobFactory, simulator: Simulator
+) -> list[tuple[dict[str, Any], StepPrediction]]:
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for params in points:
         groups.setdefault(get_forward_key(params), []).append(params)
@@ -259,14 +321,19 @@ class Predictor:
         return {"predicted_step_ms": 1e3 * step, "predicted_ratio": step / self.default_step_s}
 
 
-def make_predictor(ctx: "SearchContext", measured: Any) -> Predictor:
+def make_predictor(ctx: SearchContext, measured: Any) -> Predictor:
     """The simulator for ``ctx``'s workload, links and world size, priced by ``measured`` (a MeasuredProfile)."""
     from profiles import ModelProfile, load_cluster_profile
 
     run = ctx.plan.run
     if not isinstance(run, ModelProfile):
-        raise SearchError(f"--presearch sim simulates Llama profiles only, not {type(run).__name__} {run.name!r} (search it without --presearch)", field="presearch")
-    hardware = Hardware(load_cluster_profile(ctx.settings.cluster or "cpu-gloo"), num_ranks=ctx.settings.world_size, measured=measured)
+        raise SearchError(
+            f"--presearch sim simulates Llama profiles only, not {type(run).__name__} {run.name!r} (search it without --presearch)",
+            field="presearch",
+        )
+    hardware = Hardware(
+        load_cluster_profile(ctx.settings.cluster or "cpu-gloo"), num_ranks=ctx.settings.world_size, measured=measured
+    )
     simulator = Simulator(get_model_work(run, "float32"), hardware)
     default_step = simulator.simulate(ctx.space.build_config(ctx.space.get_default_params())).step_s
     return Predictor(space=ctx.space, simulator=simulator, default_step_s=default_step)
@@ -279,7 +346,7 @@ def get_default_top_k(settings: Any, num_calibration: int = 0) -> int:
     return max(0, min(settings.num_trials - 2, settings.num_trials - 1 - settings.get_num_refine()) - num_calibration)
 
 
-def run_presearch(ctx: "SearchContext") -> None:
+def run_presearch(ctx: SearchContext) -> None:
     """Measure the defaults, calibrate on them, rank the space, enqueue the top-k (see [Note: presearch])."""
     from autotune.search.loop import get_config_hash, get_rows, run_one
     from autotune.sim.calibrate import CalibrationError, calibrate, read_calibration_trial
@@ -288,15 +355,22 @@ def run_presearch(ctx: "SearchContext") -> None:
     if settings.presearch is None or PRESEARCH_ATTR in study.user_attrs:
         return  # off, or done before this --resume
     if ctx.space.device_type != "cpu":
-        raise SearchError("--presearch sim calibrates from CPU traces; on GPUs rank configs with `autotune plan`", field="presearch")
+        raise SearchError(
+            "--presearch sim calibrates from CPU traces; on GPUs rank configs with `autotune plan`", field="presearch"
+        )
     default = next((r for r in get_rows(study) if r.is_default and r.state == "COMPLETE"), None)
     if default is None:
         ctx.reporter.on_trial_start(len(get_rows(study)), settings.num_trials)
         default = run_one(ctx, None)
         ctx.reporter.on_trial_end(default, default if default.state == "COMPLETE" else None)
     if default.state != "COMPLETE" or default.trial_dir is None:
-        raise SearchError(f"--presearch sim calibrates on the defaults trial, which did not succeed ({default.status}: {default.reason[:200]})", field="presearch")
-    ctx.reporter.on_phase("presearch: measuring the calibration trials (the defaults with async unshard, replicated, with eager concat)")
+        raise SearchError(
+            f"--presearch sim calibrates on the defaults trial, which did not succeed ({default.status}: {default.reason[:200]})",
+            field="presearch",
+        )
+    ctx.reporter.on_phase(
+        "presearch: measuring the calibration trials (the defaults with async unshard, replicated, with eager concat)"
+    )
     extra = []
     calibration_rows = run_calibration_trials(ctx)
     for row in calibration_rows:
@@ -304,18 +378,32 @@ def run_presearch(ctx: "SearchContext") -> None:
             extra.append(read_calibration_trial(settings.out_dir / row.trial_dir))
         except CalibrationError as e:  # e.g. a trial that ran without traces: calibrate without it
             ctx.reporter.on_phase(f"presearch: trial {row.number} ({row.calibration}) left out of the calibration: {e}")
-    ctx.reporter.on_phase(f"presearch: calibrating the simulator on the traces of the defaults and {len(extra)} calibration trials")
+    ctx.reporter.on_phase(
+        f"presearch: calibrating the simulator on the traces of the defaults and {len(extra)} calibration trials"
+    )
     work_source = ctx.plan.run
     anchor = read_calibration_trial(settings.out_dir / default.trial_dir)
     # The defaults as timed alongside the calibration trials (their pairs' reference), else the defaults trial's own steps.
     references = [t.reference_step_s for t in extra if t.reference_step_s]
     anchor_step_s = statistics.median(references) if references else None
-    measured = calibrate(get_model_work(work_source, "float32"), anchor, extra=extra, anchor_step_s=anchor_step_s, name=f"{work_source.name} on this machine")
+    measured = calibrate(
+        get_model_work(work_source, "float32"),
+        anchor,
+        extra=extra,
+        anchor_step_s=anchor_step_s,
+        name=f"{work_source.name} on this machine",
+    )
     predictor = make_predictor(ctx, measured)
     started = time.perf_counter()
-    ranked = rank_space(get_simulated_space(ctx.space), predictor.simulator, world_size=settings.world_size, device="cpu")
+    ranked = rank_space(
+        get_simulated_space(ctx.space), predictor.simulator, world_size=settings.world_size, device="cpu"
+    )
     elapsed = time.perf_counter() - started
-    chosen, seen = [], {get_config_hash(ctx.default_config)} | {get_config_hash(ctx.space.build_config(r.params)) for r in calibration_rows}
+    chosen, seen = (
+        [],
+        {get_config_hash(ctx.default_config)}
+        | {get_config_hash(ctx.space.build_config(r.params)) for r in calibration_rows},
+    )
     for params, prediction in ranked:
         if len(chosen) >= get_default_top_k(settings, len(calibration_rows)):
             break
@@ -324,19 +412,37 @@ def run_presearch(ctx: "SearchContext") -> None:
             seen.add(config_hash)
             chosen.append((params, prediction))
     for rank, (params, prediction) in enumerate(chosen, 1):
-        attrs = {"predicted_step_ms": 1e3 * prediction.step_s, "predicted_ratio": prediction.step_s / predictor.default_step_s, "presearch_rank": rank}
+        attrs = {
+            "predicted_step_ms": 1e3 * prediction.step_s,
+            "predicted_ratio": prediction.step_s / predictor.default_step_s,
+            "presearch_rank": rank,
+        }
         # Pin what the simulated space left out, or the sampler would pick it for this trial.
         study.enqueue_trial({**params, "root_split": "none"} if ctx.space.can_split else params, user_attrs=attrs)
     summary = {
-        "kind": "sim", "num_ranked": len(ranked), "ranked_s": elapsed, "configs_per_s": len(ranked) / elapsed if elapsed else None, "num_enqueued": len(chosen),
-        "calibrated_on": default.trial_dir, "calibration_trials": [str(t.path.relative_to(settings.out_dir)) for t in extra], "predicted_default_ms": 1e3 * predictor.default_step_s, "notes": measured.notes, "profile": measured.to_dict(),
-    }  # fmt: skip
+        "kind": "sim",
+        "num_ranked": len(ranked),
+        "ranked_s": elapsed,
+        "configs_per_s": len(ranked) / elapsed if elapsed else None,
+        "num_enqueued": len(chosen),
+        "calibrated_on": default.trial_dir,
+        "calibration_trials": [str(t.path.relative_to(settings.out_dir)) for t in extra],
+        "predicted_default_ms": 1e3 * predictor.default_step_s,
+        "notes": measured.notes,
+        "profile": measured.to_dict(),
+    }
     study.set_user_attr(PRESEARCH_ATTR, summary)
-    best = f"{describe_params(chosen[0][0])} at {chosen[0][1].step_s / predictor.default_step_s:.3f}x" if chosen else "none"
-    ctx.reporter.on_phase(f"presearch: simulated {len(ranked)} configs ({summary['configs_per_s'] or 0:,.0f}/s); measuring the {len(chosen)} fastest first (best predicted: {best})")
+    best = (
+        f"{describe_params(chosen[0][0])} at {chosen[0][1].step_s / predictor.default_step_s:.3f}x"
+        if chosen
+        else "none"
+    )
+    ctx.reporter.on_phase(
+        f"presearch: simulated {len(ranked)} configs ({summary['configs_per_s'] or 0:,.0f}/s); measuring the {len(chosen)} fastest first (best predicted: {best})"
+    )
 
 
-def add_predictions(ctx: "SearchContext", rows: list["TrialRow"]) -> list["TrialRow"]:
+def add_predictions(ctx: SearchContext, rows: list[TrialRow]) -> list[TrialRow]:
     """Rows with a prediction where the calibration the study keeps can give one (sampled and refined trials)."""
     from autotune.sim.measured import MeasuredProfile
 
@@ -344,4 +450,9 @@ def add_predictions(ctx: "SearchContext", rows: list["TrialRow"]) -> list["Trial
     if not summary:
         return rows
     predictor = make_predictor(ctx, MeasuredProfile.from_dict(summary["profile"]))
-    return [row if row.predicted_step_ms is not None or not row.params else dataclasses.replace(row, **predictor.predict(row.params)) for row in rows]
+    return [
+        row
+        if row.predicted_step_ms is not None or not row.params
+        else dataclasses.replace(row, **predictor.predict(row.params))
+        for row in rows
+    ]

@@ -59,15 +59,26 @@ class ModelPlan:
     @property
     def trial_model(self) -> str | dict:
         """The ``model`` argument for trials (a name, or a name plus overrides)."""
-        return {"name": self.requested.source or self.requested.name, **self.overrides} if self.is_proxy else (self.requested.source or self.requested.name)
+        return (
+            {"name": self.requested.source or self.requested.name, **self.overrides}
+            if self.is_proxy
+            else (self.requested.source or self.requested.name)
+        )
 
 
 def _get_widths(profile: ModelSource) -> dict[str, Any] | None:
     """The widths a proxy shrinks (``dim``, ``ffn_hidden_dim``, heads, vocabulary), or None (a factory)."""
     if isinstance(profile, ModelProfile):
         s = profile.shape
-        return {"dim": s.dim, "ffn_hidden_dim": s.ffn_hidden_dim, "num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads,
-                "vocab_size": s.vocab_size, "tie_embeddings": s.tie_embeddings, "num_layers": s.num_layers}  # fmt: skip
+        return {
+            "dim": s.dim,
+            "ffn_hidden_dim": s.ffn_hidden_dim,
+            "num_heads": s.num_heads,
+            "num_kv_heads": s.num_kv_heads,
+            "vocab_size": s.vocab_size,
+            "tie_embeddings": s.tie_embeddings,
+            "num_layers": s.num_layers,
+        }
     if isinstance(profile, HFModel):
         return profile.get_widths()
     return None
@@ -83,9 +94,18 @@ def estimate_memory_per_rank(profile: ModelSource, world_size: int) -> int:
         return BYTES_PER_PARAM_TRAINING * params // world_size + 4 * params // world_size + 2 * 4 * block
     block = (params - w["vocab_size"] * w["dim"] * (1 if w["tie_embeddings"] else 2)) // max(1, w["num_layers"])
     tokens = profile.batch_size * profile.seq_len
-    per_layer_act = tokens * (14 * w["dim"] + 4 * w["ffn_hidden_dim"]) * 4 + profile.batch_size * w["num_heads"] * profile.seq_len**2 * 4
+    per_layer_act = (
+        tokens * (14 * w["dim"] + 4 * w["ffn_hidden_dim"]) * 4
+        + profile.batch_size * w["num_heads"] * profile.seq_len**2 * 4
+    )
     logits = tokens * w["vocab_size"] * 4 * 3
-    return BYTES_PER_PARAM_TRAINING * params // world_size + 4 * params // world_size + 2 * 4 * block + w["num_layers"] * per_layer_act + logits
+    return (
+        BYTES_PER_PARAM_TRAINING * params // world_size
+        + 4 * params // world_size
+        + 2 * 4 * block
+        + w["num_layers"] * per_layer_act
+        + logits
+    )
 
 
 def estimate_step_seconds(profile: ModelSource, flops_per_second: float) -> float:
@@ -124,7 +144,11 @@ def _shrink(profile: ModelSource, factor: int, seq_len: int) -> tuple[ModelSourc
     }
     if isinstance(profile, HFModel):
         widths = profile.get_width_overrides(**widths)
-    overrides = {**widths, "seq_len": seq_len, "batch_size": 1 if factor > 1 or seq_len < profile.seq_len else profile.batch_size}
+    overrides = {
+        **widths,
+        "seq_len": seq_len,
+        "batch_size": 1 if factor > 1 or seq_len < profile.seq_len else profile.batch_size,
+    }
     return profile.with_overrides(**overrides), overrides
 
 
@@ -153,10 +177,24 @@ def plan_model(
     mem = estimate_memory_per_rank(profile, world_size)
     step = estimate_step_seconds(profile, flops_per_rank)
     if mem <= memory_per_rank and step <= step_budget_s:
-        return ModelPlan(requested=profile, run=profile, is_proxy=False, reason="fits", estimated_memory_per_rank=mem, estimated_step_s=step)
+        return ModelPlan(
+            requested=profile,
+            run=profile,
+            is_proxy=False,
+            reason="fits",
+            estimated_memory_per_rank=mem,
+            estimated_step_s=step,
+        )
     if mem <= memory_per_rank and memory_bound:
         reason = f"~{step:.1f} s per microbatch step, over the {step_budget_s:.1f} s budget, run as it is: a memory budget needs the model's own peaks"
-        return ModelPlan(requested=profile, run=profile, is_proxy=False, reason=reason, estimated_memory_per_rank=mem, estimated_step_s=step)
+        return ModelPlan(
+            requested=profile,
+            run=profile,
+            is_proxy=False,
+            reason=reason,
+            estimated_memory_per_rank=mem,
+            estimated_step_s=step,
+        )
     why = []
     if mem > memory_per_rank:
         why.append(f"needs ~{mem / 2**30:.1f} GiB per rank, {memory_per_rank / 2**30:.1f} GiB available")
@@ -166,7 +204,14 @@ def plan_model(
         if mem > memory_per_rank:
             raise _refuse_opaque(profile, why)
         # Slower than the budget but in memory: a factory cannot be shrunk, so its trials are just slow.
-        return ModelPlan(requested=profile, run=profile, is_proxy=False, reason="; ".join(why) + " (a factory runs as it is)", estimated_memory_per_rank=mem, estimated_step_s=step)
+        return ModelPlan(
+            requested=profile,
+            run=profile,
+            is_proxy=False,
+            reason="; ".join(why) + " (a factory runs as it is)",
+            estimated_memory_per_rank=mem,
+            estimated_step_s=step,
+        )
     seq_choices = [s for s in (profile.seq_len, 512, 256, 128, 64) if s <= profile.seq_len]
     factor = 2
     while True:
@@ -200,8 +245,10 @@ def get_plan_hint(plan: Any, *, num_nodes: int = 1, cluster: str = "h100-node") 
     """For a search on a scale proxy: the ``autotune plan`` command that answers for the real model on a GPU cluster."""
     if not getattr(plan, "is_proxy", False):
         return None
-    return (f"hint: these trials measure a proxy; for {plan.requested.name} itself on a GPU cluster, simulate it: "
-            f"autotune plan --model {get_model_argument(plan.requested)} --cluster {cluster} --nodes {num_nodes}")  # fmt: skip
+    return (
+        f"hint: these trials measure a proxy; for {plan.requested.name} itself on a GPU cluster, simulate it: "
+        f"autotune plan --model {get_model_argument(plan.requested)} --cluster {cluster} --nodes {num_nodes}"
+    )
 
 
 def get_available_memory_bytes() -> int:
@@ -216,7 +263,9 @@ def get_available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan_for_this_machine(profile: ModelSource, *, world_size: int, device_type: str, step_budget_s: float, memory_bound: bool = False) -> ModelPlan:
+def plan_for_this_machine(
+    profile: ModelSource, *, world_size: int, device_type: str, step_budget_s: float, memory_bound: bool = False
+) -> ModelPlan:
     """Plan against this machine: GPU memory per device, or a share of host memory."""
     if device_type == "cuda":
         import torch
@@ -226,4 +275,11 @@ def plan_for_this_machine(profile: ModelSource, *, world_size: int, device_type:
     else:
         memory = int(get_available_memory_bytes() * 0.6) // world_size
         flops = CPU_FLOPS_PER_CORE * max(1, (os.cpu_count() or 1) // world_size)
-    return plan_model(profile, world_size=world_size, memory_per_rank=memory, flops_per_rank=flops, step_budget_s=step_budget_s, memory_bound=memory_bound)
+    return plan_model(
+        profile,
+        world_size=world_size,
+        memory_per_rank=memory,
+        flops_per_rank=flops,
+        step_budget_s=step_budget_s,
+        memory_bound=memory_bound,
+    )

@@ -64,7 +64,8 @@ When the incumbent has no unmeasured neighbour left, the sampler samples as usua
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import optuna
@@ -79,7 +80,12 @@ ORIGIN_ATTR = "refined_from"
 """User attribute of an enqueued neighbour: how it was made (``trial 5 + keep_unsharded=True from trial 3``)."""
 
 
-SIBLINGS = {"nosync_level_fsdp": "nosync_level_hsdp", "nosync_level_hsdp": "nosync_level_fsdp", "root_sync_fsdp": "root_sync_hsdp", "root_sync_hsdp": "root_sync_fsdp"}
+SIBLINGS = {
+    "nosync_level_fsdp": "nosync_level_hsdp",
+    "nosync_level_hsdp": "nosync_level_fsdp",
+    "root_sync_fsdp": "root_sync_hsdp",
+    "root_sync_hsdp": "root_sync_fsdp",
+}
 """The same knob under the other mesh kind: a move from FSDP to HSDP keeps the sync levels it had."""
 
 
@@ -101,7 +107,9 @@ class _ParamsTrial:
         return value
 
 
-def _resolve(space: SearchSpace, params: dict[str, Any], fallback: dict[str, Any]) -> tuple[dict[str, Any], RuntimeConfig]:
+def _resolve(
+    space: SearchSpace, params: dict[str, Any], fallback: dict[str, Any]
+) -> tuple[dict[str, Any], RuntimeConfig]:
     """The parameters ``space.suggest`` would consume for ``params``, and the config they make."""
     trial = _ParamsTrial(params, fallback)
     config = space.suggest(trial)  # type: ignore[arg-type]
@@ -186,7 +194,9 @@ def _rank_knob_moves(base: TrialRow, rows: list[TrialRow], choices: dict[str, Se
     return [(name, value) for _, name, _, value in sorted(scored, key=lambda s: s[:3])]
 
 
-def get_candidates(rows: list[TrialRow], choices: dict[str, Sequence[Any]]) -> list[tuple[dict[str, Any], dict[str, Any], str]]:
+def get_candidates(
+    rows: list[TrialRow], choices: dict[str, Sequence[Any]]
+) -> list[tuple[dict[str, Any], dict[str, Any], str]]:
     """Neighbours of the base, in the order of [Note: refinement]: (params, fallback, origin)."""
     base = pick_base(rows)
     if base is None:
@@ -204,7 +214,10 @@ def get_candidates(rows: list[TrialRow], choices: dict[str, Sequence[Any]]) -> l
     # other's fallback once the first has nothing unmeasured left.
     turn = sum(1 for r in rows if r.refined_from is not None)
     ordered = discoveries + others + moves if turn % 2 == 0 else moves + discoveries + others
-    return [({**base.params, name: value}, fallback, f"trial {base.number} + {name}={value}{donor}") for name, value, fallback, donor in ordered]
+    return [
+        ({**base.params, name: value}, fallback, f"trial {base.number} + {name}={value}{donor}")
+        for name, value, fallback, donor in ordered
+    ]
 
 
 def get_choices(study: optuna.Study) -> dict[str, Sequence[Any]]:
@@ -217,7 +230,9 @@ def get_choices(study: optuna.Study) -> dict[str, Sequence[Any]]:
     return choices
 
 
-def enqueue_neighbour(study: optuna.Study, space: SearchSpace, rows: list[TrialRow], config_hash: Callable[[RuntimeConfig], str]) -> str | None:
+def enqueue_neighbour(
+    study: optuna.Study, space: SearchSpace, rows: list[TrialRow], config_hash: Callable[[RuntimeConfig], str]
+) -> str | None:
     """Enqueue the first unmeasured neighbour of the incumbent; returns its origin (or a waiting
     trial's), or None when there is none left to try."""
     measured = {t.user_attrs.get("config_hash") for t in study.get_trials(deepcopy=False)}

@@ -100,7 +100,7 @@ class TrialRow:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str = "row", what: str = "trial row") -> "TrialRow":
+    def from_dict(cls, data: Any, *, source: str = "row", what: str = "trial row") -> TrialRow:
         names = {f.name for f in dataclasses.fields(cls)}
         body = {k: v for k, v in data.items() if k in names} if isinstance(data, dict) else data
         return build_dataclass(cls, body, source=source, what=what)
@@ -128,7 +128,13 @@ class SearchRecord:
     # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin, v5 rows the
     # simulator's prediction and the record its presearch, v6 rows which presearch calibration trial they were:
     # all with defaults.
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_summary_v1, 2: lambda data: data, 3: lambda data: data, 4: lambda data: data, 5: lambda data: data}
+    MIGRATIONS: ClassVar[dict] = {
+        1: _migrate_summary_v1,
+        2: lambda data: data,
+        3: lambda data: data,
+        4: lambda data: data,
+        5: lambda data: data,
+    }
 
     model: str
     proxy: dict[str, Any] = field(default_factory=dict)
@@ -149,11 +155,14 @@ class SearchRecord:
 
     def to_dict(self) -> dict[str, Any]:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        body |= {"best": self.best.to_dict() if self.best else None, "default": self.default.to_dict() if self.default else None}
+        body |= {
+            "best": self.best.to_dict() if self.best else None,
+            "default": self.default.to_dict() if self.default else None,
+        }
         return {"schema_version": self.SCHEMA_VERSION, "kind": self.KIND, **body}
 
     @classmethod
-    def read(cls, path: str | Path) -> "SearchRecord":
+    def read(cls, path: str | Path) -> SearchRecord:
         data = read_artifact(path, kind=cls.KIND, version=cls.SCHEMA_VERSION, migrations=cls.MIGRATIONS)
         names = {f.name for f in dataclasses.fields(cls)}
         body = {k: v for k, v in data.items() if k in names}  # fields of newer minor additions are ignored
@@ -170,7 +179,10 @@ _CSV_FIELDS = [f.name for f in dataclasses.fields(TrialRow)]
 
 def write_results(rows: list[TrialRow], out_dir: Path) -> None:
     """``results.json`` (versioned) and ``results.csv`` (params as a JSON column)."""
-    write_artifact(out_dir / "results.json", {"schema_version": SearchRecord.SCHEMA_VERSION, "kind": RESULTS_KIND, "trials": [r.to_dict() for r in rows]})
+    write_artifact(
+        out_dir / "results.json",
+        {"schema_version": SearchRecord.SCHEMA_VERSION, "kind": RESULTS_KIND, "trials": [r.to_dict() for r in rows]},
+    )
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=_CSV_FIELDS)
     writer.writeheader()
@@ -181,13 +193,22 @@ def write_results(rows: list[TrialRow], out_dir: Path) -> None:
 
 def _migrate_results_v1(data: dict[str, Any]) -> dict[str, Any]:
     trials = data.get("trials")
-    return {**data, "trials": [_migrate_row_v1(r) if isinstance(r, dict) else r for r in trials]} if isinstance(trials, list) else data
+    return (
+        {**data, "trials": [_migrate_row_v1(r) if isinstance(r, dict) else r for r in trials]}
+        if isinstance(trials, list)
+        else data
+    )
 
 
 def read_results(out_dir: Path) -> list[TrialRow]:
     """The rows of ``results.json``."""
     path = out_dir / "results.json"
-    data = read_artifact(path, kind=RESULTS_KIND, version=SearchRecord.SCHEMA_VERSION, migrations={1: _migrate_results_v1, 2: lambda d: d, 3: lambda d: d, 4: lambda d: d, 5: lambda d: d})
+    data = read_artifact(
+        path,
+        kind=RESULTS_KIND,
+        version=SearchRecord.SCHEMA_VERSION,
+        migrations={1: _migrate_results_v1, 2: lambda d: d, 3: lambda d: d, 4: lambda d: d, 5: lambda d: d},
+    )
     trials = data.get("trials")
     if not isinstance(trials, list):
         raise ArtifactError(f"{path}: 'trials' must be a list of rows")

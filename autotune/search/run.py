@@ -32,14 +32,14 @@ from autotune.search.consolidation import time_consolidation
 from autotune.search.context import SearchContext
 from autotune.search.emit import emit_best
 from autotune.search.loop import get_rows, open_pool, search_loop, warm_up
+from autotune.search.outcome import STORAGE_ERRORS, apply_pending
+from autotune.search.predictions import summarize_predictions
+from autotune.search.preflight import preflight
+from autotune.search.presearch import PRESEARCH_ATTR, add_predictions, run_presearch
 from autotune.search.proxy import ModelPlan
 from autotune.search.results import SearchRecord, TrialRow, pick_best, write_results
 from autotune.search.settings import SearchError, SearchReporter, SearchSettings, SilentReporter
 from autotune.search.space import SearchSpace
-from autotune.search.outcome import STORAGE_ERRORS, apply_pending
-from autotune.search.preflight import preflight
-from autotune.search.predictions import summarize_predictions
-from autotune.search.presearch import PRESEARCH_ATTR, add_predictions, run_presearch
 from autotune.search.study import claim_out_dir, close_interrupted, make_plan, open_study, resolve_plan
 from fsdp_runtime import RuntimeConfig
 from profiles.sources import load_model_source
@@ -93,7 +93,9 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
     # One pool for everything that runs ranks: trials, confirmation and consolidation timing
     # all see the same warmed-up processes (see warm_up).
     with open_pool(settings) as pool:
-        ctx = SearchContext(study=study, space=space, settings=settings, plan=plan, reporter=reporter, pool=pool, own_dir=own_dir)
+        ctx = SearchContext(
+            study=study, space=space, settings=settings, plan=plan, reporter=reporter, pool=pool, own_dir=own_dir
+        )
         warm_up(ctx)
         try:
             run_presearch(ctx)  # --presearch sim: the defaults, calibration, the simulator's top-k enqueued
@@ -102,7 +104,10 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
             return finish_search(ctx, stopped_because=stopped)
         except STORAGE_ERRORS as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise SearchError(f"the study storage became unavailable ({first}); every finished trial is kept: continue with --resume", field="storage") from None
+            raise SearchError(
+                f"the study storage became unavailable ({first}); every finished trial is kept: continue with --resume",
+                field="storage",
+            ) from None
 
 
 def make_space(settings: SearchSettings, plan: ModelPlan, device_type: str) -> SearchSpace:
@@ -110,10 +115,17 @@ def make_space(settings: SearchSettings, plan: ModelPlan, device_type: str) -> S
     # A custom rank program builds its own model, which need not have the run model's edge modules.
     embeddings, head = _find_edges(plan) if settings.root_knobs and settings.rank_program is None else ((), ())
     return SearchSpace(
-        block_names=tuple(plan.run.block_names), world_size=settings.world_size, num_microbatches=settings.num_microbatches, device_type=device_type,
-        fixed_mesh=settings.fixed_mesh, grouping=settings.grouping, checkpointing=settings.get_checkpointing(), root_knobs=settings.root_knobs,
-        embedding_names=embeddings, head_names=head,
-    )  # fmt: skip
+        block_names=tuple(plan.run.block_names),
+        world_size=settings.world_size,
+        num_microbatches=settings.num_microbatches,
+        device_type=device_type,
+        fixed_mesh=settings.fixed_mesh,
+        grouping=settings.grouping,
+        checkpointing=settings.get_checkpointing(),
+        root_knobs=settings.root_knobs,
+        embedding_names=embeddings,
+        head_names=head,
+    )
 
 
 def _find_edges(plan: ModelPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -137,7 +149,9 @@ def _with_fastest_consolidation(ctx: SearchContext, config: RuntimeConfig) -> tu
         return config, consolidation
     fastest = min(consolidation["seconds"], key=consolidation["seconds"].get)
     consolidation["chosen"] = fastest
-    return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, consolidation=fastest)), consolidation
+    return dataclasses.replace(
+        config, checkpoint=dataclasses.replace(config.checkpoint, consolidation=fastest)
+    ), consolidation
 
 
 def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
@@ -146,15 +160,26 @@ def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
     best = pick_best(rows)
     plan = ctx.plan
     record = SearchRecord(
-        model=plan.requested.name, proxy={"is_proxy": plan.is_proxy, "name": plan.proxy_name, "reason": plan.reason, "overrides": plan.overrides},
-        num_trials=len(rows), stopped_because=stopped_because, best=best, default=next((r for r in rows if r.is_default), None),
-    )  # fmt: skip
+        model=plan.requested.name,
+        proxy={"is_proxy": plan.is_proxy, "name": plan.proxy_name, "reason": plan.reason, "overrides": plan.overrides},
+        num_trials=len(rows),
+        stopped_because=stopped_because,
+        best=best,
+        default=next((r for r in rows if r.is_default), None),
+    )
     record.presearch = summarize_predictions(rows, ctx.study.user_attrs.get(PRESEARCH_ATTR))
     summary = SearchSummary(out_dir=ctx.write_dir, study_dir=ctx.settings.out_dir, plan=plan, rows=rows, record=record)
     if best is not None:
         config, record.confirmation = run_final_round(ctx, rows)
         config, record.consolidation = _with_fastest_consolidation(ctx, config)
-        summary.best_config_path = emit_best(ctx, config, best=best, default=record.default, confirmation=record.confirmation, consolidation=record.consolidation)
+        summary.best_config_path = emit_best(
+            ctx,
+            config,
+            best=best,
+            default=record.default,
+            confirmation=record.confirmation,
+            consolidation=record.consolidation,
+        )
         record.best_config = str(summary.best_config_path)
     write_results(rows, ctx.write_dir)
     record.write(ctx.write_dir / "search.json")
@@ -169,7 +194,9 @@ def describe_interrupted(settings: SearchSettings) -> str:
     try:
         from autotune.search.study import make_storage
 
-        trials = optuna.load_study(study_name=name, storage=make_storage(settings.get_storage(), settings)).get_trials(deepcopy=False)
+        trials = optuna.load_study(study_name=name, storage=make_storage(settings.get_storage(), settings)).get_trials(
+            deepcopy=False
+        )
         kept = f"{sum(t.state.is_finished() and t.user_attrs.get('status') != 'interrupted' for t in trials)} finished trial(s)"
     except Exception:  # the study may not exist yet, or its storage be the thing that failed
         kept = "every finished trial"

@@ -102,19 +102,47 @@ class SearchSettings:
             ("num_trials", self.num_trials >= 1, f"number of trials must be >= 1, got {self.num_trials}"),
             ("num_microbatches", self.num_microbatches >= 1, f"microbatches must be >= 1, got {self.num_microbatches}"),
             ("prune_ratio", self.prune_ratio > 1.0, f"prune ratio must be > 1, got {self.prune_ratio}"),
-            ("num_confirm_pairs", self.num_confirm_pairs >= 0, f"confirmation pairs must be >= 0, got {self.num_confirm_pairs}"),
+            (
+                "num_confirm_pairs",
+                self.num_confirm_pairs >= 0,
+                f"confirmation pairs must be >= 0, got {self.num_confirm_pairs}",
+            ),
             ("num_finalists", self.num_finalists >= 1, f"finalists must be >= 1, got {self.num_finalists}"),
-            ("max_ratio_spread", self.max_ratio_spread > 0, f"max ratio spread must be > 0, got {self.max_ratio_spread}"),
+            (
+                "max_ratio_spread",
+                self.max_ratio_spread > 0,
+                f"max ratio spread must be > 0, got {self.max_ratio_spread}",
+            ),
             ("num_measured", self.num_measured >= 2, f"measured pairs must be >= 2, got {self.num_measured}"),
-            ("num_refine", self.num_refine is None or self.num_refine >= 0, f"refinement trials must be >= 0, got {self.num_refine}"),
+            (
+                "num_refine",
+                self.num_refine is None or self.num_refine >= 0,
+                f"refinement trials must be >= 0, got {self.num_refine}",
+            ),
             ("patience", self.patience is None or self.patience >= 1, f"patience must be >= 1, got {self.patience}"),
             ("sampler", self.sampler in SAMPLERS, f"unknown sampler {self.sampler!r} (use {', '.join(SAMPLERS)})"),
             ("trial_timeout_s", self.trial_timeout_s > 0, f"trial timeout must be > 0 s, got {self.trial_timeout_s}"),
-            ("storage_timeout_s", self.storage_timeout_s > 0, f"storage timeout must be > 0 s, got {self.storage_timeout_s}"),
+            (
+                "storage_timeout_s",
+                self.storage_timeout_s > 0,
+                f"storage timeout must be > 0 s, got {self.storage_timeout_s}",
+            ),
             ("presearch", self.presearch in (None, "sim"), f"unknown presearch {self.presearch!r} (use sim)"),
-            ("presearch_top_k", self.presearch_top_k is None or self.presearch_top_k >= 1, f"presearch top-k must be >= 1, got {self.presearch_top_k}"),
-            ("heartbeat_s", self.heartbeat_s is None or self.heartbeat_s >= 1, f"heartbeat interval must be >= 1 s, got {self.heartbeat_s}"),
-            ("storage", self.storage != JOURNAL_PREFIX, f"a journal storage needs a file: {JOURNAL_PREFIX}PATH, got {self.storage!r}"),
+            (
+                "presearch_top_k",
+                self.presearch_top_k is None or self.presearch_top_k >= 1,
+                f"presearch top-k must be >= 1, got {self.presearch_top_k}",
+            ),
+            (
+                "heartbeat_s",
+                self.heartbeat_s is None or self.heartbeat_s >= 1,
+                f"heartbeat interval must be >= 1 s, got {self.heartbeat_s}",
+            ),
+            (
+                "storage",
+                self.storage != JOURNAL_PREFIX,
+                f"a journal storage needs a file: {JOURNAL_PREFIX}PATH, got {self.storage!r}",
+            ),
         ]
         for name, ok, problem in checks:
             if not ok:
@@ -146,9 +174,9 @@ class SearchSettings:
 class SearchReporter(Protocol):
     """Progress callbacks (the CLI renders them with rich; tests pass a silent one)."""
 
-    def on_start(self, plan: "ModelPlan", settings: SearchSettings, num_existing: int) -> None: ...
+    def on_start(self, plan: ModelPlan, settings: SearchSettings, num_existing: int) -> None: ...
     def on_trial_start(self, number: int, total: int) -> None: ...
-    def on_trial_end(self, row: "TrialRow", best: "TrialRow | None") -> None: ...
+    def on_trial_end(self, row: TrialRow, best: TrialRow | None) -> None: ...
     def on_phase(self, message: str) -> None: ...
     def on_trials_done(self, stopped_because: str) -> None: ...
 

@@ -158,7 +158,9 @@ class SearchSpace:
             "mesh": mesh,
             "forward_prefetch": trial.suggest_categorical("forward_prefetch", PREFETCH_CHOICES),
             "backward_prefetch": trial.suggest_categorical("backward_prefetch", PREFETCH_CHOICES),
-            self._get_reshard_key(shard): trial.suggest_categorical(self._get_reshard_key(shard), self._get_reshard_choices(shard)),
+            self._get_reshard_key(shard): trial.suggest_categorical(
+                self._get_reshard_key(shard), self._get_reshard_choices(shard)
+            ),
             "reduce_scatter_buffers": trial.suggest_categorical("reduce_scatter_buffers", [1, 2]),
         }
         if self.device_type == "cpu":
@@ -186,11 +188,15 @@ class SearchSpace:
             if params["ac_units"] != "none":
                 params["ac_kind"] = trial.suggest_categorical("ac_kind", AC_KINDS)
         if self.root_knobs:
-            params["root_reshard_after_forward"] = trial.suggest_categorical("root_reshard_after_forward", ["false", "true"])
+            params["root_reshard_after_forward"] = trial.suggest_categorical(
+                "root_reshard_after_forward", ["false", "true"]
+            )
             if self.num_microbatches > 1:
                 suffix = self.get_sync_suffix(mesh)
                 key = f"root_sync_{suffix}"
-                params[key] = trial.suggest_categorical(key, ["every", "replica_last", "last"] if suffix == "hsdp" else ["every", "last"])
+                params[key] = trial.suggest_categorical(
+                    key, ["every", "replica_last", "last"] if suffix == "hsdp" else ["every", "last"]
+                )
                 if params[key] != "every":
                     params["root_keep_unsharded"] = trial.suggest_categorical("root_keep_unsharded", [False, True])
             if self.can_split:
@@ -209,7 +215,11 @@ class SearchSpace:
     @classmethod
     def _get_reshard_key(cls, shard: int) -> str:
         """One parameter name per choice list (see [Note: search-space parametrization])."""
-        return "reshard_after_forward" if len(cls._get_reshard_choices(shard)) == 3 else f"reshard_after_forward_shard{shard}"
+        return (
+            "reshard_after_forward"
+            if len(cls._get_reshard_choices(shard)) == 3
+            else f"reshard_after_forward_shard{shard}"
+        )
 
     def build_config(self, params: dict[str, Any]) -> RuntimeConfig:
         """Expand pattern parameters into an explicit per-unit config."""
@@ -267,13 +277,20 @@ class SearchSpace:
         head = _group_unit(list(self.head_names))
         return [embeddings, dataclasses.replace(head, reshard_after_forward=False)]
 
-    def _build_root_units(self, params: dict[str, Any], edges: list[UnitConfig], fwd: dict[str, list[str]], bwd: dict[str, list[str]]) -> list[UnitConfig]:
+    def _build_root_units(
+        self, params: dict[str, Any], edges: list[UnitConfig], fwd: dict[str, list[str]], bwd: dict[str, list[str]]
+    ) -> list[UnitConfig]:
         """The split-off edge units (if any) and the root, with the root's sync level and reshard."""
         sync = params.get("root_sync_fsdp", params.get("root_sync_hsdp", "every"))
         keep = sync != "every" and params.get("root_keep_unsharded", False)
         state = {"sync": sync, "reshard_after_backward": not keep}
-        out = [dataclasses.replace(u, forward_prefetch=fwd.get(u.name), backward_prefetch=bwd.get(u.name), **state) for u in edges]
-        root_reshard = True if params.get("root_reshard_after_forward", "false") == "true" else None  # None: FSDP2's root default (False)
+        out = [
+            dataclasses.replace(u, forward_prefetch=fwd.get(u.name), backward_prefetch=bwd.get(u.name), **state)
+            for u in edges
+        ]
+        root_reshard = (
+            True if params.get("root_reshard_after_forward", "false") == "true" else None
+        )  # None: FSDP2's root default (False)
         out.append(UnitConfig(name=ROOT_UNIT, reshard_after_forward=root_reshard, **state))
         return out
 

@@ -81,9 +81,13 @@ def make_storage(url: str, settings: SearchSettings) -> optuna.storages.BaseStor
         return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": settings.storage_timeout_s}})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        storage = optuna.storages.RDBStorage(url, heartbeat_interval=settings.get_heartbeat_s(), grace_period=settings.get_heartbeat_grace_s())
+        storage = optuna.storages.RDBStorage(
+            url, heartbeat_interval=settings.get_heartbeat_s(), grace_period=settings.get_heartbeat_grace_s()
+        )
     # Optuna warns on every ask() of a heartbeat storage: it beats only inside optimize(); we beat ourselves.
-    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize", category=UserWarning)
+    warnings.filterwarnings(
+        "ignore", message="Heartbeat of storage is supposed to be used with Study.optimize", category=UserWarning
+    )
     return storage
 
 
@@ -93,8 +97,9 @@ def _check_out_dir_study(settings: SearchSettings, study_name: str, existing: se
     if settings.storage is None and others:
         raise SearchError(
             f"{settings.out_dir} already holds study {others[0]!r}, not {study_name!r} (another model, world size or microbatch count); "
-            "use another --out, or the same settings with --resume", field="out_dir",
-        )  # fmt: skip
+            "use another --out, or the same settings with --resume",
+            field="out_dir",
+        )
 
 
 def get_worker_seed(seed: int, worker_id: str) -> int:
@@ -121,17 +126,28 @@ def open_study(settings: SearchSettings, study_name: str) -> tuple[optuna.Study,
             _check_out_dir_study(settings, study_name, existing)
             exists = study_name in existing
             if exists and not settings.resume:
-                raise SearchError(f"study {study_name!r} already exists in {url} (use --resume to continue it, or another --out / --study-name)")
+                raise SearchError(
+                    f"study {study_name!r} already exists in {url} (use --resume to continue it, or another --out / --study-name)"
+                )
             if not exists:
                 try:
-                    return _with_heartbeat(optuna.create_study(study_name=study_name, storage=storage, direction="minimize", sampler=sampler), storage), True
+                    return _with_heartbeat(
+                        optuna.create_study(
+                            study_name=study_name, storage=storage, direction="minimize", sampler=sampler
+                        ),
+                        storage,
+                    ), True
                 except optuna.exceptions.DuplicatedStudyError:
                     pass  # another worker created it between our check and our create
-            return _with_heartbeat(optuna.load_study(study_name=study_name, storage=storage, sampler=joined_sampler), storage), False
+            return _with_heartbeat(
+                optuna.load_study(study_name=study_name, storage=storage, sampler=joined_sampler), storage
+            ), False
         except sqlalchemy.exc.SQLAlchemyError as e:
             # Workers starting together race to create the schema: the loser retries.
             if attempt == 4:
-                raise SearchError(f"cannot open storage {url}: {type(e).__name__}: {str(e).splitlines()[0]}", field="storage") from None
+                raise SearchError(
+                    f"cannot open storage {url}: {type(e).__name__}: {str(e).splitlines()[0]}", field="storage"
+                ) from None
             time.sleep(0.5 + attempt)
         except (ValueError, ImportError, KeyError, OSError) as e:
             raise SearchError(f"cannot open storage {url}: {type(e).__name__}: {e}", field="storage") from None
@@ -141,8 +157,13 @@ def open_study(settings: SearchSettings, study_name: str) -> tuple[optuna.Study,
 def make_plan(settings: SearchSettings, profile: ModelProfile, device_type: str) -> ModelPlan:
     """What trials on this machine would run (the model or a proxy); refused, before anything is written, where a
     memory budget would be checked against a proxy's peaks."""
-    plan = plan_for_this_machine(profile, world_size=settings.world_size, device_type=device_type, step_budget_s=settings.step_budget_s,
-                                 memory_bound=settings.memory_budget_bytes is not None)  # fmt: skip
+    plan = plan_for_this_machine(
+        profile,
+        world_size=settings.world_size,
+        device_type=device_type,
+        step_budget_s=settings.step_budget_s,
+        memory_bound=settings.memory_budget_bytes is not None,
+    )
     _check_budget(plan, settings)
     return plan
 
@@ -151,21 +172,40 @@ def resolve_plan(study: optuna.Study, settings: SearchSettings, profile: ModelPr
     """The model plan stored with the study (a resumed study measures what it measured before), else ``plan`` (stored)."""
     stored = study.user_attrs.get("plan")
     if stored is not None:
-        for key, value in (("world_size", settings.world_size), ("num_microbatches", settings.num_microbatches), ("model", profile.name)):
+        for key, value in (
+            ("world_size", settings.world_size),
+            ("num_microbatches", settings.num_microbatches),
+            ("model", profile.name),
+        ):
             if stored[key] != value:
-                raise SearchError(f"study {study.study_name!r} was run with {key}={stored[key]!r}, not {value!r} (use the same settings or another --study-name)")
+                raise SearchError(
+                    f"study {study.study_name!r} was run with {key}={stored[key]!r}, not {value!r} (use the same settings or another --study-name)"
+                )
         run = profile.with_overrides(**stored["overrides"]) if stored["overrides"] else profile
-        plan = ModelPlan(requested=profile, run=run, is_proxy=stored["is_proxy"], reason=stored["reason"], estimated_memory_per_rank=stored["estimated_memory_per_rank"], estimated_step_s=stored["estimated_step_s"], overrides=stored["overrides"])
+        plan = ModelPlan(
+            requested=profile,
+            run=run,
+            is_proxy=stored["is_proxy"],
+            reason=stored["reason"],
+            estimated_memory_per_rank=stored["estimated_memory_per_rank"],
+            estimated_step_s=stored["estimated_step_s"],
+            overrides=stored["overrides"],
+        )
         _check_budget(plan, settings)
         return plan
     study.set_user_attr(
         "plan",
         {
-            "model": profile.name, "world_size": settings.world_size, "num_microbatches": settings.num_microbatches,
-            "is_proxy": plan.is_proxy, "reason": plan.reason, "overrides": plan.overrides,
-            "estimated_memory_per_rank": plan.estimated_memory_per_rank, "estimated_step_s": plan.estimated_step_s,
+            "model": profile.name,
+            "world_size": settings.world_size,
+            "num_microbatches": settings.num_microbatches,
+            "is_proxy": plan.is_proxy,
+            "reason": plan.reason,
+            "overrides": plan.overrides,
+            "estimated_memory_per_rank": plan.estimated_memory_per_rank,
+            "estimated_step_s": plan.estimated_step_s,
         },
-    )  # fmt: skip
+    )
     return plan
 
 
@@ -183,7 +223,7 @@ def get_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-_HEARTBEATS: "weakref.WeakKeyDictionary[optuna.Study, _Heartbeat]" = weakref.WeakKeyDictionary()
+_HEARTBEATS: weakref.WeakKeyDictionary[optuna.Study, _Heartbeat] = weakref.WeakKeyDictionary()
 
 
 def close_interrupted(study: optuna.Study) -> None:
@@ -242,7 +282,10 @@ class _Heartbeat(threading.Thread):
         """Records a heartbeat for each of this worker's running trials not beaten for an interval."""
         now = time.monotonic()
         for trial in self._storage.get_all_trials(self._study_id, deepcopy=False, states=_RUNNING):
-            if trial.user_attrs.get("worker") == self._worker and now - last_beat.get(trial._trial_id, -self._interval_s) >= self._interval_s:
+            if (
+                trial.user_attrs.get("worker") == self._worker
+                and now - last_beat.get(trial._trial_id, -self._interval_s) >= self._interval_s
+            ):
                 self._storage.record_heartbeat(trial._trial_id)
                 last_beat[trial._trial_id] = now
 

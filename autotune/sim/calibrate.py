@@ -128,22 +128,39 @@ def read_calibration_trial(path: str | Path) -> CalibrationTrial:
     path = Path(path)
     metrics = TrialMetrics.read(path / "metrics.json")
     if metrics.status != "ok" or not metrics.step_ms:
-        raise CalibrationError(f"{path}: trial status {metrics.status} ({metrics.reason or 'no step time'}): only a finished trial calibrates")
+        raise CalibrationError(
+            f"{path}: trial status {metrics.status} ({metrics.reason or 'no step time'}): only a finished trial calibrates"
+        )
     if not metrics.traces:
-        raise CalibrationError(f"{path}: the trial has no traces (it ran without the profiler): calibration reads FSDP2's labels from them")
+        raise CalibrationError(
+            f"{path}: the trial has no traces (it ran without the profiler): calibration reads FSDP2's labels from them"
+        )
     cluster = load_cluster_profile(metrics.cluster) if metrics.cluster else None
     reference = metrics.reference_step_ms_per_step
-    paired = reference and metrics.paired.get("ratio") is not None and statistics.median(reference) != statistics.median(metrics.step_ms_per_step)
-    return CalibrationTrial(path=path, config=load_config(path / "config.toml"), world_size=metrics.world_size, step_s=metrics.step_ms / 1e3, cluster=cluster,
-                            traces=[path / t for t in metrics.traces], ratio=metrics.paired["ratio"] if paired else None,
-                            reference_step_s=statistics.median(reference) / 1e3 if paired else None)  # fmt: skip
+    paired = (
+        reference
+        and metrics.paired.get("ratio") is not None
+        and statistics.median(reference) != statistics.median(metrics.step_ms_per_step)
+    )
+    return CalibrationTrial(
+        path=path,
+        config=load_config(path / "config.toml"),
+        world_size=metrics.world_size,
+        step_s=metrics.step_ms / 1e3,
+        cluster=cluster,
+        traces=[path / t for t in metrics.traces],
+        ratio=metrics.paired["ratio"] if paired else None,
+        reference_step_s=statistics.median(reference) / 1e3 if paired else None,
+    )
 
 
 def load_trace_costs(trial: CalibrationTrial, work: ModelWork, *, local: bool = False) -> TraceCosts:
     from autotune.analysis import FsdpTraceAnalysis
 
     events = FsdpTraceAnalysis(trial.traces).events
-    return get_trace_costs(events, block_names=work.block_names, num_microbatches=trial.config.num_microbatches, local=local)
+    return get_trace_costs(
+        events, block_names=work.block_names, num_microbatches=trial.config.num_microbatches, local=local
+    )
 
 
 def _is_local(trial: CalibrationTrial) -> bool:
@@ -158,7 +175,9 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def get_collective_points(trial: CalibrationTrial, costs: TraceCosts, work: ModelWork) -> list[tuple[str, int, float, float]]:
+def get_collective_points(
+    trial: CalibrationTrial, costs: TraceCosts, work: ModelWork
+) -> list[tuple[str, int, float, float]]:
     """(kind, group size, bytes, seconds) of the trial's collectives that show their real transfer."""
     replicate, shard = validate_for_world(trial.config, trial.world_size)
     mp = trial.config.mixed_precision
@@ -176,7 +195,9 @@ def get_collective_points(trial: CalibrationTrial, costs: TraceCosts, work: Mode
         link = cluster.links.get(group.link_name)
         modelled = link.get_seconds(int(num_bytes)) if trial.emulated and link is not None and link.emulated else 0.0
         if group.size > 1 and (modelled == 0.0 or seconds > REAL_DOMINATES * modelled):
-            points.append(("all_gather" if kind == "all_gather" else "reduce_scatter", group.size, float(num_bytes), seconds))
+            points.append(
+                ("all_gather" if kind == "all_gather" else "reduce_scatter", group.size, float(num_bytes), seconds)
+            )
     return points
 
 
@@ -194,7 +215,9 @@ def fit_collective(points: list[tuple[int, float, float]], group_size: int) -> C
     if slope <= 0 or latency < 0:  # through the origin (or a pure latency when bytes explain nothing)
         slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs) if any(xs) else 0.0
         latency = 0.0 if slope > 0 else my
-    return CollectiveFit(latency_s=latency, seconds_per_byte=max(0.0, slope), group_size=group_size, num_points=len(points))
+    return CollectiveFit(
+        latency_s=latency, seconds_per_byte=max(0.0, slope), group_size=group_size, num_points=len(points)
+    )
 
 
 # -- the profile ----------------------------------------------------------------------------
@@ -213,7 +236,9 @@ def _memory_speed(costs: TraceCosts, work: ModelWork, shard: int, param_bytes: i
 
 def _predict(work: ModelWork, trial: CalibrationTrial, profile: MeasuredProfile) -> float:
     cluster = trial.cluster or load_cluster_profile("cpu-gloo")
-    return Simulator(work, Hardware(cluster, num_ranks=trial.world_size, measured=profile)).simulate(trial.config).step_s
+    return (
+        Simulator(work, Hardware(cluster, num_ranks=trial.world_size, measured=profile)).simulate(trial.config).step_s
+    )
 
 
 def _solve(predict: Any, target: float, low: float, high: float, *, iterations: int = 40) -> float:
@@ -228,8 +253,15 @@ def _solve(predict: Any, target: float, low: float, high: float, *, iterations: 
     return (low + high) / 2
 
 
-def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[CalibrationTrial] = (), name: str | None = None, anchor_step_s: float | None = None,
-              fit_sync: bool = False) -> MeasuredProfile:  # fmt: skip
+def calibrate(
+    work: ModelWork,
+    anchor: CalibrationTrial,
+    *,
+    extra: list[CalibrationTrial] = (),
+    name: str | None = None,
+    anchor_step_s: float | None = None,
+    fit_sync: bool = False,
+) -> MeasuredProfile:
     """A measured profile of ``work`` on this machine: segments, hooks and the optimizer from
     ``anchor``'s traces, collectives from every trial's, scaled to ``anchor``'s unprofiled step
     (or ``anchor_step_s``: the anchor's config timed elsewhere, e.g. as the reference of paired
@@ -250,35 +282,69 @@ def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[Calibrat
             continue
         # Hooks the anchor's config does not run: a shard group of one's copies (from a trial on one, when the
         # anchor shards), FSDP1-style concat (from a trial that concatenates eagerly); the first trial showing them.
-        found = {key: value for key, value in trial_costs.hooks.items()
-                 if key in OPTIONAL_HOOK_KEYS and key not in hooks and (key not in LOCAL_HOOK_KEYS or shard > 1)}  # fmt: skip
+        found = {
+            key: value
+            for key, value in trial_costs.hooks.items()
+            if key in OPTIONAL_HOOK_KEYS and key not in hooks and (key not in LOCAL_HOOK_KEYS or shard > 1)
+        }
         hooks |= found
         hook_sources |= dict.fromkeys(found, trial.path)
-    fits = {kind: fit_collective([(n, b, s) for k, n, b, s in points if k == kind], shard if shard > 1 else anchor.world_size) for kind in ("all_gather", "reduce_scatter")}
+    fits = {
+        kind: fit_collective(
+            [(n, b, s) for k, n, b, s in points if k == kind], shard if shard > 1 else anchor.world_size
+        )
+        for kind in ("all_gather", "reduce_scatter")
+    }
     sharded = sum(get_padded_numel(work.param_shapes[u], shard) // shard for u in (*work.block_names, ROOT_UNIT))
     profile = MeasuredProfile(
-        name=name or f"{work.name} on {anchor.world_size} ranks" + (f" ({anchor.cluster.name})" if anchor.emulated else ""),
-        world_size=anchor.world_size, num_microbatches=anchor.config.num_microbatches, segments=dict(costs.segments), hooks=hooks,
-        microbatch_s=costs.microbatch_s, optimizer_s_per_element=costs.optimizer_s / max(1, sharded), memory_bytes_per_s=_memory_speed(costs, work, shard, pb),
-        collectives=fits, sources=[str(t.path) for t in (anchor, *extra)],
-    )  # fmt: skip
+        name=name
+        or f"{work.name} on {anchor.world_size} ranks" + (f" ({anchor.cluster.name})" if anchor.emulated else ""),
+        world_size=anchor.world_size,
+        num_microbatches=anchor.config.num_microbatches,
+        segments=dict(costs.segments),
+        hooks=hooks,
+        microbatch_s=costs.microbatch_s,
+        optimizer_s_per_element=costs.optimizer_s / max(1, sharded),
+        memory_bytes_per_s=_memory_speed(costs, work, shard, pb),
+        collectives=fits,
+        sources=[str(t.path) for t in (anchor, *extra)],
+    )
     target = anchor_step_s or anchor.step_s
     scale = _solve(lambda k: _predict(work, anchor, profile.replace(compute_scale=k)), target, 0.05, 20.0)
     profile = profile.replace(compute_scale=scale)
     notes = []
-    sync_trials = [t for t in extra if _skips_sync(t) and not _is_async(t, work) and t.ratio is not None and t.world_size == anchor.world_size and _same_links(t, anchor)]
+    sync_trials = [
+        t
+        for t in extra
+        if _skips_sync(t)
+        and not _is_async(t, work)
+        and t.ratio is not None
+        and t.world_size == anchor.world_size
+        and _same_links(t, anchor)
+    ]
     if sync_trials and fit_sync:
         trial = sync_trials[0]
         profile = _fit_sync(work, anchor, trial, profile, target)  # re-solves the compute scale too
-        notes.append(f"sync wait {1e6 * profile.sync_s:.0f} us per collective from {trial.path} (skips gradient sync: {trial.ratio:.3f}x the anchor's config in pairs)")
+        notes.append(
+            f"sync wait {1e6 * profile.sync_s:.0f} us per collective from {trial.path} (skips gradient sync: {trial.ratio:.3f}x the anchor's config in pairs)"
+        )
     if "unshard_local.block" in hook_sources:
-        notes.append(f"shard group of one: unshard {1e6 * hooks['unshard_local.block']:.0f} us, reduce {1e6 * hooks.get('reduce_local.block', 0.0):.0f} us per block "
-                     f"from {hook_sources['unshard_local.block']} (the anchor's: {1e6 * hooks['unshard.block']:.0f} us, {1e6 * hooks['reduce.block']:.0f} us)")
+        notes.append(
+            f"shard group of one: unshard {1e6 * hooks['unshard_local.block']:.0f} us, reduce {1e6 * hooks.get('reduce_local.block', 0.0):.0f} us per block "
+            f"from {hook_sources['unshard_local.block']} (the anchor's: {1e6 * hooks['unshard.block']:.0f} us, {1e6 * hooks['reduce.block']:.0f} us)"
+        )
     if "concat.block" in hooks:
-        notes.append(f"eager concat {1e6 * hooks['concat.block']:.0f} us, restore {1e6 * hooks.get('restore.block', 0.0):.0f} us per block "
-                     f"from {hook_sources.get('concat.block', anchor.path)}")
-    notes.insert(0, f"anchor {anchor.path}: step {1e3 * target:.1f} ms ({'given' if anchor_step_s else 'its unprofiled steps'}); compute scale {profile.compute_scale:.3f}")
-    share_trials = [t for t in extra if _is_async(t, work) and t.world_size == anchor.world_size and _same_links(t, anchor)]
+        notes.append(
+            f"eager concat {1e6 * hooks['concat.block']:.0f} us, restore {1e6 * hooks.get('restore.block', 0.0):.0f} us per block "
+            f"from {hook_sources.get('concat.block', anchor.path)}"
+        )
+    notes.insert(
+        0,
+        f"anchor {anchor.path}: step {1e3 * target:.1f} ms ({'given' if anchor_step_s else 'its unprofiled steps'}); compute scale {profile.compute_scale:.3f}",
+    )
+    share_trials = [
+        t for t in extra if _is_async(t, work) and t.world_size == anchor.world_size and _same_links(t, anchor)
+    ]
     if share_trials:
         trial = share_trials[0]
         if trial.ratio is not None:  # paired with the anchor's config: fit the ratio, which load cancels out of
@@ -291,18 +357,26 @@ def calibrate(work: ModelWork, anchor: CalibrationTrial, *, extra: list[Calibrat
         profile = profile.replace(cpu_share=share)
         notes.append(f"cpu share {share:.2f} from {trial.path} (unshard_async on: {measured})")
     for kind, fit in fits.items():
-        notes.append(f"{kind}: {1e6 * fit.latency_s:.0f} us + {1e9 * fit.seconds_per_byte:.3f} ns/B at {fit.group_size} ranks ({fit.num_points} collectives)")
+        notes.append(
+            f"{kind}: {1e6 * fit.latency_s:.0f} us + {1e9 * fit.seconds_per_byte:.3f} ns/B at {fit.group_size} ranks ({fit.num_points} collectives)"
+        )
     return profile.replace(notes=notes)
 
 
-def _fit_sync(work: ModelWork, anchor: CalibrationTrial, trial: CalibrationTrial, profile: MeasuredProfile, target: float) -> MeasuredProfile:
+def _fit_sync(
+    work: ModelWork, anchor: CalibrationTrial, trial: CalibrationTrial, profile: MeasuredProfile, target: float
+) -> MeasuredProfile:
     """``profile`` with ``sync_s`` fitted so that ``trial`` (fewer collectives: it skips gradient
     sync) is predicted at its measured ratio to the anchor, the compute scale re-solved for each
     try so that the anchor stays predicted exactly (both unknowns share the anchor's step)."""
 
     def fitted(sync_s: float) -> MeasuredProfile:
         p = profile.replace(sync_s=sync_s)
-        return p.replace(compute_scale=_solve(lambda k: _predict(work, anchor, p.replace(compute_scale=k)), target, 0.05, 20.0, iterations=30))
+        return p.replace(
+            compute_scale=_solve(
+                lambda k: _predict(work, anchor, p.replace(compute_scale=k)), target, 0.05, 20.0, iterations=30
+            )
+        )
 
     def ratio(sync_s: float) -> float:
         p = fitted(sync_s)

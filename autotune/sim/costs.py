@@ -102,8 +102,18 @@ def _get_kinds(num_units: int, checkpointing: tuple[str, ...] | None, activation
     return [(checkpointing[u] if checkpointing and checkpointing[u] != "none" else default) for u in range(num_units)]
 
 
-def get_mesh_costs(work: ModelWork, hardware: Hardware, *, replicate: int, shard: int, param_dtype: str, reduce_dtype: str, activation_checkpointing: bool,
-                   unit_blocks: tuple[tuple[int, ...], ...] | None = None, checkpointing: tuple[str, ...] | None = None) -> MeshCosts:  # fmt: skip
+def get_mesh_costs(
+    work: ModelWork,
+    hardware: Hardware,
+    *,
+    replicate: int,
+    shard: int,
+    param_dtype: str,
+    reduce_dtype: str,
+    activation_checkpointing: bool,
+    unit_blocks: tuple[tuple[int, ...], ...] | None = None,
+    checkpointing: tuple[str, ...] | None = None,
+) -> MeshCosts:
     """Price every unit of ``work`` on ``hardware`` under a (replicate, shard) mesh; a unit holding
     several blocks (``unit_blocks``) gathers, reduces and computes them together, and a checkpointed
     unit recomputes (all, or the non-matmul part of) its blocks' forward in its backward."""
@@ -122,7 +132,9 @@ def get_mesh_costs(work: ModelWork, hardware: Hardware, *, replicate: int, shard
     def hooks(name: str, default: list[float] | None) -> list[float] | None:
         if measured is None:
             return default
-        return [c * measured.get_hook_seconds(f"{name}.block") for c in counts] + [measured.get_hook_seconds(f"{name}.root")]
+        return [c * measured.get_hook_seconds(f"{name}.block") for c in counts] + [
+            measured.get_hook_seconds(f"{name}.root")
+        ]
 
     def optional(name: str, default: list[float]) -> list[float]:
         """Measured per call where a calibration trial showed the hook (``OPTIONAL_HOOK_KEYS``), else ``default``."""
@@ -133,30 +145,48 @@ def get_mesh_costs(work: ModelWork, hardware: Hardware, *, replicate: int, shard
 
     # A shard group of one unshards and reduces by plain copies (no all-gather, no reduce-scatter):
     # priced from a trial on such a mesh where calibration had one (LOCAL_HOOK_KEYS), else like the anchor's.
-    local = "_local" if shard == 1 and measured is not None and all(key in measured.hooks for key in LOCAL_HOOK_KEYS) else ""
+    local = (
+        "_local"
+        if shard == 1 and measured is not None and all(key in measured.hooks for key in LOCAL_HOOK_KEYS)
+        else ""
+    )
     real = hardware.get_real_collective_seconds
     cpu_share = measured.cpu_share if measured is not None else 0.0
     # reduce-scatter + the post-reduce ops on its stream (divide, cast, accumulate the sharded grad); measured profiles have them in the reduce hook
     post_reduce = [0.0 if measured else mem(3 * s * ORIG_BYTES) for s in sharded]
     return MeshCosts(
-        replicate=replicate, shard=shard, shard_group=shard_group, replicate_group=replicate_group, param_bytes=pb, reduce_bytes=rb, padded=padded, sharded=sharded,
+        replicate=replicate,
+        shard=shard,
+        shard_group=shard_group,
+        replicate_group=replicate_group,
+        param_bytes=pb,
+        reduce_bytes=rb,
+        padded=padded,
+        sharded=sharded,
         forward_s=[c * seg["block.forward"] for c in counts] + [seg["tail.forward"]],
         backward_s=[c * (seg["block.backward"] + recompute[k]) for c, k in zip(counts, kinds)] + [seg["tail.backward"]],
-        head_forward_s=seg["head.forward"], head_backward_s=seg["head.backward"],
+        head_forward_s=seg["head.forward"],
+        head_backward_s=seg["head.backward"],
         all_gather_s=[coll("all_gather", p * pb, shard_group) for p in padded],
         copy_out_s=hooks(f"unshard{local}", [mem(2 * p * pb) for p in padded]),
         reduce_scatter_s=[coll("reduce_scatter", p * rb, shard_group) + extra for p, extra in zip(padded, post_reduce)],
         copy_in_s=hooks(f"reduce{local}", [mem(p * (pb + rb)) for p in padded]),
         all_reduce_s=[coll("all_reduce", s * rb, replicate_group) for s in sharded],
         upcast_s=[mem(p * (pb + 2 * rb)) if pb != rb else 0.0 for p in padded],
-        concat_s=optional("concat", [mem(5 * p * rb) for p in padded]),  # cat (read + write) and flat += (2 reads + write)
+        concat_s=optional(
+            "concat", [mem(5 * p * rb) for p in padded]
+        ),  # cat (read + write) and flat += (2 reads + write)
         restore_s=optional("restore", [mem(3 * p * rb) for p in padded]),
-        optimizer_s=measured.compute_scale * measured.optimizer_s_per_element * sum(sharded) if measured else mem(ADAMW_BYTES_PER_ELEMENT * sum(sharded)),
+        optimizer_s=measured.compute_scale * measured.optimizer_s_per_element * sum(sharded)
+        if measured
+        else mem(ADAMW_BYTES_PER_ELEMENT * sum(sharded)),
         microbatch_s=measured.compute_scale * measured.microbatch_s if measured else 0.0,
-        pre_hook_s=hooks("pre_hook", None), post_hook_s=hooks("post_hook", None),
+        pre_hook_s=hooks("pre_hook", None),
+        post_hook_s=hooks("post_hook", None),
         all_gather_cpu_s=[cpu_share * real("all_gather", p * pb, shard_group) for p in padded] if measured else None,
-        unit_num_blocks=counts, unit_checkpointing=kinds,
-    )  # fmt: skip
+        unit_num_blocks=counts,
+        unit_checkpointing=kinds,
+    )
 
 
 NOMINAL_CPU_FLOPS_PER_BYTE = 10.0
@@ -172,12 +202,22 @@ def _get_segment_seconds(work: ModelWork, hardware: Hardware) -> dict[str, float
     if hardware.measured is not None:
         seconds = {key: hardware.measured.get_segment_seconds(key) for key in hardware.measured.segments}
         flops = block.gemm_flops + block.attention_flops
-        share = block.memory_bytes / (block.memory_bytes + flops / NOMINAL_CPU_FLOPS_PER_BYTE) if block.memory_bytes else 0.0
+        share = (
+            block.memory_bytes / (block.memory_bytes + flops / NOMINAL_CPU_FLOPS_PER_BYTE)
+            if block.memory_bytes
+            else 0.0
+        )
         return {**seconds, "block.forward.memory": share * seconds["block.forward"]}
 
     def compute(segment: str, phase: str) -> float:
         w = work.work[segment, phase]
-        return hardware.get_compute_seconds(gemm_flops=w.gemm_flops, attention_flops=w.attention_flops, memory_bytes=w.memory_bytes, dtype=work.dtype)
+        return hardware.get_compute_seconds(
+            gemm_flops=w.gemm_flops, attention_flops=w.attention_flops, memory_bytes=w.memory_bytes, dtype=work.dtype
+        )
 
-    seconds = {f"{segment}.{phase}": compute(segment, phase) for segment in ("head", "block", "tail") for phase in ("forward", "backward")}
+    seconds = {
+        f"{segment}.{phase}": compute(segment, phase)
+        for segment in ("head", "block", "tail")
+        for phase in ("forward", "backward")
+    }
     return {**seconds, "block.forward.memory": hardware.get_memory_seconds(block.memory_bytes)}

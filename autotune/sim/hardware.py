@@ -96,10 +96,15 @@ class Hardware:
     def get_peak_flops(self, dtype: str) -> float:
         peaks = self.accelerator.peak_tflops
         if dtype not in peaks:
-            raise SimError(f"cluster profile {self.cluster.name!r} gives no peak_tflops for {dtype} (it has {', '.join(peaks)})", field="cluster")
+            raise SimError(
+                f"cluster profile {self.cluster.name!r} gives no peak_tflops for {dtype} (it has {', '.join(peaks)})",
+                field="cluster",
+            )
         return peaks[dtype] * 1e12
 
-    def get_compute_seconds(self, *, gemm_flops: float, attention_flops: float, memory_bytes: float, dtype: str) -> float:
+    def get_compute_seconds(
+        self, *, gemm_flops: float, attention_flops: float, memory_bytes: float, dtype: str
+    ) -> float:
         """GEMMs at MAMF, causal attention (half of the counted square) at flash speed, the rest at HBM speed."""
         acc = self.accelerator
         peak = self.get_peak_flops(dtype)
@@ -159,7 +164,10 @@ def _get_seconds(cluster: ClusterProfile, kind: str, num_bytes: float, group: Gr
     link = _get_link(cluster, group.link_name)
     if cluster.collective_model == "flat":
         if link.bandwidth_gbps <= 0:
-            raise SimError(f"cluster profile {cluster.name!r}: links.{group.link_name} has no bandwidth to price a collective with", field="cluster")
+            raise SimError(
+                f"cluster profile {cluster.name!r}: links.{group.link_name} has no bandwidth to price a collective with",
+                field="cluster",
+            )
         return link.get_seconds(int(num_bytes))
     passes = 2 if kind == "all_reduce" else 1
     ring_bytes = num_bytes * (group.size - 1) / group.size

@@ -51,10 +51,16 @@ def _get_units(config: RuntimeConfig, block_names: tuple[str, ...]) -> tuple[lis
         modules = unit.get_modules() if hasattr(unit, "get_modules") else [unit.name]
         for module in modules:
             if module not in block_index:
-                known = f"units: {block_names[0]}..{block_names[-1]}, {ROOT_UNIT}" if block_names else f"units: {ROOT_UNIT}"
+                known = (
+                    f"units: {block_names[0]}..{block_names[-1]}, {ROOT_UNIT}" if block_names else f"units: {ROOT_UNIT}"
+                )
                 if getattr(unit, "modules", None) is None:
                     raise ConfigError(f"units[{i}].name", f"unit {unit.name!r} is not a unit of this model", fix=known)
-                raise ConfigError(f"units[{i}].modules", f"{module!r} is not a block of this model (the simulator models units of blocks and the root)", fix=known)
+                raise ConfigError(
+                    f"units[{i}].modules",
+                    f"{module!r} is not a block of this model (the simulator models units of blocks and the root)",
+                    fix=known,
+                )
             owned[block_index[module]] = (i, unit)
     units: list[UnitConfig] = []
     blocks: list[tuple[int, ...]] = []
@@ -66,7 +72,11 @@ def _get_units(config: RuntimeConfig, block_names: tuple[str, ...]) -> tuple[lis
         elif owned[b][0] in seen:
             u = seen[owned[b][0]]
             if blocks[u][-1] != b - 1:
-                raise ConfigError(f"units[{owned[b][0]}].modules", f"unit {owned[b][1].name!r} holds blocks that are not consecutive", fix="group consecutive blocks")
+                raise ConfigError(
+                    f"units[{owned[b][0]}].modules",
+                    f"unit {owned[b][1].name!r} holds blocks that are not consecutive",
+                    fix="group consecutive blocks",
+                )
             blocks[u] += (b,)
         else:
             seen[owned[b][0]] = len(units)
@@ -83,7 +93,11 @@ def resolve_knobs(config: RuntimeConfig, block_names: tuple[str, ...], *, world_
     index = {unit.name: i for i, unit in enumerate(units)}
     for i, unit in enumerate(config.units):
         if unit.name not in index:
-            raise ConfigError(f"units[{i}].name", f"unit {unit.name!r} is not a unit of this model", fix=f"units: {units[0].name}..{units[-2].name}, {ROOT_UNIT}")
+            raise ConfigError(
+                f"units[{i}].name",
+                f"unit {unit.name!r} is not a unit of this model",
+                fix=f"units: {units[0].name}..{units[-2].name}, {ROOT_UNIT}",
+            )
 
     def targets(names_: list[str] | None) -> tuple[int, ...] | None:
         return None if names_ is None else tuple(index[name] for name in names_)
@@ -101,7 +115,9 @@ def resolve_knobs(config: RuntimeConfig, block_names: tuple[str, ...], *, world_
         max_rs_buffers=config.reduce_scatter_max_input_buffers or 1,
         param_dtype=param_dtype,
         reduce_dtype=mp.reduce_dtype or param_dtype,
-        reshard_after_forward=tuple(_resolve_reshard(u.reshard_after_forward, u.name == ROOT_UNIT, shard) for u in units),
+        reshard_after_forward=tuple(
+            _resolve_reshard(u.reshard_after_forward, u.name == ROOT_UNIT, shard) for u in units
+        ),
         forward_prefetch=tuple(targets(u.forward_prefetch) for u in units),
         backward_prefetch=tuple(targets(u.backward_prefetch) for u in units),
         sync=tuple(u.sync for u in units),

@@ -16,7 +16,16 @@ from typing import Any, ClassVar
 
 SEGMENT_KEYS = ("head.forward", "block.forward", "tail.forward", "tail.backward", "block.backward", "head.backward")
 """Model compute per microbatch: ``head`` (embeddings), one ``block``, ``tail`` (norm, output, loss)."""
-HOOK_KEYS = ("unshard.block", "unshard.root", "pre_hook.block", "pre_hook.root", "post_hook.block", "post_hook.root", "reduce.block", "reduce.root")
+HOOK_KEYS = (
+    "unshard.block",
+    "unshard.root",
+    "pre_hook.block",
+    "pre_hook.root",
+    "post_hook.block",
+    "post_hook.root",
+    "reduce.block",
+    "reduce.root",
+)
 """FSDP2's own work per unit and call: ``unshard`` (a pre-forward/backward hook that copies an
 all-gather out), ``pre_hook`` (one that finds the unit unsharded), ``post_hook`` (post-backward
 accumulate and reshard), ``reduce`` (copy-in and post-reduce of a reducing post-backward)."""
@@ -49,7 +58,9 @@ class CollectiveFit:
     def get_seconds(self, num_bytes: float, group_size: int) -> float:
         if group_size <= 1:
             return 0.0
-        scale = ((group_size - 1) / group_size) / ((self.group_size - 1) / self.group_size) if self.group_size > 1 else 1.0
+        scale = (
+            ((group_size - 1) / group_size) / ((self.group_size - 1) / self.group_size) if self.group_size > 1 else 1.0
+        )
         return self.latency_s + num_bytes * self.seconds_per_byte * scale
 
 
@@ -96,7 +107,9 @@ class MeasuredProfile:
     def get_real_seconds(self, kind: str, num_bytes: float, group_size: int) -> float:
         """A collective's real transfer (CPU work too: scaled like compute); gloo runs reduce-scatter and
         all-reduce alike, so either fit prices both."""
-        fit = self.collectives.get(kind) or self.collectives.get({"reduce_scatter": "all_reduce", "all_reduce": "reduce_scatter"}.get(kind, ""))
+        fit = self.collectives.get(kind) or self.collectives.get(
+            {"reduce_scatter": "all_reduce", "all_reduce": "reduce_scatter"}.get(kind, "")
+        )
         return 0.0 if fit is None else self.compute_scale * fit.get_seconds(num_bytes, group_size)
 
     def get_segment_seconds(self, key: str) -> float:
@@ -108,14 +121,14 @@ class MeasuredProfile:
     def get_memory_seconds(self, num_bytes: float) -> float:
         return self.compute_scale * num_bytes / self.memory_bytes_per_s
 
-    def replace(self, **changes: Any) -> "MeasuredProfile":
+    def replace(self, **changes: Any) -> MeasuredProfile:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": self.SCHEMA_VERSION, "kind": "measured_profile", **dataclasses.asdict(self)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "MeasuredProfile":
+    def from_dict(cls, data: dict[str, Any]) -> MeasuredProfile:
         body = {k: v for k, v in data.items() if k not in ("schema_version", "kind")}
         body["collectives"] = {k: CollectiveFit(**v) for k, v in body["collectives"].items()}
         return cls(**body)

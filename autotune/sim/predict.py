@@ -55,7 +55,10 @@ class StepPrediction:
 
     def describe_memory(self) -> str:
         """``peak 91.2 GiB > 77.6 GiB usable (activations 71.0, ...)``."""
-        parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.1f}" for k, v in sorted(self.memory_breakdown.items(), key=lambda kv: -kv[1])[:4])
+        parts = ", ".join(
+            f"{k.replace('_', ' ')} {v / 2**30:.1f}"
+            for k, v in sorted(self.memory_breakdown.items(), key=lambda kv: -kv[1])[:4]
+        )
         relation = "<=" if self.fits else ">"
         return f"peak {self.peak_memory_bytes / 2**30:.1f} GiB {relation} {self.memory_capacity_bytes / 2**30:.1f} GiB usable ({parts})"
 
@@ -69,8 +72,12 @@ class StepPrediction:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.to_metrics(), "fits": self.fits, "memory_breakdown_gib": {k: v / 2**30 for k, v in self.memory_breakdown.items()},
-                "units": [{"name": u.name, "comm_ms": 1e3 * u.comm_s, "exposed_ms": 1e3 * u.exposed_s} for u in self.units]}  # fmt: skip
+        return {
+            **self.to_metrics(),
+            "fits": self.fits,
+            "memory_breakdown_gib": {k: v / 2**30 for k, v in self.memory_breakdown.items()},
+            "units": [{"name": u.name, "comm_ms": 1e3 * u.comm_s, "exposed_ms": 1e3 * u.exposed_s} for u in self.units],
+        }
 
 
 class Simulator:
@@ -80,42 +87,101 @@ class Simulator:
         self.work, self.hardware, self.ac = work, hardware, activation_checkpointing
         self.flops_per_microbatch = work.get_flops_per_microbatch()
         # A measured profile of a CPU box has no device peak: MFU is then 0.
-        self.peak_flops = hardware.get_peak_flops(work.dtype) if hardware.measured is None or hardware.cluster.accelerator else 0.0
+        self.peak_flops = (
+            hardware.get_peak_flops(work.dtype) if hardware.measured is None or hardware.cluster.accelerator else 0.0
+        )
         self._costs: dict[tuple[Any, ...], MeshCosts] = {}
 
     def get_costs(self, knobs: Knobs) -> MeshCosts:
         if knobs.param_dtype != self.work.dtype:
-            raise SimError(f"mixed_precision.param_dtype is {knobs.param_dtype} but the workload was traced in {self.work.dtype}", field="mixed_precision.param_dtype")
-        key = (knobs.replicate, knobs.shard, knobs.param_dtype, knobs.reduce_dtype, knobs.unit_blocks, knobs.checkpointing)
+            raise SimError(
+                f"mixed_precision.param_dtype is {knobs.param_dtype} but the workload was traced in {self.work.dtype}",
+                field="mixed_precision.param_dtype",
+            )
+        key = (
+            knobs.replicate,
+            knobs.shard,
+            knobs.param_dtype,
+            knobs.reduce_dtype,
+            knobs.unit_blocks,
+            knobs.checkpointing,
+        )
         if key not in self._costs:
             self._costs[key] = get_mesh_costs(
-                self.work, self.hardware, replicate=knobs.replicate, shard=knobs.shard, param_dtype=knobs.param_dtype,
-                reduce_dtype=knobs.reduce_dtype, activation_checkpointing=self.ac, unit_blocks=knobs.unit_blocks, checkpointing=knobs.checkpointing,
-            )  # fmt: skip
+                self.work,
+                self.hardware,
+                replicate=knobs.replicate,
+                shard=knobs.shard,
+                param_dtype=knobs.param_dtype,
+                reduce_dtype=knobs.reduce_dtype,
+                activation_checkpointing=self.ac,
+                unit_blocks=knobs.unit_blocks,
+                checkpointing=knobs.checkpointing,
+            )
         return self._costs[key]
 
     def simulate(self, config: RuntimeConfig) -> StepPrediction:
-        knobs = resolve_knobs(config, self.work.block_names, world_size=self.hardware.world_size, device=self.hardware.cluster.device)
+        knobs = resolve_knobs(
+            config, self.work.block_names, world_size=self.hardware.world_size, device=self.hardware.cluster.device
+        )
         return self.simulate_knobs([knobs], with_units=True)[0]
 
     def simulate_knobs(self, group: list[Knobs], *, with_units: bool = False) -> list[StepPrediction]:
         """Simulate configs that share their first forward (mesh, dtypes, forward prefetch,
         reshard after forward, async unshard): it is simulated once, then forked."""
         first = group[0]
-        if any((k.replicate, k.shard, k.unit_blocks, k.checkpointing, k.forward_prefetch, k.reshard_after_forward, k.unshard_async)
-               != (first.replicate, first.shard, first.unit_blocks, first.checkpointing, first.forward_prefetch, first.reshard_after_forward, first.unshard_async)
-               for k in group[1:]):  # fmt: skip
-            raise ValueError("simulate_knobs: the group's configs do not share their first forward (units, checkpointing, mesh, forward prefetch or reshard)")
+        if any(
+            (
+                k.replicate,
+                k.shard,
+                k.unit_blocks,
+                k.checkpointing,
+                k.forward_prefetch,
+                k.reshard_after_forward,
+                k.unshard_async,
+            )
+            != (
+                first.replicate,
+                first.shard,
+                first.unit_blocks,
+                first.checkpointing,
+                first.forward_prefetch,
+                first.reshard_after_forward,
+                first.unshard_async,
+            )
+            for k in group[1:]
+        ):
+            raise ValueError(
+                "simulate_knobs: the group's configs do not share their first forward (units, checkpointing, mesh, forward prefetch or reshard)"
+            )
         costs = self.get_costs(first)
-        base = StepSchedule(first, costs, self.work.activations, self.hardware, activation_checkpointing=self.ac, root_head_fraction=self.work.root_head_fraction)
+        base = StepSchedule(
+            first,
+            costs,
+            self.work.activations,
+            self.hardware,
+            activation_checkpointing=self.ac,
+            root_head_fraction=self.work.root_head_fraction,
+        )
         base.run_forward()
         return [self._predict(base.fork(knobs), knobs, with_units) for knobs in group]
 
     def _predict(self, schedule: StepSchedule, knobs: Knobs, with_units: bool) -> StepPrediction:
         num = knobs.num_microbatches
         step_s, exposed, comm = _finish_step(schedule, num)
-        names = [*(_group_name(self.work.block_names[b[0]], self.work.block_names[b[-1]]) if len(b) > 1 else self.work.block_names[b[0]] for b in knobs.unit_blocks), ROOT_UNIT] \
-            if knobs.unit_blocks else [*self.work.block_names, ROOT_UNIT]
+        names = (
+            [
+                *(
+                    _group_name(self.work.block_names[b[0]], self.work.block_names[b[-1]])
+                    if len(b) > 1
+                    else self.work.block_names[b[0]]
+                    for b in knobs.unit_blocks
+                ),
+                ROOT_UNIT,
+            ]
+            if knobs.unit_blocks
+            else [*self.work.block_names, ROOT_UNIT]
+        )
         return StepPrediction(
             step_s=step_s,
             compute_s=schedule.t.compute_busy,
@@ -125,8 +191,11 @@ class Simulator:
             mfu=num * self.flops_per_microbatch / (step_s * self.peak_flops) if self.peak_flops else 0.0,
             peak_memory_bytes=schedule.mem.peak,
             memory_capacity_bytes=self.hardware.usable_memory_bytes,
-            memory_breakdown=schedule.mem.get_peak_breakdown(), phase_peaks=dict(schedule.mem.phase_peaks),
-            units=[UnitPrediction(name=name, comm_s=comm[i], exposed_s=exposed[i]) for i, name in enumerate(names)] if with_units else [],
+            memory_breakdown=schedule.mem.get_peak_breakdown(),
+            phase_peaks=dict(schedule.mem.phase_peaks),
+            units=[UnitPrediction(name=name, comm_s=comm[i], exposed_s=exposed[i]) for i, name in enumerate(names)]
+            if with_units
+            else [],
         )
 
 
@@ -151,7 +220,9 @@ def _finish_step(schedule: StepSchedule, num_microbatches: int) -> tuple[float, 
     return t.end + repeats * (after[0] - before[0]), exposed, comm
 
 
-def simulate(config: RuntimeConfig, work: ModelWork, hardware: Hardware, *, activation_checkpointing: bool = False) -> StepPrediction:
+def simulate(
+    config: RuntimeConfig, work: ModelWork, hardware: Hardware, *, activation_checkpointing: bool = False
+) -> StepPrediction:
     """Predict one step of ``config`` (see [Note: FSDP2 step schedule])."""
     return Simulator(work, hardware, activation_checkpointing=activation_checkpointing).simulate(config)
 
@@ -160,4 +231,8 @@ def _group_name(first: str, last: str) -> str:
     """A grouped unit's name as the search space writes it: ``layers.0-1`` (else ``first-last``)."""
     prefix, _, start = first.rpartition(".")
     other, _, end = last.rpartition(".")
-    return f"{prefix}.{start}-{end}" if prefix and prefix == other and start.isdecimal() and end.isdecimal() else f"{first}-{last}"
+    return (
+        f"{prefix}.{start}-{end}"
+        if prefix and prefix == other and start.isdecimal() and end.isdecimal()
+        else f"{first}-{last}"
+    )

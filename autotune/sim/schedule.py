@@ -66,8 +66,19 @@ from autotune.sim.costs import ORIG_BYTES, MeshCosts
 from autotune.sim.hardware import Hardware
 from autotune.sim.knobs import Knobs
 from autotune.sim.timeline import (
-    ACCUMULATED, AG_BUFFERS, COMPUTE, GRADS, PARTIAL, POST_FORWARD, RS_BUFFERS, SHARDED_GRADS, UNSHARDED, Event, MemoryLedger, Timeline,
-)  # fmt: skip
+    ACCUMULATED,
+    AG_BUFFERS,
+    COMPUTE,
+    GRADS,
+    PARTIAL,
+    POST_FORWARD,
+    RS_BUFFERS,
+    SHARDED_GRADS,
+    UNSHARDED,
+    Event,
+    MemoryLedger,
+    Timeline,
+)
 from autotune.sim.workload import ActivationProfile
 
 SHARD_LINK, REPLICATE_LINK = "shard", "replicate"
@@ -81,7 +92,16 @@ class StepSchedule:
     its simulation.
     """
 
-    def __init__(self, knobs: Knobs, costs: MeshCosts, activations: ActivationProfile, hardware: Hardware, *, activation_checkpointing: bool, root_head_fraction: float = 0.0) -> None:
+    def __init__(
+        self,
+        knobs: Knobs,
+        costs: MeshCosts,
+        activations: ActivationProfile,
+        hardware: Hardware,
+        *,
+        activation_checkpointing: bool,
+        root_head_fraction: float = 0.0,
+    ) -> None:
         self.c, self.hw, self.root_head_fraction = costs, hardware, root_head_fraction
         self.n = n = len(costs.padded) - 1
         self.cpu = hardware.cluster.device == "cpu"
@@ -115,7 +135,11 @@ class StepSchedule:
         n = self.n
         counts = costs.unit_num_blocks or [1] * n
         kinds = costs.unit_checkpointing or ["full" if activation_checkpointing else "none"] * n
-        per_block = {"none": a.block_saved, "full": a.block_input, "selective": a.block_selective if a.block_selective is not None else a.block_saved}
+        per_block = {
+            "none": a.block_saved,
+            "full": a.block_input,
+            "selective": a.block_selective if a.block_selective is not None else a.block_saved,
+        }
         saved = [per_block[k] for k in kinds]
         below = [0.0] * (n + 1)
         for u in range(n):
@@ -133,7 +157,7 @@ class StepSchedule:
         self.skip_sync = [s == "last" for s in knobs.sync]  # reduce_grads off on non-final microbatches
         self.skip_all_reduce = [s != "every" for s in knobs.sync]
 
-    def fork(self, knobs: Knobs) -> "StepSchedule":
+    def fork(self, knobs: Knobs) -> StepSchedule:
         """A copy of this schedule's state that continues under ``knobs``."""
         other = StepSchedule.__new__(StepSchedule)
         other.__dict__.update(self.__dict__)
@@ -341,7 +365,9 @@ class StepSchedule:
                     self.partial[u] = False
                     live[PARTIAL] -= c.sharded[u] * c.reduce_bytes
                 post_stream = "all_reduce"
-                post = t.collective(COMPUTE if self.cpu else post_stream, c.all_reduce_s[u], REPLICATE_LINK, u, after=rs[0])
+                post = t.collective(
+                    COMPUTE if self.cpu else post_stream, c.all_reduce_s[u], REPLICATE_LINK, u, after=rs[0]
+                )
             if not self.has_grad[u]:
                 self.has_grad[u] = True
                 live[SHARDED_GRADS] += c.sharded[u] * ORIG_BYTES

@@ -26,10 +26,18 @@ Event = tuple  # (end: float, unit: int, blocker: Event | None)
 _NO_EVENT: Event = (0.0, -1, None)
 
 MEMORY_CATEGORIES = (
-    "unsharded_params", "all_gather_buffers", "post_forward_shards", "unsharded_grads", "accumulated_grads",
-    "reduce_scatter_buffers", "partial_reduce_outputs", "sharded_grads",
-)  # fmt: skip
-(UNSHARDED, AG_BUFFERS, POST_FORWARD, GRADS, ACCUMULATED, RS_BUFFERS, PARTIAL, SHARDED_GRADS) = range(len(MEMORY_CATEGORIES))
+    "unsharded_params",
+    "all_gather_buffers",
+    "post_forward_shards",
+    "unsharded_grads",
+    "accumulated_grads",
+    "reduce_scatter_buffers",
+    "partial_reduce_outputs",
+    "sharded_grads",
+)
+(UNSHARDED, AG_BUFFERS, POST_FORWARD, GRADS, ACCUMULATED, RS_BUFFERS, PARTIAL, SHARDED_GRADS) = range(
+    len(MEMORY_CATEGORIES)
+)
 
 
 class Timeline:
@@ -46,9 +54,14 @@ class Timeline:
         self.comm = [0.0] * num_units
         self.compute_busy = 0.0
 
-    def copy(self) -> "Timeline":
+    def copy(self) -> Timeline:
         other = Timeline.__new__(Timeline)
-        other.streams, other.links, other.host, other.host_blocks = dict(self.streams), dict(self.links), self.host, self.host_blocks
+        other.streams, other.links, other.host, other.host_blocks = (
+            dict(self.streams),
+            dict(self.links),
+            self.host,
+            self.host_blocks,
+        )
         other.link_last = dict(self.link_last)
         other.exposed, other.comm, other.compute_busy = list(self.exposed), list(self.comm), self.compute_busy
         return other
@@ -59,7 +72,9 @@ class Timeline:
         start = streams[COMPUTE]
         if self.host > start:
             start = self.host
-        if deps and (deps[0][0] if len(deps) == 1 else max([dep[0] for dep in deps])) > start:  # a wait: charge it (blockers end earlier)
+        if (
+            deps and (deps[0][0] if len(deps) == 1 else max([dep[0] for dep in deps])) > start
+        ):  # a wait: charge it (blockers end earlier)
             if len(deps) > 1 or deps[0][2] is not None:
                 deps = _with_blockers(deps)
             exposed = self.exposed
@@ -128,9 +143,14 @@ class MemoryLedger:
         """What runs now (``forward``, ``backward``, ``optimizer``): peaks are also kept per phase."""
         self.phase_peaks: dict[str, float] = {}
 
-    def copy(self) -> "MemoryLedger":
+    def copy(self) -> MemoryLedger:
         other = MemoryLedger(self.static)
-        other.live, other.peak, other.peak_live, other.peak_activations = list(self.live), self.peak, self.peak_live, self.peak_activations
+        other.live, other.peak, other.peak_live, other.peak_activations = (
+            list(self.live),
+            self.peak,
+            self.peak_live,
+            self.peak_activations,
+        )
         other.phase, other.phase_peaks = self.phase, dict(self.phase_peaks)
         return other
 

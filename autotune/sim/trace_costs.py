@@ -89,7 +89,9 @@ def _label_key(label: Any, copies_out: bool, local: bool) -> str:
 
 
 def _comm_intervals(events: Any) -> list[tuple[float, float]]:
-    spans = sorted([*zip(events.comm["start"], events.comm["end"]), *zip(events.barriers["start"], events.barriers["end"])])
+    spans = sorted(
+        [*zip(events.comm["start"], events.comm["end"]), *zip(events.barriers["start"], events.barriers["end"])]
+    )
     merged: list[list[float]] = []
     for start, end in spans:
         if merged and start <= merged[-1][1]:
@@ -103,7 +105,9 @@ def _busy(intervals: list[tuple[float, float]], start: float, end: float) -> flo
     return sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals if b > start and a < end)
 
 
-def _get_step_sums(events: Any, step: Any, comm: list[tuple[float, float]], first_block: str, last_block: str, local: bool) -> tuple[dict[str, float], dict[str, int]]:
+def _get_step_sums(
+    events: Any, step: Any, comm: list[tuple[float, float]], first_block: str, last_block: str, local: bool
+) -> tuple[dict[str, float], dict[str, int]]:
     """Seconds per key over one profiled step of one rank, and how many labels each hook key counts."""
     inside = events.labels[(events.labels["start"] >= step.start) & (events.labels["end"] <= step.end)]
     labels = sorted(inside.itertuples(index=False), key=lambda r: (r.start, -r.end))
@@ -132,7 +136,9 @@ def _get_step_sums(events: Any, step: Any, comm: list[tuple[float, float]], firs
         key = _label_key(label, copies_out, local)
         add(key, label.start, label.end)
         count(key, label)
-        for inner in (e for e in eager if label.start <= e.start and e.end <= label.end):  # counted apart, not as the outer hook's
+        for inner in (
+            e for e in eager if label.start <= e.start and e.end <= label.end
+        ):  # counted apart, not as the outer hook's
             add(key, inner.start, inner.end, -1.0)
             add(_label_key(inner, False, local), inner.start, inner.end)
             count(_label_key(inner, False, local), inner)
@@ -141,7 +147,9 @@ def _get_step_sums(events: Any, step: Any, comm: list[tuple[float, float]], firs
     return sums, counts
 
 
-def get_trace_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, ...], num_microbatches: int, local: bool = False) -> TraceCosts:
+def get_trace_costs(
+    events_by_rank: dict[int, Any], *, block_names: tuple[str, ...], num_microbatches: int, local: bool = False
+) -> TraceCosts:
     """Per-microbatch segment, hook, optimizer and collective seconds of one trial (see [Note: calibration]);
     ``local``: the trial ran on a shard group of one (its hooks count under ``LOCAL_HOOK_KEYS``)."""
     n, m = len(block_names), num_microbatches
@@ -157,7 +165,11 @@ def get_trace_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, .
             row |= {key: sums.get(key, 0.0) / counts[key] for key in ALL_HOOK_KEYS if counts.get(key)}
             rows.append(row)
             in_step = events.comm[(events.comm["issue_ts"] >= step.start) & (events.comm["issue_ts"] < step.end)]
-            collectives += [(c.kind, c.unit or "", (c.end - c.start) * _US) for c in in_step.itertuples(index=False) if c.kind in _COMM_KINDS]
+            collectives += [
+                (c.kind, c.unit or "", (c.end - c.start) * _US)
+                for c in in_step.itertuples(index=False)
+                if c.kind in _COMM_KINDS
+            ]
     if not rows:
         raise CalibrationError("the traces hold no profiled step")
 
@@ -167,6 +179,9 @@ def get_trace_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, .
 
     return TraceCosts(
         segments={key: median(key) for key in SEGMENT_KEYS},
-        hooks={key: median(key) for key in HOOK_KEYS} | {key: median(key) for key in OPTIONAL_HOOK_KEYS if any(key in r for r in rows)},
-        microbatch_s=median("microbatch"), optimizer_s=median("optimizer"), collectives=collectives,
-    )  # fmt: skip
+        hooks={key: median(key) for key in HOOK_KEYS}
+        | {key: median(key) for key in OPTIONAL_HOOK_KEYS if any(key in r for r in rows)},
+        microbatch_s=median("microbatch"),
+        optimizer_s=median("optimizer"),
+        collectives=collectives,
+    )

@@ -40,13 +40,23 @@ from profiles.factory import BATCH_HOOK, LOSS_HOOK
 from profiles.sources import ModelSource
 
 SEGMENTS = ("head", "block", "tail")
-_ATTENTION_FORWARD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"}
+_ATTENTION_FORWARD = {
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+}
 _ATTENTION_BACKWARD = {f"{name}_backward" for name in _ATTENTION_FORWARD}
 _VIEWS = {"_unsafe_view", "detach", "lift_fresh"}
 _SELECTIVE_SAVED = {
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-}  # fmt: skip
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+}
 """The ops whose outputs selective activation checkpointing saves (``fsdp_runtime.checkpointing.SAVED_OPS``)."""
 
 
@@ -202,7 +212,9 @@ def _build_fake(profile: ModelSource, dtype: torch.dtype) -> tuple[torch.nn.Modu
         model.to_empty(device="cpu")
     hook = getattr(model, BATCH_HOOK, None)
     if callable(hook):
-        return model, hook(generator=torch.Generator().manual_seed(0), batch_size=profile.batch_size, seq_len=profile.seq_len)
+        return model, hook(
+            generator=torch.Generator().manual_seed(0), batch_size=profile.batch_size, seq_len=profile.seq_len
+        )
     return model, torch.randint(0, profile.vocab_size, (profile.batch_size, profile.seq_len + 1))
 
 
@@ -215,7 +227,9 @@ class _WorkCounter(TorchDispatchMode):
         self.block_prefixes = tuple(f"{fqn}." for fqn in block_fqns)
         self.block_fqns = set(block_fqns)
         self.seen_block = {"forward": False, "backward": False}
-        self.sums: dict[tuple[str, str], list[float]] = {(s, p): [0.0, 0.0, 0.0] for s in SEGMENTS for p in ("forward", "backward")}
+        self.sums: dict[tuple[str, str], list[float]] = {
+            (s, p): [0.0, 0.0, 0.0] for s in SEGMENTS for p in ("forward", "backward")
+        }
         self.selective = 0.0
         """Bytes of the outputs of blocks' matmuls and attention in forward (what selective checkpointing keeps)."""
 
@@ -236,7 +250,9 @@ class _WorkCounter(TorchDispatchMode):
         sums = self.sums[key]
         name = func._overloadpacket.__name__
         if key == ("block", "forward") and name in _SELECTIVE_SAVED:
-            self.selective += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+            self.selective += sum(
+                t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+            )
         if name in _ATTENTION_FORWARD:
             q, k, v = args[:3]
             sums[1] += sdpa_flop_count(q.shape, k.shape, v.shape)
@@ -273,7 +289,10 @@ def _trace_work(profile: ModelSource, dtype: torch.dtype) -> tuple[dict[tuple[st
         tracker = ModTracker()
         with tracker, _WorkCounter(tracker, tuple(f"{type(model).__name__}.{b}" for b in blocks)) as counter:
             _loss(model, batch).backward()
-    work = {key: PassWork(*(v / len(blocks) for v in values) if key[0] == "block" else values) for key, values in counter.sums.items()}
+    work = {
+        key: PassWork(*(v / len(blocks) for v in values) if key[0] == "block" else values)
+        for key, values in counter.sums.items()
+    }
     return work, counter.selective / len(blocks)
 
 
@@ -286,7 +305,9 @@ def _trace_activations(profile: ModelSource, dtype: torch.dtype) -> ActivationPr
         blocks = find_block_names(model)
         block = model.get_submodule(blocks[0])
         inputs: list[int] = []
-        handle = block.register_forward_pre_hook(lambda _, args: inputs.append(args[0].numel() * args[0].element_size()) if not inputs else None)
+        handle = block.register_forward_pre_hook(
+            lambda _, args: inputs.append(args[0].numel() * args[0].element_size()) if not inputs else None
+        )
         tracker = MemTracker()
         tracker.track_external(model)
         with tracker:

@@ -103,7 +103,10 @@ def _describe_exit(rank: int, code: int, tail: str, oom_kills: int | None) -> tu
     if code < 0:
         name = _signal_name(code)
         if code == -signal.SIGKILL and oom_kills:
-            return "oom", f"rank {rank} was killed by the kernel's OOM killer ({name}; {oom_kills} OOM kill(s) during the trial)"
+            return (
+                "oom",
+                f"rank {rank} was killed by the kernel's OOM killer ({name}; {oom_kills} OOM kill(s) during the trial)",
+            )
         known = " (the kernel reported no OOM kill)" if code == -signal.SIGKILL and oom_kills == 0 else ""
         return "crash", f"rank {rank} was killed by {name} from outside the trial{known}"
     return "crash", f"rank {rank} exited with {code}: {last[:300]}"
@@ -197,7 +200,14 @@ def run_ranks(
         if not timed_out and all(c == 0 for c in codes):
             results = [pickle.loads((tmpdir / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
             return RankRun(status="ok", results=results, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
-        status, reason = classify_failure(codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order, oom_kills=count_since(oom_before))
+        status, reason = classify_failure(
+            codes,
+            tails,
+            timed_out=timed_out,
+            timeout_s=timeout_s,
+            exit_order=exit_order,
+            oom_kills=count_since(oom_before),
+        )
         return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
 
 
@@ -228,7 +238,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def spawn_ranks(mode: Literal["once", "pool"], tmpdir: Path, spec: dict[str, Any], *, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def spawn_ranks(
+    mode: Literal["once", "pool"], tmpdir: Path, spec: dict[str, Any], *, env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
     """Start ``python -m autotune.trials.rank MODE TMPDIR RANK`` per rank, each in its own session,
     stderr to ``TMPDIR/stderr_RANK.txt``.
 

@@ -59,9 +59,10 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -166,7 +167,7 @@ class _Transfer:
     seq: int
     issued: float
     modeled: float
-    previous: "_Transfer | None"
+    previous: _Transfer | None
     end: float | None = None
     late_s: float = 0.0
 
@@ -226,7 +227,7 @@ class LinkEmulator:
     _local: threading.local = field(default_factory=threading.local, init=False, repr=False)
 
     @classmethod
-    def from_cluster(cls, cluster: ClusterProfile) -> "LinkEmulator | None":
+    def from_cluster(cls, cluster: ClusterProfile) -> LinkEmulator | None:
         """An emulator for the cluster's links (sharing the launch's arrival board, when the
         rank entry point named one), or ``None`` when no link is emulated."""
         if not any(link.emulated for link in cluster.links.values()):
@@ -237,7 +238,7 @@ class LinkEmulator:
 
     # -- installation ---------------------------------------------------------------
 
-    def __enter__(self) -> "LinkEmulator":
+    def __enter__(self) -> LinkEmulator:
         self.install()
         return self
 
@@ -300,8 +301,11 @@ class LinkEmulator:
             link_name = get_link_name(ranks, self.ranks_per_node)
             link = self.links.get(link_name)
             self._groups[key] = _GroupLink(
-                name=group.group_name, size=len(ranks), rank=dist.get_rank(group),
-                link_name=link_name, link=link if link is not None and link.emulated else None,
+                name=group.group_name,
+                size=len(ranks),
+                rank=dist.get_rank(group),
+                link_name=link_name,
+                link=link if link is not None and link.emulated else None,
             )
         return self._groups[key]
 

@@ -79,10 +79,18 @@ class RankMetrics:
         cpu, profiled_cpu = median_or_none(self.step_cpu_ms), median_or_none(self.profiled_cpu_ms)
         faults, profiled_faults = median_or_none(self.step_page_faults), median_or_none(self.profiled_page_faults)
         return {
-            "rank": self.rank, "step_ms": step, "profiled_step_ms": profiled, "wall": profiled / step, "trace_scale": step / profiled,
-            "cpu_ms": cpu, "profiled_cpu_ms": profiled_cpu, "cpu": _ratio(profiled_cpu, cpu),
-            "page_faults": faults, "profiled_page_faults": profiled_faults, "page_fault_ratio": _ratio(profiled_faults, faults),
-        }  # fmt: skip
+            "rank": self.rank,
+            "step_ms": step,
+            "profiled_step_ms": profiled,
+            "wall": profiled / step,
+            "trace_scale": step / profiled,
+            "cpu_ms": cpu,
+            "profiled_cpu_ms": profiled_cpu,
+            "cpu": _ratio(profiled_cpu, cpu),
+            "page_faults": faults,
+            "profiled_page_faults": profiled_faults,
+            "page_fault_ratio": _ratio(profiled_faults, faults),
+        }
 
 
 def _slowest(per_rank: Any) -> list[float]:
@@ -106,12 +114,18 @@ def summarize_profiler(ranks: list[RankMetrics]) -> dict[str, Any]:
     if not per_rank or any(f is None or f["cpu"] is None for f in per_rank):
         return {}
     cpu = _summed_median(r.step_cpu_ms for r in ranks)
-    faults, profiled_faults = _summed_median(r.step_page_faults for r in ranks), _summed_median(r.profiled_page_faults for r in ranks)
+    faults, profiled_faults = (
+        _summed_median(r.step_page_faults for r in ranks),
+        _summed_median(r.profiled_page_faults for r in ranks),
+    )
     return {
-        "cpu_ms": cpu, "profiled_cpu_ms": _summed_median(r.profiled_cpu_ms for r in ranks),
-        "page_faults": faults, "profiled_page_faults": profiled_faults, "page_fault_ratio": _ratio(profiled_faults, faults),
+        "cpu_ms": cpu,
+        "profiled_cpu_ms": _summed_median(r.profiled_cpu_ms for r in ranks),
+        "page_faults": faults,
+        "profiled_page_faults": profiled_faults,
+        "page_fault_ratio": _ratio(profiled_faults, faults),
         "per_rank": per_rank,
-    }  # fmt: skip
+    }
 
 
 def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
@@ -136,7 +150,11 @@ class TrialMetrics:
 
     KIND: ClassVar[str] = "trial_metrics"
     SCHEMA_VERSION: ClassVar[int] = 4
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, 2: lambda data: data, 3: lambda data: data}  # v3, v4 added fields, all with defaults
+    MIGRATIONS: ClassVar[dict] = {
+        1: _migrate_v1,
+        2: lambda data: data,
+        3: lambda data: data,
+    }  # v3, v4 added fields, all with defaults
 
     status: TrialStatus
     reason: str = ""
@@ -179,7 +197,7 @@ class TrialMetrics:
     CPU, faults, ratios, ``trace_scale``); empty before v4 and for unprofiled trials."""
 
     @classmethod
-    def from_ranks(cls, ranks: list[RankMetrics], **fields: Any) -> "TrialMetrics":
+    def from_ranks(cls, ranks: list[RankMetrics], **fields: Any) -> TrialMetrics:
         """Metrics whose step figures are derived from the ranks' (the one place they are)."""
         per_step = _slowest(r.step_ms for r in ranks)
         reference = _slowest(r.reference_step_ms for r in ranks)
@@ -188,11 +206,19 @@ class TrialMetrics:
         peaks = [r.process_peak_bytes for r in ranks if r.process_peak_bytes is not None]
         profiler = summarize_profiler(ranks)
         return cls(
-            ranks=ranks, step_ms_per_step=per_step, step_ms=step_ms, process_peak_bytes=max(peaks) if peaks else None,
-            traces=[r.trace for r in ranks if r.trace], reference_step_ms_per_step=reference, paired=summarize_pairs(per_step, reference),
-            profiled_step_ms=profiled, profiler_overhead=profiled / step_ms if profiled and step_ms else None,
-            profiler_cpu_overhead=_ratio(profiler.get("profiled_cpu_ms"), profiler.get("cpu_ms")), profiler=profiler, **fields,
-        )  # fmt: skip
+            ranks=ranks,
+            step_ms_per_step=per_step,
+            step_ms=step_ms,
+            process_peak_bytes=max(peaks) if peaks else None,
+            traces=[r.trace for r in ranks if r.trace],
+            reference_step_ms_per_step=reference,
+            paired=summarize_pairs(per_step, reference),
+            profiled_step_ms=profiled,
+            profiler_overhead=profiled / step_ms if profiled and step_ms else None,
+            profiler_cpu_overhead=_ratio(profiler.get("profiled_cpu_ms"), profiler.get("cpu_ms")),
+            profiler=profiler,
+            **fields,
+        )
 
     @property
     def ratio(self) -> float | None:
@@ -201,21 +227,28 @@ class TrialMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {"schema_version": self.SCHEMA_VERSION, "kind": self.KIND, **body, "ranks": [dataclasses.asdict(r) for r in self.ranks]}
+        return {
+            "schema_version": self.SCHEMA_VERSION,
+            "kind": self.KIND,
+            **body,
+            "ranks": [dataclasses.asdict(r) for r in self.ranks],
+        }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: str = "metrics") -> "TrialMetrics":
+    def from_dict(cls, data: dict[str, Any], *, source: str = "metrics") -> TrialMetrics:
         body = {k: v for k, v in data.items() if k not in ("schema_version", "kind")}
         ranks = body.get("ranks", [])
         if not isinstance(ranks, list):
             raise ArtifactError(f"{source}: ranks must be a list, got {type(ranks).__name__}")
-        body["ranks"] = [build_dataclass(RankMetrics, r, source=source, what=f"ranks[{i}]") for i, r in enumerate(ranks)]
+        body["ranks"] = [
+            build_dataclass(RankMetrics, r, source=source, what=f"ranks[{i}]") for i, r in enumerate(ranks)
+        ]
         if body.get("trace_metrics") is not None:
             body["trace_metrics"] = check_summary(body["trace_metrics"], source=f"{source}: trace_metrics")
         return build_dataclass(cls, body, source=source, what="trial metrics")
 
     @classmethod
-    def read(cls, path: str | Path) -> "TrialMetrics":
+    def read(cls, path: str | Path) -> TrialMetrics:
         data = read_artifact(path, kind=cls.KIND, version=cls.SCHEMA_VERSION, migrations=cls.MIGRATIONS)
         return cls.from_dict(data, source=str(path))
 
@@ -250,8 +283,10 @@ class TrialResult:
         return self.metrics.process_peak_bytes if self.metrics else None
 
     @classmethod
-    def load(cls, out_dir: str | Path) -> "TrialResult":
+    def load(cls, out_dir: str | Path) -> TrialResult:
         """Read a finished trial dir back."""
         out_dir = Path(out_dir)
         metrics = TrialMetrics.read(out_dir / "metrics.json")
-        return cls(status=metrics.status, reason=metrics.reason, out_dir=out_dir, metrics=metrics, wall_s=metrics.wall_s)
+        return cls(
+            status=metrics.status, reason=metrics.reason, out_dir=out_dir, metrics=metrics, wall_s=metrics.wall_s
+        )

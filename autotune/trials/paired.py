@@ -98,7 +98,9 @@ def get_pair_order(index: int) -> tuple[str, str]:
     return ("reference", "candidate") if index % 2 == 0 else ("candidate", "reference")
 
 
-def run_pairs(sides: dict[str, Side], *, num_pairs: int, device: torch.device, timed_step: Any, prune_if_ratio_above: float | None) -> bool:
+def run_pairs(
+    sides: dict[str, Side], *, num_pairs: int, device: torch.device, timed_step: Any, prune_if_ratio_above: float | None
+) -> bool:
     """Alternate the two sides for ``num_pairs`` pairs; returns whether the trial was pruned."""
     for i in range(num_pairs):
         for name in get_pair_order(i):

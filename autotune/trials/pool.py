@@ -31,7 +31,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autotune.trials.launch import TEMP_PREFIX, RankRun, classify_failure, count_since, kill_tree, read_oom_kills, read_tail, remove_stale_temp_dirs, spawn_ranks
+from autotune.trials.launch import (
+    TEMP_PREFIX,
+    RankRun,
+    classify_failure,
+    count_since,
+    kill_tree,
+    read_oom_kills,
+    read_tail,
+    remove_stale_temp_dirs,
+    spawn_ranks,
+)
 
 _FAIL_GRACE_S = 1.0  # after a rank dies, how long its peers may run on to report their own error
 _SHUTDOWN_S = 5.0
@@ -40,7 +50,9 @@ _SHUTDOWN_S = 5.0
 class RankPool:
     """``world_size`` long-lived ranks that run jobs ``fn(rank, world_size, **kwargs)``; see [Note: rank pool]."""
 
-    def __init__(self, world_size: int, *, backend: str = "gloo", num_threads: int | None = None, pg_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, world_size: int, *, backend: str = "gloo", num_threads: int | None = None, pg_timeout_s: float = 600.0
+    ) -> None:
         self.world_size = world_size
         self.backend = backend
         self.num_threads = num_threads or max(1, (os.cpu_count() or 1) // world_size)
@@ -53,7 +65,7 @@ class RankPool:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._next_job = 0
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -84,10 +96,30 @@ class RankPool:
             results = [pickle.loads(self._jobs.get(k)) for k in keys]
             for k in [f"job/{n}", *keys]:
                 self._jobs.delete_key(k)
-            return RankRun(status="ok", results=results, returncodes=[None] * self.world_size, wall_s=time.monotonic() - start, pids=pids)
+            return RankRun(
+                status="ok",
+                results=results,
+                returncodes=[None] * self.world_size,
+                wall_s=time.monotonic() - start,
+                pids=pids,
+            )
         codes, tails = self._stop_all(exit_order)
-        status, reason = classify_failure(codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order, oom_kills=count_since(oom_before))
-        return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=time.monotonic() - start, pids=pids)
+        status, reason = classify_failure(
+            codes,
+            tails,
+            timed_out=timed_out,
+            timeout_s=timeout_s,
+            exit_order=exit_order,
+            oom_kills=count_since(oom_before),
+        )
+        return RankRun(
+            status=status,
+            reason=reason,
+            returncodes=codes,
+            stderr_tails=tails,
+            wall_s=time.monotonic() - start,
+            pids=pids,
+        )
 
     def close(self) -> None:
         """Ask the ranks to exit, then kill whatever is left; the pool can be started again."""
@@ -149,7 +181,9 @@ class RankPool:
             kill_tree(proc)
             proc.wait()
         codes = [p.returncode if r in exit_order else None for r, p in enumerate(self._procs)]
-        tails = [read_tail(Path(self._tmp.name) / f"stderr_{r}.txt") for r in range(len(self._procs))] if self._tmp else []
+        tails = (
+            [read_tail(Path(self._tmp.name) / f"stderr_{r}.txt") for r in range(len(self._procs))] if self._tmp else []
+        )
         self._procs = []
         self._store = None
         self._jobs = None

@@ -106,7 +106,7 @@ class _RssSampler:
         while not self._stop.wait(_SAMPLE_INTERVAL_S):
             self.peak_bytes = max(self.peak_bytes, self.read())
 
-    def __enter__(self) -> "_RssSampler":
+    def __enter__(self) -> _RssSampler:
         self._thread.start()
         return self
 
@@ -199,7 +199,9 @@ def _vote_prune(step_ms: list[float], limit_ms: float, device: torch.device) -> 
     return bool(slow.item() > 0)
 
 
-def _profiled_window(training: Any, first_step: int, num_active: int, device: torch.device, emulator: Any, trace_path: Path) -> list[StepTiming]:
+def _profiled_window(
+    training: Any, first_step: int, num_active: int, device: torch.device, emulator: Any, trace_path: Path
+) -> list[StepTiming]:
     """The traced steps (after one untraced warm-up step of the schedule, whose loss is kept too)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -209,7 +211,9 @@ def _profiled_window(training: Any, first_step: int, num_active: int, device: to
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     steps = []
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=num_active, repeat=1), on_trace_ready=export) as prof:
+    with profile(
+        activities=activities, schedule=schedule(wait=0, warmup=1, active=num_active, repeat=1), on_trace_ready=export
+    ) as prof:
         for i in range(1 + num_active):
             steps.append(timed_step(training, first_step + i, device, emulator))
             prof.step()
@@ -218,17 +222,28 @@ def _profiled_window(training: Any, first_step: int, num_active: int, device: to
 
 def _get_memory(device: torch.device, rss: _RssSampler) -> dict[str, Any]:
     if device.type == "cuda":
-        return {"source": "cuda_max_allocated", "peak_bytes": torch.cuda.max_memory_allocated(device), "baseline_bytes": 0}
+        return {
+            "source": "cuda_max_allocated",
+            "peak_bytes": torch.cuda.max_memory_allocated(device),
+            "baseline_bytes": 0,
+        }
     return {"source": "peak_rss", "peak_bytes": rss.peak_bytes, "baseline_bytes": rss.baseline_bytes}
 
 
-def _build_sides(rank: int, world_size: int, spec: dict[str, Any], device: torch.device, emulators: tuple[Any, Any]) -> tuple[dict[str, Side], _RssSampler]:
+def _build_sides(
+    rank: int, world_size: int, spec: dict[str, Any], device: torch.device, emulators: tuple[Any, Any]
+) -> tuple[dict[str, Side], _RssSampler]:
     """The candidate (process peak sampled from before its build through its warm-up) and,
     with ``spec["reference"]``, the reference (built after: its memory is not the candidate's)."""
     from autotune.trials.workload import build_training
 
     with _RssSampler() as rss:
-        candidate = Side(training=build_training(rank, world_size, model=spec["model"], config=spec["config"], seed=spec["seed"], device=device), emulator=emulators[0])
+        candidate = Side(
+            training=build_training(
+                rank, world_size, model=spec["model"], config=spec["config"], seed=spec["seed"], device=device
+            ),
+            emulator=emulators[0],
+        )
         for _ in range(spec["num_warmup"]):
             step_side(candidate, device, timed_step)
     sides = {"candidate": candidate}
@@ -237,7 +252,12 @@ def _build_sides(rank: int, world_size: int, spec: dict[str, Any], device: torch
         if reference == spec["config"]:  # the defaults trial: one model, alternate steps measure the noise
             sides["reference"] = candidate
         else:
-            sides["reference"] = Side(training=build_training(rank, world_size, model=spec["model"], config=reference, seed=spec["seed"], device=device), emulator=emulators[1])
+            sides["reference"] = Side(
+                training=build_training(
+                    rank, world_size, model=spec["model"], config=reference, seed=spec["seed"], device=device
+                ),
+                emulator=emulators[1],
+            )
             for _ in range(spec["num_warmup"]):
                 step_side(sides["reference"], device, timed_step)
     for side in sides.values():  # warm-up steps are not measurements (their losses stay: the run's record)
@@ -249,7 +269,13 @@ def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device)
     """The timed steps: paired with the reference when there is one; returns whether pruned."""
     if "reference" in sides:
         ratio_limit = spec.get("prune_if_ratio_above")
-        return run_pairs(sides, num_pairs=spec["num_measured"], device=device, timed_step=timed_step, prune_if_ratio_above=ratio_limit)
+        return run_pairs(
+            sides,
+            num_pairs=spec["num_measured"],
+            device=device,
+            timed_step=timed_step,
+            prune_if_ratio_above=ratio_limit,
+        )
     candidate, limit = sides["candidate"], spec["prune_if_slower_than_ms"]
     for i in range(spec["num_measured"]):
         step_side(candidate, device, timed_step)
@@ -275,7 +301,12 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     memory = _get_memory(device, rss)
     candidate = sides["candidate"]
     reference_ms = list(sides["reference"].step_ms) if "reference" in sides else []
-    unprofiled = {"step_ms": candidate.step_ms, "own_step_ms": candidate.own_ms, "step_cpu_ms": candidate.cpu_ms, "step_page_faults": candidate.page_faults}
+    unprofiled = {
+        "step_ms": candidate.step_ms,
+        "own_step_ms": candidate.own_ms,
+        "step_cpu_ms": candidate.cpu_ms,
+        "step_page_faults": candidate.page_faults,
+    }
     if sides.get("reference") is candidate:  # one model alternating: split its steps by pair order
         reference_ms = _split_self_pairs(candidate.step_ms)[1]
         unprofiled = {key: _split_self_pairs(steps)[0] for key, steps in unprofiled.items()}
@@ -287,7 +318,9 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
         trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
         if libc is not None:
             prefault_heap(libc, world_size)
-        window = _profiled_window(candidate.training, candidate.next_step, spec["num_profiled"], device, candidate.emulator, trace_path)
+        window = _profiled_window(
+            candidate.training, candidate.next_step, spec["num_profiled"], device, candidate.emulator, trace_path
+        )
         losses += [s.loss for s in window]
         profiled = window[1:]  # the schedule's warm-up step is not traced
         trace = trace_path.name

@@ -34,7 +34,9 @@ class TrialSpec:
 
     KIND: ClassVar[str] = "trial_spec"
     SCHEMA_VERSION: ClassVar[int] = 2
-    MIGRATIONS: ClassVar[dict] = {1: lambda data: {"reference": None, "prune_if_ratio_above": None, **data}}  # v2: paired measurement
+    MIGRATIONS: ClassVar[dict] = {
+        1: lambda data: {"reference": None, "prune_if_ratio_above": None, **data}
+    }  # v2: paired measurement
 
     model: str | dict[str, Any]
     """Model profile name/path, or ``{"name": ..., **shape/seq_len/batch_size overrides}``."""
@@ -75,10 +77,18 @@ class TrialSpec:
             ("world_size", self.world_size >= 1, f"world size must be >= 1, got {self.world_size}"),
             ("num_warmup", self.num_warmup >= 0, f"warm-up steps must be >= 0, got {self.num_warmup}"),
             ("num_measured", self.num_measured >= 1, f"measured steps must be >= 1, got {self.num_measured}"),
-            ("num_profiled", not self.profile or self.num_profiled >= 1, f"profiled steps must be >= 1 when profiling, got {self.num_profiled}"),
+            (
+                "num_profiled",
+                not self.profile or self.num_profiled >= 1,
+                f"profiled steps must be >= 1 when profiling, got {self.num_profiled}",
+            ),
             ("timeout_s", self.timeout_s > 0, f"timeout must be > 0 s, got {self.timeout_s}"),
             ("backend", self.backend in ("gloo", "nccl"), f"backend must be 'gloo' or 'nccl', got {self.backend!r}"),
-            ("rank_program", ":" in self.rank_program, f"rank program must be 'module:function', got {self.rank_program!r}"),
+            (
+                "rank_program",
+                ":" in self.rank_program,
+                f"rank program must be 'module:function', got {self.rank_program!r}",
+            ),
         ]
         for name, ok, problem in checks:
             if not ok:
@@ -88,29 +98,51 @@ class TrialSpec:
         """JSON-able form (what ranks receive, and ``--write-spec`` writes for torchrun)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         reference = config_to_dict(self.reference) if self.reference is not None else None
-        return {"schema_version": self.SCHEMA_VERSION, "kind": self.KIND, **data, "config": config_to_dict(self.config), "reference": reference, "out_dir": str(self.out_dir)}
+        return {
+            "schema_version": self.SCHEMA_VERSION,
+            "kind": self.KIND,
+            **data,
+            "config": config_to_dict(self.config),
+            "reference": reference,
+            "out_dir": str(self.out_dir),
+        }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: str = "trial spec") -> "TrialSpec":
+    def from_dict(cls, data: dict[str, Any], *, source: str = "trial spec") -> TrialSpec:
         if isinstance(data, dict) and "kind" not in data and "config" in data:
-            raise TrialSpecError(f"{source}: a trial spec written by an older fsdp-autotune (no 'kind'); write it again with `autotune trial --write-spec`")
-        data = dict(check_artifact(data, kind=cls.KIND, version=cls.SCHEMA_VERSION, migrations=cls.MIGRATIONS, source=source))
+            raise TrialSpecError(
+                f"{source}: a trial spec written by an older fsdp-autotune (no 'kind'); write it again with `autotune trial --write-spec`"
+            )
+        data = dict(
+            check_artifact(data, kind=cls.KIND, version=cls.SCHEMA_VERSION, migrations=cls.MIGRATIONS, source=source)
+        )
         del data["kind"], data["schema_version"]
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise TrialSpecError(f"{source}: unknown field {unknown[0]!r} (known: {', '.join(sorted(names))})")
         try:
-            reference = config_from_dict(data["reference"], source=source) if data.get("reference") is not None else None
-            return cls(**{**data, "config": config_from_dict(data["config"], source=source), "reference": reference, "out_dir": Path(data["out_dir"])})
+            reference = (
+                config_from_dict(data["reference"], source=source) if data.get("reference") is not None else None
+            )
+            return cls(
+                **{
+                    **data,
+                    "config": config_from_dict(data["config"], source=source),
+                    "reference": reference,
+                    "out_dir": Path(data["out_dir"]),
+                }
+            )
         except (KeyError, TypeError) as e:
             raise TrialSpecError(f"{source}: incomplete trial spec ({e})") from None
         except TrialSpecError as e:
             raise TrialSpecError(f"{source}: {str(e).removeprefix('trial spec: ')}", field=e.field) from None
 
     @classmethod
-    def read(cls, path: str | Path) -> "TrialSpec":
-        return cls.from_dict(read_artifact(path, kind=cls.KIND, version=cls.SCHEMA_VERSION, migrations=cls.MIGRATIONS), source=str(path))
+    def read(cls, path: str | Path) -> TrialSpec:
+        return cls.from_dict(
+            read_artifact(path, kind=cls.KIND, version=cls.SCHEMA_VERSION, migrations=cls.MIGRATIONS), source=str(path)
+        )
 
     def write(self, path: str | Path) -> Path:
         return write_artifact(path, self.to_dict())

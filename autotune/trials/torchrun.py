@@ -31,7 +31,9 @@ from fsdp_runtime.errors import AutotuneError
 
 def _run(spec: TrialSpec, spec_path: Path, rank: int, world_size: int) -> list[Any] | None:
     if world_size != spec.world_size:
-        raise AutotuneError(f"{spec_path}: spec.world_size is {spec.world_size} but torchrun started {world_size} ranks (match --nnodes x --nproc-per-node)")
+        raise AutotuneError(
+            f"{spec_path}: spec.world_size is {spec.world_size} but torchrun started {world_size} ranks (match --nnodes x --nproc-per-node)"
+        )
     check_trial_spec(spec)  # on every rank: all fail together, nobody waits at the barrier
     if rank == 0:
         prepare_trial_dir(spec, check=False)
@@ -45,8 +47,12 @@ def _run(spec: TrialSpec, spec_path: Path, rank: int, world_size: int) -> list[A
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m autotune.trials.torchrun --spec spec.json`` under torchrun (env:// rendezvous)."""
-    parser = argparse.ArgumentParser(prog="python -m autotune.trials.torchrun", description="Run one trial rank under torchrun.")
-    parser.add_argument("--spec", required=True, type=Path, help="TrialSpec JSON written by `autotune trial --write-spec`.")
+    parser = argparse.ArgumentParser(
+        prog="python -m autotune.trials.torchrun", description="Run one trial rank under torchrun."
+    )
+    parser.add_argument(
+        "--spec", required=True, type=Path, help="TrialSpec JSON written by `autotune trial --write-spec`."
+    )
     args = parser.parse_args(argv)
     spec = TrialSpec.read(args.spec)
     dist.init_process_group(spec.backend)
@@ -59,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         status = "invalid_config" if isinstance(e, AutotuneError) else "crash"
         if rank == 0:
             spec.out_dir.mkdir(parents=True, exist_ok=True)
-            write_trial_dir(spec, status=status, reason=f"rank 0: {type(e).__name__}: {e}"[:300], rank_results=[], wall_s=time.monotonic() - start)
+            write_trial_dir(
+                spec,
+                status=status,
+                reason=f"rank 0: {type(e).__name__}: {e}"[:300],
+                rank_results=[],
+                wall_s=time.monotonic() - start,
+            )
         sys.stderr.flush()
         os._exit(EXIT_USER_ERROR if status == "invalid_config" else 1)
     if rank == 0:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from autotune.trials.metrics import TrialResult
 from autotune.trials.spec import TrialSpec, TrialSpecError
@@ -46,26 +47,36 @@ def load_rank_program(target: str) -> Callable[..., dict[str, Any]]:
     return getattr(importlib.import_module(module_name), fn_name)
 
 
-def run_trial(spec: TrialSpec, *, pool: "RankPool | None" = None) -> TrialResult:
+def run_trial(spec: TrialSpec, *, pool: RankPool | None = None) -> TrialResult:
     """Run one trial (fresh ranks, or ``pool``'s) and write its trial dir; never raises for what a rank does."""
     start = time.monotonic()
     if pool is not None and (pool.world_size != spec.world_size or pool.backend != spec.backend):
-        raise TrialSpecError(f"trial spec: world {spec.world_size}/{spec.backend} does not match the pool's {pool.world_size}/{pool.backend}")
+        raise TrialSpecError(
+            f"trial spec: world {spec.world_size}/{spec.backend} does not match the pool's {pool.world_size}/{pool.backend}"
+        )
     try:
         prepare_trial_dir(spec)
     except AutotuneError as e:
-        return write_trial_dir(spec, status="invalid_config", reason=str(e), rank_results=[], wall_s=time.monotonic() - start)
+        return write_trial_dir(
+            spec, status="invalid_config", reason=str(e), rank_results=[], wall_s=time.monotonic() - start
+        )
     kwargs = {"spec": spec.to_dict()}
     if pool is not None:
         run = pool.run(spec.rank_program, kwargs, timeout_s=spec.timeout_s)
     else:
         from autotune.trials.launch import run_ranks
 
-        run = run_ranks(spec.rank_program, world_size=spec.world_size, kwargs=kwargs, timeout_s=spec.timeout_s, backend=spec.backend)
+        run = run_ranks(
+            spec.rank_program, world_size=spec.world_size, kwargs=kwargs, timeout_s=spec.timeout_s, backend=spec.backend
+        )
     if run.ok:
         status = "pruned" if any(r["pruned"] for r in run.results) else "ok"
-        result = write_trial_dir(spec, status=status, reason="", rank_results=run.results, wall_s=time.monotonic() - start)
+        result = write_trial_dir(
+            spec, status=status, reason="", rank_results=run.results, wall_s=time.monotonic() - start
+        )
     else:
-        result = write_trial_dir(spec, status=run.status, reason=run.reason, rank_results=[], wall_s=time.monotonic() - start)
+        result = write_trial_dir(
+            spec, status=run.status, reason=run.reason, rank_results=[], wall_s=time.monotonic() - start
+        )
     result.rank_pids = list(run.pids)
     return result

@@ -50,7 +50,9 @@ def prepare_trial_dir(spec: TrialSpec, *, check: bool = True) -> None:
     """Create the trial dir, remove a previous trial's files, check the spec, write config.toml."""
     out_dir = spec.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / INCOMPLETE_MARKER).write_text("this trial did not finish: the process running it stopped before writing metrics.json\n")
+    (out_dir / INCOMPLETE_MARKER).write_text(
+        "this trial did not finish: the process running it stopped before writing metrics.json\n"
+    )
     for stale in [*_STALE_FILES, *(p.name for p in out_dir.glob("trace_rank*.json.gz"))]:
         (out_dir / stale).unlink(missing_ok=True)
     if check:
@@ -62,21 +64,39 @@ def to_rank_metrics(result: dict[str, Any]) -> RankMetrics:
     """A rank program's return value (see :func:`autotune.trials.program.run_trial_rank`) as metrics."""
     memory = result["memory"]
     return RankMetrics(
-        rank=result["rank"], step_ms=result["step_ms"], reference_step_ms=result.get("reference_step_ms", []), profiled_step_ms=result["profiled_step_ms"], losses=result["losses"],
-        process_peak_bytes=memory["peak_bytes"], process_baseline_bytes=memory["baseline_bytes"], trace=result["trace"],
-        link_emulation=result["link_emulation"], **{k: result[k] for k in _STEP_COST_KEYS if k in result},
-    )  # fmt: skip
+        rank=result["rank"],
+        step_ms=result["step_ms"],
+        reference_step_ms=result.get("reference_step_ms", []),
+        profiled_step_ms=result["profiled_step_ms"],
+        losses=result["losses"],
+        process_peak_bytes=memory["peak_bytes"],
+        process_baseline_bytes=memory["baseline_bytes"],
+        trace=result["trace"],
+        link_emulation=result["link_emulation"],
+        **{k: result[k] for k in _STEP_COST_KEYS if k in result},
+    )
 
 
-def write_trial_dir(spec: TrialSpec, *, status: TrialStatus, reason: str, rank_results: list[dict[str, Any]], wall_s: float) -> TrialResult:
+def write_trial_dir(
+    spec: TrialSpec, *, status: TrialStatus, reason: str, rank_results: list[dict[str, Any]], wall_s: float
+) -> TrialResult:
     """Write ``metrics.json`` and ``env.json`` for a finished (or failed) trial; returns its result."""
     ranks = [to_rank_metrics(r) for r in rank_results]
     metrics = TrialMetrics.from_ranks(
-        ranks, status=status, reason=reason, model=spec.model, world_size=spec.world_size, backend=spec.backend, cluster=spec.cluster,
-        mesh=config_to_dict(spec.config)["mesh"], num_warmup=spec.num_warmup, num_measured=spec.num_measured,
-        num_profiled=spec.num_profiled if spec.profile else 0, memory_source=rank_results[0]["memory"]["source"] if rank_results else None,
+        ranks,
+        status=status,
+        reason=reason,
+        model=spec.model,
+        world_size=spec.world_size,
+        backend=spec.backend,
+        cluster=spec.cluster,
+        mesh=config_to_dict(spec.config)["mesh"],
+        num_warmup=spec.num_warmup,
+        num_measured=spec.num_measured,
+        num_profiled=spec.num_profiled if spec.profile else 0,
+        memory_source=rank_results[0]["memory"]["source"] if rank_results else None,
         wall_s=wall_s,
-    )  # fmt: skip
+    )
     if metrics.traces and status == "ok":
         metrics.trace_metrics, metrics.analysis_error = _analyze([spec.out_dir / t for t in metrics.traces])
     spec.out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +126,9 @@ def _get_env(spec: TrialSpec, rank_results: list[dict[str, Any]]) -> dict[str, A
 
         cluster = load_cluster_profile(spec.cluster)
         links = {name: dataclasses.asdict(link) for name, link in cluster.links.items() if link.emulated}
-        link_emulation = {"cluster": cluster.name, "ranks_per_node": cluster.ranks_per_node, "links": links} if links else None
+        link_emulation = (
+            {"cluster": cluster.name, "ranks_per_node": cluster.ranks_per_node, "links": links} if links else None
+        )
     import torch
 
     return {

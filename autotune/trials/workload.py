@@ -24,7 +24,9 @@ from profiles.sources import ModelSource, load_model_source
 LEARNING_RATE = 1e-3
 
 
-def make_microbatch(profile: ModelSource, *, seed: int, step: int, microbatch: int, dp_rank: int, model: nn.Module | None = None) -> Any:
+def make_microbatch(
+    profile: ModelSource, *, seed: int, step: int, microbatch: int, dp_rank: int, model: nn.Module | None = None
+) -> Any:
     """Token ids ``(batch_size, seq_len + 1)`` (inputs ``[:, :-1]``, targets ``[:, 1:]``), or
     ``model.make_autotune_batch(...)`` where ``model`` has it; on CPU."""
     key = ((seed * 1_000_003 + step) * 1_000_003 + microbatch) * 1_000_003 + dp_rank
@@ -33,7 +35,9 @@ def make_microbatch(profile: ModelSource, *, seed: int, step: int, microbatch: i
     if callable(hook):
         return hook(generator=gen, batch_size=profile.batch_size, seq_len=profile.seq_len)
     if profile.vocab_size is None:
-        raise ModelSourceError(f"{profile.name}: the vocabulary size is unknown and the model has no {BATCH_HOOK} (see [Note: model factory protocol])")
+        raise ModelSourceError(
+            f"{profile.name}: the vocabulary size is unknown and the model has no {BATCH_HOOK} (see [Note: model factory protocol])"
+        )
     return torch.randint(0, profile.vocab_size, (profile.batch_size, profile.seq_len + 1), generator=gen)
 
 
@@ -60,7 +64,9 @@ def compute_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         return loss
     logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
     if not isinstance(logits, torch.Tensor):
-        raise ModelSourceError(f"{type(model).__name__}(token ids) returned {type(out).__name__}: expected logits, or an object with .logits or .loss (see [Note: model factory protocol])")
+        raise ModelSourceError(
+            f"{type(model).__name__}(token ids) returned {type(out).__name__}: expected logits, or an object with .logits or .loss (see [Note: model factory protocol])"
+        )
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 
@@ -82,7 +88,9 @@ class Training:
         return self.applied.model
 
     def get_microbatch(self, step: int, microbatch: int) -> Any:
-        batch = make_microbatch(self.profile, seed=self.seed, step=step, microbatch=microbatch, dp_rank=self.dp_rank, model=self.model)
+        batch = make_microbatch(
+            self.profile, seed=self.seed, step=step, microbatch=microbatch, dp_rank=self.dp_rank, model=self.model
+        )
         return move_batch(batch, self.device)
 
     def step(self, step: int) -> float:
@@ -107,7 +115,13 @@ def resolve_profile(model: str | dict[str, Any]) -> ModelSource:
 
 
 def build_training(
-    rank: int, world_size: int, *, model: str | dict[str, Any], config: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu"
+    rank: int,
+    world_size: int,
+    *,
+    model: str | dict[str, Any],
+    config: dict[str, Any],
+    seed: int = 0,
+    device: str | torch.device = "cpu",
 ) -> Training:
     """Build the model on ``device``, shard it as ``config`` says, and add AdamW."""
     source = resolve_profile(model)
@@ -117,5 +131,11 @@ def build_training(
     applied = apply_fsdp(module, runtime_config)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
     return Training(
-        profile=source, applied=applied, optimizer=optimizer, accumulator=GradAccumulator(applied), seed=seed, dp_rank=rank, device=torch.device(device)
+        profile=source,
+        applied=applied,
+        optimizer=optimizer,
+        accumulator=GradAccumulator(applied),
+        seed=seed,
+        dp_rank=rank,
+        device=torch.device(device),
     )

@@ -165,8 +165,14 @@ def _allocate_buffers(buckets: list[_Bucket]) -> dict[torch.device, tuple[torch.
     sizes: dict[torch.device, tuple[int, int]] = {}
     for b in buckets:
         num_in, num_out = sizes.get(b.device, (0, 0))
-        sizes[b.device] = (num_in if b.is_direct else max(num_in, b.bytes_per_rank), max(num_out, b.bytes_per_rank * b.group_size))
-    return {d: (torch.zeros(i, dtype=torch.uint8, device=d), torch.empty(o, dtype=torch.uint8, device=d)) for d, (i, o) in sizes.items()}
+        sizes[b.device] = (
+            num_in if b.is_direct else max(num_in, b.bytes_per_rank),
+            max(num_out, b.bytes_per_rank * b.group_size),
+        )
+    return {
+        d: (torch.zeros(i, dtype=torch.uint8, device=d), torch.empty(o, dtype=torch.uint8, device=d))
+        for d, (i, o) in sizes.items()
+    }
 
 
 def _all_gather_single(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup) -> None:

@@ -13,7 +13,9 @@ from torch.distributed.tensor import DTensor
 from fsdp_runtime.consolidate._leaves import StateDict, get_rank
 
 
-def consolidate_with_dcp(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, to_cpu: bool, rank0_only: bool) -> tuple[StateDict, StateDict]:
+def consolidate_with_dcp(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, *, to_cpu: bool, rank0_only: bool
+) -> tuple[StateDict, StateDict]:
     # DCP's cpu_offload with full_state_dict already returns the state on rank 0 only.
     options = StateDictOptions(full_state_dict=True, cpu_offload=to_cpu and rank0_only)
     model_sd = get_model_state_dict(model, options=options)

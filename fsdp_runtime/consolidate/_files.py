@@ -50,7 +50,9 @@ def save_consolidated_checkpoint(
     alongside the state. Returns ``path``.
     """
     path = Path(path)
-    model_sd, optim_sd = consolidate_state(model, optimizer, method=method, to_cpu=True, rank0_only=True, bucket_bytes=bucket_bytes)
+    model_sd, optim_sd = consolidate_state(
+        model, optimizer, method=method, to_cpu=True, rank0_only=True, bucket_bytes=bucket_bytes
+    )
     error: BaseException | None = None
     if get_rank() == 0:
         payload = {
@@ -89,7 +91,9 @@ def load_consolidated_checkpoint(
         try:
             model_sd, optim_sd = _read_source(source)
             if optimizer is not None and not optim_sd:
-                raise CheckpointError("the checkpoint holds no optimizer state (load the model alone with optimizer=None)")
+                raise CheckpointError(
+                    "the checkpoint holds no optimizer state (load the model alone with optimizer=None)"
+                )
         except Exception as e:  # re-raised below, after the other ranks were told
             error = e
     _agree_on_outcome(error, "rank 0 could not read the checkpoint to load")
@@ -127,7 +131,9 @@ def _restore_param_group_options(optimizer: torch.optim.Optimizer, optim_sd: Sta
     if dist.is_initialized():
         dist.broadcast_object_list(options, src=0)
     if len(options[0]) != len(optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint has {len(options[0])} optimizer param groups, the optimizer {len(optimizer.param_groups)}")
+        raise CheckpointError(
+            f"the checkpoint has {len(options[0])} optimizer param groups, the optimizer {len(optimizer.param_groups)}"
+        )
     for group, saved in zip(optimizer.param_groups, options[0]):
         group.update(saved)
 
@@ -154,15 +160,21 @@ def _read_source(source: str | Path | tuple[StateDict, StateDict] | None) -> tup
     if isinstance(source, tuple) and len(source) == 2:
         return source
     if not isinstance(source, (str, Path)):
-        raise CheckpointError(f"cannot load from {type(source).__name__} (pass a checkpoint path or a (model_sd, optim_sd) pair on rank 0)")
+        raise CheckpointError(
+            f"cannot load from {type(source).__name__} (pass a checkpoint path or a (model_sd, optim_sd) pair on rank 0)"
+        )
     try:
         payload = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise CheckpointError(f"{source}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise CheckpointError(
+            f"{source}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{source}: not a consolidated checkpoint written by save_consolidated_checkpoint")
     if payload.get("schema_version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"{source}: checkpoint schema_version {payload.get('schema_version')} is not {CHECKPOINT_VERSION}")
+        raise CheckpointError(
+            f"{source}: checkpoint schema_version {payload.get('schema_version')} is not {CHECKPOINT_VERSION}"
+        )
     return payload["model"], payload["optimizer"]
 
 

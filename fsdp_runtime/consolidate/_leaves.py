@@ -50,19 +50,29 @@ def get_shard_layout(tensor: DTensor) -> ShardLayout | None:
         if type(placement) is Shard and placement.dim == 0:  # not _StridedShard (FSDP + TP)
             shard_dims.append(mesh_dim)
         elif not isinstance(placement, Replicate):
-            raise ConfigError("model", f"parameter placement {tensor.placements} is not supported by consolidation", fix="only FSDP2 shardings (Shard(0) on one mesh dim, Replicate() on the others) are; use method 'dcp'")
+            raise ConfigError(
+                "model",
+                f"parameter placement {tensor.placements} is not supported by consolidation",
+                fix="only FSDP2 shardings (Shard(0) on one mesh dim, Replicate() on the others) are; use method 'dcp'",
+            )
     if not shard_dims:
         return None
     if len(shard_dims) > 1:
-        raise ConfigError("model", f"parameter placement {tensor.placements} shards dim 0 twice", fix="use method 'dcp'")
+        raise ConfigError(
+            "model", f"parameter placement {tensor.placements} shards dim 0 twice", fix="use method 'dcp'"
+        )
     mesh, mesh_dim = tensor.device_mesh, shard_dims[0]
     size = mesh.size(mesh_dim)
     rows = tensor.shape[0]
     chunk = math.ceil(rows / size)
     num_rows = [max(0, min(chunk, rows - r * chunk)) for r in range(size)]
-    layout = ShardLayout(group=mesh.get_group(mesh_dim), group_rank=mesh.get_local_rank(mesh_dim), num_rows=num_rows, chunk_rows=chunk)
+    layout = ShardLayout(
+        group=mesh.get_group(mesh_dim), group_rank=mesh.get_local_rank(mesh_dim), num_rows=num_rows, chunk_rows=chunk
+    )
     local_rows = tensor.to_local().shape[0]
-    assert local_rows == num_rows[layout.group_rank], f"local shard has {local_rows} rows, expected {num_rows[layout.group_rank]} (torch.chunk layout)"
+    assert local_rows == num_rows[layout.group_rank], (
+        f"local shard has {local_rows} rows, expected {num_rows[layout.group_rank]} (torch.chunk layout)"
+    )
     return layout
 
 

@@ -37,7 +37,9 @@ def consolidate_state(
     """
     check_method(method)
     if bucket_bytes < 1:
-        raise ConfigError("bucket_bytes", f"must be >= 1, got {bucket_bytes}", fix=f"the default is {DEFAULT_BUCKET_BYTES} (16 MiB)")
+        raise ConfigError(
+            "bucket_bytes", f"must be >= 1, got {bucket_bytes}", fix=f"the default is {DEFAULT_BUCKET_BYTES} (16 MiB)"
+        )
     if method == "dcp":
         return consolidate_with_dcp(model, optimizer, to_cpu=to_cpu, rank0_only=rank0_only)
     model_sd = dict(model.state_dict())
@@ -60,7 +62,11 @@ def consolidate_state(
 def check_method(method: str) -> None:
     """Raise a one-line :class:`ConfigError` unless ``method`` is a consolidation method."""
     if method not in METHODS:
-        raise ConfigError("checkpoint.consolidation", f"unknown consolidation method {method!r}", fix=f"use one of {', '.join(METHODS)}")
+        raise ConfigError(
+            "checkpoint.consolidation",
+            f"unknown consolidation method {method!r}",
+            fix=f"use one of {', '.join(METHODS)}",
+        )
 
 
 def get_optimizer_state_by_fqn(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateDict:
@@ -76,7 +82,11 @@ def get_optimizer_state_by_fqn(model: nn.Module, optimizer: torch.optim.Optimize
         fqns = []
         for param in group["params"]:
             if id(param) not in fqn_of:
-                raise ConfigError("optimizer", "has a parameter that is not in the model", fix="build the optimizer over model.parameters()")
+                raise ConfigError(
+                    "optimizer",
+                    "has a parameter that is not in the model",
+                    fix="build the optimizer over model.parameters()",
+                )
             fqn = fqn_of[id(param)]
             fqns.append(fqn)
             if param in optimizer.state:

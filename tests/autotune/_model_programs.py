@@ -20,7 +20,9 @@ def order_preserving(config) -> bool:
 def without_order_changes(config):
     """The config with every knob that reorders sums (HSDP, sync on the last microbatch only) set back."""
     units = [dataclasses.replace(u, sync="every", defer_concat=True) for u in config.units]
-    return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, kind="fsdp", replicate=1, shard=None), units=units)
+    return dataclasses.replace(
+        config, mesh=dataclasses.replace(config.mesh, kind="fsdp", replicate=1, shard=None), units=units
+    )
 
 
 def _loss(module: nn.Module, batch, hf: bool) -> torch.Tensor:
@@ -33,7 +35,6 @@ def _loss(module: nn.Module, batch, hf: bool) -> torch.Tensor:
 
 def _train(source, rank: int, configure, num_microbatches: int, num_steps: int) -> list[float]:
     from autotune.trials.workload import make_microbatch
-
     from profiles.hf import HFModel
 
     module = source.build(seed=0)
@@ -55,7 +56,9 @@ def _train(source, rank: int, configure, num_microbatches: int, num_steps: int) 
     return losses
 
 
-def compare_with_fully_shard(rank: int, world_size: int, *, model: str, configs: dict[str, dict], num_steps: int = 2) -> dict[str, list[float]]:
+def compare_with_fully_shard(
+    rank: int, world_size: int, *, model: str, configs: dict[str, dict], num_steps: int = 2
+) -> dict[str, list[float]]:
     """Per config (applied with apply_fsdp + GradAccumulator) and for ``fully_shard`` by hand
     (each block, then the root, FSDP2 defaults, syncing every microbatch): this rank's losses."""
     import warnings
@@ -93,5 +96,13 @@ def rename_units(config, mapping: dict[str, str]):
     def names(items):
         return None if items is None else [mapping.get(n, n) for n in items]
 
-    units = [dataclasses.replace(u, name=mapping.get(u.name, u.name), forward_prefetch=names(u.forward_prefetch), backward_prefetch=names(u.backward_prefetch)) for u in config.units]
+    units = [
+        dataclasses.replace(
+            u,
+            name=mapping.get(u.name, u.name),
+            forward_prefetch=names(u.forward_prefetch),
+            backward_prefetch=names(u.backward_prefetch),
+        )
+        for u in config.units
+    ]
     return dataclasses.replace(config, units=units)

@@ -60,7 +60,9 @@ class PostgresServer:
         """A new empty database; returns its SQLAlchemy URL."""
         import psycopg
 
-        with psycopg.connect(host="127.0.0.1", port=self.port, user="postgres", dbname="postgres", autocommit=True, connect_timeout=10) as conn:
+        with psycopg.connect(
+            host="127.0.0.1", port=self.port, user="postgres", dbname="postgres", autocommit=True, connect_timeout=10
+        ) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
 
@@ -90,27 +92,59 @@ def _wait_ready(server: PostgresServer, deadline: float) -> None:
         if server.process is not None and server.process.poll() is not None:
             raise AssertionError(f"postgres exited with {server.process.returncode} on start-up:\n{server.log_tail()}")
         try:
-            psycopg.connect(host="127.0.0.1", port=server.port, user="postgres", dbname="postgres", connect_timeout=2).close()
+            psycopg.connect(
+                host="127.0.0.1", port=server.port, user="postgres", dbname="postgres", connect_timeout=2
+            ).close()
             return
         except psycopg.OperationalError:
             if time.monotonic() > deadline:
-                raise AssertionError(f"postgres did not accept connections within {START_TIMEOUT_S} s:\n{server.log_tail()}") from None
+                raise AssertionError(
+                    f"postgres did not accept connections within {START_TIMEOUT_S} s:\n{server.log_tail()}"
+                ) from None
             time.sleep(0.2)
 
 
 def _start(server: PostgresServer) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     data, sockets = server.root / "data", server.root / "sockets"
-    init = run_limited([*server.run_as, str(server.bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"], timeout_s=START_TIMEOUT_S, what="initdb")
+    init = run_limited(
+        [
+            *server.run_as,
+            str(server.bin_dir / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+        ],
+        timeout_s=START_TIMEOUT_S,
+        what="initdb",
+    )
     assert init.returncode == 0, f"initdb failed: {init.stdout[-1500:]}"
     settings = {
-        "listen_addresses": "127.0.0.1", "port": str(server.port), "unix_socket_directories": str(sockets),
-        "fsync": "off", "synchronous_commit": "off", "full_page_writes": "off", "max_connections": "40", "shared_buffers": "16MB",
-    }  # fmt: skip
+        "listen_addresses": "127.0.0.1",
+        "port": str(server.port),
+        "unix_socket_directories": str(sockets),
+        "fsync": "off",
+        "synchronous_commit": "off",
+        "full_page_writes": "off",
+        "max_connections": "40",
+        "shared_buffers": "16MB",
+    }
     args = [arg for key, value in settings.items() for arg in ("-c", f"{key}={value}")]
     log = open(server.log, "ab")
     # Started directly (not with pg_ctl start) so the server is a child in a process group of ours.
-    server.process = subprocess.Popen([*server.run_as, str(server.bin_dir / "postgres"), "-D", str(data), *args], stdout=log, stderr=log, start_new_session=True)
+    server.process = subprocess.Popen(
+        [*server.run_as, str(server.bin_dir / "postgres"), "-D", str(data), *args],
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
     log.close()
     _wait_ready(server, deadline)
 
@@ -120,7 +154,22 @@ def _stop(server: PostgresServer) -> None:
         return
     if server.process.poll() is None:
         try:
-            run_limited([*server.run_as, str(server.bin_dir / "pg_ctl"), "stop", "-D", str(server.root / "data"), "-m", "immediate", "-w", "-t", "10"], timeout_s=20, what="pg_ctl stop")
+            run_limited(
+                [
+                    *server.run_as,
+                    str(server.bin_dir / "pg_ctl"),
+                    "stop",
+                    "-D",
+                    str(server.root / "data"),
+                    "-m",
+                    "immediate",
+                    "-w",
+                    "-t",
+                    "10",
+                ],
+                timeout_s=20,
+                what="pg_ctl stop",
+            )
         except AssertionError:
             pass  # the group kill below ends it
     try:
@@ -135,7 +184,9 @@ def postgres_server() -> Iterator[PostgresServer]:
     """A PostgreSQL server for this test module, stopped and removed at its end."""
     bin_dir = find_server_bin()
     if bin_dir is None:
-        pytest.skip("no PostgreSQL server binaries (initdb, postgres, pg_ctl) under /usr/lib/postgresql/*/bin: apt-get install postgresql")
+        pytest.skip(
+            "no PostgreSQL server binaries (initdb, postgres, pg_ctl) under /usr/lib/postgresql/*/bin: apt-get install postgresql"
+        )
     try:
         import psycopg  # noqa: F401
     except ImportError:

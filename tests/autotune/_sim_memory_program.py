@@ -20,19 +20,31 @@ def _configs(blocks: list[str]):
     from fsdp_runtime import MeshConfig, MixedPrecisionConfig, UnitConfig, default_config
 
     bf16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
-    depth2 = [UnitConfig(name=b, forward_prefetch=blocks[i + 1 : i + 3], backward_prefetch=list(reversed(blocks[max(0, i - 2) : i]))) for i, b in enumerate(blocks)]
+    depth2 = [
+        UnitConfig(
+            name=b, forward_prefetch=blocks[i + 1 : i + 3], backward_prefetch=list(reversed(blocks[max(0, i - 2) : i]))
+        )
+        for i, b in enumerate(blocks)
+    ]
 
     def with_units(units, **changes):
-        return dataclasses.replace(default_config(blocks, num_microbatches=2, **changes), units=[*units, UnitConfig(name="root")])
+        return dataclasses.replace(
+            default_config(blocks, num_microbatches=2, **changes), units=[*units, UnitConfig(name="root")]
+        )
 
     return {
         "defaults": default_config(blocks, num_microbatches=2),
         "reshard_after_forward_false": with_units([UnitConfig(name=b, reshard_after_forward=False) for b in blocks]),
-        "no_sync_keep_unsharded": with_units([UnitConfig(name=b, sync="last", reshard_after_backward=False) for b in blocks]),
+        "no_sync_keep_unsharded": with_units(
+            [UnitConfig(name=b, sync="last", reshard_after_backward=False) for b in blocks]
+        ),
         "prefetch_depth2_async_off": with_units(depth2, unshard_async="off"),
-        "hsdp_2x4_replica_last": with_units([UnitConfig(name=b, sync="replica_last") for b in blocks], mesh=MeshConfig(kind="hsdp", replicate=2)),
+        "hsdp_2x4_replica_last": with_units(
+            [UnitConfig(name=b, sync="replica_last") for b in blocks], mesh=MeshConfig(kind="hsdp", replicate=2)
+        ),
         "bf16_no_sync_3_microbatches": dataclasses.replace(
-            default_config(blocks, num_microbatches=3, mixed_precision=bf16), units=[*(UnitConfig(name=b, sync="last") for b in blocks), UnitConfig(name="root")]
+            default_config(blocks, num_microbatches=3, mixed_precision=bf16),
+            units=[*(UnitConfig(name=b, sync="last") for b in blocks), UnitConfig(name="root")],
         ),
     }
 
@@ -74,12 +86,28 @@ def main(model: str) -> None:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     profile = load_model_profile(model)
-    accelerator = AcceleratorSpec(name="fake", peak_tflops={"float32": 1.0, "bfloat16": 1.0}, gemm_efficiency=1.0, attention_efficiency=1.0, hbm_gbps=1.0)
+    accelerator = AcceleratorSpec(
+        name="fake",
+        peak_tflops={"float32": 1.0, "bfloat16": 1.0},
+        gemm_efficiency=1.0,
+        attention_efficiency=1.0,
+        hbm_gbps=1.0,
+    )
     link = LinkClass(latency_us=1.0, bandwidth_gbps=1.0)
-    cluster = ClusterProfile(name="fake", description="", backend="gloo", device="cpu", ranks_per_node=8, memory_per_rank_gib=1e3,
-                             links={"intra_node": link, "inter_node": link}, accelerator=accelerator)  # fmt: skip
+    cluster = ClusterProfile(
+        name="fake",
+        description="",
+        backend="gloo",
+        device="cpu",
+        ranks_per_node=8,
+        memory_per_rank_gib=1e3,
+        links={"intra_node": link, "inter_node": link},
+        accelerator=accelerator,
+    )
     for name, config in _configs(profile.block_names).items():
-        simulator = Simulator(get_model_work(profile, config.mixed_precision.param_dtype or "float32"), Hardware(cluster, 1))
+        simulator = Simulator(
+            get_model_work(profile, config.mixed_precision.param_dtype or "float32"), Hardware(cluster, 1)
+        )
         predicted = simulator.simulate(config).peak_memory_bytes
         print(json.dumps({"config": name, "tracked": _track(profile, config), "predicted": predicted}), flush=True)
     dist.destroy_process_group()

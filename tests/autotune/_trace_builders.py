@@ -18,7 +18,9 @@ HOST, STREAM_COMPUTE, STREAM_NCCL = 1, 7, 20
 T0 = 5_000_000.0
 
 
-def span(name: str, start: float, end: float, *, tid: int = MAIN, cat: str = "cpu_op", pid: int = HOST, **args: Any) -> dict[str, Any]:
+def span(
+    name: str, start: float, end: float, *, tid: int = MAIN, cat: str = "cpu_op", pid: int = HOST, **args: Any
+) -> dict[str, Any]:
     """A complete (``ph: X``) event from ``T0 + start`` to ``T0 + end`` (microseconds)."""
     event = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": T0 + start, "dur": end - start}
     if args:
@@ -39,14 +41,28 @@ def gloo(name: str, start: float, end: float) -> dict[str, Any]:
 
 
 def memory(at: float, total_allocated: int, *, device_type: int = 0) -> dict[str, Any]:
-    return {"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": HOST, "tid": MAIN, "ts": T0 + at,
-            "args": {"Total Allocated": total_allocated, "Bytes": 0, "Device Type": device_type, "Device Id": -1}}  # fmt: skip
+    return {
+        "ph": "i",
+        "cat": "cpu_instant_event",
+        "s": "t",
+        "name": "[memory]",
+        "pid": HOST,
+        "tid": MAIN,
+        "ts": T0 + at,
+        "args": {"Total Allocated": total_allocated, "Bytes": 0, "Device Type": device_type, "Device Id": -1},
+    }
 
 
 def trace(events: list[dict[str, Any]], *, rank: int = 0, world_size: int = 2, backend: str = "gloo") -> dict[str, Any]:
     meta = [
         {"ph": "M", "name": "thread_name", "pid": HOST, "tid": MAIN, "args": {"name": "thread 100 (python)"}},
-        {"ph": "M", "name": "thread_name", "pid": HOST, "tid": WORKER, "args": {"name": "thread 200 (pt_gloo_runloop)"}},
+        {
+            "ph": "M",
+            "name": "thread_name",
+            "pid": HOST,
+            "tid": WORKER,
+            "args": {"name": "thread 200 (pt_gloo_runloop)"},
+        },
     ]
     info = {"backend": backend, "rank": rank, "world_size": world_size}
     return {"schemaVersion": 1, "distributedInfo": info, "traceEvents": meta + events}
@@ -57,11 +73,31 @@ def write(path: Path, doc: dict[str, Any]) -> Path:
     return path
 
 
-def launch(name: str, start: float, end: float, *, kernel: str, kernel_start: float, kernel_end: float, stream: int, correlation: int) -> list[dict[str, Any]]:
+def launch(
+    name: str,
+    start: float,
+    end: float,
+    *,
+    kernel: str,
+    kernel_start: float,
+    kernel_end: float,
+    stream: int,
+    correlation: int,
+) -> list[dict[str, Any]]:
     """A host-side launch and the device kernel it launched, linked by ``correlation``."""
     return [
         span(name, start, end, cat="cuda_runtime", correlation=correlation),
-        span(kernel, kernel_start, kernel_end, cat="kernel", pid=0, tid=stream, stream=stream, correlation=correlation, device=0),
+        span(
+            kernel,
+            kernel_start,
+            kernel_end,
+            cat="kernel",
+            pid=0,
+            tid=stream,
+            stream=stream,
+            correlation=correlation,
+            device=0,
+        ),
     ]
 
 
@@ -75,17 +111,88 @@ def gpu_rank_trace(rank: int) -> dict[str, Any]:
     """
     ag_start = 300.0 if rank == 0 else 100.0
     events = [
-        step(1, 0, 1000), step(2, 1000, 2000),
-        span("aten::mm", 10, 60), *launch("cudaLaunchKernel", 20, 30, kernel="sm90_xmma_gemm_f32", kernel_start=100, kernel_end=400, stream=STREAM_COMPUTE, correlation=1),
-        label("FSDP::all_gather (layers.0)", 65, 90), span("c10d::_allgather_base_", 70, 85),
-        *launch("cudaLaunchKernel", 75, 80, kernel="ncclDevKernel_AllGather_RING_LL", kernel_start=ag_start, kernel_end=600, stream=STREAM_NCCL, correlation=2),
-        span("aten::mm", 95, 120), *launch("cudaLaunchKernel", 100, 110, kernel="sm90_xmma_gemm_f32", kernel_start=500, kernel_end=700, stream=STREAM_COMPUTE, correlation=3),
-        span("aten::copy_", 130, 150), *launch("cudaMemcpyAsync", 135, 145, kernel="Memcpy HtoD (Pageable -> Device)", kernel_start=700, kernel_end=800, stream=STREAM_COMPUTE, correlation=4),
-        span("aten::mm", 1010, 1060), *launch("cudaLaunchKernel", 1020, 1030, kernel="sm90_xmma_gemm_f32", kernel_start=1100, kernel_end=1300, stream=STREAM_COMPUTE, correlation=5),
-        span("c10d::allreduce_", 1070, 1090), *launch("cudaLaunchKernel", 1075, 1080, kernel="ncclDevKernel_AllReduce_Sum_f32_RING_LL", kernel_start=1150, kernel_end=1250, stream=STREAM_NCCL, correlation=6),
-        label("FSDP::post_backward_reduce (layers.0)", 1095, 1130), span("c10d::_reduce_scatter_base_", 1100, 1120),
-        *launch("cudaLaunchKernel", 1105, 1110, kernel="ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", kernel_start=1300, kernel_end=1500, stream=STREAM_NCCL, correlation=7),
-    ]  # fmt: skip
+        step(1, 0, 1000),
+        step(2, 1000, 2000),
+        span("aten::mm", 10, 60),
+        *launch(
+            "cudaLaunchKernel",
+            20,
+            30,
+            kernel="sm90_xmma_gemm_f32",
+            kernel_start=100,
+            kernel_end=400,
+            stream=STREAM_COMPUTE,
+            correlation=1,
+        ),
+        label("FSDP::all_gather (layers.0)", 65, 90),
+        span("c10d::_allgather_base_", 70, 85),
+        *launch(
+            "cudaLaunchKernel",
+            75,
+            80,
+            kernel="ncclDevKernel_AllGather_RING_LL",
+            kernel_start=ag_start,
+            kernel_end=600,
+            stream=STREAM_NCCL,
+            correlation=2,
+        ),
+        span("aten::mm", 95, 120),
+        *launch(
+            "cudaLaunchKernel",
+            100,
+            110,
+            kernel="sm90_xmma_gemm_f32",
+            kernel_start=500,
+            kernel_end=700,
+            stream=STREAM_COMPUTE,
+            correlation=3,
+        ),
+        span("aten::copy_", 130, 150),
+        *launch(
+            "cudaMemcpyAsync",
+            135,
+            145,
+            kernel="Memcpy HtoD (Pageable -> Device)",
+            kernel_start=700,
+            kernel_end=800,
+            stream=STREAM_COMPUTE,
+            correlation=4,
+        ),
+        span("aten::mm", 1010, 1060),
+        *launch(
+            "cudaLaunchKernel",
+            1020,
+            1030,
+            kernel="sm90_xmma_gemm_f32",
+            kernel_start=1100,
+            kernel_end=1300,
+            stream=STREAM_COMPUTE,
+            correlation=5,
+        ),
+        span("c10d::allreduce_", 1070, 1090),
+        *launch(
+            "cudaLaunchKernel",
+            1075,
+            1080,
+            kernel="ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+            kernel_start=1150,
+            kernel_end=1250,
+            stream=STREAM_NCCL,
+            correlation=6,
+        ),
+        label("FSDP::post_backward_reduce (layers.0)", 1095, 1130),
+        span("c10d::_reduce_scatter_base_", 1100, 1120),
+        *launch(
+            "cudaLaunchKernel",
+            1105,
+            1110,
+            kernel="ncclDevKernel_ReduceScatter_Sum_f32_RING_LL",
+            kernel_start=1300,
+            kernel_end=1500,
+            stream=STREAM_NCCL,
+            correlation=7,
+        ),
+    ]
     doc = trace(events, rank=rank, backend="nccl")
     doc["deviceProperties"] = [{"id": 0, "name": "NVIDIA H100 80GB HBM3", "totalGlobalMem": 85031714816}]
     for e in doc["traceEvents"]:

@@ -35,12 +35,16 @@ def metrics_of(path: Path, events: list[dict]) -> dict:
 
 
 def test_comm_hidden_under_compute_is_not_exposed(tmp_path):
-    rows = metrics_of(tmp_path / "t.json", [
-        step(1, 0, 1000),
-        span("c10d::_allgather_base_", 10, 20),
-        span("aten::mm", 100, 900), span("aten::addmm", 150, 250),  # nested: counted once
-        gloo("gloo:all_gather", 200, 700),
-    ])  # fmt: skip
+    rows = metrics_of(
+        tmp_path / "t.json",
+        [
+            step(1, 0, 1000),
+            span("c10d::_allgather_base_", 10, 20),
+            span("aten::mm", 100, 900),
+            span("aten::addmm", 150, 250),  # nested: counted once
+            gloo("gloo:all_gather", 200, 700),
+        ],
+    )
     row = rows[1]
     assert row["step_ms"] == pytest.approx(1.0, abs=EXACT)
     assert row["compute_ms"] == pytest.approx(0.8, abs=EXACT)
@@ -53,13 +57,16 @@ def test_comm_hidden_under_compute_is_not_exposed(tmp_path):
 
 
 def test_comm_while_training_thread_idle_is_fully_exposed(tmp_path):
-    rows = metrics_of(tmp_path / "t.json", [
-        step(1, 0, 1000),
-        span("aten::mm", 0, 100),
-        span("c10d::_reduce_scatter_base_", 100, 150),  # enqueue: not compute
-        gloo("gloo:all_reduce", 160, 460),              # the thread waits, no op runs
-        span("aten::add", 500, 600),
-    ])  # fmt: skip
+    rows = metrics_of(
+        tmp_path / "t.json",
+        [
+            step(1, 0, 1000),
+            span("aten::mm", 0, 100),
+            span("c10d::_reduce_scatter_base_", 100, 150),  # enqueue: not compute
+            gloo("gloo:all_reduce", 160, 460),  # the thread waits, no op runs
+            span("aten::add", 500, 600),
+        ],
+    )
     row = rows[1]
     assert row["compute_ms"] == pytest.approx(0.2, abs=EXACT)
     assert row["comm_ms"] == pytest.approx(0.3, abs=EXACT)
@@ -70,42 +77,61 @@ def test_comm_while_training_thread_idle_is_fully_exposed(tmp_path):
 
 
 def test_emulated_link_holds_count_as_exposed_communication(tmp_path):
-    rows = metrics_of(tmp_path / "t.json", [
-        step(1, 0, 1000),
-        span("c10d::_allgather_base_", 0, 10),
-        gloo("gloo:all_gather", 20, 120),                            # real transfer, under compute
-        span("aten::mm", 10, 200),
-        span("linkemu::hold_all_gather", 200, 500, cat="user_annotation"),  # the emulated link's remainder
-        span("aten::mm", 500, 600),
-    ])  # fmt: skip
+    rows = metrics_of(
+        tmp_path / "t.json",
+        [
+            step(1, 0, 1000),
+            span("c10d::_allgather_base_", 0, 10),
+            gloo("gloo:all_gather", 20, 120),  # real transfer, under compute
+            span("aten::mm", 10, 200),
+            span("linkemu::hold_all_gather", 200, 500, cat="user_annotation"),  # the emulated link's remainder
+            span("aten::mm", 500, 600),
+        ],
+    )
     row = rows[1]
     assert row["compute_ms"] == pytest.approx(0.29, abs=EXACT)
-    assert row["comm_ms"] == pytest.approx(0.48, abs=EXACT)  # one collective, [20, 500): the link is busy until the hold ends
+    assert row["comm_ms"] == pytest.approx(
+        0.48, abs=EXACT
+    )  # one collective, [20, 500): the link is busy until the hold ends
     assert row["all_gather_ms"] == pytest.approx(0.48, abs=EXACT)
     assert row["exposed_comm_ms"] == pytest.approx(0.3, abs=EXACT)
     assert row["num_collectives"] == 1
 
 
 def test_holds_pair_with_the_collectives_they_hold(tmp_path):
-    path = write(tmp_path / "t.json", trace([
-        step(1, 0, 1000), step(2, 1000, 4000),
-        span("linkemu::hold_all_reduce", 5, 30, cat="user_annotation"),  # issued before the window: on its own
-        # Two async all-gathers in flight, both done when the first wait finds them: the hold in
-        # layers.1's hooks is layers.1's (by unit), not the transfer that ended last.
-        label("FSDP::all_gather (layers.1)", 40, 60), span("c10d::_allgather_base_", 45, 50),
-        label("FSDP::forward_prefetch for layers.2", 60, 80), span("c10d::_allgather_base_", 65, 70),
-        gloo("gloo:all_gather", 50, 100), gloo("gloo:all_gather", 100, 150),
-        label("FSDP::pre_forward (layers.1)", 300, 400), span("linkemu::hold_all_gather", 310, 350, cat="user_annotation"),
-        label("FSDP::pre_forward (layers.2)", 500, 600), span("linkemu::hold_all_gather", 510, 520, cat="user_annotation"),
-        # Reduce-scatters, no labels: the first outlived its model (no hold); the hold right
-        # after the second's transfer is the second's, and retires the first (waited before,
-        # without a hold), so the third's hold, long after its transfer, is the third's.
-        span("c10d::_reduce_scatter_base_", 700, 710), gloo("gloo:all_reduce", 710, 760),
-        span("c10d::_reduce_scatter_base_", 800, 810), gloo("gloo:all_reduce", 810, 850),
-        span("linkemu::hold_reduce_scatter", 850, 1100, cat="user_annotation"),
-        span("c10d::_reduce_scatter_base_", 1200, 1210), gloo("gloo:all_reduce", 1210, 1250),
-        span("linkemu::hold_reduce_scatter", 2500, 2600, cat="user_annotation"),
-    ]))  # fmt: skip
+    path = write(
+        tmp_path / "t.json",
+        trace(
+            [
+                step(1, 0, 1000),
+                step(2, 1000, 4000),
+                span("linkemu::hold_all_reduce", 5, 30, cat="user_annotation"),  # issued before the window: on its own
+                # Two async all-gathers in flight, both done when the first wait finds them: the hold in
+                # layers.1's hooks is layers.1's (by unit), not the transfer that ended last.
+                label("FSDP::all_gather (layers.1)", 40, 60),
+                span("c10d::_allgather_base_", 45, 50),
+                label("FSDP::forward_prefetch for layers.2", 60, 80),
+                span("c10d::_allgather_base_", 65, 70),
+                gloo("gloo:all_gather", 50, 100),
+                gloo("gloo:all_gather", 100, 150),
+                label("FSDP::pre_forward (layers.1)", 300, 400),
+                span("linkemu::hold_all_gather", 310, 350, cat="user_annotation"),
+                label("FSDP::pre_forward (layers.2)", 500, 600),
+                span("linkemu::hold_all_gather", 510, 520, cat="user_annotation"),
+                # Reduce-scatters, no labels: the first outlived its model (no hold); the hold right
+                # after the second's transfer is the second's, and retires the first (waited before,
+                # without a hold), so the third's hold, long after its transfer, is the third's.
+                span("c10d::_reduce_scatter_base_", 700, 710),
+                gloo("gloo:all_reduce", 710, 760),
+                span("c10d::_reduce_scatter_base_", 800, 810),
+                gloo("gloo:all_reduce", 810, 850),
+                span("linkemu::hold_reduce_scatter", 850, 1100, cat="user_annotation"),
+                span("c10d::_reduce_scatter_base_", 1200, 1210),
+                gloo("gloo:all_reduce", 1210, 1250),
+                span("linkemu::hold_reduce_scatter", 2500, 2600, cat="user_annotation"),
+            ]
+        ),
+    )
     comm = FsdpTraceAnalysis([path]).events[0].comm
     t0 = comm["start"].min()
     got = [(r.start - t0, r.end - t0, r.kind, r.unit) for r in comm.itertuples()]
@@ -122,13 +148,16 @@ def test_holds_pair_with_the_collectives_they_hold(tmp_path):
 
 
 def test_partial_overlap_and_wait_ops_are_not_compute(tmp_path):
-    rows = metrics_of(tmp_path / "t.json", [
-        step(1, 0, 1000),
-        span("aten::mm", 0, 300),
-        span("c10d::allreduce_", 300, 320),
-        gloo("gloo:all_reduce", 200, 600),        # overlaps compute on [200, 300) only
-        span("aten::wait", 400, 500),             # a wait op is not compute
-    ])  # fmt: skip
+    rows = metrics_of(
+        tmp_path / "t.json",
+        [
+            step(1, 0, 1000),
+            span("aten::mm", 0, 300),
+            span("c10d::allreduce_", 300, 320),
+            gloo("gloo:all_reduce", 200, 600),  # overlaps compute on [200, 300) only
+            span("aten::wait", 400, 500),  # a wait op is not compute
+        ],
+    )
     row = rows[1]
     assert row["compute_ms"] == pytest.approx(0.3, abs=EXACT)
     assert row["exposed_comm_ms"] == pytest.approx(0.3, abs=EXACT)
@@ -137,27 +166,37 @@ def test_partial_overlap_and_wait_ops_are_not_compute(tmp_path):
 
 
 def test_gloo_spans_pair_with_their_enqueue_ops_in_order(tmp_path):
-    path = write(tmp_path / "t.json", trace([
-        step(1, 0, 1000),
-        gloo("gloo:all_reduce", 0, 50),                 # enqueued before the window: keeps its gloo kind
-        span("c10d::_reduce_scatter_base_", 100, 110),
-        span("c10d::allreduce_", 120, 130),
-        span("c10d::broadcast_", 140, 150),
-        gloo("gloo:all_reduce", 200, 300),              # first queued: the reduce-scatter
-        gloo("gloo:all_reduce", 300, 350),              # then the all-reduce
-        gloo("gloo:broadcast", 400, 420),
-    ]))  # fmt: skip
+    path = write(
+        tmp_path / "t.json",
+        trace(
+            [
+                step(1, 0, 1000),
+                gloo("gloo:all_reduce", 0, 50),  # enqueued before the window: keeps its gloo kind
+                span("c10d::_reduce_scatter_base_", 100, 110),
+                span("c10d::allreduce_", 120, 130),
+                span("c10d::broadcast_", 140, 150),
+                gloo("gloo:all_reduce", 200, 300),  # first queued: the reduce-scatter
+                gloo("gloo:all_reduce", 300, 350),  # then the all-reduce
+                gloo("gloo:broadcast", 400, 420),
+            ]
+        ),
+    )
     comm = FsdpTraceAnalysis([path]).events[0].comm
     assert list(comm["kind"]) == ["all_reduce", "reduce_scatter", "all_reduce", "other"]
     assert list(comm["issue_ts"] - comm["issue_ts"].iloc[0]) == [0.0, 100.0, 120.0, 140.0]
 
 
 def test_barriers_are_not_communication(tmp_path):
-    rows = metrics_of(tmp_path / "t.json", [
-        step(1, 0, 1000),
-        span("c10d::barrier", 0, 10), gloo("gloo:barrier", 5, 300),   # a harness syncing the ranks
-        span("c10d::_allgather_base_", 400, 410), gloo("gloo:all_gather", 410, 500),
-    ])  # fmt: skip
+    rows = metrics_of(
+        tmp_path / "t.json",
+        [
+            step(1, 0, 1000),
+            span("c10d::barrier", 0, 10),
+            gloo("gloo:barrier", 5, 300),  # a harness syncing the ranks
+            span("c10d::_allgather_base_", 400, 410),
+            gloo("gloo:all_gather", 410, 500),
+        ],
+    )
     row = rows[1]
     assert row["barrier_ms"] == pytest.approx(0.295, abs=EXACT)
     assert row["comm_ms"] == pytest.approx(0.09, abs=EXACT) and row["other_comm_ms"] == 0.0
@@ -165,26 +204,43 @@ def test_barriers_are_not_communication(tmp_path):
 
 
 def test_collectives_split_between_steps_by_issue_time(tmp_path):
-    rows = metrics_of(tmp_path / "t.json", [
-        step(1, 0, 1000), step(2, 1000, 2000),
-        span("c10d::_allgather_base_", 900, 950), gloo("gloo:all_gather", 990, 1100),
-        span("c10d::_allgather_base_", 1200, 1250), gloo("gloo:all_gather", 1300, 1350),
-    ])  # fmt: skip
+    rows = metrics_of(
+        tmp_path / "t.json",
+        [
+            step(1, 0, 1000),
+            step(2, 1000, 2000),
+            span("c10d::_allgather_base_", 900, 950),
+            gloo("gloo:all_gather", 990, 1100),
+            span("c10d::_allgather_base_", 1200, 1250),
+            gloo("gloo:all_gather", 1300, 1350),
+        ],
+    )
     assert rows[1]["num_collectives"] == 1 and rows[1]["comm_ms"] == pytest.approx(0.11, abs=EXACT)
     assert rows[2]["num_collectives"] == 1 and rows[2]["comm_ms"] == pytest.approx(0.05, abs=EXACT)
 
 
 def test_units_from_fsdp_labels(tmp_path):
-    path = write(tmp_path / "t.json", trace([
-        step(1, 0, 1000),
-        label("FSDP::pre_forward", 0, 100), label("FSDP::all_gather", 10, 50), span("c10d::_allgather_base_", 20, 30),
-        label("FSDP::pre_backward (layers.1)", 200, 400),
-        label("FSDP::backward_prefetch for layers.0", 210, 260), span("c10d::_allgather_base_", 220, 230),
-        label("FSDP::post_backward_reduce (layers.1)", 500, 600), span("c10d::_reduce_scatter_base_", 510, 520),
-        span("c10d::allreduce_", 700, 710),             # outside any label: no unit
-        gloo("gloo:all_gather", 30, 90), gloo("gloo:all_gather", 230, 330),
-        gloo("gloo:all_reduce", 520, 620), gloo("gloo:all_reduce", 710, 800),
-    ]))  # fmt: skip
+    path = write(
+        tmp_path / "t.json",
+        trace(
+            [
+                step(1, 0, 1000),
+                label("FSDP::pre_forward", 0, 100),
+                label("FSDP::all_gather", 10, 50),
+                span("c10d::_allgather_base_", 20, 30),
+                label("FSDP::pre_backward (layers.1)", 200, 400),
+                label("FSDP::backward_prefetch for layers.0", 210, 260),
+                span("c10d::_allgather_base_", 220, 230),
+                label("FSDP::post_backward_reduce (layers.1)", 500, 600),
+                span("c10d::_reduce_scatter_base_", 510, 520),
+                span("c10d::allreduce_", 700, 710),  # outside any label: no unit
+                gloo("gloo:all_gather", 30, 90),
+                gloo("gloo:all_gather", 230, 330),
+                gloo("gloo:all_reduce", 520, 620),
+                gloo("gloo:all_reduce", 710, 800),
+            ]
+        ),
+    )
     analysis = FsdpTraceAnalysis([path])
     assert analysis.events[0].units == ["root", "layers.1", "layers.0"]
     units = analysis.get_unit_metrics().set_index("unit")
@@ -199,11 +255,18 @@ def test_units_from_fsdp_labels(tmp_path):
 def test_a_grouped_units_prefetch_is_its_own(tmp_path):
     """``fully_shard([layers.2, layers.3])`` labels the unit ``layers.2, layers.3``; a collective
     issued inside ``forward_prefetch for`` it is that unit's, not the unit whose hook prefetched."""
-    path = write(tmp_path / "t.json", trace([
-        step(1, 0, 1000),
-        label("FSDP::pre_forward (layers.0, layers.1)", 0, 300), label("FSDP::forward_prefetch for layers.2, layers.3", 100, 200),
-        span("c10d::_allgather_base_", 110, 120), gloo("gloo:all_gather", 120, 400),
-    ]))  # fmt: skip
+    path = write(
+        tmp_path / "t.json",
+        trace(
+            [
+                step(1, 0, 1000),
+                label("FSDP::pre_forward (layers.0, layers.1)", 0, 300),
+                label("FSDP::forward_prefetch for layers.2, layers.3", 100, 200),
+                span("c10d::_allgather_base_", 110, 120),
+                gloo("gloo:all_gather", 120, 400),
+            ]
+        ),
+    )
     units = FsdpTraceAnalysis([path]).get_unit_metrics().set_index("unit")
     assert units.loc["layers.2, layers.3", "all_gather_ms"] == pytest.approx(0.28, abs=EXACT)
     assert units.loc["layers.0, layers.1", "num_collectives"] == 0
@@ -226,10 +289,16 @@ def test_label_and_kind_parsing():
 
 
 def test_peak_memory_per_step(tmp_path):
-    rows = metrics_of(tmp_path / "t.json", [
-        step(1, 0, 1000), step(2, 1000, 2000),
-        memory(10, 500), memory(20, 900), memory(1500, 700),
-    ])  # fmt: skip
+    rows = metrics_of(
+        tmp_path / "t.json",
+        [
+            step(1, 0, 1000),
+            step(2, 1000, 2000),
+            memory(10, 500),
+            memory(20, 900),
+            memory(1500, 700),
+        ],
+    )
     assert rows[1]["profiler_peak_allocated_bytes"] == 900
     assert rows[2]["profiler_peak_allocated_bytes"] == 700
     assert rows[1]["overlap_ratio"] is None  # no comm: undefined, not 0
@@ -343,7 +412,12 @@ def test_cpu_fixture_comm_matches_raw_gloo_spans(cpu_analysis):
 def test_summary_schema_and_aggregate(cpu_analysis):
     summary = cpu_analysis.summarize()
     assert json.loads(json.dumps(summary)) == summary  # JSON-able, no NaN
-    assert (summary["schema_version"], summary["kind"], summary["device"], summary["num_ranks"]) == (SUMMARY_SCHEMA_VERSION, "trace_metrics", "cpu", 2)
+    assert (summary["schema_version"], summary["kind"], summary["device"], summary["num_ranks"]) == (
+        SUMMARY_SCHEMA_VERSION,
+        "trace_metrics",
+        "cpu",
+        2,
+    )
     rank0 = summary["per_rank"][0]
     assert rank0["trace"] == "trace_rank0.json.gz" and [s["step"] for s in rank0["steps"]] == [1, 2]
     assert rank0["profiler_peak_allocated_bytes"] == 2532124

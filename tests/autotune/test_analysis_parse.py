@@ -14,19 +14,26 @@ import pytest
 from _fixtures import get_fixture_traces
 from _trace_builders import memory, span, step, trace, write
 
-from autotune.analysis import FsdpTraceAnalysis
+from autotune.analysis import FsdpTraceAnalysis, _parse
 from autotune.analysis import _intervals as iv
-from autotune.analysis import _parse
 from autotune.analysis._events import _assign_units
 from autotune.analysis._load import load_trace
 
 
 def test_traces_without_a_rank_take_the_free_ranks(tmp_path):
-    named = write(tmp_path / "rank_0.json", {k: v for k, v in trace([step(1, 0, 10)]).items() if k != "distributedInfo"})
+    named = write(
+        tmp_path / "rank_0.json", {k: v for k, v in trace([step(1, 0, 10)]).items() if k != "distributedInfo"}
+    )
     info = write(tmp_path / "b.json", trace([step(1, 0, 10)], rank=2))
-    anonymous = write(tmp_path / "worker.pt.trace.json", {k: v for k, v in trace([step(1, 0, 10)]).items() if k != "distributedInfo"})
+    anonymous = write(
+        tmp_path / "worker.pt.trace.json", {k: v for k, v in trace([step(1, 0, 10)]).items() if k != "distributedInfo"}
+    )
     analysis = FsdpTraceAnalysis([anonymous, info, named])
-    assert {r: t.path.name for r, t in analysis.traces.items()} == {0: "rank_0.json", 1: "worker.pt.trace.json", 2: "b.json"}
+    assert {r: t.path.name for r, t in analysis.traces.items()} == {
+        0: "rank_0.json",
+        1: "worker.pt.trace.json",
+        2: "b.json",
+    }
     assert [t.rank_source for t in analysis.traces.values()] == ["file name", "position", "distributedInfo"]
 
 
@@ -35,10 +42,20 @@ def test_traces_without_a_rank_take_the_free_ranks(tmp_path):
 
 def _awkward_trace() -> dict:
     """Names holding what the slicer looks for; keys on both sides of traceEvents."""
-    events = [step(1, 0, 1000), span('odd}, {"name": "x', 10, 20), span("aten::mm", 30, 40, **{"Input Dims": [[1, 2]], "note": "], }"}),
-              memory(50, 123), *[span(f"aten::op{i}", 100 + i, 101 + i) for i in range(60)]]  # fmt: skip
+    events = [
+        step(1, 0, 1000),
+        span('odd}, {"name": "x', 10, 20),
+        span("aten::mm", 30, 40, **{"Input Dims": [[1, 2]], "note": "], }"}),
+        memory(50, 123),
+        *[span(f"aten::op{i}", 100 + i, 101 + i) for i in range(60)],
+    ]
     doc = trace(events)
-    return {"schemaVersion": 1, "traceEvents": doc["traceEvents"], "distributedInfo": doc["distributedInfo"], "traceName": "a ] b"}
+    return {
+        "schemaVersion": 1,
+        "traceEvents": doc["traceEvents"],
+        "distributedInfo": doc["distributedInfo"],
+        "traceName": "a ] b",
+    }
 
 
 @pytest.mark.parametrize("form", ["object", "bare array", "gzip, two members"])
@@ -49,7 +66,11 @@ def test_streamed_parse_equals_the_whole_document(tmp_path, monkeypatch, form):
     path.write_bytes(gzip.compress(raw[:5000]) + gzip.compress(raw[5000:]) if form.startswith("gzip") else raw)
     monkeypatch.setattr(_parse, "CHUNK_BYTES", 300)  # many slices, most candidate cuts tried
     slices = []
-    monkeypatch.setattr(_parse.EventColumns, "add", lambda self, events, add=_parse.EventColumns.add: (slices.append(len(events)), add(self, events)))
+    monkeypatch.setattr(
+        _parse.EventColumns,
+        "add",
+        lambda self, events, add=_parse.EventColumns.add: (slices.append(len(events)), add(self, events)),
+    )
     header, streamed = _parse.read_events(path)
     assert len(slices) > 5 and sum(slices) == len(doc["traceEvents"])
     whole = _parse.EventColumns(path)
@@ -72,6 +93,7 @@ def test_a_document_that_does_not_stream_still_parses(tmp_path):
 
 def test_kineto_layout_streams(monkeypatch):
     """The recorded fixture never needs the whole-document parse (the memory bound relies on it)."""
+
     def refuse(path):
         raise AssertionError(f"{path} fell back to the whole-document parse")
 
@@ -110,7 +132,7 @@ def test_units_go_to_the_innermost_label_like_a_brute_force():
     for _ in range(100):
         spans = []  # properly nested labels, some starting together, as record_function scopes are
 
-        def scope(start, end, depth):
+        def scope(start, end, depth, spans=spans):
             spans.append((start, end, f"u{len(spans)}"))
             cursor = start + rng.integers(0, 2)
             while depth < 3 and cursor < end - 2 and rng.random() < 0.7:

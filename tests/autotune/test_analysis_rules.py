@@ -28,12 +28,36 @@ def gpu_trace(events: list[dict], *, rank: int = 0) -> dict:
 
 def test_gpu_kernel_without_a_launch_is_dropped(tmp_path):
     orphan = span("ncclDevKernel_AllGather_RING_LL", 100, 900, cat="kernel", pid=0, tid=STREAM_NCCL, correlation=99)
-    path = write(tmp_path / "t.json", gpu_trace([
-        step(1, 0, 1000), step(2, 1000, 2000),
-        *launch("cudaLaunchKernel", 10, 20, kernel="sm90_gemm", kernel_start=100, kernel_end=300, stream=STREAM_COMPUTE, correlation=1),
-        *launch("cudaLaunchKernel", 1010, 1020, kernel="ncclDevKernel_AllReduce_Sum_f32", kernel_start=1100, kernel_end=1200, stream=STREAM_NCCL, correlation=2),
-        orphan,  # its launch (correlation 99) is not in the trace: it has no step
-    ]))  # fmt: skip
+    path = write(
+        tmp_path / "t.json",
+        gpu_trace(
+            [
+                step(1, 0, 1000),
+                step(2, 1000, 2000),
+                *launch(
+                    "cudaLaunchKernel",
+                    10,
+                    20,
+                    kernel="sm90_gemm",
+                    kernel_start=100,
+                    kernel_end=300,
+                    stream=STREAM_COMPUTE,
+                    correlation=1,
+                ),
+                *launch(
+                    "cudaLaunchKernel",
+                    1010,
+                    1020,
+                    kernel="ncclDevKernel_AllReduce_Sum_f32",
+                    kernel_start=1100,
+                    kernel_end=1200,
+                    stream=STREAM_NCCL,
+                    correlation=2,
+                ),
+                orphan,  # its launch (correlation 99) is not in the trace: it has no step
+            ]
+        ),
+    )
     analysis = FsdpTraceAnalysis([path])
     assert analysis.events[0].num_unlaunched_kernels == 1
     rows = {r["step"]: r for r in analysis.get_step_metrics().to_dict("records")}
@@ -42,12 +66,17 @@ def test_gpu_kernel_without_a_launch_is_dropped(tmp_path):
 
 
 def test_overlap_across_a_step_boundary_is_hidden(tmp_path):
-    rows = metrics_of(tmp_path / "t.json", [
-        step(1, 0, 1000), step(2, 1000, 2000),
-        span("aten::mm", 0, 800),
-        span("c10d::_reduce_scatter_base_", 900, 950), gloo("gloo:all_reduce", 950, 1200),  # issued in step 1
-        span("aten::mm", 1000, 1300),                                                      # step 2's compute
-    ])  # fmt: skip
+    rows = metrics_of(
+        tmp_path / "t.json",
+        [
+            step(1, 0, 1000),
+            step(2, 1000, 2000),
+            span("aten::mm", 0, 800),
+            span("c10d::_reduce_scatter_base_", 900, 950),
+            gloo("gloo:all_reduce", 950, 1200),  # issued in step 1
+            span("aten::mm", 1000, 1300),  # step 2's compute
+        ],
+    )
     assert rows[1]["comm_ms"] == pytest.approx(0.25, abs=EXACT) and rows[2]["comm_ms"] == 0.0
     assert rows[1]["exposed_comm_ms"] == pytest.approx(0.05, abs=EXACT)  # only [950, 1000) waits
     assert rows[1]["overlap_ratio"] == pytest.approx(0.8, abs=EXACT)
@@ -55,29 +84,71 @@ def test_overlap_across_a_step_boundary_is_hidden(tmp_path):
 
 
 def test_send_recv_is_a_kind_of_its_own():
-    for name in ("ncclDevKernel_SendRecv", "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t", "c10d::send", "c10d::recv_", "gloo:send", "gloo:recv"):
+    for name in (
+        "ncclDevKernel_SendRecv",
+        "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t",
+        "c10d::send",
+        "c10d::recv_",
+        "gloo:send",
+        "gloo:recv",
+    ):
         assert get_collective_kind(name) == "send_recv", name
     assert get_collective_kind("ncclDevKernel_Broadcast_RING_LL") == "other"
 
 
 def test_send_recv_kernels_count_as_communication(tmp_path):
-    path = write(tmp_path / "t.json", gpu_trace([
-        step(1, 0, 1000),
-        *launch("cudaLaunchKernel", 10, 20, kernel="sm90_gemm", kernel_start=100, kernel_end=300, stream=STREAM_COMPUTE, correlation=1),
-        *launch("cudaLaunchKernel", 30, 40, kernel="ncclDevKernel_SendRecv", kernel_start=200, kernel_end=500, stream=STREAM_NCCL, correlation=2),
-    ]))  # fmt: skip
+    path = write(
+        tmp_path / "t.json",
+        gpu_trace(
+            [
+                step(1, 0, 1000),
+                *launch(
+                    "cudaLaunchKernel",
+                    10,
+                    20,
+                    kernel="sm90_gemm",
+                    kernel_start=100,
+                    kernel_end=300,
+                    stream=STREAM_COMPUTE,
+                    correlation=1,
+                ),
+                *launch(
+                    "cudaLaunchKernel",
+                    30,
+                    40,
+                    kernel="ncclDevKernel_SendRecv",
+                    kernel_start=200,
+                    kernel_end=500,
+                    stream=STREAM_NCCL,
+                    correlation=2,
+                ),
+            ]
+        ),
+    )
     row = FsdpTraceAnalysis([path]).get_step_metrics().iloc[0]
     assert row["send_recv_ms"] == pytest.approx(0.3, abs=EXACT) and row["other_comm_ms"] == 0.0
     assert row["comm_ms"] == pytest.approx(0.3, abs=EXACT) and row["exposed_comm_ms"] == pytest.approx(0.2, abs=EXACT)
 
 
 def test_time_weighted_overlap_beside_the_median(tmp_path):
-    path = write(tmp_path / "t.json", trace([
-        step(1, 0, 1000), step(2, 1000, 2000), step(3, 2000, 3000),
-        span("aten::mm", 0, 500), span("c10d::allreduce_", 10, 20), gloo("gloo:all_reduce", 100, 200),      # 0.1 ms hidden
-        span("aten::mm", 1000, 1500), span("c10d::allreduce_", 1010, 1020), gloo("gloo:all_reduce", 1100, 1200),
-        span("c10d::allreduce_", 2010, 2020), gloo("gloo:all_reduce", 2100, 2700),                          # 0.6 ms exposed
-    ]))  # fmt: skip
+    path = write(
+        tmp_path / "t.json",
+        trace(
+            [
+                step(1, 0, 1000),
+                step(2, 1000, 2000),
+                step(3, 2000, 3000),
+                span("aten::mm", 0, 500),
+                span("c10d::allreduce_", 10, 20),
+                gloo("gloo:all_reduce", 100, 200),  # 0.1 ms hidden
+                span("aten::mm", 1000, 1500),
+                span("c10d::allreduce_", 1010, 1020),
+                gloo("gloo:all_reduce", 1100, 1200),
+                span("c10d::allreduce_", 2010, 2020),
+                gloo("gloo:all_reduce", 2100, 2700),  # 0.6 ms exposed
+            ]
+        ),
+    )
     summary = summarize_traces([path])
     assert summary["schema_version"] == 3
     assert summary["aggregate"]["overlap_ratio"] == pytest.approx(1.0, abs=EXACT)  # median of 1, 1, 0

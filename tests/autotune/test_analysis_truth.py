@@ -40,7 +40,12 @@ ABS_MS, REL, RATIO = 10.0, 0.15, 0.15
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("truth")
-    run = run_ranks("_truth_programs:run_cases", world_size=2, kwargs={"out_dir": str(out), "cases": list(CASES)}, timeout_s=TIMEOUT_S)
+    run = run_ranks(
+        "_truth_programs:run_cases",
+        world_size=2,
+        kwargs={"out_dir": str(out), "cases": list(CASES)},
+        timeout_s=TIMEOUT_S,
+    )
     assert run.ok, f"{run.status}: {run.reason}\n" + "\n".join(run.stderr_tails)
     return out
 
@@ -67,7 +72,9 @@ def check(rows: list[dict], **expected: float) -> None:
         got = statistics.median(values)
         tolerance = RATIO if field == "overlap_ratio" else max(ABS_MS, REL * want)
         if not abs(got - want) <= tolerance:
-            failures.append(f"{field}: median {got:.2f}, expected {want:.2f} ± {tolerance:.2f} (steps: {', '.join(f'{v:.2f}' for v in values)})")
+            failures.append(
+                f"{field}: median {got:.2f}, expected {want:.2f} ± {tolerance:.2f} (steps: {', '.join(f'{v:.2f}' for v in values)})"
+            )
     assert not failures, "\n".join(failures)
 
 
@@ -114,7 +121,14 @@ def test_emulated_hold_is_one_exposed_collective_of_its_kind(traces):
     assert len(holds) >= 3 and long_transfers >= 3, "the case no longer splits D between transfer and hold"
     for rank in (0, 1):
         rows = get_steps(traces, "emulated", rank)
-        check(rows, comm_ms=D_MS, reduce_scatter_ms=D_MS, exposed_comm_ms=D_MS, overlap_ratio=0.0, compute_ms=2 * C_STEP_MS)
+        check(
+            rows,
+            comm_ms=D_MS,
+            reduce_scatter_ms=D_MS,
+            exposed_comm_ms=D_MS,
+            overlap_ratio=0.0,
+            compute_ms=2 * C_STEP_MS,
+        )
         assert all(r["num_collectives"] == 1 and r["all_reduce_ms"] == 0.0 for r in rows), rows
 
 
@@ -123,7 +137,13 @@ def test_emulated_link_time_under_compute_is_hidden_communication(traces):
     short, the hold is D - C; the link is busy for D from the issue, C of it under compute."""
     for rank in (0, 1):
         rows = get_steps(traces, "emulated_partial", rank)
-        check(rows, comm_ms=D_MS, exposed_comm_ms=D_MS - C_SHORT_MS, overlap_ratio=C_SHORT_MS / D_MS, compute_ms=C_SHORT_MS)
+        check(
+            rows,
+            comm_ms=D_MS,
+            exposed_comm_ms=D_MS - C_SHORT_MS,
+            overlap_ratio=C_SHORT_MS / D_MS,
+            compute_ms=C_SHORT_MS,
+        )
         assert all(r["num_collectives"] == 1 for r in rows), rows
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from _artifact_fixtures import ARTIFACTS, load_fixture, write_json
+
 from autotune.analysis import SUMMARY_SCHEMA_VERSION
 from autotune.report import get_tables, load_report
 from autotune.search import SearchRecord, TrialRow, read_results
@@ -35,9 +36,6 @@ PROFILER_PEAKS = {0: (2532124, [1974300, 2532124]), 1: (2400284, [1875484, 24002
 PROFILER_PEAK_AGGREGATE = 2532124
 
 
-
-
-
 # --------------------------------------------------------------------------- reading the fixtures
 
 
@@ -48,7 +46,11 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
     assert (metrics_v1["trace_metrics"]["kind"], metrics_v1["trace_metrics"]["schema_version"]) == ("trace_metrics", 1)
     for name in ("metrics_v1.json", "search_v1.json", "results_v1.json"):
         text = (ARTIFACTS / name).read_text(encoding="utf-8")
-        assert "peak_memory_bytes" in text and "process_peak_bytes" not in text and "profiler_peak_allocated_bytes" not in text, name
+        assert (
+            "peak_memory_bytes" in text
+            and "process_peak_bytes" not in text
+            and "profiler_peak_allocated_bytes" not in text
+        ), name
     for name, kind, version in [
         ("metrics_v4.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
         ("search_v6.json", "search_summary", SearchRecord.SCHEMA_VERSION),
@@ -64,7 +66,13 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
 def test_metrics_of_every_released_version_read(name):
     metrics = TrialMetrics.read(ARTIFACTS / name)
 
-    assert (metrics.status, metrics.model, metrics.world_size, metrics.backend, metrics.memory_source) == ("ok", "tiny", 2, "gloo", "peak_rss")
+    assert (metrics.status, metrics.model, metrics.world_size, metrics.backend, metrics.memory_source) == (
+        "ok",
+        "tiny",
+        2,
+        "gloo",
+        "peak_rss",
+    )
     assert metrics.step_ms == STEP_MS and len(metrics.step_ms_per_step) == 5
     assert metrics.process_peak_bytes == PROCESS_PEAK
     assert [r.process_peak_bytes for r in metrics.ranks] == RANK_PEAKS
@@ -73,7 +81,11 @@ def test_metrics_of_every_released_version_read(name):
     assert metrics.traces == ["trace_rank0.json.gz", "trace_rank1.json.gz"]
 
     summary = metrics.trace_metrics
-    assert (summary["kind"], summary["schema_version"], summary["num_ranks"]) == ("trace_metrics", SUMMARY_SCHEMA_VERSION, 2)
+    assert (summary["kind"], summary["schema_version"], summary["num_ranks"]) == (
+        "trace_metrics",
+        SUMMARY_SCHEMA_VERSION,
+        2,
+    )
     for rank in summary["per_rank"]:
         rank_peak, step_peaks = PROFILER_PEAKS[rank["rank"]]
         assert rank["profiler_peak_allocated_bytes"] == rank_peak
@@ -85,7 +97,11 @@ def test_metrics_of_every_released_version_read(name):
 
 def test_v1_metrics_migrate_to_exactly_what_today_writes():
     """metrics_v1.json and metrics_v2.json hold the same trial: the migration loses nothing."""
-    assert TrialMetrics.read(ARTIFACTS / "metrics_v1.json") == TrialMetrics.read(ARTIFACTS / "metrics_v2.json") == TrialMetrics.read(ARTIFACTS / "metrics_v3.json")
+    assert (
+        TrialMetrics.read(ARTIFACTS / "metrics_v1.json")
+        == TrialMetrics.read(ARTIFACTS / "metrics_v2.json")
+        == TrialMetrics.read(ARTIFACTS / "metrics_v3.json")
+    )
     assert TrialMetrics.read(ARTIFACTS / "metrics_v3.json") == TrialMetrics.read(ARTIFACTS / "metrics_v4.json")
 
 
@@ -93,7 +109,10 @@ def test_v3_metrics_read_without_profiler_costs():
     """v4 added each rank's CPU time and page faults per step and the profiler's cost: a v3 file has none."""
     metrics = TrialMetrics.read(ARTIFACTS / "metrics_v3.json")
     assert (metrics.profiler, metrics.profiler_cpu_overhead) == ({}, None)
-    assert all(r.own_step_ms == r.step_cpu_ms == r.profiled_page_faults == [] and r.get_profiler_figures() is None for r in metrics.ranks)
+    assert all(
+        r.own_step_ms == r.step_cpu_ms == r.profiled_page_faults == [] and r.get_profiler_figures() is None
+        for r in metrics.ranks
+    )
     assert metrics.to_dict()["schema_version"] == 4 and metrics.to_dict()["profiler"] == {}
 
 
@@ -105,13 +124,18 @@ def test_v2_trace_summaries_read_as_v3():
     summary = TrialMetrics.read(ARTIFACTS / "metrics_v3.json").trace_metrics
     assert summary["schema_version"] == SUMMARY_SCHEMA_VERSION == 3
     for rank, old in zip(summary["per_rank"], stored["per_rank"]):
-        assert all(s["send_recv_ms"] is None for s in rank["steps"]) and all(u["send_recv_ms"] is None for u in rank["per_unit"])
+        assert all(s["send_recv_ms"] is None for s in rank["steps"]) and all(
+            u["send_recv_ms"] is None for u in rank["per_unit"]
+        )
         expected = 1 - sum(s["exposed_comm_ms"] for s in old["steps"]) / sum(s["comm_ms"] for s in old["steps"])
         assert rank["overlap_ratio_time_weighted"] == pytest.approx(expected, abs=1e-12)
     all_steps = [s for r in stored["per_rank"] for s in r["steps"]]
     expected = 1 - sum(s["exposed_comm_ms"] for s in all_steps) / sum(s["comm_ms"] for s in all_steps)
     assert summary["aggregate"]["overlap_ratio_time_weighted"] == pytest.approx(expected, abs=1e-12)
-    assert summary["aggregate"]["send_recv_ms"] is None and summary["aggregate"]["overlap_ratio"] == stored["aggregate"]["overlap_ratio"]
+    assert (
+        summary["aggregate"]["send_recv_ms"] is None
+        and summary["aggregate"]["overlap_ratio"] == stored["aggregate"]["overlap_ratio"]
+    )
     assert summary == load_fixture("metrics_v4.json")["trace_metrics"]  # what today's writer stores
 
 
@@ -130,11 +154,18 @@ def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v4.json")
 
 
-@pytest.mark.parametrize("name", ["search_v1.json", "search_v2.json", "search_v3.json", "search_v4.json", "search_v5.json", "search_v6.json"])
+@pytest.mark.parametrize(
+    "name", ["search_v1.json", "search_v2.json", "search_v3.json", "search_v4.json", "search_v5.json", "search_v6.json"]
+)
 def test_search_summary_of_every_released_version_reads(name):
     record = SearchRecord.read(ARTIFACTS / name)
 
-    assert (record.model, record.num_trials, record.stopped_because, record.proxy["is_proxy"]) == ("tiny", 4, "plateau", False)
+    assert (record.model, record.num_trials, record.stopped_because, record.proxy["is_proxy"]) == (
+        "tiny",
+        4,
+        "plateau",
+        False,
+    )
     assert isinstance(record.best, TrialRow) and isinstance(record.default, TrialRow)
     assert (record.best.number, record.best.trial_dir, record.best.step_ms) == (1, "trials/trial_0001", STEP_MS)
     assert record.best.process_peak_bytes == PROCESS_PEAK
@@ -176,7 +207,12 @@ def test_trial_spec_reads_and_round_trips(tmp_path):
     original = load_fixture("trial_spec_v2.json")
     spec = TrialSpec.read(ARTIFACTS / "trial_spec_v2.json")
 
-    assert (spec.model, spec.world_size, spec.backend, spec.out_dir) == ("tiny", 2, "gloo", Path("runs/tiny/trials/trial_0001"))
+    assert (spec.model, spec.world_size, spec.backend, spec.out_dir) == (
+        "tiny",
+        2,
+        "gloo",
+        Path("runs/tiny/trials/trial_0001"),
+    )
     assert isinstance(spec.config, RuntimeConfig)
     assert [u.name for u in spec.config.units] == ["layers.0", "layers.1", "layers.2", "layers.3", "root"]
     assert spec.to_dict() == original

@@ -36,10 +36,42 @@ class Reader:
 
 
 READERS = [
-    Reader("TrialMetrics.read", "trial_metrics", TrialMetrics.SCHEMA_VERSION, "metrics.json", "metrics_v4.json", TrialMetrics.read, "search_v3.json"),
-    Reader("SearchRecord.read", "search_summary", SearchRecord.SCHEMA_VERSION, "search.json", "search_v6.json", SearchRecord.read, "metrics_v3.json"),
-    Reader("read_results", "search_results", SearchRecord.SCHEMA_VERSION, "results.json", "results_v1.json", lambda p: read_results(p.parent), "search_v1.json"),
-    Reader("TrialSpec.read", "trial_spec", TrialSpec.SCHEMA_VERSION, "trial_spec.json", "trial_spec_v2.json", TrialSpec.read, "metrics_v3.json"),
+    Reader(
+        "TrialMetrics.read",
+        "trial_metrics",
+        TrialMetrics.SCHEMA_VERSION,
+        "metrics.json",
+        "metrics_v4.json",
+        TrialMetrics.read,
+        "search_v3.json",
+    ),
+    Reader(
+        "SearchRecord.read",
+        "search_summary",
+        SearchRecord.SCHEMA_VERSION,
+        "search.json",
+        "search_v6.json",
+        SearchRecord.read,
+        "metrics_v3.json",
+    ),
+    Reader(
+        "read_results",
+        "search_results",
+        SearchRecord.SCHEMA_VERSION,
+        "results.json",
+        "results_v1.json",
+        lambda p: read_results(p.parent),
+        "search_v1.json",
+    ),
+    Reader(
+        "TrialSpec.read",
+        "trial_spec",
+        TrialSpec.SCHEMA_VERSION,
+        "trial_spec.json",
+        "trial_spec_v2.json",
+        TrialSpec.read,
+        "metrics_v3.json",
+    ),
 ]
 
 
@@ -54,7 +86,9 @@ def test_reader_refuses_another_kind(reader, tmp_path):
 
 @pytest.mark.parametrize("reader", READERS, ids=str)
 def test_reader_refuses_a_newer_schema_version(reader, tmp_path):
-    path = write_json(tmp_path / reader.file_name, {**load_fixture(reader.fixture), "schema_version": reader.version + 1})
+    path = write_json(
+        tmp_path / reader.file_name, {**load_fixture(reader.fixture), "schema_version": reader.version + 1}
+    )
     with pytest.raises(ArtifactError) as excinfo:
         reader.read(path)
     assert_refused(excinfo, path, f"schema_version {reader.version + 1} is newer", "upgrade fsdp-autotune")
@@ -132,18 +166,62 @@ def _metrics_with_rank_field(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "ranks": [{**data["ranks"][0], "gpu_util": 0.9}, *data["ranks"][1:]]}
 
 
-def _bad_body(case_id: str, file_name: str, read: Callable[[Path], Any], make: Callable[[], Any], field_name: str) -> Any:
+def _bad_body(
+    case_id: str, file_name: str, read: Callable[[Path], Any], make: Callable[[], Any], field_name: str
+) -> Any:
     return pytest.param(file_name, read, make, field_name, id=case_id)
 
 
 BAD_BODIES = [
-    _bad_body("metrics-unknown-field", "metrics.json", TrialMetrics.read, lambda: {**load_fixture("metrics_v4.json"), "gpu_util": 0.9}, "gpu_util"),
-    _bad_body("metrics-missing-field", "metrics.json", TrialMetrics.read, lambda: _without(load_fixture("metrics_v4.json"), "status"), "status"),
-    _bad_body("metrics-rank-unknown-field", "metrics.json", TrialMetrics.read, lambda: _metrics_with_rank_field(load_fixture("metrics_v4.json")), "gpu_util"),
-    _bad_body("metrics-rank-not-an-object", "metrics.json", TrialMetrics.read, lambda: {**load_fixture("metrics_v1.json"), "ranks": ["rank0"]}, "ranks"),
-    _bad_body("search-missing-field", "search.json", SearchRecord.read, lambda: _without(load_fixture("search_v3.json"), "model"), "model"),
-    _bad_body("search-incomplete-row", "search.json", SearchRecord.read, lambda: {**load_fixture("search_v1.json"), "best": {"state": "COMPLETE"}}, "best"),
-    _bad_body("results-missing-trials", "results.json", lambda p: read_results(p.parent), lambda: _without(load_fixture("results_v1.json"), "trials"), "trials"),
+    _bad_body(
+        "metrics-unknown-field",
+        "metrics.json",
+        TrialMetrics.read,
+        lambda: {**load_fixture("metrics_v4.json"), "gpu_util": 0.9},
+        "gpu_util",
+    ),
+    _bad_body(
+        "metrics-missing-field",
+        "metrics.json",
+        TrialMetrics.read,
+        lambda: _without(load_fixture("metrics_v4.json"), "status"),
+        "status",
+    ),
+    _bad_body(
+        "metrics-rank-unknown-field",
+        "metrics.json",
+        TrialMetrics.read,
+        lambda: _metrics_with_rank_field(load_fixture("metrics_v4.json")),
+        "gpu_util",
+    ),
+    _bad_body(
+        "metrics-rank-not-an-object",
+        "metrics.json",
+        TrialMetrics.read,
+        lambda: {**load_fixture("metrics_v1.json"), "ranks": ["rank0"]},
+        "ranks",
+    ),
+    _bad_body(
+        "search-missing-field",
+        "search.json",
+        SearchRecord.read,
+        lambda: _without(load_fixture("search_v3.json"), "model"),
+        "model",
+    ),
+    _bad_body(
+        "search-incomplete-row",
+        "search.json",
+        SearchRecord.read,
+        lambda: {**load_fixture("search_v1.json"), "best": {"state": "COMPLETE"}},
+        "best",
+    ),
+    _bad_body(
+        "results-missing-trials",
+        "results.json",
+        lambda p: read_results(p.parent),
+        lambda: _without(load_fixture("results_v1.json"), "trials"),
+        "trials",
+    ),
 ]
 
 

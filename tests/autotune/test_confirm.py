@@ -44,7 +44,10 @@ def test_failed_finalists_are_ignored():
 
 
 def test_pooling_ranks_on_every_pair_of_both_windows():
-    first, second = _finalist(11, [0.556, 0.676, 0.831, 0.673, 1.111, 0.730]), _finalist(11, [0.80, 0.81, 0.82, 0.81, 0.80, 0.82])
+    first, second = (
+        _finalist(11, [0.556, 0.676, 0.831, 0.673, 1.111, 0.730]),
+        _finalist(11, [0.80, 0.81, 0.82, 0.81, 0.80, 0.82]),
+    )
     pooled = pool_windows(first, second)
     ratios = first["pair_ratios"] + second["pair_ratios"]
     assert pooled["pair_ratios"] == ratios and pooled["num_pairs"] == 12 and pooled["windows"] == 2
@@ -70,20 +73,29 @@ def test_a_finalist_over_the_memory_budget_in_the_final_round_is_not_emitted(mon
     from autotune.search import confirm
     from autotune.search.results import TrialRow
 
-    rows = [TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, ratio=1.0, is_default=True),
-            TrialRow(number=1, state="COMPLETE", status="ok", step_ms=70.0, ratio=0.70, params={"k": 1}),
-            TrialRow(number=2, state="COMPLETE", status="ok", step_ms=80.0, ratio=0.80, params={"k": 2})]  # fmt: skip
+    rows = [
+        TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, ratio=1.0, is_default=True),
+        TrialRow(number=1, state="COMPLETE", status="ok", step_ms=70.0, ratio=0.70, params={"k": 1}),
+        TrialRow(number=2, state="COMPLETE", status="ok", step_ms=80.0, ratio=0.80, params={"k": 2}),
+    ]
     peaks = {1: 110, 2: 90}  # trial 1 fit in the search but not now; trial 2 fits
     final_ratios = {1: [0.70, 0.71, 0.72, 0.70], 2: [0.80, 0.81, 0.82, 0.80]}
 
     def measure(ctx, row, *, window=0):
-        memory = {"process_peak_bytes": peaks[row.number], "over_budget": peaks[row.number] > ctx.settings.memory_budget_bytes}
+        memory = {
+            "process_peak_bytes": peaks[row.number],
+            "over_budget": peaks[row.number] > ctx.settings.memory_budget_bytes,
+        }
         return _finalist(row.number, final_ratios[row.number]) | memory
 
     monkeypatch.setattr(confirm, "_measure_finalist", measure)
     settings = SimpleNamespace(num_finalists=3, num_confirm_pairs=2, max_ratio_spread=0.5, memory_budget_bytes=100)
-    ctx = SimpleNamespace(settings=settings, reporter=SimpleNamespace(on_phase=lambda message: None), default_config="defaults",
-                          space=SimpleNamespace(build_config=lambda params: f"config {params['k']}"))  # fmt: skip
+    ctx = SimpleNamespace(
+        settings=settings,
+        reporter=SimpleNamespace(on_phase=lambda message: None),
+        default_config="defaults",
+        space=SimpleNamespace(build_config=lambda params: f"config {params['k']}"),
+    )
     config, record = confirm.run_final_round(ctx, rows)
     assert config == "config 2" and record["winner"] == 2 and record["emitted"] == "best"
     assert [f["over_budget"] for f in record["finalists"]] == [True, False]
@@ -110,14 +122,22 @@ def test_defaults_over_the_memory_budget_are_never_the_fallback(monkeypatch):
     from autotune.search import confirm
     from autotune.search.results import TrialRow
 
-    rows = [TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, ratio=1.0, is_default=True, feasible=False),
-            TrialRow(number=1, state="COMPLETE", status="ok", step_ms=115.0, ratio=1.15, params={"k": 1}),
-            TrialRow(number=2, state="COMPLETE", status="ok", step_ms=120.0, ratio=1.20, params={"k": 2})]  # fmt: skip
+    rows = [
+        TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, ratio=1.0, is_default=True, feasible=False),
+        TrialRow(number=1, state="COMPLETE", status="ok", step_ms=115.0, ratio=1.15, params={"k": 1}),
+        TrialRow(number=2, state="COMPLETE", status="ok", step_ms=120.0, ratio=1.20, params={"k": 2}),
+    ]
     final_ratios = {1: [1.16, 1.17, 1.18, 1.16], 2: [1.08, 1.09, 1.10, 1.08]}
-    monkeypatch.setattr(confirm, "_measure_finalist", lambda ctx, row, *, window=0: _finalist(row.number, final_ratios[row.number]))
+    monkeypatch.setattr(
+        confirm, "_measure_finalist", lambda ctx, row, *, window=0: _finalist(row.number, final_ratios[row.number])
+    )
     settings = SimpleNamespace(num_finalists=3, num_confirm_pairs=2, max_ratio_spread=0.5, memory_budget_bytes=100)
-    ctx = SimpleNamespace(settings=settings, reporter=SimpleNamespace(on_phase=lambda message: None), default_config="defaults",
-                          space=SimpleNamespace(build_config=lambda params: f"config {params['k']}"))  # fmt: skip
+    ctx = SimpleNamespace(
+        settings=settings,
+        reporter=SimpleNamespace(on_phase=lambda message: None),
+        default_config="defaults",
+        space=SimpleNamespace(build_config=lambda params: f"config {params['k']}"),
+    )
     config, record = confirm.run_final_round(ctx, rows)
     assert config == "config 2" and record["winner"] == 2 and record["defaults_over_budget"] is True
     # Defaults that fit stay the fallback when no finalist beats them.

@@ -25,7 +25,11 @@ except ImportError as e:  # pragma: no cover - traceinsight is a dependency
 HTA_DATA = DATA / "hta_nccl"
 # case -> trace files (one run each), our time-weighted overlap per rank (%), HTA's (%).
 CASES = {
-    "trace_filter": (["sampled_rank-0.json.gz", "sampled_rank-1.json.gz"], {0: 14.946, 1: 19.926}, {0: 14.95, 1: 19.93}),
+    "trace_filter": (
+        ["sampled_rank-0.json.gz", "sampled_rank-1.json.gz"],
+        {0: 14.946, 1: 19.926},
+        {0: 14.95, 1: 19.93},
+    ),
     "nccl_data": (["nccl_data.json.gz"], {0: 15.609}, {0: 15.14}),
     "trace_diff": (["trace_diff_test.json.gz"], {1: 69.071}, {1: 69.07}),
 }
@@ -65,7 +69,9 @@ def test_summary_reports_the_time_weighted_overlap_beside_the_median(case):
     summary = analysis.summarize()
     window = analysis.get_window_metrics().set_index("rank")
     for rank in summary["per_rank"]:
-        assert rank["overlap_ratio_time_weighted"] == pytest.approx(window.loc[rank["rank"], "overlap_ratio_time_weighted"], abs=1e-12)
+        assert rank["overlap_ratio_time_weighted"] == pytest.approx(
+            window.loc[rank["rank"], "overlap_ratio_time_weighted"], abs=1e-12
+        )
     expected = 1 - window["exposed_comm_ms"].sum() / window["comm_ms"].sum()
     assert summary["aggregate"]["overlap_ratio_time_weighted"] == pytest.approx(expected, abs=1e-12)
     steps = analysis.get_step_metrics()
@@ -84,7 +90,9 @@ def test_send_recv_is_communication_in_its_own_column():
     assert (steps["send_recv_ms"] > 100).all()  # ncclKernel_SendRecv only
     assert (steps["send_recv_ms"] == steps["comm_ms"]).all() and (steps["other_comm_ms"] == 0).all()
     mixed = FsdpTraceAnalysis(hta_traces(CASES["trace_diff"][0])).get_step_metrics()
-    assert (mixed["send_recv_ms"] > 0).all() and (mixed["all_reduce_ms"] > 0).all() and (mixed["other_comm_ms"] == 0).all()
+    assert (
+        (mixed["send_recv_ms"] > 0).all() and (mixed["all_reduce_ms"] > 0).all() and (mixed["other_comm_ms"] == 0).all()
+    )
 
 
 def test_median_and_time_weighted_differ_where_steps_communicate_unevenly():

@@ -15,14 +15,19 @@ def test_the_first_rank_to_fail_is_the_cause():
 
 def test_ranks_the_parent_killed_are_not_out_of_memory():
     # Rank 0 hung in a collective and was killed by the launcher (None); rank 1 crashed.
-    status, reason = classify_failure([None, 1], ["", "ValueError: boom"], timed_out=False, timeout_s=60, exit_order=[1])
+    status, reason = classify_failure(
+        [None, 1], ["", "ValueError: boom"], timed_out=False, timeout_s=60, exit_order=[1]
+    )
     assert status == "crash" and reason.endswith("ValueError: boom")
 
 
 def test_a_sigkill_is_out_of_memory_only_when_the_kernel_says_so():
     killed = dict(timed_out=False, timeout_s=60, exit_order=[0])
     status, reason = classify_failure([-signal.SIGKILL, None], ["", ""], oom_kills=0, **killed)
-    assert (status, reason) == ("crash", "rank 0 was killed by SIGKILL from outside the trial (the kernel reported no OOM kill)")
+    assert (status, reason) == (
+        "crash",
+        "rank 0 was killed by SIGKILL from outside the trial (the kernel reported no OOM kill)",
+    )
     status, reason = classify_failure([-signal.SIGKILL, None], ["", ""], oom_kills=1, **killed)
     assert status == "oom" and reason.startswith("rank 0 was killed by the kernel's OOM killer")
     status, reason = classify_failure([-signal.SIGKILL, None], ["", ""], oom_kills=None, **killed)
@@ -32,12 +37,16 @@ def test_a_sigkill_is_out_of_memory_only_when_the_kernel_says_so():
 
 
 def test_a_rank_that_reports_running_out_of_memory_is_oom():
-    tail = "Traceback ...\nRuntimeError: DefaultCPUAllocator: not enough memory: you tried to allocate 8589934592 bytes."
+    tail = (
+        "Traceback ...\nRuntimeError: DefaultCPUAllocator: not enough memory: you tried to allocate 8589934592 bytes."
+    )
     status, reason = classify_failure([1, None], [tail, ""], timed_out=False, timeout_s=60, exit_order=[0], oom_kills=0)
     assert status == "oom" and reason.startswith("rank 0 ran out of memory: RuntimeError: DefaultCPUAllocator")
 
 
 def test_user_errors_win_and_timeouts_say_so():
-    status, reason = classify_failure([None, EXIT_USER_ERROR], ["", "ConfigError: mesh: bad"], timed_out=False, timeout_s=60, exit_order=[1])
+    status, reason = classify_failure(
+        [None, EXIT_USER_ERROR], ["", "ConfigError: mesh: bad"], timed_out=False, timeout_s=60, exit_order=[1]
+    )
     assert (status, reason) == ("invalid_config", "rank 1: ConfigError: mesh: bad")
     assert classify_failure([None, None], ["", ""], timed_out=True, timeout_s=7, exit_order=[])[0] == "timeout"

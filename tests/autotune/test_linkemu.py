@@ -7,8 +7,7 @@ import math
 
 import pytest
 
-from autotune.trials import get_link_name
-from autotune.trials import TrialSpec, run_trial
+from autotune.trials import TrialSpec, get_link_name, run_trial
 from fsdp_runtime import ROOT_UNIT, default_config
 from profiles import build_model, load_cluster_profile, load_model_profile
 
@@ -69,7 +68,10 @@ def _expected_fsdp_traffic(model: str, world_size: int) -> dict[str, dict[str, i
         unit_bytes[unit] += padded_dim0 * math.prod(param.shape[1:]) * 4
     all_units = sum(unit_bytes.values())
     return {
-        "all_gather": {"count": len(unit_bytes) + len(blocks), "num_bytes": all_units + sum(unit_bytes[b] for b in blocks)},
+        "all_gather": {
+            "count": len(unit_bytes) + len(blocks),
+            "num_bytes": all_units + sum(unit_bytes[b] for b in blocks),
+        },
         "reduce_scatter": {"count": len(unit_bytes), "num_bytes": all_units},
     }
 
@@ -80,7 +82,16 @@ def test_emulated_link_holds_collectives_and_keeps_losses_bitwise(pool2, tmp_pat
     cluster.write_text(SLOW_CLUSTER)
     config = default_config(load_model_profile("tiny").unit_names)
     num_warmup, num_measured = 1, 3
-    common = dict(model="tiny", config=config, world_size=2, num_warmup=num_warmup, num_measured=num_measured, profile=False, timeout_s=120, backend="gloo")
+    common = dict(
+        model="tiny",
+        config=config,
+        world_size=2,
+        num_warmup=num_warmup,
+        num_measured=num_measured,
+        profile=False,
+        timeout_s=120,
+        backend="gloo",
+    )
     plain = run_trial(TrialSpec(out_dir=tmp_path / "plain", **common), pool=pool2)
     slow = run_trial(TrialSpec(out_dir=tmp_path / "slow", cluster=str(cluster), **common), pool=pool2)
     assert plain.status == slow.status == "ok", (plain.reason, slow.reason)
@@ -89,7 +100,9 @@ def test_emulated_link_holds_collectives_and_keeps_losses_bitwise(pool2, tmp_pat
     # window here); the trial's barriers and pruning vote are not emulated.
     per_step = _expected_fsdp_traffic("tiny", world_size=2)
     num_steps = num_warmup + num_measured
-    link_s = {kind: e["count"] * LATENCY_US * 1e-6 + e["num_bytes"] / (BANDWIDTH_GBPS * 1e9) for kind, e in per_step.items()}
+    link_s = {
+        kind: e["count"] * LATENCY_US * 1e-6 + e["num_bytes"] / (BANDWIDTH_GBPS * 1e9) for kind, e in per_step.items()
+    }
     modeled_step_s = sum(link_s.values())
     for p, s in zip(plain.metrics.ranks, slow.metrics.ranks, strict=True):
         assert p.losses == s.losses  # bitwise: the data still moved through gloo
@@ -120,7 +133,9 @@ def test_emulated_link_holds_collectives_and_keeps_losses_bitwise(pool2, tmp_pat
     assert added_s >= 0.8 * modeled_step_s, (slow.metrics.step_ms, plain.metrics.step_ms, modeled_step_s)
     env = json.loads((tmp_path / "slow" / "env.json").read_text())
     assert env["link_emulation"]["cluster"] == "slow-test-link"
-    assert env["link_emulation"]["links"] == {"inter_node": {"latency_us": LATENCY_US, "bandwidth_gbps": BANDWIDTH_GBPS, "efficiency": 1.0}}
+    assert env["link_emulation"]["links"] == {
+        "inter_node": {"latency_us": LATENCY_US, "bandwidth_gbps": BANDWIDTH_GBPS, "efficiency": 1.0}
+    }
 
 
 def test_the_arrival_board_returns_the_latest_issue_of_a_collective(tmp_path):
@@ -170,7 +185,11 @@ def late_peer_rank(rank: int, world_size: int) -> dict:
     from autotune.trials.linkemu import BOARD_ENV, ArrivalBoard
     from profiles import LinkClass
 
-    emulator = LinkEmulator(links={"intra_node": LinkClass(latency_us=HOLD_S * 1e6)}, ranks_per_node=2, board=ArrivalBoard(os.environ[BOARD_ENV]))
+    emulator = LinkEmulator(
+        links={"intra_node": LinkClass(latency_us=HOLD_S * 1e6)},
+        ranks_per_node=2,
+        board=ArrivalBoard(os.environ[BOARD_ENV]),
+    )
     out: dict = {"calls": []}
     for async_op in (False, True):
         tensor = torch.ones(4)

@@ -6,8 +6,8 @@ import dataclasses
 import json
 
 import pytest
-
 from _trial_programs import CRASH_MESSAGE, get_survivors
+
 from autotune.trials import RankPool, TrialSpec, run_trial
 from fsdp_runtime import MeshConfig, config_to_dict, default_config
 from profiles import load_model_profile
@@ -17,7 +17,17 @@ pytestmark = pytest.mark.multirank
 
 
 def _spec(tmp_path, name: str, config, *, world_size: int = 2, **overrides) -> TrialSpec:
-    base = dict(model="tiny", config=config, world_size=world_size, out_dir=tmp_path / name, num_warmup=1, num_measured=2, profile=False, timeout_s=90, backend="gloo")
+    base = dict(
+        model="tiny",
+        config=config,
+        world_size=world_size,
+        out_dir=tmp_path / name,
+        num_warmup=1,
+        num_measured=2,
+        profile=False,
+        timeout_s=90,
+        backend="gloo",
+    )
     return TrialSpec(**{**base, **overrides})
 
 
@@ -27,7 +37,10 @@ def _with_units(config, **unit_overrides):
 
 def _prefetch_depth1(config):
     blocks = [u.name for u in config.units if u.name != "root"]
-    units = [dataclasses.replace(u, forward_prefetch=blocks[i + 1 : i + 2]) if u.name != "root" else u for i, u in enumerate(config.units)]
+    units = [
+        dataclasses.replace(u, forward_prefetch=blocks[i + 1 : i + 2]) if u.name != "root" else u
+        for i, u in enumerate(config.units)
+    ]
     return dataclasses.replace(config, units=units)
 
 
@@ -69,14 +82,20 @@ def test_pool_restarts_after_a_crash(pool2, tmp_path):
 
 def test_pool_deadlock_times_out_then_recovers(pool2, tmp_path):
     pool2.run("_trial_programs:get_rank_pid", timeout_s=90)
-    result = run_trial(_spec(tmp_path, "deadlock", default_config(UNITS), rank_program="_trial_programs:deadlock", timeout_s=4), pool=pool2)
+    result = run_trial(
+        _spec(tmp_path, "deadlock", default_config(UNITS), rank_program="_trial_programs:deadlock", timeout_s=4),
+        pool=pool2,
+    )
     assert result.status == "timeout"
     assert get_survivors(result.rank_pids) == []  # includes rank 1's sleeping child
     assert run_trial(_spec(tmp_path, "after", default_config(UNITS)), pool=pool2).status == "ok"
 
 
 def test_slow_trial_is_pruned_after_two_steps(pool2, tmp_path):
-    result = run_trial(_spec(tmp_path, "pruned", default_config(UNITS), num_measured=5, profile=True, prune_if_slower_than_ms=1e-3), pool=pool2)
+    result = run_trial(
+        _spec(tmp_path, "pruned", default_config(UNITS), num_measured=5, profile=True, prune_if_slower_than_ms=1e-3),
+        pool=pool2,
+    )
     assert result.status == "pruned"
     assert [len(r.step_ms) for r in result.metrics.ranks] == [2, 2]
     assert result.metrics.traces == [] and not list((tmp_path / "pruned").glob("trace_*"))
@@ -93,8 +112,13 @@ def test_rank_side_config_error_is_invalid_config(pool2, tmp_path):
 def test_world4_pool_runs_hsdp_then_fsdp_and_shuts_down_cleanly(tmp_path):
     hsdp = dataclasses.replace(default_config(UNITS), mesh=MeshConfig(kind="hsdp", replicate=2))
     with RankPool(4) as pool:
-        first = run_trial(_spec(tmp_path, "hsdp", hsdp, world_size=4, num_warmup=0, num_measured=1, cluster="cpu-emulated-ib"), pool=pool)
-        second = run_trial(_spec(tmp_path, "fsdp", default_config(UNITS), world_size=4, num_warmup=0, num_measured=1), pool=pool)
+        first = run_trial(
+            _spec(tmp_path, "hsdp", hsdp, world_size=4, num_warmup=0, num_measured=1, cluster="cpu-emulated-ib"),
+            pool=pool,
+        )
+        second = run_trial(
+            _spec(tmp_path, "fsdp", default_config(UNITS), world_size=4, num_warmup=0, num_measured=1), pool=pool
+        )
         pids = pool.pids
     assert first.status == "ok", first.reason
     assert second.status == "ok", second.reason

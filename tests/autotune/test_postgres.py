@@ -20,8 +20,8 @@ from pathlib import Path
 
 import optuna
 import pytest
-
 from _postgres import postgres_server  # noqa: F401 (a fixture)
+
 from autotune.search import SearchError, SearchSettings
 from autotune.search.study import close_interrupted, get_worker_id, open_study
 
@@ -99,7 +99,9 @@ def _check_one_study(trials: list[optuna.trial.FrozenTrial], num_trials: int) ->
     ran = [t for t in trials if "duplicate_of" not in t.user_attrs and t.user_attrs.get("status") != "interrupted"]
     hashes = [t.user_attrs["config_hash"] for t in ran]
     assert len(set(hashes)) == len(hashes), [(t.number, t.params) for t in ran]
-    assert all(t.user_attrs["duplicate_of"] in {r.number for r in ran} for t in trials if "duplicate_of" in t.user_attrs)
+    assert all(
+        t.user_attrs["duplicate_of"] in {r.number for r in ran} for t in trials if "duplicate_of" in t.user_attrs
+    )
     assert len({t.user_attrs["worker"] for t in trials}) == 2
 
 
@@ -121,7 +123,16 @@ def test_two_workers_on_postgres_and_a_killed_workers_trial_failed_by_heartbeat(
     def victims_trial() -> optuna.trial.FrozenTrial | None:
         running = study().get_trials(deepcopy=False, states=(States.RUNNING,))
         mine = f"{socket.gethostname()}:{victim.pid}"
-        return next((t for t in running if t.user_attrs.get("worker") == mine and "trial_dir" in t.user_attrs and not t.user_attrs.get("is_default")), None)
+        return next(
+            (
+                t
+                for t in running
+                if t.user_attrs.get("worker") == mine
+                and "trial_dir" in t.user_attrs
+                and not t.user_attrs.get("is_default")
+            ),
+            None,
+        )
 
     deadline = time.monotonic() + WORKER_TIMEOUT_S
     try:
@@ -130,10 +141,18 @@ def test_two_workers_on_postgres_and_a_killed_workers_trial_failed_by_heartbeat(
         # so even a worker killed before its heartbeat thread's first beat leaves no RUNNING trial.
         _kill_tree(victim)  # mid-trial: its ranks are at work
         try:
-            failed = _wait_until(lambda: next(t for t in study().get_trials(deepcopy=False) if t.number == trial.number and t.state == States.FAIL), 60, "the killed worker's trial to fail")
+            failed = _wait_until(
+                lambda: next(
+                    t for t in study().get_trials(deepcopy=False) if t.number == trial.number and t.state == States.FAIL
+                ),
+                60,
+                "the killed worker's trial to fail",
+            )
         except AssertionError:
             states = [(t.number, t.state.name, t.user_attrs.get("worker")) for t in study().get_trials()]
-            raise AssertionError(f"trial {trial.number} not failed: {states}; survivor rc {survivor.poll()}: {_stderr(tmp_path / 'w1')}") from None
+            raise AssertionError(
+                f"trial {trial.number} not failed: {states}; survivor rc {survivor.poll()}: {_stderr(tmp_path / 'w1')}"
+            ) from None
         assert survivor.poll() is None, "the other worker ended before it failed the trial"
         _wait_all([survivor], deadline)
     finally:
@@ -199,9 +218,15 @@ def test_a_silent_workers_trial_is_failed_and_a_beating_ones_kept(postgres_serve
     for trial in (ours, theirs):  # one beat each; then only this worker's thread beats, for its own trial
         other_host.record_heartbeat(trial._trial_id)
     state = {}
-    _wait_until(lambda: state.update({t.number: t for t in study.get_trials()}) or state[theirs.number].state == States.FAIL, 20, "the silent trial to fail")
+    _wait_until(
+        lambda: state.update({t.number: t for t in study.get_trials()}) or state[theirs.number].state == States.FAIL,
+        20,
+        "the silent trial to fail",
+    )
     attrs = state[theirs.number].user_attrs
-    assert attrs["status"] == "interrupted" and attrs["reason"].startswith("worker elsewhere:1 sent no heartbeat for 4 s"), attrs
+    assert attrs["status"] == "interrupted" and attrs["reason"].startswith(
+        "worker elsewhere:1 sent no heartbeat for 4 s"
+    ), attrs
     assert state[ours.number].state == States.RUNNING
     time.sleep(2)  # well past the grace period since its seeded beat
     close_interrupted(study)  # what a worker does when it opens the study: the same rule
@@ -232,11 +257,17 @@ def test_storage_and_heartbeat_settings_are_checked_and_derived():
         SearchSettings(heartbeat_s=0)
     assert e.value.field == "heartbeat_s"
     # A twentieth of the trial time limit, 5 to 60 s; a trial silent for 4 intervals is dead.
-    assert [(SearchSettings(trial_timeout_s=t).get_heartbeat_s(), SearchSettings(trial_timeout_s=t).get_heartbeat_grace_s()) for t in (30, 180, 3600)] == [(5, 20), (9, 36), (60, 240)]
+    assert [
+        (SearchSettings(trial_timeout_s=t).get_heartbeat_s(), SearchSettings(trial_timeout_s=t).get_heartbeat_grace_s())
+        for t in (30, 180, 3600)
+    ] == [(5, 20), (9, 36), (60, 240)]
     assert SearchSettings(heartbeat_s=2).get_heartbeat_grace_s() == 8
 
 
 def test_an_unusable_journal_file_is_one_line_naming_the_storage(tmp_path):
-    with pytest.raises(SearchError, match=r"cannot open storage journal:/proc/nope/study.log: (FileNotFoundError|PermissionError|OSError)") as e:
+    with pytest.raises(
+        SearchError,
+        match=r"cannot open storage journal:/proc/nope/study.log: (FileNotFoundError|PermissionError|OSError)",
+    ) as e:
         open_study(SearchSettings(out_dir=tmp_path, model="tiny", storage="journal:/proc/nope/study.log"), "s")
     assert e.value.field == "storage"

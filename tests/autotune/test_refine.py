@@ -6,9 +6,18 @@ from __future__ import annotations
 import optuna
 
 from autotune.search import SearchSpace
-from autotune.search.loop import get_config_hash, get_rows
 from autotune.search.confirm import get_finalists
-from autotune.search.refine import ORIGIN_ATTR, _rank_knob_moves, _resolve, _value_effects, enqueue_neighbour, get_candidates, get_choices, pick_base
+from autotune.search.loop import get_config_hash, get_rows
+from autotune.search.refine import (
+    ORIGIN_ATTR,
+    _rank_knob_moves,
+    _resolve,
+    _value_effects,
+    enqueue_neighbour,
+    get_candidates,
+    get_choices,
+    pick_base,
+)
 from autotune.search.results import pick_best
 
 BLOCKS = tuple(f"layers.{i}" for i in range(4))
@@ -35,7 +44,13 @@ def test_the_incumbent_takes_a_runner_ups_knob_first():
     space = _space()
     defaults = space.get_default_params()
     best = {**defaults, "reshard_after_forward": "false"}
-    runner_up = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": True, "defer_concat": True}
+    runner_up = {
+        **defaults,
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "keep_unsharded": True,
+        "defer_concat": True,
+    }
     study = _study_with(space, [(defaults, 1.0), (best, 0.8), (runner_up, 0.9)])
     rows = get_rows(study)
     candidates = get_candidates(rows, {})
@@ -43,14 +58,23 @@ def test_the_incumbent_takes_a_runner_ups_knob_first():
     # The runner-up's departure from the defaults comes first (not its reshard_after_forward=true).
     assert params == {**best, "nosync_blocks": "all"} and fallback == runner_up
     assert origin == "trial 1 + nosync_blocks=all from trial 2"
-    assert [c[2] for c in candidates[1:3]] == ["trial 1 + reshard_after_forward=true from trial 2", "trial 1 + reshard_after_forward=true from trial 0"]
+    assert [c[2] for c in candidates[1:3]] == [
+        "trial 1 + reshard_after_forward=true from trial 2",
+        "trial 1 + reshard_after_forward=true from trial 0",
+    ]
 
     origin = enqueue_neighbour(study, space, rows, get_config_hash)
     assert origin == "trial 1 + nosync_blocks=all from trial 2"
     queued = study.ask()
     # The knobs that only matter once blocks skip sync came from the donor.
     config = space.suggest(queued)
-    assert queued.params == {**best, "nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": True, "defer_concat": True}
+    assert queued.params == {
+        **best,
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "keep_unsharded": True,
+        "defer_concat": True,
+    }
     assert queued.user_attrs[ORIGIN_ATTR] == origin
     assert all(u.sync == "last" and u.reshard_after_forward is False for u in config.units if u.name != "root")
 
@@ -68,7 +92,9 @@ def test_measured_neighbours_are_skipped_then_one_knob_moves():
     # 0's knob gives 0 back): the first one-knob move of the incumbent is next.
     assert origin is not None and "from trial" not in origin and origin.startswith("trial 1 + ")
     queued = study.ask()
-    assert get_config_hash(space.suggest(queued)) not in {t.user_attrs.get("config_hash") for t in study.trials if t.number != queued.number}
+    assert get_config_hash(space.suggest(queued)) not in {
+        t.user_attrs.get("config_hash") for t in study.trials if t.number != queued.number
+    }
     # While a neighbour waits, no second one is queued.
     study.enqueue_trial(best)
     assert enqueue_neighbour(study, space, get_rows(study), get_config_hash) == "queued"
@@ -86,8 +112,21 @@ def _rows_with_a_lucky_incumbent(space: SearchSpace):
     incumbent + a donor's knob, measured 0.755: a tie within trial 1's own noise (the
     ``search_noise`` seed-1 run); refinement trial 4 measured clearly worse (0.79)."""
     defaults = space.get_default_params()
-    lucky = {**defaults, "nosync_blocks": "second_half", "nosync_level_fsdp": "last", "keep_unsharded": False, "defer_concat": False}
-    donor = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": False, "defer_concat": False, "reshard_after_forward": "false"}
+    lucky = {
+        **defaults,
+        "nosync_blocks": "second_half",
+        "nosync_level_fsdp": "last",
+        "keep_unsharded": False,
+        "defer_concat": False,
+    }
+    donor = {
+        **defaults,
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "keep_unsharded": False,
+        "defer_concat": False,
+        "reshard_after_forward": "false",
+    }
     stacked = {**lucky, "nosync_blocks": "all"}
     worse = {**lucky, "reduce_scatter_buffers": 2}
     study = _study_with(space, [(defaults, 1.0), (lucky, 0.736), (donor, 0.75), (stacked, 0.755), (worse, 0.79)])
@@ -126,7 +165,13 @@ def test_an_unmeasured_value_of_a_knob_that_pays_is_moved_early():
     one-knob moves, and every second refinement trial is such a move, not a donor's."""
     space = _space()
     defaults = space.get_default_params()
-    every_2nd = {**defaults, "nosync_blocks": "every_2nd", "nosync_level_fsdp": "last", "keep_unsharded": False, "defer_concat": True}
+    every_2nd = {
+        **defaults,
+        "nosync_blocks": "every_2nd",
+        "nosync_level_fsdp": "last",
+        "keep_unsharded": False,
+        "defer_concat": True,
+    }
     best = {**every_2nd, "reshard_after_forward": "false"}
     buffers = {**defaults, "reduce_scatter_buffers": 2}
     study = _study_with(space, [(defaults, 1.0), (every_2nd, 0.8), (best, 0.78), (buffers, 0.99)])
@@ -138,8 +183,12 @@ def test_an_unmeasured_value_of_a_knob_that_pays_is_moved_early():
     # Never-measured values of the two knobs whose fitted effects differ most come first: no-sync
     # blocks (trial 1 against the defaults: 1.0 -> 0.8), then reshard after forward (trial 2
     # against trial 1: 0.8 -> 0.78); moving back to a value measured worse comes last.
-    assert moves[:4] == ["trial 2 + nosync_blocks=all", "trial 2 + nosync_blocks=first_half",
-                         "trial 2 + nosync_blocks=second_half", "trial 2 + reshard_after_forward=last_block_false"]
+    assert moves[:4] == [
+        "trial 2 + nosync_blocks=all",
+        "trial 2 + nosync_blocks=first_half",
+        "trial 2 + nosync_blocks=second_half",
+        "trial 2 + reshard_after_forward=last_block_false",
+    ]
     assert moves[-2:] == ["trial 2 + reshard_after_forward=true", "trial 2 + nosync_blocks=none"]
     # Once one refinement trial ran (measured worse, so the base stays), the base's own move comes first.
     rows[3].refined_from = "trial 2 + reduce_scatter_buffers=2 from trial 3"
@@ -149,11 +198,21 @@ def test_an_unmeasured_value_of_a_knob_that_pays_is_moved_early():
 def test_a_move_to_hsdp_keeps_the_sync_levels_it_had():
     space = SearchSpace(block_names=BLOCKS, world_size=4, num_microbatches=4, root_knobs=True)
     defaults = space.get_default_params()
-    best = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": True, "defer_concat": True, "root_reshard_after_forward": "false",
-            "root_sync_fsdp": "last", "root_keep_unsharded": True}
+    best = {
+        **defaults,
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "keep_unsharded": True,
+        "defer_concat": True,
+        "root_reshard_after_forward": "false",
+        "root_sync_fsdp": "last",
+        "root_keep_unsharded": True,
+    }
     study = _study_with(space, [(defaults, 1.0), (best, 0.7)])
     rows = get_rows(study)
-    move = next((p, f) for p, f, origin in get_candidates(rows, get_choices(study)) if origin == "trial 1 + mesh=hsdp:2x2")
+    move = next(
+        (p, f) for p, f, origin in get_candidates(rows, get_choices(study)) if origin == "trial 1 + mesh=hsdp:2x2"
+    )
     used, config = _resolve(space, *move)
     # Not the first choices (every microbatch): the levels of the FSDP knobs the base had.
     assert used["mesh"] == "hsdp:2x2" and used["root_sync_hsdp"] == "last" and used["nosync_level_hsdp"] == "last"
@@ -168,16 +227,25 @@ def test_a_value_sampled_with_slow_knobs_is_not_blamed_for_them():
     among the moves to measured values; by marginal medians it came last."""
     space = SearchSpace(block_names=BLOCKS, world_size=2, num_microbatches=4, root_knobs=True)
     defaults = space.get_default_params()
-    nosync = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": True, "defer_concat": True}
+    nosync = {
+        **defaults,
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "keep_unsharded": True,
+        "defer_concat": True,
+    }
     best = {**nosync, "root_reshard_after_forward": "true"}
-    study = _study_with(space, [
-        (defaults, 1.0),
-        (best, 0.70),
-        ({**best, "reshard_after_forward": "false"}, 0.72),
-        ({**defaults, "reduce_scatter_buffers": 2}, 0.99),
-        ({**nosync, "forward_prefetch": "depth2"}, 0.71),  # root_reshard_after_forward = false, the default
-        ({**defaults, "forward_prefetch": "depth2"}, 1.08),
-    ])
+    study = _study_with(
+        space,
+        [
+            (defaults, 1.0),
+            (best, 0.70),
+            ({**best, "reshard_after_forward": "false"}, 0.72),
+            ({**defaults, "reduce_scatter_buffers": 2}, 0.99),
+            ({**nosync, "forward_prefetch": "depth2"}, 0.71),  # root_reshard_after_forward = false, the default
+            ({**defaults, "forward_prefetch": "depth2"}, 1.08),
+        ],
+    )
     rows = get_rows(study)
     choices = get_choices(study)
     effects = _value_effects(rows)

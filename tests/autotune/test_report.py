@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,10 +22,25 @@ from autotune.trials import TrialMetrics
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def write_metrics(trial_dir: Path, *, status: str = "ok", step_ms: float | None = 150.0, trace_metrics: dict | None = None, reason: str = "") -> None:
+def write_metrics(
+    trial_dir: Path,
+    *,
+    status: str = "ok",
+    step_ms: float | None = 150.0,
+    trace_metrics: dict | None = None,
+    reason: str = "",
+) -> None:
     trial_dir.mkdir(parents=True, exist_ok=True)
-    metrics = TrialMetrics(status=status, reason=reason, model="tiny", world_size=2, backend="gloo", step_ms=step_ms,
-                           process_peak_bytes=3 * 2**20, trace_metrics=trace_metrics)  # fmt: skip
+    metrics = TrialMetrics(
+        status=status,
+        reason=reason,
+        model="tiny",
+        world_size=2,
+        backend="gloo",
+        step_ms=step_ms,
+        process_peak_bytes=3 * 2**20,
+        trace_metrics=trace_metrics,
+    )
     metrics.write(trial_dir / "metrics.json")
 
 
@@ -116,14 +132,18 @@ def test_search_report_takes_best_from_search_json(search_dir, tmp_path):
 def test_search_report_without_search_json_applies_the_memory_budget(search_dir, tmp_path):
     folder = tmp_path / "search"
     shutil.copytree(search_dir, folder)
-    rows = [TrialRow(number=i, state="COMPLETE", status="ok", step_ms=ms, feasible=name != "t1", trial_dir=f"trials/{name}")
-            for i, (name, ms) in enumerate([("t0", 150.0), ("t1", 120.0)])]  # fmt: skip
+    rows = [
+        TrialRow(number=i, state="COMPLETE", status="ok", step_ms=ms, feasible=name != "t1", trial_dir=f"trials/{name}")
+        for i, (name, ms) in enumerate([("t0", 150.0), ("t1", 120.0)])
+    ]
     write_results(rows, folder)
     assert load_report(folder).best.name == "t0"  # t1 is faster but over the memory budget
 
 
 def test_failed_trial_with_a_truncated_trace_still_reports(tmp_path):
-    write_metrics(tmp_path, status="timeout", step_ms=None, reason="no result after 60s (deadlock or too slow); all ranks killed")
+    write_metrics(
+        tmp_path, status="timeout", step_ms=None, reason="no result after 60s (deadlock or too slow); all ranks killed"
+    )
     (tmp_path / "trace_rank0.json.gz").write_bytes(get_fixture_traces("cpu_tiny_2rank")[0].read_bytes()[:5000])
     report = load_report(tmp_path)
     rows = dict(get_tables(report)[0].rows)
@@ -174,18 +194,38 @@ def test_cli_report_writes_files_and_maps_errors(search_dir, tmp_path, monkeypat
 # --------------------------------------------------------------------------- profiler overhead: trace times scaled
 
 
-def _profiled_trial(trial_dir: Path, trace_metrics: dict, *, rank1_profiled_ms: float = 110.0, rank0_profiled_ms: float = 125.0) -> TrialMetrics:
+def _profiled_trial(
+    trial_dir: Path, trace_metrics: dict, *, rank1_profiled_ms: float = 110.0, rank0_profiled_ms: float = 125.0
+) -> TrialMetrics:
     """A trial whose profiled steps took 125/100 (rank 0) and 110/99 (rank 1) of its unprofiled ones,
     with 15% more training-thread CPU and 3.1x the page faults (ranks summed)."""
     from autotune.trials import RankMetrics
 
     ranks = [
-        RankMetrics(rank=0, step_ms=[100.0, 100.0, 100.0], own_step_ms=[100.0, 98.0, 100.0], profiled_step_ms=[rank0_profiled_ms] * 2,
-                    step_cpu_ms=[80.0] * 3, profiled_cpu_ms=[96.0] * 2, step_page_faults=[100] * 3, profiled_page_faults=[300] * 2),
-        RankMetrics(rank=1, step_ms=[100.0, 100.0, 100.0], own_step_ms=[99.0] * 3, profiled_step_ms=[rank1_profiled_ms] * 2,
-                    step_cpu_ms=[80.0] * 3, profiled_cpu_ms=[88.0] * 2, step_page_faults=[100] * 3, profiled_page_faults=[320] * 2),
-    ]  # fmt: skip
-    metrics = TrialMetrics.from_ranks(ranks, status="ok", model="tiny", world_size=2, backend="gloo", trace_metrics=trace_metrics)
+        RankMetrics(
+            rank=0,
+            step_ms=[100.0, 100.0, 100.0],
+            own_step_ms=[100.0, 98.0, 100.0],
+            profiled_step_ms=[rank0_profiled_ms] * 2,
+            step_cpu_ms=[80.0] * 3,
+            profiled_cpu_ms=[96.0] * 2,
+            step_page_faults=[100] * 3,
+            profiled_page_faults=[300] * 2,
+        ),
+        RankMetrics(
+            rank=1,
+            step_ms=[100.0, 100.0, 100.0],
+            own_step_ms=[99.0] * 3,
+            profiled_step_ms=[rank1_profiled_ms] * 2,
+            step_cpu_ms=[80.0] * 3,
+            profiled_cpu_ms=[88.0] * 2,
+            step_page_faults=[100] * 3,
+            profiled_page_faults=[320] * 2,
+        ),
+    ]
+    metrics = TrialMetrics.from_ranks(
+        ranks, status="ok", model="tiny", world_size=2, backend="gloo", trace_metrics=trace_metrics
+    )
     trial_dir.mkdir(parents=True, exist_ok=True)
     metrics.write(trial_dir / "metrics.json")
     return metrics
@@ -199,10 +239,18 @@ def test_trial_report_scales_trace_times_to_the_unprofiled_step_and_says_how(tri
     assert trial.trace_scale == {0: 100.0 / 125.0, 1: 99.0 / 110.0}
     summary, steps, units = get_tables(report)
     rows = dict(summary.rows)
-    assert rows["profiler"] == "trace times scaled to the unprofiled step: ×0.80 rank 0, ×0.90 rank 1; profiler overhead +25% wall, +15% CPU, page faults ×3.1"
+    assert (
+        rows["profiler"]
+        == "trace times scaled to the unprofiled step: ×0.80 rank 0, ×0.90 rank 1; profiler overhead +25% wall, +15% CPU, page faults ×3.1"
+    )
     # Times scale per rank; ratios stay as measured; metrics.json keeps the raw summary.
     first = raw["per_rank"][0]["steps"][0]
-    assert steps.rows[0][:4] == ["0", str(first["step"]), f"{first['step_ms'] * 0.8:.1f}", f"{first['compute_ms'] * 0.8:.2f}"]
+    assert steps.rows[0][:4] == [
+        "0",
+        str(first["step"]),
+        f"{first['step_ms'] * 0.8:.1f}",
+        f"{first['compute_ms'] * 0.8:.2f}",
+    ]
     rank1 = raw["per_rank"][1]["steps"][0]
     shown = trial.shown_trace_metrics
     assert shown["per_rank"][1]["steps"][0]["exposed_comm_ms"] == pytest.approx(rank1["exposed_comm_ms"] * 0.9)
@@ -211,7 +259,9 @@ def test_trial_report_scales_trace_times_to_the_unprofiled_step_and_says_how(tri
     assert shown["aggregate"]["step_ms"] == pytest.approx(statistics.median(scaled_steps))
     assert rows["profiled overlap (median)"] == f"{100 * raw['aggregate']['overlap_ratio']:.1f}%"
     assert rows["profiled step ms (median, scaled)"] == f"{shown['aggregate']['step_ms']:.1f}"
-    assert shown["aggregate"]["per_unit"][0]["comm_ms"] == pytest.approx(raw["aggregate"]["per_unit"][0]["comm_ms"] * statistics.median([0.8, 0.9]))
+    assert shown["aggregate"]["per_unit"][0]["comm_ms"] == pytest.approx(
+        raw["aggregate"]["per_unit"][0]["comm_ms"] * statistics.median([0.8, 0.9])
+    )
     assert "scaled" in steps.title and "scaled" in units.title
     assert TrialMetrics.read(tmp_path / "t" / "metrics.json").trace_metrics == raw
     assert report.to_json()["trace_metrics"] == raw and report.to_json()["trace_scale"] == {0: 0.8, 1: 0.9}
@@ -225,7 +275,9 @@ def test_trial_report_within_3_percent_shows_trace_times_as_measured(trial_dir, 
     trial = load_report(tmp_path / "t").trials[0]
     assert trial.trace_scale is None and trial.shown_trace_metrics == raw
     rows = dict(get_tables(load_report(tmp_path / "t"))[0].rows)
-    assert rows["profiler"].startswith("trace times as measured (within 3% of the unprofiled step); profiler overhead +2% wall")
+    assert rows["profiler"].startswith(
+        "trace times as measured (within 3% of the unprofiled step); profiler overhead +2% wall"
+    )
     assert rows["profiled overlap (median)"] == f"{100 * raw['aggregate']['overlap_ratio']:.1f}%"
 
 
@@ -241,18 +293,20 @@ def test_search_tables_show_each_trial_s_profiler_overhead(trial_dir, tmp_path):
     assert (by_name["t0"][prof], by_name["t1"][prof]) == ("+25%", "-")
     assert by_name["t0"][exposed].endswith("*") and not by_name["t1"][exposed].endswith("*")
     assert table.title.endswith("* trace times scaled to the unprofiled step")
-    rows = get_search_rows_table([TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, profiler_overhead=1.18)], None)
+    rows = get_search_rows_table(
+        [TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, profiler_overhead=1.18)], None
+    )
     assert rows.rows[0][rows.columns.index("prof")] == "+18%"
 
 
 # --------------------------------------------------------------------------- any directory of chrome traces
 
 
-def _run_cli(*args: str) -> "subprocess.CompletedProcess[str]":
-    import subprocess
-
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     repo = Path(__file__).resolve().parents[2]
-    return subprocess.run([sys.executable, "-c", "import cli; cli.main()", *args], cwd=repo, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", "import cli; cli.main()", *args], cwd=repo, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_report_on_a_dir_of_traces_with_foreign_names(tmp_path):
@@ -266,7 +320,9 @@ def test_cli_report_on_a_dir_of_traces_with_foreign_names(tmp_path):
     # tensorboard_trace_handler's name, no distributedInfo: sorted first, it takes the rank no other trace claims (2)
     (folder / "host-b_123.1700000000.pt.trace.json.gz").write_bytes(gzip.compress(json.dumps(anonymous).encode()))
     (folder / "rank_1.json").write_text(json.dumps(anonymous))  # rank from the file name
-    (folder / "worker0.pt.trace.json").write_bytes(gzip.decompress(rank0.read_bytes()))  # rank 0 from its distributedInfo
+    (folder / "worker0.pt.trace.json").write_bytes(
+        gzip.decompress(rank0.read_bytes())
+    )  # rank 0 from its distributedInfo
     (folder / "config.json").write_text(json.dumps({"lr": 3e-4, "traceEvents_note": "not a trace"}))
     (folder / "losses.json").write_text("[1.5, 1.25]")
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
@@ -282,7 +338,10 @@ def test_cli_report_on_a_dir_of_traces_with_foreign_names(tmp_path):
         got = summary["per_rank"][rank]
         assert [s["step"] for s in got["steps"]] == [1, 2]
         for field in ("step_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "overlap_ratio"):
-            assert [s[field] for s in got["steps"]] == pytest.approx([s[field] for s in want["steps"]], abs=1e-9), (rank, field)
+            assert [s[field] for s in got["steps"]] == pytest.approx([s[field] for s in want["steps"]], abs=1e-9), (
+                rank,
+                field,
+            )
         assert got["overlap_ratio_time_weighted"] == pytest.approx(want["overlap_ratio_time_weighted"], abs=1e-12)
 
     result = _run_cli("report", str(folder))
@@ -293,7 +352,9 @@ def test_cli_report_on_a_dir_of_traces_with_foreign_names(tmp_path):
 
 def test_trial_report_of_metrics_without_per_rank_profiler_figures_says_so(tmp_path):
     """metrics.json before v4 has the trial's overhead but no per-rank steps to scale by."""
-    TrialMetrics(status="ok", model="tiny", world_size=2, backend="gloo", step_ms=100.0, profiler_overhead=1.2).write(tmp_path / "metrics.json")
+    TrialMetrics(status="ok", model="tiny", world_size=2, backend="gloo", step_ms=100.0, profiler_overhead=1.2).write(
+        tmp_path / "metrics.json"
+    )
     trial = load_report(tmp_path).trials[0]
     assert trial.trace_scale is None
     assert dict(get_tables(load_report(tmp_path))[0].rows)["profiler"] == (
@@ -309,7 +370,9 @@ def test_tables_piped_to_a_log_keep_their_rows_on_one_line(monkeypatch, capsys):
 
     import cli
 
-    knobs = "hsdp:2x1 fwd=depth3 bwd=depth1 raf=false rsbuf=2 async=on nosync=all level=last keep=true defer=true group=4"
+    knobs = (
+        "hsdp:2x1 fwd=depth3 bwd=depth1 raf=false rsbuf=2 async=on nosync=all level=last keep=true defer=true group=4"
+    )
     monkeypatch.delenv("COLUMNS", raising=False)
     console = cli.make_console()
     assert not console.is_terminal and console.width == cli.PIPED_WIDTH

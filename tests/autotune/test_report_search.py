@@ -17,8 +17,8 @@ from _fixtures import DATA, get_fixture_traces
 from autotune.analysis import summarize_traces
 from autotune.report import get_tables, load_report, write_report
 from autotune.report.browser import check_page, find_chromium
-from autotune.report.html import FIGURES_META, get_search_sections
 from autotune.report.hta import CPU_TRACES_LINE
+from autotune.report.html import FIGURES_META, get_search_sections
 from autotune.report.study import why_no_importances
 from autotune.report.tables import TRIALS_COLUMNS
 from autotune.search import SearchRecord, TrialRow
@@ -26,31 +26,98 @@ from autotune.search.results import write_results
 from autotune.trials import TrialMetrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-CHOICES = {"mesh": ("fsdp", "hsdp:2x1"), "forward_prefetch": ("implicit", "depth1", "depth2"), "reshard_after_forward": ("true", "false")}
+CHOICES = {
+    "mesh": ("fsdp", "hsdp:2x1"),
+    "forward_prefetch": ("implicit", "depth1", "depth2"),
+    "reshard_after_forward": ("true", "false"),
+}
 DEFAULTS = {"mesh": "fsdp", "forward_prefetch": "implicit", "reshard_after_forward": "true"}
-SEARCH_FIGURES = ["compare_units", "compare_timelines", "optuna_history", "optuna_importances", "optuna_parallel", "optuna_slice", "trials"]
+SEARCH_FIGURES = [
+    "compare_units",
+    "compare_timelines",
+    "optuna_history",
+    "optuna_importances",
+    "optuna_parallel",
+    "optuna_slice",
+    "trials",
+]
 
 
 def _rows() -> list[TrialRow]:
     """Trial 1 has the lowest ratio; trial 2 (measured twice) won the final round and was emitted."""
     return [
-        TrialRow(number=0, state="COMPLETE", status="ok", step_ms=150.0, ratio=1.01, ratio_q25=0.98, ratio_q75=1.03, ratio_spread=0.05,
-                 is_default=True, trial_dir="trials/trial_0000", params=dict(DEFAULTS)),
-        TrialRow(number=1, state="COMPLETE", status="ok", step_ms=118.0, ratio=0.80, ratio_q25=0.70, ratio_q75=0.95, ratio_spread=0.31,
-                 noisy=True, trial_dir="trials/trial_0001", params={"mesh": "hsdp:2x1", "forward_prefetch": "depth1", "reshard_after_forward": "false"}),
-        TrialRow(number=2, state="COMPLETE", status="ok", step_ms=125.0, ratio=0.85, ratio_q25=0.82, ratio_q75=0.88, ratio_spread=0.07,
-                 attempts=2, first_status="pruned", first_ratio=1.52, trial_dir="trials/trial_0002/remeasured",
-                 params={"mesh": "fsdp", "forward_prefetch": "depth2", "reshard_after_forward": "false"}),
-        TrialRow(number=3, state="PRUNED", status="pruned", reason="slower than 1.3x the best in both windows", attempts=2, first_status="pruned",
-                 refined_from="trial 1 + forward_prefetch=depth2 (from trial 2)", trial_dir="trials/trial_0003",
-                 params={"mesh": "hsdp:2x1", "forward_prefetch": "depth2", "reshard_after_forward": "false"}),
-    ]  # fmt: skip
+        TrialRow(
+            number=0,
+            state="COMPLETE",
+            status="ok",
+            step_ms=150.0,
+            ratio=1.01,
+            ratio_q25=0.98,
+            ratio_q75=1.03,
+            ratio_spread=0.05,
+            is_default=True,
+            trial_dir="trials/trial_0000",
+            params=dict(DEFAULTS),
+        ),
+        TrialRow(
+            number=1,
+            state="COMPLETE",
+            status="ok",
+            step_ms=118.0,
+            ratio=0.80,
+            ratio_q25=0.70,
+            ratio_q75=0.95,
+            ratio_spread=0.31,
+            noisy=True,
+            trial_dir="trials/trial_0001",
+            params={"mesh": "hsdp:2x1", "forward_prefetch": "depth1", "reshard_after_forward": "false"},
+        ),
+        TrialRow(
+            number=2,
+            state="COMPLETE",
+            status="ok",
+            step_ms=125.0,
+            ratio=0.85,
+            ratio_q25=0.82,
+            ratio_q75=0.88,
+            ratio_spread=0.07,
+            attempts=2,
+            first_status="pruned",
+            first_ratio=1.52,
+            trial_dir="trials/trial_0002/remeasured",
+            params={"mesh": "fsdp", "forward_prefetch": "depth2", "reshard_after_forward": "false"},
+        ),
+        TrialRow(
+            number=3,
+            state="PRUNED",
+            status="pruned",
+            reason="slower than 1.3x the best in both windows",
+            attempts=2,
+            first_status="pruned",
+            refined_from="trial 1 + forward_prefetch=depth2 (from trial 2)",
+            trial_dir="trials/trial_0003",
+            params={"mesh": "hsdp:2x1", "forward_prefetch": "depth2", "reshard_after_forward": "false"},
+        ),
+    ]
 
 
 def _confirmation(winner: int) -> dict:
-    finalists = [{"trial": 1, "status": "ok", "ratio": 0.97, "pair_ratios": [0.97]}, {"trial": 2, "status": "ok", "ratio": 0.90, "pair_ratios": [0.9]}]
-    return {"finalists": finalists, "num_pairs": 2, "emitted": "best", "winner": winner, "speedup_median": 1 / 0.9, "speedup_q25": 1.05,
-            "speedup_q75": 1.2, "speedup_min": 1.0, "speedup_max": 1.3, "speedups": [1 / 0.9]}  # fmt: skip
+    finalists = [
+        {"trial": 1, "status": "ok", "ratio": 0.97, "pair_ratios": [0.97]},
+        {"trial": 2, "status": "ok", "ratio": 0.90, "pair_ratios": [0.9]},
+    ]
+    return {
+        "finalists": finalists,
+        "num_pairs": 2,
+        "emitted": "best",
+        "winner": winner,
+        "speedup_median": 1 / 0.9,
+        "speedup_q25": 1.05,
+        "speedup_q75": 1.2,
+        "speedup_min": 1.0,
+        "speedup_max": 1.3,
+        "speedups": [1 / 0.9],
+    }
 
 
 def _halve_exposed(summary: dict) -> dict:
@@ -65,32 +132,70 @@ def _write_trial(trial_dir: Path, row: TrialRow, summary: dict | None, traces: l
     trial_dir.mkdir(parents=True, exist_ok=True)
     for i, trace in enumerate(traces):
         shutil.copy(trace, trial_dir / f"trace_rank{i}.json.gz")
-    TrialMetrics(status=row.status, reason=row.reason, model="tiny", world_size=2, backend="gloo", step_ms=row.step_ms,
-                 process_peak_bytes=3 * 2**20, trace_metrics=summary).write(trial_dir / "metrics.json")  # fmt: skip
+    TrialMetrics(
+        status=row.status,
+        reason=row.reason,
+        model="tiny",
+        world_size=2,
+        backend="gloo",
+        step_ms=row.step_ms,
+        process_peak_bytes=3 * 2**20,
+        trace_metrics=summary,
+    ).write(trial_dir / "metrics.json")
 
 
 def _write_study(root: Path, rows: list[TrialRow]) -> None:
     distributions = {k: optuna.distributions.CategoricalDistribution(v) for k, v in CHOICES.items()}
-    study = optuna.create_study(study_name="tiny-w2-mb2", storage=f"sqlite:///{root / 'study.db'}", direction="minimize")
+    study = optuna.create_study(
+        study_name="tiny-w2-mb2", storage=f"sqlite:///{root / 'study.db'}", direction="minimize"
+    )
     for row in rows:
         state = optuna.trial.TrialState[row.state]
-        study.add_trial(optuna.trial.create_trial(params=row.params, distributions=distributions, state=state,
-                                                  value=row.ratio if state == optuna.trial.TrialState.COMPLETE else None))  # fmt: skip
+        study.add_trial(
+            optuna.trial.create_trial(
+                params=row.params,
+                distributions=distributions,
+                state=state,
+                value=row.ratio if state == optuna.trial.TrialState.COMPLETE else None,
+            )
+        )
 
 
-def make_search_dir(root: Path, rows: list[TrialRow], summary: dict | None, traces: list[Path], *, winner: int | None = 2, study: bool = True) -> Path:
+def make_search_dir(
+    root: Path,
+    rows: list[TrialRow],
+    summary: dict | None,
+    traces: list[Path],
+    *,
+    winner: int | None = 2,
+    study: bool = True,
+) -> Path:
     """A finished search's dir: trial dirs (traces in the defaults' and the winner's), results.json,
     search.json (lowest ratio: trial 1; emitted: ``winner``) and the study."""
     for row in rows:
         best = summary is not None and row.number == winner
-        dirs = [root / row.trial_dir, *([root / Path(row.trial_dir).parent] if row.attempts > 1 and row.trial_dir.endswith("remeasured") else [])]
+        dirs = [
+            root / row.trial_dir,
+            *([root / Path(row.trial_dir).parent] if row.attempts > 1 and row.trial_dir.endswith("remeasured") else []),
+        ]
         for d in dirs:
-            _write_trial(d, row, _halve_exposed(summary) if best else summary, traces if (row.is_default or best) and d == dirs[0] else [])
+            _write_trial(
+                d,
+                row,
+                _halve_exposed(summary) if best else summary,
+                traces if (row.is_default or best) and d == dirs[0] else [],
+            )
     write_results(rows, root)
     lowest = min((r for r in rows if r.state == "COMPLETE" and not r.is_default), key=lambda r: r.ratio, default=None)
     confirmation = _confirmation(winner) if winner is not None else None
-    SearchRecord(model="tiny", num_trials=len(rows), stopped_because=f"reached {len(rows)} trials", best=lowest, default=rows[0],
-                 confirmation=confirmation).write(root / "search.json")  # fmt: skip
+    SearchRecord(
+        model="tiny",
+        num_trials=len(rows),
+        stopped_because=f"reached {len(rows)} trials",
+        best=lowest,
+        default=rows[0],
+        confirmation=confirmation,
+    ).write(root / "search.json")
     if study:
         _write_study(root, rows)
     return root
@@ -103,7 +208,9 @@ def cpu_summary() -> dict:
 
 @pytest.fixture(scope="module")
 def cpu_search(tmp_path_factory, cpu_summary) -> Path:
-    return make_search_dir(tmp_path_factory.mktemp("search"), _rows(), cpu_summary, get_fixture_traces("cpu_tiny_2rank"))
+    return make_search_dir(
+        tmp_path_factory.mktemp("search"), _rows(), cpu_summary, get_fixture_traces("cpu_tiny_2rank")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,15 +226,24 @@ def test_trials_table_shows_knobs_noise_attempts_and_origin(cpu_search):
     rows = {row[0]: dict(zip(trials.columns, row)) for row in trials.rows}
     assert list(rows) == ["0 (defaults)", "1 (lowest ratio)", "2 (emitted)", "3"]
     emitted = rows["2 (emitted)"]
-    assert (emitted["/defaults"], emitted["IQR"], emitted["spread"], emitted["attempts"]) == ("0.850x", "0.820-0.880", "7.0%", "2 (first: pruned 1.520x)")
+    assert (emitted["/defaults"], emitted["IQR"], emitted["spread"], emitted["attempts"]) == (
+        "0.850x",
+        "0.820-0.880",
+        "7.0%",
+        "2 (first: pruned 1.520x)",
+    )
     assert emitted["knobs"] == "fsdp fwd=depth2 raf=false" and emitted["made from"] == "sampled"
     assert rows["1 (lowest ratio)"]["status"] == "ok (noisy)"
-    assert rows["3"]["made from"] == "trial 1 + forward_prefetch=depth2 (from trial 2)" and rows["3"]["note"].startswith("slower than 1.3x")
+    assert rows["3"]["made from"] == "trial 1 + forward_prefetch=depth2 (from trial 2)" and rows["3"][
+        "note"
+    ].startswith("slower than 1.3x")
     assert rows["0 (defaults)"]["made from"] == "defaults"
     # The emitted trial is named first; the lowest ratio is said to be another trial.
     lines = dict(summary.rows)
-    assert lines["best"] == ("best = trial 2, the emitted config: the fastest of 2 finalists re-measured against the defaults in the final round "
-                             "(ratio 0.900, 1.111x the defaults' speed); the lowest ratio in the search was trial 1 (0.800 in the search, 0.970 in the final round)")
+    assert lines["best"] == (
+        "best = trial 2, the emitted config: the fastest of 2 finalists re-measured against the defaults in the final round "
+        "(ratio 0.900, 1.111x the defaults' speed); the lowest ratio in the search was trial 1 (0.800 in the search, 0.970 in the final round)"
+    )
     assert lines["lowest ratio in the search"].startswith("trial 1: ratio 0.800x, 118.0 ms")
 
 
@@ -135,7 +251,10 @@ def test_best_is_the_emitted_trial_s_remeasured_dir(cpu_search, tmp_path):
     report = load_report(cpu_search)
     comparison = report.comparison
     assert (comparison.best_number, comparison.default_number, comparison.lowest_number) == (2, 0, 1)
-    assert comparison.best.path == cpu_search / "trials/trial_0002/remeasured" and comparison.default.path == cpu_search / "trials/trial_0000"
+    assert (
+        comparison.best.path == cpu_search / "trials/trial_0002/remeasured"
+        and comparison.default.path == cpu_search / "trials/trial_0000"
+    )
     assert (comparison.best_label, comparison.default_label) == ("best: trial 2 (emitted)", "defaults: trial 0")
     # search.json naming a re-measured trial's dir as its best still finds the trial
     folder = tmp_path / "s"
@@ -147,7 +266,9 @@ def test_best_is_the_emitted_trial_s_remeasured_dir(cpu_search, tmp_path):
 
 
 def test_without_a_final_round_best_is_the_lowest_ratio(cpu_summary, tmp_path):
-    folder = make_search_dir(tmp_path, _rows(), cpu_summary, get_fixture_traces("cpu_tiny_2rank"), winner=None, study=False)
+    folder = make_search_dir(
+        tmp_path, _rows(), cpu_summary, get_fixture_traces("cpu_tiny_2rank"), winner=None, study=False
+    )
     comparison = load_report(folder).comparison
     assert (comparison.best_number, comparison.emitted) == (1, False)
     assert comparison.note == "best = trial 1, the lowest ratio in the search (no final round ran)"
@@ -169,9 +290,14 @@ def test_search_page_draws_every_figure_once_with_plotly_inline(cpu_page, cpu_su
 def test_best_vs_defaults_figures(cpu_search, cpu_summary):
     compare = get_search_sections(load_report(cpu_search))[0]
     units = compare.figures["compare_units"]
-    assert [t.name for t in units.data] == ["best: trial 2 (emitted)", "defaults: trial 0"] and units.layout.barmode == "group"
+    assert [t.name for t in units.data] == [
+        "best: trial 2 (emitted)",
+        "defaults: trial 0",
+    ] and units.layout.barmode == "group"
     expected = [u["exposed_comm_ms"] for u in cpu_summary["aggregate"]["per_unit"]]
-    assert list(units.data[1].y) == pytest.approx(expected) and list(units.data[0].y) == pytest.approx([e / 2 for e in expected])
+    assert list(units.data[1].y) == pytest.approx(expected) and list(units.data[0].y) == pytest.approx(
+        [e / 2 for e in expected]
+    )
     timelines = compare.figures["compare_timelines"]
     assert timelines.layout.xaxis.matches == "x2"  # two subplots, one time axis
     by_axis = {}
@@ -179,15 +305,23 @@ def test_best_vs_defaults_figures(cpu_search, cpu_summary):
         by_axis.setdefault(trace.yaxis, set()).update(trace.y)
     assert set(by_axis) == {"y", "y2"} and all({"rank 0 compute", "rank 1 exposed"} <= ys for ys in by_axis.values())
     titles = [a.text for a in timelines.layout.annotations]
-    assert titles[0].startswith("best: trial 2 (emitted): step 125.0 ms") and titles[1].startswith("defaults: trial 0: step 150.0 ms")
+    assert titles[0].startswith("best: trial 2 (emitted): step 125.0 ms") and titles[1].startswith(
+        "defaults: trial 0: step 150.0 ms"
+    )
 
 
 def test_optuna_figures_come_from_the_study(cpu_search):
     study = get_search_sections(load_report(cpu_search))[1]
-    assert list(study.figures) == ["optuna_history", "optuna_importances", "optuna_parallel", "optuna_slice"] and not study.absent
+    assert (
+        list(study.figures) == ["optuna_history", "optuna_importances", "optuna_parallel", "optuna_slice"]
+        and not study.absent
+    )
     history = study.figures["optuna_history"]
     assert sorted(y for t in history.data for y in (t.y or []) if t.mode == "markers") == [0.8, 0.85, 1.01]
-    assert study.lines[0] == "study 'tiny-w2-mb2': 4 trials, 3 completed; objective: step-time ratio vs defaults (lower is faster)"
+    assert (
+        study.lines[0]
+        == "study 'tiny-w2-mb2': 4 trials, 3 completed; objective: step-time ratio vs defaults (lower is faster)"
+    )
 
 
 def test_a_finished_search_reports_its_own_rows_and_study_storage(cpu_search, tmp_path):
@@ -200,9 +334,20 @@ def test_a_finished_search_reports_its_own_rows_and_study_storage(cpu_search, tm
     shutil.copytree(cpu_search, folder)
     (folder / "results.json").unlink()
     journal = tmp_path / "study.journal"
-    optuna.copy_study(from_study_name="tiny-w2-mb2", from_storage=f"sqlite:///{folder / 'study.db'}", to_storage=_journal(journal), to_study_name="elsewhere")
+    optuna.copy_study(
+        from_study_name="tiny-w2-mb2",
+        from_storage=f"sqlite:///{folder / 'study.db'}",
+        to_storage=_journal(journal),
+        to_study_name="elsewhere",
+    )
     (folder / "study.db").unlink()
-    summary = SimpleNamespace(record=SearchRecord.read(folder / "search.json"), rows=_rows(), study_dir=folder, out_dir=folder, report_paths=[])
+    summary = SimpleNamespace(
+        record=SearchRecord.read(folder / "search.json"),
+        rows=_rows(),
+        study_dir=folder,
+        out_dir=folder,
+        report_paths=[],
+    )
     write_search_report(summary, storage=f"journal:{journal}", study_name="elsewhere")
     page = (folder / "report" / "report.html").read_text()
     assert summary.record.report_error is None and "fsdp fwd=depth2 raf=false" in page and "2 (emitted)" in page
@@ -216,15 +361,29 @@ def _journal(path: Path):
 
 
 def test_too_few_trials_or_no_study_are_one_line_each(cpu_summary, tmp_path):
-    rows = _rows()[:1] + [TrialRow(number=1, state="FAIL", status="crash", reason="rank 1 exited with 1", trial_dir="trials/trial_0001", params=dict(DEFAULTS))]
+    rows = _rows()[:1] + [
+        TrialRow(
+            number=1,
+            state="FAIL",
+            status="crash",
+            reason="rank 1 exited with 1",
+            trial_dir="trials/trial_0001",
+            params=dict(DEFAULTS),
+        )
+    ]
     folder = make_search_dir(tmp_path / "one", rows, cpu_summary, get_fixture_traces("cpu_tiny_2rank"), winner=None)
     study = get_search_sections(load_report(folder))[1]
     assert list(study.figures) == ["optuna_history", "optuna_parallel", "optuna_slice"]
-    assert study.absent == {"optuna_importances": "parameter importances need at least 2 completed trials with a value; this study has 1"}
+    assert study.absent == {
+        "optuna_importances": "parameter importances need at least 2 completed trials with a value; this study has 1"
+    }
     (folder / "study.db").unlink()
     write_report(load_report(folder), tmp_path / "out")
     page = (tmp_path / "out" / "report.html").read_text()
-    assert page.count("data-absent='optuna_") == 4 and f"No slice figure: no Optuna study: {folder / 'study.db'} does not exist" in page
+    assert (
+        page.count("data-absent='optuna_") == 4
+        and f"No slice figure: no Optuna study: {folder / 'study.db'} does not exist" in page
+    )
 
 
 def test_why_no_importances():
@@ -232,8 +391,13 @@ def test_why_no_importances():
         def __init__(self, value, **params):
             self.value, self.params = value, params
 
-    assert why_no_importances([T(0.9, a=1), T(0.9, a=2)]) == "all 2 completed trials have the same objective value: there is no variation to attribute"
-    assert why_no_importances([T(0.9, a=1), T(0.8, a=1, b=2)]).startswith("no parameter takes two values in the 2 completed trials")
+    assert (
+        why_no_importances([T(0.9, a=1), T(0.9, a=2)])
+        == "all 2 completed trials have the same objective value: there is no variation to attribute"
+    )
+    assert why_no_importances([T(0.9, a=1), T(0.8, a=1, b=2)]).startswith(
+        "no parameter takes two values in the 2 completed trials"
+    )
     assert why_no_importances([T(0.9, a=1), T(0.8, a=2)]) is None
 
 
@@ -241,7 +405,9 @@ def test_gpu_traces_get_hta_analyses(tmp_path):
     traces = [DATA / "hta_nccl" / f"sampled_rank-{r}.json.gz" for r in (0, 1)]
     folder = make_search_dir(tmp_path, _rows(), summarize_traces(traces), traces, study=False)
     compare, _, _, hta = get_search_sections(load_report(folder))
-    assert "compare_units" in compare.absent and "compare_timelines" in compare.figures  # HTA's traces have no FSDP units
+    assert (
+        "compare_units" in compare.absent and "compare_timelines" in compare.figures
+    )  # HTA's traces have no FSDP units
     assert list(hta.figures) == ["hta_temporal", "hta_kernels", "hta_idle"] and CPU_TRACES_LINE not in hta.lines
     temporal = hta.figures["hta_temporal"]
     bars = {(t.name, who, rank): y for t in temporal.data for who, rank, y in zip(t.x[0], t.x[1], t.y)}
@@ -251,12 +417,17 @@ def test_gpu_traces_get_hta_analyses(tmp_path):
     kinds = {x for t in hta.figures["hta_kernels"].data for x in t.x}
     assert {"COMMUNICATION", "COMPUTATION"} <= kinds
     idle = hta.figures["hta_idle"].data
-    assert {t.name for t in idle} <= {"host_wait", "kernel_wait", "other"} and {"best: trial 2 (emitted)", "defaults: trial 0"} == set(idle[0].x[0])
+    assert {t.name for t in idle} <= {"host_wait", "kernel_wait", "other"} and {
+        "best: trial 2 (emitted)",
+        "defaults: trial 0",
+    } == set(idle[0].x[0])
 
 
 # --------------------------------------------------------------------------- the page in headless Chromium
 
-needs_chromium = pytest.mark.skipif(find_chromium() is None, reason="no chromium on PATH (Debian: apt-get install chromium)")
+needs_chromium = pytest.mark.skipif(
+    find_chromium() is None, reason="no chromium on PATH (Debian: apt-get install chromium)"
+)
 
 
 @needs_chromium
@@ -271,7 +442,10 @@ def test_search_page_renders_offline_in_chromium(cpu_page, tmp_path):
 def test_chromium_check_fails_on_errors_missing_figures_and_network(cpu_page, tmp_path):
     page = cpu_page.read_text()
     page = page.replace('if (document.getElementById("figure-optuna_slice"))', "if (false)")  # one figure never drawn
-    page = page.replace("</body>", "<script>notDefinedAnywhere()</script><script src='https://cdn.example.com/plotly.js'></script></body>")
+    page = page.replace(
+        "</body>",
+        "<script>notDefinedAnywhere()</script><script src='https://cdn.example.com/plotly.js'></script></body>",
+    )
     broken = tmp_path / "broken.html"
     broken.write_text(page)
     check = check_page(broken, expect=SEARCH_FIGURES)

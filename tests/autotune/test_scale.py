@@ -45,5 +45,6 @@ def test_a_memory_budget_measures_the_real_model_however_slow():
     assert not plan.is_proxy and plan.run is small and "a memory budget needs the model's own peaks" in plan.reason
     # Over memory there is no real model to run: still a proxy, which the search refuses (below).
     llama8b = load_model_profile("llama8b")
-    assert plan_model(llama8b, world_size=2, memory_per_rank=6 * GIB, flops_per_rank=20e9, step_budget_s=1.0, memory_bound=True).is_proxy
-
+    assert plan_model(
+        llama8b, world_size=2, memory_per_rank=6 * GIB, flops_per_rank=20e9, step_budget_s=1.0, memory_bound=True
+    ).is_proxy

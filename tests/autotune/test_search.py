@@ -16,16 +16,24 @@ from types import SimpleNamespace
 
 import optuna
 import pytest
-
 from _search_programs import INJECTED
-from autotune.trials import run_ranks
+
 from autotune.pipeline import search_and_report
 from autotune.report import get_tables, load_report
-from autotune.search import SearchError, pick_best, SearchSettings, SearchSpace, SilentReporter, TrialRow, run_search
+from autotune.search import SearchError, SearchSettings, SearchSpace, SilentReporter, TrialRow, pick_best, run_search
 from autotune.search.loop import plateaued
+from autotune.trials import run_ranks
 from fsdp_runtime import config_to_dict, load_config
 
-FAST = {"model": "tiny", "world_size": 2, "num_warmup": 1, "num_measured": 2, "num_profiled": 1, "trial_timeout_s": 90.0, "patience": None}
+FAST = {
+    "model": "tiny",
+    "world_size": 2,
+    "num_warmup": 1,
+    "num_measured": 2,
+    "num_profiled": 1,
+    "trial_timeout_s": 90.0,
+    "patience": None,
+}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -47,12 +55,18 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     assert rows[3].refined_from.startswith(f"trial {pick_best(rows[:3]).number} + ")
     assert summary.best is not None and summary.best.ratio == min(r.ratio for r in rows if r.state == "COMPLETE")
     metrics = json.loads((tmp_path / rows[1].trial_dir / "metrics.json").read_text())
-    assert len(metrics["reference_step_ms_per_step"]) == len(metrics["step_ms_per_step"]) == metrics["num_measured"]  # one per pair
-    assert metrics["paired"]["pair_ratios"] == [c / r for c, r in zip(metrics["step_ms_per_step"], metrics["reference_step_ms_per_step"])]
+    assert (
+        len(metrics["reference_step_ms_per_step"]) == len(metrics["step_ms_per_step"]) == metrics["num_measured"]
+    )  # one per pair
+    assert metrics["paired"]["pair_ratios"] == [
+        c / r for c, r in zip(metrics["step_ms_per_step"], metrics["reference_step_ms_per_step"])
+    ]
     conf = summary.confirmation
     finalists = [r for r in rows if r.state == "COMPLETE" and not r.is_default and r.duplicate_of is None]
     if finalists:  # the final round re-measured up to 3 of them against the defaults, 2 pairs each
-        assert [f["trial"] for f in conf["finalists"]] == [r.number for r in sorted(finalists, key=lambda r: r.ratio)][:3]
+        assert [f["trial"] for f in conf["finalists"]] == [r.number for r in sorted(finalists, key=lambda r: r.ratio)][
+            :3
+        ]
         # 2 pairs per window; a contested final round (see confirm.py) gave its contenders a second window.
         assert all(f["num_pairs"] == 2 * f.get("windows", 1) for f in conf["finalists"] if f["status"] == "ok")
         assert sorted(f["trial"] for f in conf["finalists"] if f.get("windows") == 2) == sorted(conf["contested"])
@@ -63,7 +77,9 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     assert best == load_config(tmp_path / "best.json")
     assert best.provenance.measured and best.provenance.model == "tiny" and best.provenance.world_size == 2
     # Units may group blocks (grouping is searched by default) and split off the edges; every block is in one, in order.
-    assert [m for u in best.units for m in u.get_modules() if m.startswith("layers.")] == [f"layers.{i}" for i in range(4)] and best.units[-1].name == "root"
+    assert [m for u in best.units for m in u.get_modules() if m.startswith("layers.")] == [
+        f"layers.{i}" for i in range(4)
+    ] and best.units[-1].name == "root"
     # Tables and trial dirs are on disk.
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["trials"]) == 4
@@ -83,7 +99,12 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     assert "all_gather" in summary_rows["checkpoint consolidation"] and summary_rows["model"] == "tiny"
     assert (tmp_path / "report" / "report.html").exists() and search_json["report_error"] is None
     # The emitted config applies with fsdp_runtime unchanged and trains.
-    run = run_ranks("_harness:train_losses", world_size=2, kwargs={"model": "tiny", "config": config_to_dict(best), "num_steps": 2}, timeout_s=90)
+    run = run_ranks(
+        "_harness:train_losses",
+        world_size=2,
+        kwargs={"model": "tiny", "config": config_to_dict(best), "num_steps": 2},
+        timeout_s=90,
+    )
     assert run.ok, run.reason
     assert all(len(losses) == 2 and all(0 < x < 20 for x in losses) for losses in run.results)
 
@@ -91,7 +112,16 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
 @pytest.mark.multirank
 def test_failed_trials_are_recorded_and_do_not_stop_the_search(tmp_path):
     # Seed 1 samples explicit forward prefetch in trials 1 and 2 (a seed whose samples all lack it tests nothing).
-    summary = run_search(_settings(tmp_path, num_trials=4, num_confirm_pairs=0, sampler="random", seed=1, rank_program="_search_programs:crash_on_explicit_prefetch"))
+    summary = run_search(
+        _settings(
+            tmp_path,
+            num_trials=4,
+            num_confirm_pairs=0,
+            sampler="random",
+            seed=1,
+            rank_program="_search_programs:crash_on_explicit_prefetch",
+        )
+    )
     states = [r.state for r in summary.rows]
     assert len(states) == 4 and "FAIL" in states and "COMPLETE" in states
     failed = [r for r in summary.rows if r.state == "FAIL"]
@@ -105,11 +135,21 @@ def test_a_noisy_window_is_measured_again_not_pruned_or_ranked(tmp_path):
     # (_search_programs.noisy_first_window): trial 1 in every candidate step (its first pairs are
     # all far above the prune limit), trial 2 in every other reference step (its pairs spread too
     # wide to rank).
-    settings = _settings(tmp_path, num_trials=3, num_refine=0, num_confirm_pairs=0, sampler="random", seed=5, rank_program="_search_programs:noisy_first_window")
+    settings = _settings(
+        tmp_path,
+        num_trials=3,
+        num_refine=0,
+        num_confirm_pairs=0,
+        sampler="random",
+        seed=5,
+        rank_program="_search_programs:noisy_first_window",
+    )
     rows = run_search(settings).rows
     assert rows[0].is_default and rows[0].state == "COMPLETE"
     slowed, spread = rows[1], rows[2]
-    assert slowed.duplicate_of is None and spread.duplicate_of is None, "the sampler repeated a config: pick another seed"
+    assert slowed.duplicate_of is None and spread.duplicate_of is None, (
+        "the sampler repeated a config: pick another seed"
+    )
     # Trial 1: the first window pruned it; the second, clean, window stands and ranks it.
     first = json.loads((tmp_path / "trials" / "trial_0001" / "metrics.json").read_text())
     assert first["status"] == "pruned" and first["paired"]["ratio"] > 2.2, first["paired"]
@@ -139,8 +179,33 @@ def _cli(*args: str) -> list[str]:
 @pytest.mark.multirank
 def test_two_workers_share_one_study_without_duplicates(tmp_path):
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
-    common = ["--model", "tiny", "--trials", "4", "--storage", storage, "--study-name", "shared", "--resume", "--confirm-pairs", "0", "--patience", "0", "--json"]
-    workers = [subprocess.Popen(_cli(*common, "--out", str(tmp_path / f"w{i}")), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) for i in range(2)]
+    common = [
+        "--model",
+        "tiny",
+        "--trials",
+        "4",
+        "--storage",
+        storage,
+        "--study-name",
+        "shared",
+        "--resume",
+        "--confirm-pairs",
+        "0",
+        "--patience",
+        "0",
+        "--json",
+    ]
+    workers = [
+        subprocess.Popen(
+            _cli(*common, "--out", str(tmp_path / f"w{i}")),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for i in range(2)
+    ]
     try:
         outputs = [w.communicate(timeout=400) for w in workers]
     finally:
@@ -192,7 +257,9 @@ def test_search_loop_refines_on_the_plateau_then_stops(monkeypatch):
 
     def fake_run_one(ctx, best):
         origin = queued.pop() if queued else None  # the enqueued neighbour is the next trial asked
-        told.append(replace(_row(len(told), "COMPLETE", 100.0 - 0.1 * len(told)), refined_from=origin))  # 0.1% gains only
+        told.append(
+            replace(_row(len(told), "COMPLETE", 100.0 - 0.1 * len(told)), refined_from=origin)
+        )  # 0.1% gains only
         return told[-1]
 
     monkeypatch.setattr(loop, "get_rows", lambda study: list(told))
@@ -215,7 +282,9 @@ def test_an_effective_config_is_measured_once(monkeypatch, tmp_path):
     space = SearchSpace(block_names=("layers.0", "layers.1"), world_size=2, num_microbatches=1)
     default = space.get_default_params()
     # With two blocks, depth 2 and depth 3 prefetch expand to the same explicit lists.
-    assert space.build_config({**default, "forward_prefetch": "depth2"}) == space.build_config({**default, "forward_prefetch": "depth3"})
+    assert space.build_config({**default, "forward_prefetch": "depth2"}) == space.build_config(
+        {**default, "forward_prefetch": "depth3"}
+    )
     study = optuna.create_study(direction="minimize")
     for depth in ("depth2", "depth3"):
         study.enqueue_trial({**default, "forward_prefetch": depth})
@@ -223,11 +292,19 @@ def test_an_effective_config_is_measured_once(monkeypatch, tmp_path):
 
     def fake_run_trial(spec, *, pool=None):
         runs.append(spec.out_dir.name)
-        metrics = TrialMetrics(status="ok", model="tiny", world_size=2, backend="gloo", step_ms=42.0, process_peak_bytes=1)
+        metrics = TrialMetrics(
+            status="ok", model="tiny", world_size=2, backend="gloo", step_ms=42.0, process_peak_bytes=1
+        )
         return TrialResult(status="ok", out_dir=spec.out_dir, metrics=metrics)
 
     monkeypatch.setattr(loop, "run_trial", fake_run_trial)
-    ctx = SearchContext(study=study, space=space, settings=_settings(tmp_path), plan=SimpleNamespace(trial_model="tiny"), reporter=SilentReporter())
+    ctx = SearchContext(
+        study=study,
+        space=space,
+        settings=_settings(tmp_path),
+        plan=SimpleNamespace(trial_model="tiny"),
+        reporter=SilentReporter(),
+    )
     first, second = loop.run_one(ctx, None), loop.run_one(ctx, None)
     assert runs == ["trial_0000"]
     assert (first.state, first.step_ms, second.state, second.step_ms) == ("COMPLETE", 42.0, "COMPLETE", 42.0)
@@ -242,21 +319,26 @@ def test_search_space_follows_the_settings(monkeypatch):
     from profiles.sources import load_model_source
 
     source = load_model_source("small")
-    plan = ModelPlan(requested=source, run=source, is_proxy=False, reason="", estimated_memory_per_rank=0, estimated_step_s=0.0)
+    plan = ModelPlan(
+        requested=source, run=source, is_proxy=False, reason="", estimated_memory_per_rank=0, estimated_step_s=0.0
+    )
     space = make_space(SearchSettings(), plan, "cpu")
     assert (space.grouping, space.root_knobs, space.checkpointing) == (True, True, False)
     assert (space.embedding_names, space.head_names) == (("tok_embeddings",), ("norm", "output"))
     assert space.can_split and "root_split" in space.get_default_params()
     assert make_space(SearchSettings(memory_budget_bytes=2**30), plan, "cpu").checkpointing
     assert make_space(SearchSettings(checkpointing=True), plan, "cpu").checkpointing
-    off = make_space(SearchSettings(grouping=False, root_knobs=False, checkpointing=False, memory_budget_bytes=2**30), plan, "cpu")
+    off = make_space(
+        SearchSettings(grouping=False, root_knobs=False, checkpointing=False, memory_budget_bytes=2**30), plan, "cpu"
+    )
     assert not (off.grouping or off.root_knobs or off.checkpointing or off.embedding_names)
     # A custom rank program builds its own model: the root is searched but never split.
     own = make_space(SearchSettings(rank_program="my_pkg.train:step"), plan, "cpu")
     assert own.root_knobs and not own.can_split
 
-    import cli
     from typer.testing import CliRunner
+
+    import cli
 
     seen = {}
 
@@ -266,9 +348,17 @@ def test_search_space_follows_the_settings(monkeypatch):
 
     monkeypatch.setattr("autotune.pipeline.search_and_report", fake_search_and_report)
     CliRunner().invoke(cli.app, ["search", "--no-grouping", "--no-root-knobs", "--checkpointing", "--out", "unused"])
-    assert (seen["settings"].grouping, seen["settings"].root_knobs, seen["settings"].checkpointing) == (False, False, True)
+    assert (seen["settings"].grouping, seen["settings"].root_knobs, seen["settings"].checkpointing) == (
+        False,
+        False,
+        True,
+    )
     CliRunner().invoke(cli.app, ["search", "--memory-budget-gib", "1.5", "--out", "unused"])
-    assert (seen["settings"].grouping, seen["settings"].root_knobs, seen["settings"].get_checkpointing()) == (True, True, True)
+    assert (seen["settings"].grouping, seen["settings"].root_knobs, seen["settings"].get_checkpointing()) == (
+        True,
+        True,
+        True,
+    )
 
 
 def test_a_worker_at_the_trial_count_waits_for_other_workers_trials(tmp_path):

@@ -67,7 +67,9 @@ def test_flat_profiles_price_like_link_emulation():
     cluster = load_cluster_profile("cpu-emulated-ib")
     hw = Hardware(cluster, 2)
     link = cluster.links["inter_node"]
-    assert hw.get_collective_seconds("reduce_scatter", 1e6, get_group(4, 1, 2)) == pytest.approx(link.get_seconds(1_000_000))
+    assert hw.get_collective_seconds("reduce_scatter", 1e6, get_group(4, 1, 2)) == pytest.approx(
+        link.get_seconds(1_000_000)
+    )
 
 
 def _sample_configs(work, world_size: int, count: int) -> list:
@@ -89,11 +91,25 @@ def test_a_faster_link_or_device_never_predicts_a_slower_step(what):
     base = load_cluster_profile("h100-node")
     if what == "device":
         acc = base.accelerator
-        faster = dataclasses.replace(base, accelerator=dataclasses.replace(acc, peak_tflops={k: 2 * v for k, v in acc.peak_tflops.items()}, hbm_gbps=2 * acc.hbm_gbps))
+        faster = dataclasses.replace(
+            base,
+            accelerator=dataclasses.replace(
+                acc, peak_tflops={k: 2 * v for k, v in acc.peak_tflops.items()}, hbm_gbps=2 * acc.hbm_gbps
+            ),
+        )
     else:
         link = base.links[what]
-        faster = dataclasses.replace(base, links={**base.links, what: dataclasses.replace(link, bandwidth_gbps=4 * link.bandwidth_gbps, latency_us=link.latency_us / 2)})
-    slow, fast = Simulator(work, Hardware(base, 2), activation_checkpointing=True), Simulator(work, Hardware(faster, 2), activation_checkpointing=True)
+        faster = dataclasses.replace(
+            base,
+            links={
+                **base.links,
+                what: dataclasses.replace(link, bandwidth_gbps=4 * link.bandwidth_gbps, latency_us=link.latency_us / 2),
+            },
+        )
+    slow, fast = (
+        Simulator(work, Hardware(base, 2), activation_checkpointing=True),
+        Simulator(work, Hardware(faster, 2), activation_checkpointing=True),
+    )
     for config in _sample_configs(work, 16, 25):
         assert fast.simulate(config).step_s <= slow.simulate(config).step_s * (1 + 1e-9), config
 
@@ -109,7 +125,9 @@ def test_prediction_outputs_for_llama8b_on_a_node():
     assert 0.3 < checkpointed.mfu < 0.6
     assert checkpointed.tokens_per_s_per_device == pytest.approx(2 * 8192 / checkpointed.step_s)
     root = checkpointed.units[-1]
-    assert root.exposed_s == pytest.approx(root.comm_s)  # its all-gather opens each microbatch, its reduce-scatter closes it
+    assert root.exposed_s == pytest.approx(
+        root.comm_s
+    )  # its all-gather opens each microbatch, its reduce-scatter closes it
     assert checkpointed.exposed_comm_s <= checkpointed.comm_s and checkpointed.compute_s <= checkpointed.step_s
 
 
@@ -136,8 +154,17 @@ def test_random_configs_simulate_without_error():
 def _grouped(work, *, checkpointing: str = "none", modules=("layers.0", "layers.1")):
     from fsdp_runtime import RuntimeConfig
 
-    units = [UnitConfig(name="layers.0-1", modules=list(modules), activation_checkpointing=checkpointing, forward_prefetch=["layers.2"]),
-             UnitConfig(name="layers.2", activation_checkpointing=checkpointing), UnitConfig(name="layers.3"), UnitConfig(name="root")]  # fmt: skip
+    units = [
+        UnitConfig(
+            name="layers.0-1",
+            modules=list(modules),
+            activation_checkpointing=checkpointing,
+            forward_prefetch=["layers.2"],
+        ),
+        UnitConfig(name="layers.2", activation_checkpointing=checkpointing),
+        UnitConfig(name="layers.3"),
+        UnitConfig(name="root"),
+    ]
     return RuntimeConfig(units=units, mixed_precision=BF16)
 
 
@@ -150,15 +177,33 @@ def test_units_of_several_blocks_and_per_unit_checkpointing_schema_2():
     assert knobs.unit_blocks == ((0, 1), (2,), (3,)) and knobs.forward_prefetch[0] == (1,)
     assert knobs.checkpointing == ("full", "full", "none", "none")
     hw = Hardware(load_cluster_profile("h100-node"), 1)
-    plain = get_mesh_costs(work, hw, replicate=1, shard=8, param_dtype="bfloat16", reduce_dtype="float32", activation_checkpointing=False)
-    kinds = {k: get_mesh_costs(work, hw, replicate=1, shard=8, param_dtype="bfloat16", reduce_dtype="float32", activation_checkpointing=False,
-                               unit_blocks=knobs.unit_blocks, checkpointing=(k, k, "none", "none")) for k in ("none", "selective", "full")}  # fmt: skip
+    plain = get_mesh_costs(
+        work, hw, replicate=1, shard=8, param_dtype="bfloat16", reduce_dtype="float32", activation_checkpointing=False
+    )
+    kinds = {
+        k: get_mesh_costs(
+            work,
+            hw,
+            replicate=1,
+            shard=8,
+            param_dtype="bfloat16",
+            reduce_dtype="float32",
+            activation_checkpointing=False,
+            unit_blocks=knobs.unit_blocks,
+            checkpointing=(k, k, "none", "none"),
+        )
+        for k in ("none", "selective", "full")
+    }
     grouped = kinds["none"]
     # one all-gather of both blocks' parameters: their bytes, one latency
     assert grouped.padded[0] == 2 * plain.padded[0] and grouped.sharded[0] == 2 * plain.sharded[0]
     link = hw.cluster.links["intra_node"]
-    assert grouped.all_gather_s[0] == pytest.approx(link.latency_us * 1e-6 + 2 * plain.padded[0] * 2 * 7 / 8 / (link.bandwidth_gbps * link.efficiency * 1e9))
-    assert grouped.all_gather_s[0] < 2 * plain.all_gather_s[0] and grouped.forward_s[0] == pytest.approx(2 * plain.forward_s[0])
+    assert grouped.all_gather_s[0] == pytest.approx(
+        link.latency_us * 1e-6 + 2 * plain.padded[0] * 2 * 7 / 8 / (link.bandwidth_gbps * link.efficiency * 1e9)
+    )
+    assert grouped.all_gather_s[0] < 2 * plain.all_gather_s[0] and grouped.forward_s[0] == pytest.approx(
+        2 * plain.forward_s[0]
+    )
     # checkpointing recomputes the forward in backward: all of it (full), its non-matmul work (selective)
     memory_part = hw.get_memory_seconds(work.work["block", "forward"].memory_bytes)
     assert kinds["full"].backward_s[0] == pytest.approx(2 * (plain.backward_s[0] + plain.forward_s[0]))
@@ -175,9 +220,15 @@ def test_schema_2_configs_simulate_with_fewer_collectives_and_less_memory():
     assert [u.name for u in same.units][:1] == ["layers.0"]
     grouped, checkpointed = simulate(_grouped(work), work, hw), simulate(_grouped(work, checkpointing="full"), work, hw)
     assert [u.name for u in grouped.units] == ["layers.0-1", "layers.2", "layers.3", "root"]
-    assert grouped.units[0].comm_s < default.units[0].comm_s + default.units[1].comm_s  # one latency per collective instead of two
+    assert (
+        grouped.units[0].comm_s < default.units[0].comm_s + default.units[1].comm_s
+    )  # one latency per collective instead of two
     # the recomputed forwards cost compute (hidden here: the tiny model waits for its collectives) and save memory
-    assert checkpointed.compute_s > grouped.compute_s and checkpointed.step_s >= grouped.step_s and checkpointed.peak_memory_bytes < grouped.peak_memory_bytes
+    assert (
+        checkpointed.compute_s > grouped.compute_s
+        and checkpointed.step_s >= grouped.step_s
+        and checkpointed.peak_memory_bytes < grouped.peak_memory_bytes
+    )
 
 
 def test_selective_checkpointing_saves_the_ops_fsdp_runtime_saves():

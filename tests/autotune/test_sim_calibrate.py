@@ -10,11 +10,19 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
+from autotune.search import SearchSpace
 from autotune.sim import Hardware, Simulator, get_model_work
-from autotune.sim.calibrate import CalibrationTrial, _fit_sync, _predict, calibrate, fit_collective, get_trace_costs, read_calibration_trial
+from autotune.sim.calibrate import (
+    CalibrationTrial,
+    _fit_sync,
+    _predict,
+    calibrate,
+    fit_collective,
+    get_trace_costs,
+    read_calibration_trial,
+)
 from autotune.sim.hardware import get_group
 from autotune.sim.measured import LOCAL_HOOK_KEYS, CollectiveFit, MeasuredProfile
-from autotune.search import SearchSpace
 from autotune.trials import TrialSpec, run_trial
 from profiles import load_cluster_profile, load_model_profile
 
@@ -25,24 +33,45 @@ def _events() -> SimpleNamespace:
     """One step [0, 1000] us of a two-block model, one microbatch: labels as FSDP2 records them on CPU
     with blocking collectives (the comm rows are the gloo spans they wait for)."""
     labels = [
-        (0, 10, "root_pre_forward", "root"), (10, 30, "pre_forward", "root"), (25, 30, "all_gather_copy_out", "root"),
-        (40, 70, "pre_forward", "layers.0"), (60, 70, "all_gather_copy_out", "layers.0"), (170, 172, "post_forward", "layers.0"),
-        (175, 205, "pre_forward", "layers.1"), (195, 205, "all_gather_copy_out", "layers.1"), (305, 307, "post_forward", "layers.1"),
-        (357, 360, "post_forward", "root"), (400, 420, "pre_backward", "root"), (402, 418, "backward_prefetch", "layers.1"),
-        (450, 460, "pre_backward", "layers.1"), (452, 460, "all_gather_copy_out", "layers.1"),
-        (660, 662, "post_backward_accumulate", "layers.1"), (662, 663, "post_backward_reshard", "layers.1"), (663, 690, "post_backward_reduce", "layers.1"),
-        (690, 700, "pre_backward", "layers.0"), (692, 700, "all_gather_copy_out", "layers.0"),
-        (900, 902, "post_backward_accumulate", "layers.0"), (902, 930, "post_backward_reduce", "layers.0"),
-        (940, 980, "root_post_backward_callback", "root"), (945, 975, "post_backward_reduce", "root"),
-    ]  # fmt: skip
+        (0, 10, "root_pre_forward", "root"),
+        (10, 30, "pre_forward", "root"),
+        (25, 30, "all_gather_copy_out", "root"),
+        (40, 70, "pre_forward", "layers.0"),
+        (60, 70, "all_gather_copy_out", "layers.0"),
+        (170, 172, "post_forward", "layers.0"),
+        (175, 205, "pre_forward", "layers.1"),
+        (195, 205, "all_gather_copy_out", "layers.1"),
+        (305, 307, "post_forward", "layers.1"),
+        (357, 360, "post_forward", "root"),
+        (400, 420, "pre_backward", "root"),
+        (402, 418, "backward_prefetch", "layers.1"),
+        (450, 460, "pre_backward", "layers.1"),
+        (452, 460, "all_gather_copy_out", "layers.1"),
+        (660, 662, "post_backward_accumulate", "layers.1"),
+        (662, 663, "post_backward_reshard", "layers.1"),
+        (663, 690, "post_backward_reduce", "layers.1"),
+        (690, 700, "pre_backward", "layers.0"),
+        (692, 700, "all_gather_copy_out", "layers.0"),
+        (900, 902, "post_backward_accumulate", "layers.0"),
+        (902, 930, "post_backward_reduce", "layers.0"),
+        (940, 980, "root_post_backward_callback", "root"),
+        (945, 975, "post_backward_reduce", "root"),
+    ]
     comm = [
-        (12, 25, "all_gather", "root"), (42, 60, "all_gather", "layers.0"), (177, 195, "all_gather", "layers.1"), (403, 417, "all_gather", "layers.1"),
-        (665, 685, "reduce_scatter", "layers.1"), (905, 925, "reduce_scatter", "layers.0"), (950, 970, "reduce_scatter", "root"),
-    ]  # fmt: skip
+        (12, 25, "all_gather", "root"),
+        (42, 60, "all_gather", "layers.0"),
+        (177, 195, "all_gather", "layers.1"),
+        (403, 417, "all_gather", "layers.1"),
+        (665, 685, "reduce_scatter", "layers.1"),
+        (905, 925, "reduce_scatter", "layers.0"),
+        (950, 970, "reduce_scatter", "root"),
+    ]
     return SimpleNamespace(
         steps=pd.DataFrame({"step": [1], "start": [0.0], "end": [1000.0]}),
         labels=pd.DataFrame(labels, columns=["start", "end", "phase", "unit"]).astype({"start": float, "end": float}),
-        comm=pd.DataFrame([(a, b, a, k, u) for a, b, k, u in comm], columns=["start", "end", "issue_ts", "kind", "unit"]).astype({"start": float, "end": float}),
+        comm=pd.DataFrame(
+            [(a, b, a, k, u) for a, b, k, u in comm], columns=["start", "end", "issue_ts", "kind", "unit"]
+        ).astype({"start": float, "end": float}),
         barriers=pd.DataFrame(columns=["start", "end", "issue_ts"], dtype=float),
     )
 
@@ -51,17 +80,43 @@ def test_trace_costs_attribute_the_time_between_fsdp_labels_by_hand():
     costs = get_trace_costs({0: _events()}, block_names=("layers.0", "layers.1"), num_microbatches=1)
     # gaps after pre_forward(root) 10; block forwards 100 + 2 (post_forward) + 3 (to the next block) + 100 + 2 over 2 blocks;
     # the tail 50 (norm, output) + 3 (its post_forward) + 40 (loss); backward: tail 30, blocks 200 each, head 10 after block 0
-    assert costs.segments == pytest.approx({"head.forward": 10 * US, "block.forward": 103.5 * US, "tail.forward": 93 * US, "tail.backward": 30 * US,
-                                           "block.backward": 200 * US, "head.backward": 10 * US})  # fmt: skip
+    assert costs.segments == pytest.approx(
+        {
+            "head.forward": 10 * US,
+            "block.forward": 103.5 * US,
+            "tail.forward": 93 * US,
+            "tail.backward": 30 * US,
+            "block.backward": 200 * US,
+            "head.backward": 10 * US,
+        }
+    )
     # hooks: label time minus the collectives in it. unshard: blocks 12, 12 (forward), 10, 10 (backward); root 20 - 13;
     # the root's pre-backward holds no copy-out of its own (6 = 20 - 14 of b1's prefetch); post-hooks (2 + 1) and 2
     # per post-backward; reduces 27 - 20 and 28 - 20; the root's callback 40 - 20
-    assert costs.hooks == pytest.approx({"unshard.block": 11 * US, "unshard.root": 7 * US, "pre_hook.block": 0.0, "pre_hook.root": 6 * US,
-                                        "post_hook.block": 2.5 * US, "post_hook.root": 0.0, "reduce.block": 7.5 * US, "reduce.root": 20 * US})  # fmt: skip
+    assert costs.hooks == pytest.approx(
+        {
+            "unshard.block": 11 * US,
+            "unshard.root": 7 * US,
+            "pre_hook.block": 0.0,
+            "pre_hook.root": 6 * US,
+            "post_hook.block": 2.5 * US,
+            "post_hook.root": 0.0,
+            "reduce.block": 7.5 * US,
+            "reduce.root": 20 * US,
+        }
+    )
     assert costs.microbatch_s == pytest.approx(10 * US) and costs.optimizer_s == pytest.approx(20 * US)
-    assert sorted(costs.collectives) == sorted([("all_gather", "root", 13 * US), ("all_gather", "layers.0", 18 * US), ("all_gather", "layers.1", 18 * US),
-                                                ("all_gather", "layers.1", 14 * US), ("reduce_scatter", "layers.1", 20 * US),
-                                                ("reduce_scatter", "layers.0", 20 * US), ("reduce_scatter", "root", 20 * US)])  # fmt: skip
+    assert sorted(costs.collectives) == sorted(
+        [
+            ("all_gather", "root", 13 * US),
+            ("all_gather", "layers.0", 18 * US),
+            ("all_gather", "layers.1", 18 * US),
+            ("all_gather", "layers.1", 14 * US),
+            ("reduce_scatter", "layers.1", 20 * US),
+            ("reduce_scatter", "layers.0", 20 * US),
+            ("reduce_scatter", "root", 20 * US),
+        ]
+    )
 
 
 def test_a_trace_on_a_shard_group_of_one_counts_its_copies_as_local_hooks():
@@ -75,12 +130,23 @@ def test_a_trace_on_a_shard_group_of_one_counts_its_copies_as_local_hooks():
     local = get_trace_costs({0: events}, block_names=("layers.0", "layers.1"), num_microbatches=1, local=True)
     # pre-forwards: root 20, blocks 30 and 30; reduces 27 - 20 and 28 - 20; the root's callback 40 - 20
     assert {k: v for k, v in local.hooks.items() if "local" in k} == pytest.approx(
-        {"unshard_local.block": 30 * US, "unshard_local.root": 20 * US, "reduce_local.block": 7.5 * US, "reduce_local.root": 20 * US})
+        {
+            "unshard_local.block": 30 * US,
+            "unshard_local.root": 20 * US,
+            "reduce_local.block": 7.5 * US,
+            "reduce_local.root": 20 * US,
+        }
+    )
     # pre-backwards: blocks 10 each, the root 20 (no prefetch's all-gather in it any more); nothing counts as a copy-out
-    assert local.hooks["pre_hook.block"] == pytest.approx(10 * US) and local.hooks["pre_hook.root"] == pytest.approx(20 * US)
+    assert local.hooks["pre_hook.block"] == pytest.approx(10 * US) and local.hooks["pre_hook.root"] == pytest.approx(
+        20 * US
+    )
     assert local.hooks["unshard.block"] == 0.0 and local.hooks["reduce.block"] == 0.0
     # Read as an ordinary trace, the same labels hold no local keys.
-    assert not any("local" in k for k in get_trace_costs({0: events}, block_names=("layers.0", "layers.1"), num_microbatches=1).hooks)
+    assert not any(
+        "local" in k
+        for k in get_trace_costs({0: events}, block_names=("layers.0", "layers.1"), num_microbatches=1).hooks
+    )
 
 
 def test_eager_concat_labels_are_counted_apart_from_the_hooks_around_them():
@@ -88,15 +154,27 @@ def test_eager_concat_labels_are_counted_apart_from_the_hooks_around_them():
     (top level) and inside the root's post-backward callback (nested) count under ``concat``."""
     events = _events()
     labels = events.labels
-    labels.loc[(labels["phase"] == "post_backward_reduce") & (labels["unit"] == "layers.1"), "phase"] = "eager_concat"  # 663-690, no reduce
-    events.labels = pd.concat([labels, pd.DataFrame([(976.0, 979.0, "eager_concat", "root")], columns=labels.columns)], ignore_index=True)
-    events.comm = events.comm[~((events.comm["kind"] == "reduce_scatter") & (events.comm["unit"] == "layers.1"))].reset_index(drop=True)
+    labels.loc[(labels["phase"] == "post_backward_reduce") & (labels["unit"] == "layers.1"), "phase"] = (
+        "eager_concat"  # 663-690, no reduce
+    )
+    events.labels = pd.concat(
+        [labels, pd.DataFrame([(976.0, 979.0, "eager_concat", "root")], columns=labels.columns)], ignore_index=True
+    )
+    events.comm = events.comm[
+        ~((events.comm["kind"] == "reduce_scatter") & (events.comm["unit"] == "layers.1"))
+    ].reset_index(drop=True)
     costs = get_trace_costs({0: events}, block_names=("layers.0", "layers.1"), num_microbatches=1)
     assert costs.hooks["concat.block"] == pytest.approx(27 * US) and costs.hooks["concat.root"] == pytest.approx(3 * US)
     # layers.0's reduce alone (28 - 20); the root's callback less its nested concat (40 - 20 - 3); compute as before
     assert costs.hooks["reduce.block"] == pytest.approx(8 * US) and costs.hooks["reduce.root"] == pytest.approx(17 * US)
-    assert costs.segments == pytest.approx(get_trace_costs({0: _events()}, block_names=("layers.0", "layers.1"), num_microbatches=1).segments)
-    assert "restore.block" not in costs.hooks and "concat.block" not in get_trace_costs({0: _events()}, block_names=("layers.0", "layers.1"), num_microbatches=1).hooks
+    assert costs.segments == pytest.approx(
+        get_trace_costs({0: _events()}, block_names=("layers.0", "layers.1"), num_microbatches=1).segments
+    )
+    assert (
+        "restore.block" not in costs.hooks
+        and "concat.block"
+        not in get_trace_costs({0: _events()}, block_names=("layers.0", "layers.1"), num_microbatches=1).hooks
+    )
 
 
 def test_collective_fits_by_hand():
@@ -113,11 +191,30 @@ def test_collective_fits_by_hand():
 
 def _measured(**changes) -> MeasuredProfile:
     base = MeasuredProfile(
-        name="test", world_size=4, num_microbatches=1, segments=dict.fromkeys(("head.forward", "block.forward", "tail.forward", "tail.backward", "block.backward", "head.backward"), 1e-3),
-        hooks=dict.fromkeys(("unshard.block", "unshard.root", "pre_hook.block", "pre_hook.root", "post_hook.block", "post_hook.root", "reduce.block", "reduce.root"), 1e-4),
-        microbatch_s=1e-4, optimizer_s_per_element=1e-9, memory_bytes_per_s=1e9,
+        name="test",
+        world_size=4,
+        num_microbatches=1,
+        segments=dict.fromkeys(
+            ("head.forward", "block.forward", "tail.forward", "tail.backward", "block.backward", "head.backward"), 1e-3
+        ),
+        hooks=dict.fromkeys(
+            (
+                "unshard.block",
+                "unshard.root",
+                "pre_hook.block",
+                "pre_hook.root",
+                "post_hook.block",
+                "post_hook.root",
+                "reduce.block",
+                "reduce.root",
+            ),
+            1e-4,
+        ),
+        microbatch_s=1e-4,
+        optimizer_s_per_element=1e-9,
+        memory_bytes_per_s=1e9,
         collectives={"all_gather": CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2)},
-    )  # fmt: skip
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -133,7 +230,10 @@ def test_measured_collectives_are_held_to_emulated_links():
     assert raw.get_collective_seconds("all_gather", 1e7, world4) == pytest.approx(1e-4 + 1.5e-2) and raw.world_size == 4
     # gloo runs reduce-scatter and all-reduce as one all-reduce: either fit prices both
     both = _measured(collectives={"reduce_scatter": CollectiveFit(latency_s=0.0, seconds_per_byte=1e-9, group_size=2)})
-    assert both.get_real_seconds("all_reduce", 1e6, 2) == pytest.approx(1e-3) and both.get_real_seconds("all_gather", 1e6, 2) == 0.0
+    assert (
+        both.get_real_seconds("all_reduce", 1e6, 2) == pytest.approx(1e-3)
+        and both.get_real_seconds("all_gather", 1e6, 2) == 0.0
+    )
     assert MeasuredProfile.from_dict(both.to_dict()) == both
 
 
@@ -145,9 +245,17 @@ def test_measured_prices_simulate_a_cpu_step_with_mesh_dependent_optimizer():
     fsdp = simulator.simulate(space.build_config(space.get_default_params()))
     assert fsdp.step_s > 0 and fsdp.mfu == 0.0  # no device peak on a CPU profile
     # 2x1 keeps the whole model on each rank: twice the optimizer's elements, no all-gather
-    replicated, sharded = simulator.get_costs(_knobs_of(space, "hsdp:2x1", work)), simulator.get_costs(_knobs_of(space, "fsdp", work))
-    assert replicated.optimizer_s == pytest.approx(2 * sharded.optimizer_s, rel=0.01) and sum(replicated.all_gather_s) == 0.0
-    assert sharded.all_gather_s[0] == pytest.approx(1e-4 + sharded.padded[0] * 4 * 1e-9)  # the fit at 2 ranks, float32 params
+    replicated, sharded = (
+        simulator.get_costs(_knobs_of(space, "hsdp:2x1", work)),
+        simulator.get_costs(_knobs_of(space, "fsdp", work)),
+    )
+    assert (
+        replicated.optimizer_s == pytest.approx(2 * sharded.optimizer_s, rel=0.01)
+        and sum(replicated.all_gather_s) == 0.0
+    )
+    assert sharded.all_gather_s[0] == pytest.approx(
+        1e-4 + sharded.padded[0] * 4 * 1e-9
+    )  # the fit at 2 ranks, float32 params
 
 
 def test_the_wait_per_collective_is_fitted_from_a_trial_that_skips_sync():
@@ -157,11 +265,24 @@ def test_the_wait_per_collective_is_fitted_from_a_trial_that_skips_sync():
     work = get_model_work(load_model_profile("tiny"), "float32")
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=4, device_type="cpu")
     defaults = space.get_default_params()
-    nosync = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True, "keep_unsharded": False}
-    fits = {"all_gather": CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2), "reduce_scatter": CollectiveFit(latency_s=1e-4, seconds_per_byte=2e-9, group_size=2)}
+    nosync = {
+        **defaults,
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "defer_concat": True,
+        "keep_unsharded": False,
+    }
+    fits = {
+        "all_gather": CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2),
+        "reduce_scatter": CollectiveFit(latency_s=1e-4, seconds_per_byte=2e-9, group_size=2),
+    }
     truth = _measured(world_size=2, num_microbatches=4, collectives=fits, sync_s=2e-3, compute_scale=1.3)
-    anchor = CalibrationTrial(path=Path("defaults"), config=space.build_config(defaults), world_size=2, step_s=0.0, cluster=None)
-    trial = CalibrationTrial(path=Path("nosync"), config=space.build_config(nosync), world_size=2, step_s=0.0, cluster=None)
+    anchor = CalibrationTrial(
+        path=Path("defaults"), config=space.build_config(defaults), world_size=2, step_s=0.0, cluster=None
+    )
+    trial = CalibrationTrial(
+        path=Path("nosync"), config=space.build_config(nosync), world_size=2, step_s=0.0, cluster=None
+    )
     target = _predict(work, anchor, truth)
     trial.ratio = _predict(work, trial, truth) / target
     assert trial.ratio < 0.9  # 4 microbatches: 3 of 4 reduce-scatters (and their waits) skipped
@@ -176,24 +297,39 @@ def test_the_wait_per_collective_is_fitted_from_a_trial_that_skips_sync():
     assert _fit_sync(work, anchor, trial, dataclasses.replace(truth, sync_s=0.0), target).sync_s == 0.0
     # The wait is added to every collective's price, an emulated link's hold included.
     hardware = Hardware(load_cluster_profile("cpu-emulated-ib"), num_ranks=2, measured=fitted)
-    bare = Hardware(load_cluster_profile("cpu-emulated-ib"), num_ranks=2, measured=dataclasses.replace(fitted, sync_s=0.0))
+    bare = Hardware(
+        load_cluster_profile("cpu-emulated-ib"), num_ranks=2, measured=dataclasses.replace(fitted, sync_s=0.0)
+    )
     group = get_group(2, 1, 2)
-    assert hardware.get_collective_seconds("all_gather", 1e7, group) - bare.get_collective_seconds("all_gather", 1e7, group) == pytest.approx(2e-3)
+    assert hardware.get_collective_seconds("all_gather", 1e7, group) - bare.get_collective_seconds(
+        "all_gather", 1e7, group
+    ) == pytest.approx(2e-3)
 
 
 def test_a_shard_group_of_one_is_priced_by_its_own_copies_where_measured():
     work = get_model_work(load_model_profile("tiny"), "float32")
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=1, device_type="cpu")
-    local = {"unshard_local.block": 5e-4, "unshard_local.root": 6e-4, "reduce_local.block": 7e-4, "reduce_local.root": 8e-4}
+    local = {
+        "unshard_local.block": 5e-4,
+        "unshard_local.root": 6e-4,
+        "reduce_local.block": 7e-4,
+        "reduce_local.root": 8e-4,
+    }
     plain = _measured(world_size=2, compute_scale=2.0)
     measured = dataclasses.replace(plain, hooks={**plain.hooks, **local})
 
     def costs(profile, mesh):
-        return Simulator(work, Hardware(load_cluster_profile("cpu-gloo"), num_ranks=2, measured=profile)).get_costs(_knobs_of(space, mesh, work))
+        return Simulator(work, Hardware(load_cluster_profile("cpu-gloo"), num_ranks=2, measured=profile)).get_costs(
+            _knobs_of(space, mesh, work)
+        )
 
     replicated = costs(measured, "hsdp:2x1")
-    assert replicated.copy_out_s[0] == pytest.approx(2.0 * 5e-4) and replicated.copy_out_s[-1] == pytest.approx(2.0 * 6e-4)
-    assert replicated.copy_in_s[0] == pytest.approx(2.0 * 7e-4) and replicated.copy_in_s[-1] == pytest.approx(2.0 * 8e-4)
+    assert replicated.copy_out_s[0] == pytest.approx(2.0 * 5e-4) and replicated.copy_out_s[-1] == pytest.approx(
+        2.0 * 6e-4
+    )
+    assert replicated.copy_in_s[0] == pytest.approx(2.0 * 7e-4) and replicated.copy_in_s[-1] == pytest.approx(
+        2.0 * 8e-4
+    )
     # A sharded mesh keeps the anchor's hooks; without local keys a shard group of one falls back to them.
     assert costs(measured, "fsdp").copy_out_s == costs(plain, "fsdp").copy_out_s == costs(plain, "hsdp:2x1").copy_out_s
     assert costs(plain, "hsdp:2x1").copy_out_s[0] == pytest.approx(2.0 * 1e-4)
@@ -202,7 +338,9 @@ def test_a_shard_group_of_one_is_priced_by_its_own_copies_where_measured():
 def _knobs_of(space: SearchSpace, mesh: str, work):
     from autotune.sim import resolve_knobs
 
-    return resolve_knobs(space.build_config({**space.get_default_params(), "mesh": mesh}), work.block_names, world_size=2, device="cpu")
+    return resolve_knobs(
+        space.build_config({**space.get_default_params(), "mesh": mesh}), work.block_names, world_size=2, device="cpu"
+    )
 
 
 @pytest.mark.multirank
@@ -211,11 +349,30 @@ def test_calibration_from_real_trials_reproduces_its_anchor_and_fits_the_cpu_sha
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=2, device_type="cpu")
     defaults = space.get_default_params()
     dirs = {}
-    nosync = {**defaults, "nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": False, "keep_unsharded": False}
-    for name, params, reference in (("defaults", defaults, None), ("async", {**defaults, "unshard_async": "on", "forward_prefetch": "depth1"}, None),
-                                    ("nosync", nosync, space.build_config(defaults)), ("local", {**defaults, "mesh": "hsdp:2x1"}, None)):  # fmt: skip
-        spec = TrialSpec(model="tiny", config=space.build_config(params), world_size=2, out_dir=tmp_path / name, num_warmup=1, num_measured=3, num_profiled=2,
-                         timeout_s=120, reference=reference)  # fmt: skip
+    nosync = {
+        **defaults,
+        "nosync_blocks": "all",
+        "nosync_level_fsdp": "last",
+        "defer_concat": False,
+        "keep_unsharded": False,
+    }
+    for name, params, reference in (
+        ("defaults", defaults, None),
+        ("async", {**defaults, "unshard_async": "on", "forward_prefetch": "depth1"}, None),
+        ("nosync", nosync, space.build_config(defaults)),
+        ("local", {**defaults, "mesh": "hsdp:2x1"}, None),
+    ):
+        spec = TrialSpec(
+            model="tiny",
+            config=space.build_config(params),
+            world_size=2,
+            out_dir=tmp_path / name,
+            num_warmup=1,
+            num_measured=3,
+            num_profiled=2,
+            timeout_s=120,
+            reference=reference,
+        )
         assert run_trial(spec, pool=pool2).ok
         dirs[name] = read_calibration_trial(tmp_path / name)
     assert dirs["nosync"].ratio is not None and dirs["async"].ratio is None
@@ -229,9 +386,16 @@ def test_calibration_from_real_trials_reproduces_its_anchor_and_fits_the_cpu_sha
     if 0.0 < profile.cpu_share < 1.5:  # inside the bracket the share reproduces the async trial
         assert _predict(work, dirs["async"], profile) == pytest.approx(dirs["async"].step_s, rel=1e-3)
     assert profile.collectives["all_gather"].num_points > 0 and profile.collectives["all_gather"].seconds_per_byte > 0
-    assert all(v >= 0 for v in (*profile.segments.values(), *profile.hooks.values())) and profile.segments["block.backward"] > 0
+    assert (
+        all(v >= 0 for v in (*profile.segments.values(), *profile.hooks.values()))
+        and profile.segments["block.backward"] > 0
+    )
     # The replicated trial's plain copies price a shard group of one (HSDP 2x1 ran no copy-out to read).
-    assert all(profile.hooks[key] > 0 for key in LOCAL_HOOK_KEYS) and any("shard group of one" in note for note in profile.notes)
+    assert all(profile.hooks[key] > 0 for key in LOCAL_HOOK_KEYS) and any(
+        "shard group of one" in note for note in profile.notes
+    )
     # The no-sync trial concatenates eagerly: fsdp_runtime's labels price the concat and the restore.
-    assert all(profile.hooks[key] > 0 for key in ("concat.block", "restore.block")) and any("eager concat" in note for note in profile.notes)
+    assert all(profile.hooks[key] > 0 for key in ("concat.block", "restore.block")) and any(
+        "eager concat" in note for note in profile.notes
+    )
     assert any("anchor" in note for note in profile.notes) and MeasuredProfile.from_dict(profile.to_dict()) == profile

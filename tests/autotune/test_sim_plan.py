@@ -26,7 +26,16 @@ LLAMA8B_BLOCKS = tuple(load_model_profile("llama8b").block_names)
 
 def _space(world_size: int = 8, **changes) -> SearchSpace:
     # As `autotune plan` builds it for BF16 (params bf16, reduction fp32).
-    return SearchSpace(**{"block_names": LLAMA8B_BLOCKS, "world_size": world_size, "num_microbatches": 2, "device_type": "cuda", "reduce_dtype_differs": True, **changes})
+    return SearchSpace(
+        **{
+            "block_names": LLAMA8B_BLOCKS,
+            "world_size": world_size,
+            "num_microbatches": 2,
+            "device_type": "cuda",
+            "reduce_dtype_differs": True,
+            **changes,
+        }
+    )
 
 
 def test_the_walk_visits_every_point_of_the_space_once():
@@ -70,14 +79,32 @@ def test_points_sharing_a_forward_key_share_the_forward_knobs():
         first = factory.get_knobs(group[0])
         for params in group[1:]:
             other = factory.get_knobs(params)
-            assert (other.replicate, other.shard, other.forward_prefetch, other.reshard_after_forward, other.unshard_async) == (
-                first.replicate, first.shard, first.forward_prefetch, first.reshard_after_forward, first.unshard_async,
-            )  # fmt: skip
+            assert (
+                other.replicate,
+                other.shard,
+                other.forward_prefetch,
+                other.reshard_after_forward,
+                other.unshard_async,
+            ) == (
+                first.replicate,
+                first.shard,
+                first.forward_prefetch,
+                first.reshard_after_forward,
+                first.unshard_async,
+            )
 
 
 def test_plan_ranks_emits_and_parallel_workers_agree(tmp_path):
-    one = run_plan(PlanSettings(model="tiny", cluster="h100-node", num_nodes=2, fixed_mesh="hsdp:2x8", out_dir=tmp_path / "a", num_workers=1))
-    two = run_plan(PlanSettings(model="tiny", cluster="h100-node", num_nodes=2, fixed_mesh="hsdp:2x8", out_dir=tmp_path / "b", num_workers=2))
+    one = run_plan(
+        PlanSettings(
+            model="tiny", cluster="h100-node", num_nodes=2, fixed_mesh="hsdp:2x8", out_dir=tmp_path / "a", num_workers=1
+        )
+    )
+    two = run_plan(
+        PlanSettings(
+            model="tiny", cluster="h100-node", num_nodes=2, fixed_mesh="hsdp:2x8", out_dir=tmp_path / "b", num_workers=2
+        )
+    )
     assert one.num_evaluated == two.num_evaluated == len(one.ranked) + len(one.dropped)
     assert [r.params for r in one.ranked[:20]] == [r.params for r in two.ranked[:20]]
     steps = [r.prediction.step_s for r in one.ranked]
@@ -85,9 +112,15 @@ def test_plan_ranks_emits_and_parallel_workers_agree(tmp_path):
     assert one.ranked[0].prediction.step_s <= one.default.prediction.step_s
     config = load_config(tmp_path / "a" / "best.toml")
     assert config.provenance.measured is False and "simulated" in config.provenance.produced_by
-    assert config.mesh.kind == "hsdp" and config.mesh.replicate == 2 and config.mixed_precision.param_dtype == "bfloat16"
+    assert (
+        config.mesh.kind == "hsdp" and config.mesh.replicate == 2 and config.mixed_precision.param_dtype == "bfloat16"
+    )
     # Without the memory knobs: the core space only, checkpointing left to the script.
-    core = run_plan(PlanSettings(model="tiny", cluster="h100-node", num_nodes=1, out_dir=tmp_path / "c", num_workers=1, memory_knobs=False))
+    core = run_plan(
+        PlanSettings(
+            model="tiny", cluster="h100-node", num_nodes=1, out_dir=tmp_path / "c", num_workers=1, memory_knobs=False
+        )
+    )
     assert not core.ac_in_config and core.ac_label in ("none", "full")
     assert all(k not in row.params for row in core.ranked for k in ("blocks_per_unit", "ac_units", "root_sync_fsdp"))
     assert one.ac_in_config and any("blocks_per_unit" in row.params for row in one.ranked)
@@ -103,11 +136,32 @@ def test_plan_settings_errors_name_the_setting(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "import cli; cli.main()", "plan", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", "import cli; cli.main()", "plan", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_cli_plan_emits_a_config_for_llama8b_units(tmp_path):
-    done = _cli("--model", "llama8b", "--cluster", "h100-node", "--nodes", "1", "--microbatches", "1", "--mesh", "fsdp", "--workers", "1", "--out", str(tmp_path))
+    done = _cli(
+        "--model",
+        "llama8b",
+        "--cluster",
+        "h100-node",
+        "--nodes",
+        "1",
+        "--microbatches",
+        "1",
+        "--mesh",
+        "fsdp",
+        "--workers",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "configs/s" in done.stdout and "best:" in done.stdout
     config = load_config(tmp_path / "best.toml")
@@ -145,8 +199,13 @@ def _deep_tiny_pricers(depths=None):
 
     work = get_model_work(load_model_profile("tiny").with_overrides(num_layers=40), "bfloat16")
     hardware = Hardware(load_cluster_profile("h100-node"), 1)
-    space = SearchSpace(block_names=work.block_names, world_size=8, num_microbatches=2, device_type="cuda", fixed_mesh="fsdp")
-    make = lambda depth=None: make_pricer(work, hardware, space, mixed_precision=BF16, activation_checkpointing=False, depth=depth)  # noqa: E731
+    space = SearchSpace(
+        block_names=work.block_names, world_size=8, num_microbatches=2, device_type="cuda", fixed_mesh="fsdp"
+    )
+
+    def make(depth=None):
+        return make_pricer(work, hardware, space, mixed_precision=BF16, activation_checkpointing=False, depth=depth)
+
     return space, make(), tuple(make(d) for d in (depths or (8, 16)))
 
 
@@ -167,7 +226,9 @@ def test_depth_extrapolation_matches_full_depth_simulations():
         assert guess.step_s == pytest.approx(exact.step_s, rel=5e-3), params
         num_exact += guess.step_s == pytest.approx(exact.step_s, rel=1e-9)
         assert guess.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=1e-6), params
-        assert guess.tokens_per_s_per_device * guess.step_s == pytest.approx(exact.tokens_per_s_per_device * exact.step_s, rel=1e-9)
+        assert guess.tokens_per_s_per_device * guess.step_s == pytest.approx(
+            exact.tokens_per_s_per_device * exact.step_s, rel=1e-9
+        )
     assert num_exact >= 0.8 * 150
 
 
@@ -210,11 +271,20 @@ def test_fast_knobs_equal_the_built_config_with_grouping_checkpointing_and_root_
         trial = study.ask()
         space.suggest(trial)
         params = trial.params
-        seen |= {(k, str(v)) for k, v in params.items() if k in ("blocks_per_unit", "ac_kind", "root_sync_hsdp", "root_reshard_after_forward")}
+        seen |= {
+            (k, str(v))
+            for k, v in params.items()
+            if k in ("blocks_per_unit", "ac_kind", "root_sync_hsdp", "root_reshard_after_forward")
+        }
         slow = resolve_knobs(factory.build_config(params), LLAMA8B_BLOCKS, world_size=8, device="cuda")
         assert factory.get_knobs(params) == slow, params
         study.tell(trial, 1.0)
-    assert {("blocks_per_unit", "4"), ("ac_kind", "selective"), ("root_sync_hsdp", "replica_last"), ("root_reshard_after_forward", "true")} <= seen
+    assert {
+        ("blocks_per_unit", "4"),
+        ("ac_kind", "selective"),
+        ("root_sync_hsdp", "replica_last"),
+        ("root_reshard_after_forward", "true"),
+    } <= seen
 
 
 def test_the_simulated_space_keeps_the_edges_in_the_root():
@@ -230,7 +300,13 @@ def test_the_simulated_space_keeps_the_edges_in_the_root():
     assert predictor.predict({**space.get_default_params(), "root_split": "split"}) == {}
 
 
-@pytest.mark.parametrize("changes", [{"grouping": True, "root_knobs": True}, {"grouping": True, "root_knobs": True, "checkpointing": True, "fixed_mesh": "fsdp"}])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"grouping": True, "root_knobs": True},
+        {"grouping": True, "root_knobs": True, "checkpointing": True, "fixed_mesh": "fsdp"},
+    ],
+)
 def test_staged_ranking_finds_the_exhaustive_fastest(changes):
     """[Note: staged ranking]: the memory knobs' variants of the fastest core configs hold the
     fastest point of the whole space (one microbatch keeps the exhaustive walk to seconds)."""
@@ -240,11 +316,33 @@ def test_staged_ranking_finds_the_exhaustive_fastest(changes):
     from profiles import load_cluster_profile
 
     measured = MeasuredProfile(
-        name="test", world_size=2, num_microbatches=1, segments=dict.fromkeys(("head.forward", "block.forward", "tail.forward", "tail.backward", "block.backward", "head.backward"), 1e-3),
-        hooks=dict.fromkeys(("unshard.block", "unshard.root", "pre_hook.block", "pre_hook.root", "post_hook.block", "post_hook.root", "reduce.block", "reduce.root"), 1e-4),
-        microbatch_s=1e-4, optimizer_s_per_element=1e-9, memory_bytes_per_s=1e9,
-        collectives={kind: CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2) for kind in ("all_gather", "reduce_scatter", "all_reduce")},
-    )  # fmt: skip
+        name="test",
+        world_size=2,
+        num_microbatches=1,
+        segments=dict.fromkeys(
+            ("head.forward", "block.forward", "tail.forward", "tail.backward", "block.backward", "head.backward"), 1e-3
+        ),
+        hooks=dict.fromkeys(
+            (
+                "unshard.block",
+                "unshard.root",
+                "pre_hook.block",
+                "pre_hook.root",
+                "post_hook.block",
+                "post_hook.root",
+                "reduce.block",
+                "reduce.root",
+            ),
+            1e-4,
+        ),
+        microbatch_s=1e-4,
+        optimizer_s_per_element=1e-9,
+        memory_bytes_per_s=1e9,
+        collectives={
+            kind: CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2)
+            for kind in ("all_gather", "reduce_scatter", "all_reduce")
+        },
+    )
     work = get_model_work(load_model_profile("tiny"), "float32")
     simulator = Simulator(work, Hardware(load_cluster_profile("cpu-gloo"), num_ranks=2, measured=measured))
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=1, **changes)
@@ -254,4 +352,6 @@ def test_staged_ranking_finds_the_exhaustive_fastest(changes):
     assert STAGED_TOP < len(staged) < len(exhaustive) / 2
     assert staged[0][1].step_s == pytest.approx(exhaustive[0][1].step_s, rel=1e-9)
     keys = {tuple(sorted(p.items())) for p in iter_space_params(space)}
-    assert all(tuple(sorted(p.items())) in keys for p, _ in staged)  # every staged point is a point of the space, all its knobs set
+    assert all(
+        tuple(sorted(p.items())) in keys for p, _ in staged
+    )  # every staged point is a point of the space, all its knobs set

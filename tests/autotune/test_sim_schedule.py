@@ -23,9 +23,23 @@ N = 2  # blocks; unit 2 is the root
 
 
 def _hardware(device: str = "cuda") -> Hardware:
-    accelerator = AcceleratorSpec(name="test", peak_tflops={"bfloat16": 1.0}, gemm_efficiency=1.0, attention_efficiency=1.0, hbm_gbps=1.0)
-    links = {"intra_node": LinkClass(latency_us=0.0, bandwidth_gbps=1.0), "inter_node": LinkClass(latency_us=0.0, bandwidth_gbps=1.0)}
-    cluster = ClusterProfile(name="test", description="", backend="nccl", device=device, ranks_per_node=8, memory_per_rank_gib=1.0, links=links, accelerator=accelerator)
+    accelerator = AcceleratorSpec(
+        name="test", peak_tflops={"bfloat16": 1.0}, gemm_efficiency=1.0, attention_efficiency=1.0, hbm_gbps=1.0
+    )
+    links = {
+        "intra_node": LinkClass(latency_us=0.0, bandwidth_gbps=1.0),
+        "inter_node": LinkClass(latency_us=0.0, bandwidth_gbps=1.0),
+    }
+    cluster = ClusterProfile(
+        name="test",
+        description="",
+        backend="nccl",
+        device=device,
+        ranks_per_node=8,
+        memory_per_rank_gib=1.0,
+        links=links,
+        accelerator=accelerator,
+    )
     return Hardware(cluster, 1)
 
 
@@ -35,28 +49,59 @@ def _costs(*, all_gather: float = A, hsdp: bool = False) -> MeshCosts:
 
     group = Group(4, 1, 4)
     return MeshCosts(
-        replicate=2 if hsdp else 1, shard=4, shard_group=group, replicate_group=Group(2, 1, 2) if hsdp else Group(1, 1, 1),
-        param_bytes=2, reduce_bytes=4, padded=per_unit(1000, 1000), sharded=per_unit(250, 250),
-        forward_s=per_unit(F), backward_s=per_unit(B), head_forward_s=0.0, head_backward_s=0.0,
-        all_gather_s=per_unit(all_gather), copy_out_s=per_unit(0.0), reduce_scatter_s=per_unit(R), copy_in_s=per_unit(0.0),
-        all_reduce_s=per_unit(AR if hsdp else 0.0), upcast_s=per_unit(0.0), concat_s=per_unit(0.0), restore_s=per_unit(0.0), optimizer_s=0.0,
-    )  # fmt: skip
+        replicate=2 if hsdp else 1,
+        shard=4,
+        shard_group=group,
+        replicate_group=Group(2, 1, 2) if hsdp else Group(1, 1, 1),
+        param_bytes=2,
+        reduce_bytes=4,
+        padded=per_unit(1000, 1000),
+        sharded=per_unit(250, 250),
+        forward_s=per_unit(F),
+        backward_s=per_unit(B),
+        head_forward_s=0.0,
+        head_backward_s=0.0,
+        all_gather_s=per_unit(all_gather),
+        copy_out_s=per_unit(0.0),
+        reduce_scatter_s=per_unit(R),
+        copy_in_s=per_unit(0.0),
+        all_reduce_s=per_unit(AR if hsdp else 0.0),
+        upcast_s=per_unit(0.0),
+        concat_s=per_unit(0.0),
+        restore_s=per_unit(0.0),
+        optimizer_s=0.0,
+    )
 
 
 def _knobs(**changes) -> Knobs:
     base = Knobs(
-        num_microbatches=1, hsdp=False, replicate=1, shard=4, unshard_async=False, max_rs_buffers=1, param_dtype="bfloat16", reduce_dtype="float32",
-        reshard_after_forward=(True, True, False), forward_prefetch=(None,) * 3, backward_prefetch=(None,) * 3, sync=("every",) * 3,
-        reshard_after_backward=(True,) * 3, defer_concat=(True,) * 3,
-    )  # fmt: skip
+        num_microbatches=1,
+        hsdp=False,
+        replicate=1,
+        shard=4,
+        unshard_async=False,
+        max_rs_buffers=1,
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+        reshard_after_forward=(True, True, False),
+        forward_prefetch=(None,) * 3,
+        backward_prefetch=(None,) * 3,
+        sync=("every",) * 3,
+        reshard_after_backward=(True,) * 3,
+        defer_concat=(True,) * 3,
+    )
     return dataclasses.replace(base, **changes)
 
 
-ACTIVATIONS = ActivationProfile(head=0.0, block_saved=1e5, block_input=1e4, block_forward_peak=1.5e5, block_backward_peak=1.8e5, tail_peak=3e5)
+ACTIVATIONS = ActivationProfile(
+    head=0.0, block_saved=1e5, block_input=1e4, block_forward_peak=1.5e5, block_backward_peak=1.8e5, tail_peak=3e5
+)
 
 
 def _step(knobs: Knobs, costs: MeshCosts | None = None, device: str = "cuda") -> StepSchedule:
-    schedule = StepSchedule(knobs, costs or _costs(hsdp=knobs.hsdp), ACTIVATIONS, _hardware(device), activation_checkpointing=False)
+    schedule = StepSchedule(
+        knobs, costs or _costs(hsdp=knobs.hsdp), ACTIVATIONS, _hardware(device), activation_checkpointing=False
+    )
     for index in range(knobs.num_microbatches):
         schedule.run_microbatch(index)
     schedule.run_optimizer()
@@ -148,7 +193,9 @@ def test_hsdp_all_reduce_follows_each_reduce_scatter_on_the_replicate_link():
     # replica_last on 2 microbatches: microbatch 0 reduce-scatters without all-reducing (ends at 70),
     # microbatch 1 as above from 70: 148 instead of 156.
     every = _step(_knobs(hsdp=True, replicate=2, num_microbatches=2))
-    replica_last = _step(_knobs(hsdp=True, replicate=2, num_microbatches=2, sync=("replica_last", "replica_last", "every")))
+    replica_last = _step(
+        _knobs(hsdp=True, replicate=2, num_microbatches=2, sync=("replica_last", "replica_last", "every"))
+    )
     assert every.t.end == pytest.approx(156.0)
     assert replica_last.t.end == pytest.approx(148.0)
 
@@ -179,12 +226,18 @@ def test_microbatches_beyond_three_repeat_the_second(sync):
     # the simulator runs microbatches 0, 1 and the last, and adds M - 3 copies of microbatch 1 (same unit state on entry)
     from autotune.sim.predict import _finish_step
 
-    knobs = _knobs(num_microbatches=6, sync=(sync, sync, "every"), reshard_after_backward=(False, False, True), max_rs_buffers=2)
+    knobs = _knobs(
+        num_microbatches=6, sync=(sync, sync, "every"), reshard_after_backward=(False, False, True), max_rs_buffers=2
+    )
     full = _step(knobs)
     fast = StepSchedule(knobs, _costs(), ACTIVATIONS, _hardware(), activation_checkpointing=False)
     fast.run_forward()
     end, exposed, comm = _finish_step(fast, 6)
-    assert end == pytest.approx(full.t.end) and exposed == pytest.approx(full.t.exposed) and comm == pytest.approx(full.t.comm)
+    assert (
+        end == pytest.approx(full.t.end)
+        and exposed == pytest.approx(full.t.exposed)
+        and comm == pytest.approx(full.t.comm)
+    )
     assert fast.mem.peak == pytest.approx(full.mem.peak)
 
 
@@ -198,8 +251,12 @@ def test_cpu_share_of_an_async_all_gather_slows_the_compute_it_overlaps():
     shared = dataclasses.replace(_costs(), all_gather_cpu_s=[2.0, 2.0, 0.0])
     free, slowed = _step(knobs, device="cpu"), _step(knobs, shared, device="cpu")
     assert free.t.end == pytest.approx(80.0) and slowed.t.end == pytest.approx(84.0)
-    assert slowed.t.exposed == pytest.approx([2.0 + R, 2.0 + R, 0.0]) and free.t.exposed == pytest.approx([4.0 + R, 4.0 + R, 0.0])
-    assert _step(_knobs(), shared, device="cpu").t.end == _step(_knobs(), device="cpu").t.end  # blocking all-gathers: no share
+    assert slowed.t.exposed == pytest.approx([2.0 + R, 2.0 + R, 0.0]) and free.t.exposed == pytest.approx(
+        [4.0 + R, 4.0 + R, 0.0]
+    )
+    assert (
+        _step(_knobs(), shared, device="cpu").t.end == _step(_knobs(), device="cpu").t.end
+    )  # blocking all-gathers: no share
 
 
 def test_measured_hook_costs_are_charged_per_call():
@@ -219,9 +276,22 @@ def test_grouped_and_checkpointed_units_keep_what_their_blocks_keep():
     # unit 0: 1.5e5 + 1e4; unit 1: 1.5e5 + 2e4. The loss: 3e5 traced with one block of 1e5, so 3e5 - 1e5 + 1.2e5;
     # the root's backward: a backward's 1.8e5 plus all saved but the last unit's block: 1.8e5 + 1.2e5 - 1e5.
     costs = dataclasses.replace(_costs(), unit_num_blocks=[2, 1], unit_checkpointing=["full", "none"])
-    step = StepSchedule(_knobs(), costs, dataclasses.replace(ACTIVATIONS, block_selective=4e4), _hardware(), activation_checkpointing=False)
+    step = StepSchedule(
+        _knobs(),
+        costs,
+        dataclasses.replace(ACTIVATIONS, block_selective=4e4),
+        _hardware(),
+        activation_checkpointing=False,
+    )
     assert step.act_forward == pytest.approx([1.6e5, 1.7e5]) and step.act_backward == pytest.approx([1.9e5, 2.0e5])
     assert step.act_tail == pytest.approx(3.2e5) and step.act_root_backward == pytest.approx(2.0e5)
-    selective = StepSchedule(_knobs(), dataclasses.replace(costs, unit_checkpointing=["selective", "selective"]),
-                             dataclasses.replace(ACTIVATIONS, block_selective=4e4), _hardware(), activation_checkpointing=False)  # fmt: skip
-    assert selective.act_forward == pytest.approx([1.5e5 + 4e4, 1.5e5 + 8e4]) and selective.act_tail == pytest.approx(3e5 - 1e5 + 1.2e5)
+    selective = StepSchedule(
+        _knobs(),
+        dataclasses.replace(costs, unit_checkpointing=["selective", "selective"]),
+        dataclasses.replace(ACTIVATIONS, block_selective=4e4),
+        _hardware(),
+        activation_checkpointing=False,
+    )
+    assert selective.act_forward == pytest.approx([1.5e5 + 4e4, 1.5e5 + 8e4]) and selective.act_tail == pytest.approx(
+        3e5 - 1e5 + 1.2e5
+    )

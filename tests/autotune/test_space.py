@@ -34,14 +34,27 @@ def test_mesh_choices_are_every_factorization():
 
 def test_patterns_expand_to_explicit_lists():
     space = _space()
-    params = {**space.get_default_params(), "mesh": "hsdp:2x2", "forward_prefetch": "depth2", "backward_prefetch": "paired",
-              "nosync_blocks": "every_2nd", "nosync_level_hsdp": "replica_last", "keep_unsharded": True, "reshard_after_forward": "last_block_false"}
+    params = {
+        **space.get_default_params(),
+        "mesh": "hsdp:2x2",
+        "forward_prefetch": "depth2",
+        "backward_prefetch": "paired",
+        "nosync_blocks": "every_2nd",
+        "nosync_level_hsdp": "replica_last",
+        "keep_unsharded": True,
+        "reshard_after_forward": "last_block_false",
+    }
     config = space.build_config(params)
     units = {u.name: u for u in config.units}
     assert units["layers.0"].forward_prefetch == ["layers.1", "layers.2"]
     assert units["layers.3"].forward_prefetch == []
     # Backward runs layers.3 first: paired means 3 -> [2, 1], 2 -> [], 1 -> [0], 0 -> [].
-    assert [units[f"layers.{i}"].backward_prefetch for i in (3, 2, 1, 0)] == [["layers.2", "layers.1"], [], ["layers.0"], []]
+    assert [units[f"layers.{i}"].backward_prefetch for i in (3, 2, 1, 0)] == [
+        ["layers.2", "layers.1"],
+        [],
+        ["layers.0"],
+        [],
+    ]
     assert [units[f"layers.{i}"].sync for i in range(4)] == ["replica_last", "every", "replica_last", "every"]
     assert units["layers.0"].reshard_after_backward is False and units["layers.1"].reshard_after_backward is True
     assert [units[f"layers.{i}"].reshard_after_forward for i in range(4)] == [None, None, None, False]
@@ -62,8 +75,15 @@ def test_int_reshard_is_only_offered_where_it_divides_the_shard():
         trial = study.ask()
         config = space.suggest(trial)
         if trial.params["mesh"] == "hsdp:2x2":
-            assert "reshard_after_forward_shard4" not in trial.params and trial.params["reshard_after_forward"] in ("true", "false", "last_block_false")
-        sampled_ints += any(isinstance(u.reshard_after_forward, int) and not isinstance(u.reshard_after_forward, bool) for u in config.units)
+            assert "reshard_after_forward_shard4" not in trial.params and trial.params["reshard_after_forward"] in (
+                "true",
+                "false",
+                "last_block_false",
+            )
+        sampled_ints += any(
+            isinstance(u.reshard_after_forward, int) and not isinstance(u.reshard_after_forward, bool)
+            for u in config.units
+        )
         study.tell(trial, 1.0)
     assert sampled_ints > 0, "int reshard never sampled where it is valid"
 
@@ -96,7 +116,16 @@ def test_single_microbatch_has_no_sync_knobs():
 
 EDGES = {"embedding_names": ("tok_embeddings",), "head_names": ("norm", "output")}
 MEMORY_KNOBS = {"grouping": True, "checkpointing": True, "root_knobs": True, **EDGES}
-SCHEMA2_PARAMS = {"blocks_per_unit", "ac_units", "ac_kind", "root_reshard_after_forward", "root_sync_fsdp", "root_sync_hsdp", "root_keep_unsharded", "root_split"}
+SCHEMA2_PARAMS = {
+    "blocks_per_unit",
+    "ac_units",
+    "ac_kind",
+    "root_reshard_after_forward",
+    "root_sync_fsdp",
+    "root_sync_hsdp",
+    "root_keep_unsharded",
+    "root_split",
+}
 
 
 def test_memory_knobs_are_off_unless_asked_and_their_defaults_are_fsdp2_defaults():
@@ -109,19 +138,47 @@ def test_memory_knobs_are_off_unless_asked_and_their_defaults_are_fsdp2_defaults
         study.tell(trial, 1.0)
     space = _space(**MEMORY_KNOBS)
     params = space.get_default_params()
-    assert {k: params[k] for k in SCHEMA2_PARAMS if k in params} == {"blocks_per_unit": 1, "ac_units": "none", "root_reshard_after_forward": "false", "root_sync_fsdp": "every", "root_split": "none"}
-    assert space.build_config(params) == dataclasses.replace(default_config(list(BLOCKS), num_microbatches=2), unshard_async="off")
+    assert {k: params[k] for k in SCHEMA2_PARAMS if k in params} == {
+        "blocks_per_unit": 1,
+        "ac_units": "none",
+        "root_reshard_after_forward": "false",
+        "root_sync_fsdp": "every",
+        "root_split": "none",
+    }
+    assert space.build_config(params) == dataclasses.replace(
+        default_config(list(BLOCKS), num_microbatches=2), unshard_async="off"
+    )
 
 
 def test_grouping_makes_units_of_consecutive_blocks_and_patterns_follow_units():
     blocks = tuple(f"layers.{i}" for i in range(6))
     space = _space(block_names=blocks, grouping=True, checkpointing=True)
     base = space.get_default_params()
-    config = space.build_config({**base, "blocks_per_unit": 4, "forward_prefetch": "depth1", "nosync_blocks": "first_half", "nosync_level_fsdp": "last"})
-    assert [(u.name, u.modules) for u in config.units] == [("layers.0-3", [f"layers.{i}" for i in range(4)]), ("layers.4-5", ["layers.4", "layers.5"]), ("root", None)]
+    config = space.build_config(
+        {
+            **base,
+            "blocks_per_unit": 4,
+            "forward_prefetch": "depth1",
+            "nosync_blocks": "first_half",
+            "nosync_level_fsdp": "last",
+        }
+    )
+    assert [(u.name, u.modules) for u in config.units] == [
+        ("layers.0-3", [f"layers.{i}" for i in range(4)]),
+        ("layers.4-5", ["layers.4", "layers.5"]),
+        ("root", None),
+    ]
     assert [u.forward_prefetch for u in config.units[:2]] == [["layers.4-5"], []]
     assert [u.sync for u in config.units] == ["last", "every", "every"]
-    pairs = space.build_config({**base, "blocks_per_unit": 2, "reshard_after_forward_shard4": "last_block_false", "ac_units": "all_but_last", "ac_kind": "full"})
+    pairs = space.build_config(
+        {
+            **base,
+            "blocks_per_unit": 2,
+            "reshard_after_forward_shard4": "last_block_false",
+            "ac_units": "all_but_last",
+            "ac_kind": "full",
+        }
+    )
     assert [u.name for u in pairs.units] == ["layers.0-1", "layers.2-3", "layers.4-5", "root"]
     assert [u.reshard_after_forward for u in pairs.units] == [None, None, False, None]
     assert [u.activation_checkpointing for u in pairs.units] == ["full", "full", "none", "none"]
@@ -130,7 +187,13 @@ def test_grouping_makes_units_of_consecutive_blocks_and_patterns_follow_units():
 
 @pytest.mark.parametrize(
     ("pattern", "expected"),
-    [("none", [0, 0, 0, 0]), ("all", [1, 1, 1, 1]), ("all_but_last", [1, 1, 1, 0]), ("every_2nd", [1, 0, 1, 0]), ("first_half", [1, 1, 0, 0])],
+    [
+        ("none", [0, 0, 0, 0]),
+        ("all", [1, 1, 1, 1]),
+        ("all_but_last", [1, 1, 1, 0]),
+        ("every_2nd", [1, 0, 1, 0]),
+        ("first_half", [1, 1, 0, 0]),
+    ],
 )
 def test_checkpointing_patterns(pattern, expected):
     space = _space(checkpointing=True)
@@ -142,17 +205,36 @@ def test_checkpointing_patterns(pattern, expected):
 def test_root_knobs_and_split_edges():
     space = _space(root_knobs=True, **EDGES)
     base = space.get_default_params()
-    config = space.build_config({**base, "root_sync_fsdp": "last", "root_keep_unsharded": True, "root_reshard_after_forward": "true"})
+    config = space.build_config(
+        {**base, "root_sync_fsdp": "last", "root_keep_unsharded": True, "root_reshard_after_forward": "true"}
+    )
     root = config.get_unit("root")
     assert (root.sync, root.reshard_after_backward, root.reshard_after_forward) == ("last", False, True)
     assert config.unit_names == [*BLOCKS, "root"]
-    split = space.build_config({**base, "root_split": "split", "forward_prefetch": "depth1", "backward_prefetch": "depth1", "root_sync_fsdp": "last"})
+    split = space.build_config(
+        {
+            **base,
+            "root_split": "split",
+            "forward_prefetch": "depth1",
+            "backward_prefetch": "depth1",
+            "root_sync_fsdp": "last",
+        }
+    )
     assert split.unit_names == [*BLOCKS, "tok_embeddings", "norm+output", "root"]
     units = {u.name: u for u in split.units}
     assert units["norm+output"].modules == ["norm", "output"] and units["norm+output"].reshard_after_forward is False
-    assert units["tok_embeddings"].forward_prefetch == ["layers.0"] and units["layers.3"].forward_prefetch == ["norm+output"]
-    assert units["norm+output"].backward_prefetch == ["layers.3"] and units["layers.0"].backward_prefetch == ["tok_embeddings"]
-    assert [units[n].sync for n in ("tok_embeddings", "norm+output", "root", "layers.0")] == ["last", "last", "last", "every"]
+    assert units["tok_embeddings"].forward_prefetch == ["layers.0"] and units["layers.3"].forward_prefetch == [
+        "norm+output"
+    ]
+    assert units["norm+output"].backward_prefetch == ["layers.3"] and units["layers.0"].backward_prefetch == [
+        "tok_embeddings"
+    ]
+    assert [units[n].sync for n in ("tok_embeddings", "norm+output", "root", "layers.0")] == [
+        "last",
+        "last",
+        "last",
+        "every",
+    ]
     # No edge modules known (or one microbatch): no split, no sync level.
     assert "root_split" not in _space(root_knobs=True).get_default_params()
     assert "root_sync_fsdp" not in _space(root_knobs=True, num_microbatches=1).get_default_params()

@@ -13,8 +13,8 @@ import subprocess
 import sys
 
 import pytest
-
 from _trial_programs import CRASH_MESSAGE, get_survivors
+
 from autotune.trials import TrialMetrics, TrialResult, TrialSpec, TrialSpecError, run_trial
 from fsdp_runtime import MeshConfig, default_config, load_config
 from profiles import load_model_profile
@@ -24,7 +24,17 @@ pytestmark = pytest.mark.multirank
 
 
 def _spec(tmp_path, **overrides) -> TrialSpec:
-    base = dict(model="tiny", config=default_config(UNITS), world_size=2, out_dir=tmp_path / "trial", num_warmup=1, num_measured=3, num_profiled=1, timeout_s=90, backend="gloo")
+    base = dict(
+        model="tiny",
+        config=default_config(UNITS),
+        world_size=2,
+        out_dir=tmp_path / "trial",
+        num_warmup=1,
+        num_measured=3,
+        num_profiled=1,
+        timeout_s=90,
+        backend="gloo",
+    )
     return TrialSpec(**{**base, **overrides})
 
 
@@ -43,7 +53,11 @@ def test_trial_writes_traces_metrics_config_and_env(tmp_path):
         assert any(n.startswith("ProfilerStep#") for n in names)
 
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["schema_version"] == TrialMetrics.SCHEMA_VERSION and metrics["kind"] == "trial_metrics" and metrics["status"] == "ok"
+    assert (
+        metrics["schema_version"] == TrialMetrics.SCHEMA_VERSION
+        and metrics["kind"] == "trial_metrics"
+        and metrics["status"] == "ok"
+    )
     assert [r["rank"] for r in metrics["ranks"]] == [0, 1]
     for r in metrics["ranks"]:
         assert len(r["step_ms"]) == 3 and all(ms > 0 for ms in r["step_ms"])
@@ -57,7 +71,9 @@ def test_trial_writes_traces_metrics_config_and_env(tmp_path):
     assert metrics["memory_source"] == "peak_rss"
     assert metrics["traces"] == ["trace_rank0.json.gz", "trace_rank1.json.gz"]
     assert metrics["analysis_error"] is None
-    assert metrics["trace_metrics"]["num_ranks"] == 2 and metrics["trace_metrics"]["aggregate"]["num_steps"] == 2  # 2 ranks x 1 profiled step
+    assert (
+        metrics["trace_metrics"]["num_ranks"] == 2 and metrics["trace_metrics"]["aggregate"]["num_steps"] == 2
+    )  # 2 ranks x 1 profiled step
 
     assert load_config(out / "config.toml") == spec.config
     env = json.loads((out / "env.json").read_text())
@@ -81,12 +97,20 @@ def test_trial_records_cpu_time_and_page_faults_of_unprofiled_and_profiled_steps
         assert all(ms > 0 for ms in r.step_cpu_ms + r.profiled_cpu_ms)
         assert all(isinstance(n, int) and n >= 0 for n in r.step_page_faults + r.profiled_page_faults)
     # step_ms holds each step's slowest rank: the largest of the ranks' own times, step by step.
-    assert [max(own) for own in zip(*(r.own_step_ms for r in metrics.ranks))] == metrics.ranks[0].step_ms == metrics.step_ms_per_step
+    assert (
+        [max(own) for own in zip(*(r.own_step_ms for r in metrics.ranks))]
+        == metrics.ranks[0].step_ms
+        == metrics.step_ms_per_step
+    )
 
     figures = metrics.profiler
     assert [f["rank"] for f in figures["per_rank"]] == [0, 1]
     for r, f in zip(metrics.ranks, figures["per_rank"]):
-        assert f["wall"] == statistics.median(r.profiled_step_ms) / statistics.median(r.own_step_ms) == pytest.approx(1 / f["trace_scale"], rel=1e-12)
+        assert (
+            f["wall"]
+            == statistics.median(r.profiled_step_ms) / statistics.median(r.own_step_ms)
+            == pytest.approx(1 / f["trace_scale"], rel=1e-12)
+        )
         assert f["cpu"] == statistics.median(r.profiled_cpu_ms) / statistics.median(r.step_cpu_ms)
         assert f["page_faults"] == statistics.median(r.step_page_faults)
     summed = [a + b for a, b in zip(*(r.step_cpu_ms for r in metrics.ranks))]
@@ -114,7 +138,13 @@ print(json.dumps({"kept": kept - before, "after_trim": rss() - before, "prefault
 
 
 def _heap_probe(**env: str) -> dict | None:
-    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **env})
+    out = subprocess.run(
+        [sys.executable, "-c", _HEAP_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **env},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -176,7 +206,18 @@ def test_torchrun_entry_writes_the_same_trial_dir(tmp_path):
     spec = _spec(tmp_path, num_profiled=1)
     spec_path = tmp_path / "spec.json"
     spec.write(spec_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "autotune.trials.torchrun", "--spec", str(spec_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "autotune.trials.torchrun",
+        "--spec",
+        str(spec_path),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -189,7 +230,10 @@ def test_torchrun_entry_writes_the_same_trial_dir(tmp_path):
     result = TrialResult.load(spec.out_dir)
     assert result.status == "ok" and len(result.metrics.ranks) == 2 and result.step_ms > 0
     assert load_config(spec.out_dir / "config.toml") == spec.config
-    assert sorted(p.name for p in spec.out_dir.glob("trace_rank*.json.gz")) == ["trace_rank0.json.gz", "trace_rank1.json.gz"]
+    assert sorted(p.name for p in spec.out_dir.glob("trace_rank*.json.gz")) == [
+        "trace_rank0.json.gz",
+        "trace_rank1.json.gz",
+    ]
 
 
 def test_cli_trial_reports_a_failed_trial_as_json_and_exit_1(tmp_path):
@@ -199,7 +243,10 @@ def test_cli_trial_reports_a_failed_trial_as_json_and_exit_1(tmp_path):
 
     config = tmp_path / "bad.toml"
     config.write_text('schema_version = 1\n[mesh]\nkind = "hsdp"\nreplicate = 3\n')
-    result = CliRunner().invoke(app, ["trial", "--model", "tiny", "--config", str(config), "--nproc", "2", "--out", str(tmp_path / "t"), "--json"])
+    result = CliRunner().invoke(
+        app,
+        ["trial", "--model", "tiny", "--config", str(config), "--nproc", "2", "--out", str(tmp_path / "t"), "--json"],
+    )
     assert result.exit_code == 1
     metrics = json.loads(result.stdout)
     assert metrics["status"] == "invalid_config" and "world size 2" in metrics["reason"]

@@ -32,7 +32,9 @@ def _cli(*args: str) -> list[str]:
 
 
 def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(_cli(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        _cli(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 300) -> tuple[str, str]:
@@ -111,7 +113,9 @@ def test_sigkill_of_a_rank_is_a_failed_trial_with_its_real_cause(tmp_path):
     assert proc.returncode == 0, err[-2000:]
     trials = _study(db, "k").get_trials()
     failed = [t for t in trials if t.state == States.FAIL]
-    assert len(failed) == 1 and failed[0].number >= trial.number, [(t.number, t.state, t.user_attrs.get("reason")) for t in trials]
+    assert len(failed) == 1 and failed[0].number >= trial.number, [
+        (t.number, t.state, t.user_attrs.get("reason")) for t in trials
+    ]
     reason = failed[0].user_attrs["reason"]
     assert "was killed by SIGKILL from outside the trial" in reason and "out of memory" not in reason, reason
     assert failed[0].user_attrs["status"] == "crash"
@@ -137,7 +141,9 @@ def test_sigint_closes_the_running_trial_and_says_how_to_resume(tmp_path):
         assert trials[number].value == value
     assert ranks and not [p for p in ranks if Path(f"/proc/{p}").exists()], "ranks outlived the search"
     assert not _pool_temp_dirs(proc.pid)
-    assert (tmp_path / running.user_attrs["trial_dir"] / "INCOMPLETE").exists() or (tmp_path / running.user_attrs["trial_dir"] / "metrics.json").exists()
+    assert (tmp_path / running.user_attrs["trial_dir"] / "INCOMPLETE").exists() or (
+        tmp_path / running.user_attrs["trial_dir"] / "metrics.json"
+    ).exists()
 
 
 @pytest.mark.multirank
@@ -146,7 +152,11 @@ def test_sigkill_of_the_search_then_resume_keeps_every_finished_trial(tmp_path):
     proc = _start(*args)
     db = tmp_path / "study.db"
     try:
-        _wait_until(lambda: _study(db, "r").get_trials(states=(States.COMPLETE,)) and _running_trial(db, "r"), 150, "one finished and one running trial")
+        _wait_until(
+            lambda: _study(db, "r").get_trials(states=(States.COMPLETE,)) and _running_trial(db, "r"),
+            150,
+            "one finished and one running trial",
+        )
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -183,7 +193,9 @@ def test_a_study_locked_past_the_timeout_loses_no_measurement(tmp_path):
     proc = _start(*args)
     db = tmp_path / "study.db"
     running = _wait_until(lambda: _running_trial(db, "l", min_number=1), 150, "a running trial")
-    locker = subprocess.Popen([sys.executable, "-c", _LOCKER, str(db), "120"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    locker = subprocess.Popen(
+        [sys.executable, "-c", _LOCKER, str(db), "120"], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         assert locker.stdout.readline().strip() == "locked"
         out, err = _finish(proc, timeout_s=200)
@@ -252,15 +264,20 @@ def test_bad_flags_are_refused_before_anything_is_created(tmp_path, cli_main, ar
 def test_a_memory_budget_on_a_proxy_is_refused_before_anything_is_created(tmp_path, cli_main):
     """A proxy's peak memory is not the model's: the budget could only be checked against the wrong model."""
     out = tmp_path / "run"
-    _refused(cli_main("search", "--model", "llama8b", "--memory-budget-gib", "4", "--out", str(out)),
-             "--memory-budget-gib: llama8b runs as a scale proxy on this machine", "autotune plan --model llama8b --cluster h100-node")  # fmt: skip
+    _refused(
+        cli_main("search", "--model", "llama8b", "--memory-budget-gib", "4", "--out", str(out)),
+        "--memory-budget-gib: llama8b runs as a scale proxy on this machine",
+        "autotune plan --model llama8b --cluster h100-node",
+    )
     assert not out.exists()
 
 
 def test_out_that_is_a_file_or_under_one_is_refused(tmp_path, cli_main):
     (tmp_path / "file").write_text("x")
     _refused(cli_main("search", "--model", "tiny", "--out", str(tmp_path / "file")), "--out:", "is a file")
-    _refused(cli_main("search", "--model", "tiny", "--out", str(tmp_path / "file" / "run")), "--out:", "which is a file")
+    _refused(
+        cli_main("search", "--model", "tiny", "--out", str(tmp_path / "file" / "run")), "--out:", "which is a file"
+    )
 
 
 def test_read_only_out_is_refused(cli_main):
@@ -290,7 +307,14 @@ def test_read_only_out_is_refused(cli_main):
 
 
 def _bad_model(tmp_path: Path, **shape) -> Path:
-    base = {"dim": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_dim": 128, "vocab_size": 256} | shape
+    base = {
+        "dim": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "ffn_hidden_dim": 128,
+        "vocab_size": 256,
+    } | shape
     body = 'name = "bad"\nseq_len = 16\nbatch_size = 1\n[shape]\n' + "".join(f"{k} = {v}\n" for k, v in base.items())
     path = tmp_path / "bad.toml"
     path.write_text(body)
@@ -300,7 +324,11 @@ def _bad_model(tmp_path: Path, **shape) -> Path:
 @pytest.mark.parametrize(("field", "value"), [("dim", -64), ("num_layers", 0)])
 def test_a_model_toml_with_a_bad_width_or_depth_is_refused(tmp_path, cli_main, field, value):
     path = _bad_model(tmp_path, **{field: value})
-    _refused(cli_main("search", "--model", str(path), "--out", str(tmp_path / "run")), str(path), f"{field} must be a positive integer, got {value}")
+    _refused(
+        cli_main("search", "--model", str(path), "--out", str(tmp_path / "run")),
+        str(path),
+        f"{field} must be a positive integer, got {value}",
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -317,17 +345,37 @@ def test_out_holding_another_models_study_is_refused(tmp_path, cli_main):
     optuna.create_study(study_name="small-w2-mb2", storage=f"sqlite:///{tmp_path / 'study.db'}")
     before = (tmp_path / "study.db").read_bytes()
     for extra in ([], ["--resume"]):
-        _refused(cli_main("search", "--model", "tiny", "--out", str(tmp_path), *extra), "--out:", "already holds study 'small-w2-mb2'")
+        _refused(
+            cli_main("search", "--model", "tiny", "--out", str(tmp_path), *extra),
+            "--out:",
+            "already holds study 'small-w2-mb2'",
+        )
     assert (tmp_path / "study.db").read_bytes() == before
-    assert sqlite3.connect(tmp_path / "study.db").execute("select study_name from studies").fetchall() == [("small-w2-mb2",)]
+    assert sqlite3.connect(tmp_path / "study.db").execute("select study_name from studies").fetchall() == [
+        ("small-w2-mb2",)
+    ]
 
 
 def test_resume_of_a_study_run_with_other_settings_is_refused(tmp_path, cli_main):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     study = optuna.create_study(study_name="s", storage=storage)
-    study.set_user_attr("plan", {"model": "tiny", "world_size": 4, "num_microbatches": 2, "is_proxy": False, "reason": "fits", "overrides": {},
-                                 "estimated_memory_per_rank": 1, "estimated_step_s": 0.1})  # fmt: skip
-    _refused(cli_main("search", "--model", "tiny", "--out", str(tmp_path), "--study-name", "s", "--resume"), "study 's' was run with world_size=4")
+    study.set_user_attr(
+        "plan",
+        {
+            "model": "tiny",
+            "world_size": 4,
+            "num_microbatches": 2,
+            "is_proxy": False,
+            "reason": "fits",
+            "overrides": {},
+            "estimated_memory_per_rank": 1,
+            "estimated_step_s": 0.1,
+        },
+    )
+    _refused(
+        cli_main("search", "--model", "tiny", "--out", str(tmp_path), "--study-name", "s", "--resume"),
+        "study 's' was run with world_size=4",
+    )
 
 
 def test_a_search_where_no_trial_succeeded_exits_1(tmp_path, monkeypatch):
@@ -347,7 +395,6 @@ def test_a_search_where_no_trial_succeeded_exits_1(tmp_path, monkeypatch):
     result = CliRunner().invoke(cli.app, ["search", "--model", "tiny", "--out", str(tmp_path), "--trials", "1"])
     assert result.exit_code == 1
     assert "no trial succeeded (1 trials)" in result.output
-
 
 
 def test_a_journal_write_failure_keeps_the_result_for_resume(tmp_path, monkeypatch):
@@ -380,9 +427,13 @@ def test_an_interrupted_journal_search_counts_what_it_kept(tmp_path):
     from autotune.search import SearchSettings, describe_interrupted
 
     path = tmp_path / "journal.log"
-    study = optuna.create_study(storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path))), study_name="j")
+    study = optuna.create_study(
+        storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path))), study_name="j"
+    )
     for value in (1.0, 0.9):
         study.tell(study.ask(), value)
     study.ask()  # the running trial the interrupt closed
-    line = describe_interrupted(SearchSettings(model="tiny", storage=f"journal:{path}", study_name="j", out_dir=tmp_path))
+    line = describe_interrupted(
+        SearchSettings(model="tiny", storage=f"journal:{path}", study_name="j", out_dir=tmp_path)
+    )
     assert line.startswith("interrupted: 2 finished trial(s) kept in study 'j'"), line

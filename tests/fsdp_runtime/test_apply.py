@@ -110,7 +110,9 @@ def test_eager_concat_runs_under_its_own_labels():
     from fsdp_runtime import GradAccumulator
 
     config = default_config([f"layers.{i}" for i in range(4)], num_microbatches=2)
-    units = [dataclasses.replace(u, sync="last", defer_concat=False) if u.name == "layers.0" else u for u in config.units]
+    units = [
+        dataclasses.replace(u, sync="last", defer_concat=False) if u.name == "layers.0" else u for u in config.units
+    ]
     applied = apply_fsdp(_tiny(), dataclasses.replace(config, units=units))
     accumulator = GradAccumulator(applied)
     tokens = torch.randint(0, load_model_profile("tiny").shape.vocab_size, (1, 8))
@@ -131,26 +133,35 @@ def test_unshard_async_off():
 
 def test_unknown_unit_names_the_field():
     config = RuntimeConfig(units=[UnitConfig(name="layers.9"), UnitConfig(name="root")])
-    with pytest.raises(ConfigError, match=r"units\[0\]\.name: module 'layers.9' not found in Llama .*layers.0..layers.3"):
+    with pytest.raises(
+        ConfigError, match=r"units\[0\]\.name: module 'layers.9' not found in Llama .*layers.0..layers.3"
+    ):
         apply_fsdp(_tiny(), config)
 
 
 def test_a_config_covering_fewer_blocks_than_the_model_is_refused():
     two = default_config(["layers.0", "layers.1"])
-    with pytest.raises(ConfigError, match=r"^units: cover 2 of the 4 blocks of Llama: layers.2, layers.3 would be sharded with the root .*unlisted_blocks = \"root\""):
+    with pytest.raises(
+        ConfigError,
+        match=r"^units: cover 2 of the 4 blocks of Llama: layers.2, layers.3 would be sharded with the root .*unlisted_blocks = \"root\"",
+    ):
         apply_fsdp(_tiny(), two)
     # Said explicitly, the other blocks go with the root.
     applied = apply_fsdp(_tiny(), dataclasses.replace(two, unlisted_blocks="root"))
     assert applied.config.unit_names == ["layers.0", "layers.1", "root"]
     # A unit inside a block, or around all of them, covers it.
-    inner = RuntimeConfig(units=[UnitConfig(name=f"layers.{i}.attention") for i in range(4)] + [UnitConfig(name="root")])
+    inner = RuntimeConfig(
+        units=[UnitConfig(name=f"layers.{i}.attention") for i in range(4)] + [UnitConfig(name="root")]
+    )
     assert apply_fsdp(_tiny(), inner).config.unit_names[:4] == [f"layers.{i}.attention" for i in range(4)]
 
 
 def test_unlisted_blocks_is_written_only_when_set(tmp_path):
     from fsdp_runtime import config_to_dict, load_config, save_config
 
-    assert "unlisted_blocks" not in config_to_dict(default_config(["layers.0"]))  # old readers still read what does not use it
+    assert "unlisted_blocks" not in config_to_dict(
+        default_config(["layers.0"])
+    )  # old readers still read what does not use it
     partial = dataclasses.replace(default_config(["layers.0"]), unlisted_blocks="root")
     for suffix in ("toml", "json"):
         assert load_config(save_config(partial, tmp_path / f"c.{suffix}")) == partial
@@ -161,14 +172,20 @@ def test_a_same_depth_config_with_other_names_resolves_by_position():
     # Searched on our Llama profile (layers.N), applied to an HF-style model (model.layers.N).
     config = default_config(["layers.0", "layers.1", "layers.2"])
     units = [dataclasses.replace(u, forward_prefetch=["layers.1"]) if u.name == "layers.0" else u for u in config.units]
-    with pytest.warns(UserWarning, match=r"config units layers.0..layers.2 are not modules of _HFCausalLM: resolved by position onto its 3 blocks model.layers.0..model.layers.2"):
+    with pytest.warns(
+        UserWarning,
+        match=r"config units layers.0..layers.2 are not modules of _HFCausalLM: resolved by position onto its 3 blocks model.layers.0..model.layers.2",
+    ):
         applied = apply_fsdp(_HFCausalLM(), dataclasses.replace(config, units=units))
     assert applied.config.unit_names == ["model.layers.0", "model.layers.1", "model.layers.2", "root"]
     assert applied.config.get_unit("model.layers.0").forward_prefetch == ["model.layers.1"]
     state = {name: module._get_fsdp_state() for name, module in applied.units.items()}
     assert state["model.layers.0"]._states_to_forward_prefetch == [state["model.layers.1"]]
     # Another depth, or names of which some exist, are not guessed.
-    with pytest.raises(ConfigError, match=r"units\[0\]\.name: module 'layers.0' not found .*2 block units for 3 blocks, so none is matched by position"):
+    with pytest.raises(
+        ConfigError,
+        match=r"units\[0\]\.name: module 'layers.0' not found .*2 block units for 3 blocks, so none is matched by position",
+    ):
         apply_fsdp(_HFCausalLM(), default_config(["layers.0", "layers.1"]))
     with pytest.raises(ConfigError, match=r"units\[1\]\.name: module 'layers.1' not found"):
         apply_fsdp(_HFCausalLM(), default_config(["model.layers.0", "layers.1", "model.layers.2"]))
@@ -177,7 +194,10 @@ def test_a_same_depth_config_with_other_names_resolves_by_position():
 def test_a_config_applied_to_a_submodule_is_refused():
     model = _HFCausalLM()
     config = default_config(["layers.0", "layers.1", "layers.2"])
-    with pytest.raises(ConfigError, match=r"^units\[3\]: the root unit is _HFInner, a submodule of _HFCausalLM \(it is 'model' there\), whose parameters lm_head.weight, lm_head.bias would be in no unit: their gradients would never be synchronised"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^units\[3\]: the root unit is _HFInner, a submodule of _HFCausalLM \(it is 'model' there\), whose parameters lm_head.weight, lm_head.bias would be in no unit: their gradients would never be synchronised",
+    ):
         apply_fsdp(model.model, config)
     assert not isinstance(model.model, FSDPModule)  # refused before anything was sharded
     model.lm_head.requires_grad_(False)  # frozen parameters need no synchronisation
@@ -189,9 +209,24 @@ def test_an_hf_config_applied_to_the_inner_model_is_refused(tmp_path):
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=32))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=32,
+        )
+    )
     config = default_config(["model.layers.0", "model.layers.1"])
-    with pytest.warns(UserWarning, match="resolved by position"), pytest.raises(ConfigError, match=r"submodule of LlamaForCausalLM \(it is 'model' there\), whose parameters lm_head.weight would be in no unit"):
+    with (
+        pytest.warns(UserWarning, match="resolved by position"),
+        pytest.raises(
+            ConfigError,
+            match=r"submodule of LlamaForCausalLM \(it is 'model' there\), whose parameters lm_head.weight would be in no unit",
+        ),
+    ):
         apply_fsdp(model.model, config)
     assert apply_fsdp(model, config).config.unit_names == ["model.layers.0", "model.layers.1", "root"]
 
@@ -227,7 +262,14 @@ def _import_in_fresh_process(names: tuple[str, ...], *, walk: bool) -> dict[str,
     """Import ``names`` (with ``walk``: and every submodule of each) in a fresh interpreter;
     what it imported and the top-level names of every non-stdlib module then loaded."""
     code = _IMPORT_THEN_LIST.format(names=list(names), walk=walk)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2], env={**os.environ}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+        env={**os.environ},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -238,7 +280,9 @@ def test_fsdp_runtime_imports_with_torch_only():
     torch_loads = set(_import_in_fresh_process(_TORCH_MODULES, walk=False)["non_stdlib"])
     assert "torch" in torch_loads
     runtime = _import_in_fresh_process(("fsdp_runtime",), walk=True)
-    assert "fsdp_runtime.serialize" in runtime["imported"] and any(n.startswith("fsdp_runtime.consolidate.") for n in runtime["imported"]), runtime["imported"]
+    assert "fsdp_runtime.serialize" in runtime["imported"] and any(
+        n.startswith("fsdp_runtime.consolidate.") for n in runtime["imported"]
+    ), runtime["imported"]
     extra = set(runtime["non_stdlib"]) - torch_loads - {"fsdp_runtime"}
     assert not extra, f"fsdp_runtime imports more than torch: {sorted(extra)}"
     # Imports that only run when called (inside functions) are checked in the source.
@@ -263,8 +307,18 @@ def _grouped_config():
     """Schema 2: two blocks per unit, checkpointing, embeddings and head as units of their own."""
     return RuntimeConfig(
         units=[
-            UnitConfig(name="layers.0-1", modules=["layers.0", "layers.1"], activation_checkpointing="full", forward_prefetch=["layers.2-3"]),
-            UnitConfig(name="layers.2-3", modules=["layers.2", "layers.3"], activation_checkpointing="selective", backward_prefetch=["layers.0-1"]),
+            UnitConfig(
+                name="layers.0-1",
+                modules=["layers.0", "layers.1"],
+                activation_checkpointing="full",
+                forward_prefetch=["layers.2-3"],
+            ),
+            UnitConfig(
+                name="layers.2-3",
+                modules=["layers.2", "layers.3"],
+                activation_checkpointing="selective",
+                backward_prefetch=["layers.0-1"],
+            ),
             UnitConfig(name="tok_embeddings"),
             UnitConfig(name="norm+output", modules=["norm", "output"], reshard_after_forward=False),
             UnitConfig(name="root"),
@@ -306,20 +360,45 @@ def test_checkpointed_units_recompute_in_backward():
 
 
 def test_module_lists_are_checked_against_the_model():
-    bad = RuntimeConfig(units=[UnitConfig(name="layers.0-1", modules=["layers.0", "layers.9"]), UnitConfig(name="layers.2"), UnitConfig(name="layers.3")])
-    with pytest.raises(ConfigError, match=r"^units\[0\]\.modules\[1\]: module 'layers.9' not found in Llama .*blocks in this model: layers.0..layers.3"):
+    bad = RuntimeConfig(
+        units=[
+            UnitConfig(name="layers.0-1", modules=["layers.0", "layers.9"]),
+            UnitConfig(name="layers.2"),
+            UnitConfig(name="layers.3"),
+        ]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^units\[0\]\.modules\[1\]: module 'layers.9' not found in Llama .*blocks in this model: layers.0..layers.3",
+    ):
         apply_fsdp(_tiny(), bad)
-    confusing = RuntimeConfig(units=[UnitConfig(name="layers.2", modules=["layers.0", "layers.1"]), UnitConfig(name="layers.2-3", modules=["layers.2", "layers.3"])])
-    with pytest.raises(ConfigError, match=r"^units\[0\]\.name: 'layers.2' is a module of Llama but not one of this unit's modules"):
+    confusing = RuntimeConfig(
+        units=[
+            UnitConfig(name="layers.2", modules=["layers.0", "layers.1"]),
+            UnitConfig(name="layers.2-3", modules=["layers.2", "layers.3"]),
+        ]
+    )
+    with pytest.raises(
+        ConfigError, match=r"^units\[0\]\.name: 'layers.2' is a module of Llama but not one of this unit's modules"
+    ):
         apply_fsdp(_tiny(), confusing)
     partial = RuntimeConfig(units=[UnitConfig(name="layers.0-1", modules=["layers.0", "layers.1"])])
-    with pytest.raises(ConfigError, match=r"^units: cover 2 of the 4 blocks of Llama: layers.2, layers.3 would be sharded with the root"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^units: cover 2 of the 4 blocks of Llama: layers.2, layers.3 would be sharded with the root",
+    ):
         apply_fsdp(_tiny(), partial)
 
 
 def test_grouped_units_resolve_by_position():
     # Searched on our Llama (layers.N, grouped), applied to an HF-style model (model.layers.N).
-    config = RuntimeConfig(units=[UnitConfig(name="layers.0-1", modules=["layers.0", "layers.1"], forward_prefetch=["layers.2"]), UnitConfig(name="layers.2"), UnitConfig(name="root")])
+    config = RuntimeConfig(
+        units=[
+            UnitConfig(name="layers.0-1", modules=["layers.0", "layers.1"], forward_prefetch=["layers.2"]),
+            UnitConfig(name="layers.2"),
+            UnitConfig(name="root"),
+        ]
+    )
     with pytest.warns(UserWarning, match="resolved by position"):
         applied = apply_fsdp(_HFCausalLM(), config)
     assert applied.config.get_unit("layers.0-1").modules == ["model.layers.0", "model.layers.1"]
@@ -332,6 +411,11 @@ def test_find_edge_modules():
 
     assert find_edge_modules(_tiny()) == (["tok_embeddings"], ["norm", "output"])
     assert find_edge_modules(_HFCausalLM()) == (["model.embed_tokens"], ["lm_head"])
-    tied = build_model(dataclasses.replace(load_model_profile("tiny"), shape=dataclasses.replace(load_model_profile("tiny").shape, tie_embeddings=True)), seed=0)
+    tied = build_model(
+        dataclasses.replace(
+            load_model_profile("tiny"), shape=dataclasses.replace(load_model_profile("tiny").shape, tie_embeddings=True)
+        ),
+        seed=0,
+    )
     assert find_edge_modules(tied) == ([], [])  # one parameter cannot be in two units
     assert find_edge_modules(_GPT2()) == ([], [])  # no embeddings

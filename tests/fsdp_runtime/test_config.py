@@ -33,10 +33,25 @@ def _rich_config() -> RuntimeConfig:
     """Every field away from its default, including None vs [] and bool vs int."""
     config = default_config(BLOCKS, num_microbatches=4)
     units = [
-        dataclasses.replace(config.units[0], reshard_after_forward=2, forward_prefetch=["layers.1", "layers.2"], backward_prefetch=[]),
+        dataclasses.replace(
+            config.units[0], reshard_after_forward=2, forward_prefetch=["layers.1", "layers.2"], backward_prefetch=[]
+        ),
         dataclasses.replace(config.units[1], reshard_after_forward=False, sync="replica_last"),
-        dataclasses.replace(config.units[2], sync="last", defer_concat=False, reshard_after_backward=False, activation_checkpointing="selective"),
-        dataclasses.replace(config.units[3], name="layers.3-4", modules=["layers.3", "layers.4"], reshard_after_forward=True, backward_prefetch=["layers.2"], activation_checkpointing="full"),
+        dataclasses.replace(
+            config.units[2],
+            sync="last",
+            defer_concat=False,
+            reshard_after_backward=False,
+            activation_checkpointing="selective",
+        ),
+        dataclasses.replace(
+            config.units[3],
+            name="layers.3-4",
+            modules=["layers.3", "layers.4"],
+            reshard_after_forward=True,
+            backward_prefetch=["layers.2"],
+            activation_checkpointing="full",
+        ),
         config.units[4],
     ]
     return dataclasses.replace(
@@ -46,7 +61,15 @@ def _rich_config() -> RuntimeConfig:
         mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32"),
         unshard_async="on",
         reduce_scatter_max_input_buffers=2,
-        provenance=Provenance(produced_by="autotune 0.1.0 search", model="llama8b", proxy_model="llama8b@dim256", world_size=8, measured=True, notes=['times are the proxy\'s "not" llama8b'], metrics={"speedup_vs_default": 1.25}),
+        provenance=Provenance(
+            produced_by="autotune 0.1.0 search",
+            model="llama8b",
+            proxy_model="llama8b@dim256",
+            world_size=8,
+            measured=True,
+            notes=['times are the proxy\'s "not" llama8b'],
+            metrics={"speedup_vs_default": 1.25},
+        ),
     )
 
 
@@ -65,7 +88,9 @@ def test_round_trip_is_lossless(fmt, tmp_path):
 
 def test_toml_and_json_agree(tmp_path):
     config = _rich_config()
-    assert load_config(save_config(config, tmp_path / "a.toml")) == load_config(save_config(config, tmp_path / "a.json"))
+    assert load_config(save_config(config, tmp_path / "a.toml")) == load_config(
+        save_config(config, tmp_path / "a.json")
+    )
 
 
 def test_version_1_fixtures_still_load():
@@ -84,9 +109,15 @@ def test_configs_without_schema_2_fields_are_written_as_version_1(tmp_path):
     """Old readers keep reading what does not use the new fields; what does, they refuse."""
     plain = default_config(BLOCKS, num_microbatches=2)
     data = config_to_dict(plain)
-    assert data["schema_version"] == 1 and all(set(u) == {f.name for f in dataclasses.fields(UnitConfig)} - {"modules", "activation_checkpointing"} for u in data["units"])
+    assert data["schema_version"] == 1 and all(
+        set(u) == {f.name for f in dataclasses.fields(UnitConfig)} - {"modules", "activation_checkpointing"}
+        for u in data["units"]
+    )
     assert load_config(save_config(plain, tmp_path / "plain.toml")) == plain
-    for unit in (dataclasses.replace(plain.units[0], activation_checkpointing="full"), dataclasses.replace(plain.units[0], name="layers.0+", modules=["layers.0"])):
+    for unit in (
+        dataclasses.replace(plain.units[0], activation_checkpointing="full"),
+        dataclasses.replace(plain.units[0], name="layers.0+", modules=["layers.0"]),
+    ):
         config = dataclasses.replace(plain, units=[unit, *plain.units[1:]])
         assert config_to_dict(config)["schema_version"] == 2
         assert load_config(save_config(config, tmp_path / "v2.json")) == config
@@ -97,7 +128,9 @@ def test_version_2_fixtures_load():
     assert toml_v2 == load_config(DATA / "v2_example.json")
     assert toml_v2.get_unit("layers.0-1").get_modules() == ["layers.0", "layers.1"]
     assert toml_v2.get_unit("layers.0-1").activation_checkpointing == "selective"
-    assert toml_v2.get_unit("layers.2").activation_checkpointing == "full" and toml_v2.get_unit("layers.2").get_modules() == ["layers.2"]
+    assert toml_v2.get_unit("layers.2").activation_checkpointing == "full" and toml_v2.get_unit(
+        "layers.2"
+    ).get_modules() == ["layers.2"]
     assert toml_v2.get_unit("norm+output").modules == ["norm", "output"]
     assert toml_v2.get_unit("root").sync == "last"
 
@@ -105,34 +138,91 @@ def test_version_2_fixtures_load():
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda d: d["units"][0].update(forward_prefetch=["layers.9"]), r"units\[0\]\.forward_prefetch\[0\]: unit 'layers.9' does not exist \(known units: layers.0, layers.1, layers.2, layers.3, root\)"),
-        (lambda d: d["units"][1].update(backward_prefetch=["layers.1"]), r"units\[1\]\.backward_prefetch\[0\]: unit 'layers.1' prefetches itself"),
-        (lambda d: d["units"][1].update(backward_prefetch=["root"]), r"units\[1\]\.backward_prefetch\[0\]: the root unit cannot be prefetched"),
-        (lambda d: d["units"][2].update(sync="replica_last"), r"units\[2\]\.sync: 'replica_last' needs an HSDP mesh \(set mesh.kind = 'hsdp'"),
-        (lambda d: d["units"][2].update(sync="sometimes"), r"units\[2\]\.sync: 'sometimes' is not one of 'every', 'replica_last', 'last'"),
-        (lambda d: d["units"][0].update(defer_concat=False), r"units\[0\]\.defer_concat: false only applies with sync = 'last'"),
-        (lambda d: d["units"][0].update(reshard_after_forward=1), r"units\[0\]\.reshard_after_forward: integer value must be >= 2"),
-        (lambda d: d["units"][0].update(reshard_after_forward="yes"), r"units\[0\]\.reshard_after_forward: expected bool or int or nothing, got 'yes'"),
-        (lambda d: d["units"][0].update(forwad_prefetch=[]), r"units\[0\]\.forwad_prefetch: unknown field \(known fields: name, modules, reshard_after_forward, forward_prefetch"),
+        (
+            lambda d: d["units"][0].update(forward_prefetch=["layers.9"]),
+            r"units\[0\]\.forward_prefetch\[0\]: unit 'layers.9' does not exist \(known units: layers.0, layers.1, layers.2, layers.3, root\)",
+        ),
+        (
+            lambda d: d["units"][1].update(backward_prefetch=["layers.1"]),
+            r"units\[1\]\.backward_prefetch\[0\]: unit 'layers.1' prefetches itself",
+        ),
+        (
+            lambda d: d["units"][1].update(backward_prefetch=["root"]),
+            r"units\[1\]\.backward_prefetch\[0\]: the root unit cannot be prefetched",
+        ),
+        (
+            lambda d: d["units"][2].update(sync="replica_last"),
+            r"units\[2\]\.sync: 'replica_last' needs an HSDP mesh \(set mesh.kind = 'hsdp'",
+        ),
+        (
+            lambda d: d["units"][2].update(sync="sometimes"),
+            r"units\[2\]\.sync: 'sometimes' is not one of 'every', 'replica_last', 'last'",
+        ),
+        (
+            lambda d: d["units"][0].update(defer_concat=False),
+            r"units\[0\]\.defer_concat: false only applies with sync = 'last'",
+        ),
+        (
+            lambda d: d["units"][0].update(reshard_after_forward=1),
+            r"units\[0\]\.reshard_after_forward: integer value must be >= 2",
+        ),
+        (
+            lambda d: d["units"][0].update(reshard_after_forward="yes"),
+            r"units\[0\]\.reshard_after_forward: expected bool or int or nothing, got 'yes'",
+        ),
+        (
+            lambda d: d["units"][0].update(forwad_prefetch=[]),
+            r"units\[0\]\.forwad_prefetch: unknown field \(known fields: name, modules, reshard_after_forward, forward_prefetch",
+        ),
         (lambda d: d["units"].append({"name": "layers.0"}), r"units\[5\]\.name: unit 'layers.0' is listed twice"),
         (lambda d: d["units"].append({"sync": "every"}), r"units\[5\]\.name: is required"),
         (lambda d: d["mesh"].update(replicate=2), r"mesh\.replicate: is 2 but mesh.kind is 'fsdp'"),
         (lambda d: d.update(num_microbatches=0), r"num_microbatches: must be >= 1, got 0"),
         (lambda d: d.update(num_microbatches=True), r"num_microbatches: expected an integer, got True"),
-        (lambda d: d["mixed_precision"].update(param_dtype="fp8"), r"mixed_precision\.param_dtype: unknown dtype 'fp8'"),
+        (
+            lambda d: d["mixed_precision"].update(param_dtype="fp8"),
+            r"mixed_precision\.param_dtype: unknown dtype 'fp8'",
+        ),
         # What a v2 file gets from a v1 reader (the same check, one version up).
-        (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), r"schema_version: 3 is newer than this fsdp-autotune understands \(2\) \(upgrade fsdp-autotune\)"),
+        (
+            lambda d: d.update(schema_version=SCHEMA_VERSION + 1),
+            r"schema_version: 3 is newer than this fsdp-autotune understands \(2\) \(upgrade fsdp-autotune\)",
+        ),
         (lambda d: d.update(schema_version=0), r"schema_version: 0 was never a schema version"),
         (lambda d: d.pop("schema_version"), r"schema_version: is missing \(add schema_version = 2\)"),
-        (lambda d: d["units"][2].update(activation_checkpointing="partial"), r"units\[2\]\.activation_checkpointing: 'partial' is not one of 'none', 'selective', 'full'"),
-        (lambda d: d["units"][4].update(activation_checkpointing="full"), r"units\[4\]\.activation_checkpointing: the root unit cannot be checkpointed"),
-        (lambda d: d["units"][4].update(modules=["layers.0"]), r"units\[4\]\.modules: the root unit is the model itself and takes no module list"),
+        (
+            lambda d: d["units"][2].update(activation_checkpointing="partial"),
+            r"units\[2\]\.activation_checkpointing: 'partial' is not one of 'none', 'selective', 'full'",
+        ),
+        (
+            lambda d: d["units"][4].update(activation_checkpointing="full"),
+            r"units\[4\]\.activation_checkpointing: the root unit cannot be checkpointed",
+        ),
+        (
+            lambda d: d["units"][4].update(modules=["layers.0"]),
+            r"units\[4\]\.modules: the root unit is the model itself and takes no module list",
+        ),
         (lambda d: d["units"][0].update(modules=[]), r"units\[0\]\.modules: is empty"),
-        (lambda d: d["units"][0].update(modules="layers.0"), r"units\[0\]\.modules: expected a list or nothing, got 'layers.0'"),
-        (lambda d: d["units"][0].update(name="layers.0-1", modules=["layers.0", "layers.1"]), r"units\[1\]\.name: module 'layers.1' is already in units\[0\]"),
-        (lambda d: d["units"][0].update(modules=["layers.0", "layers.0.attention"]), r"units\[0\]\.modules\[0\]: 'layers.0.attention' is inside 'layers.0' in the same unit"),
-        (lambda d: d["units"][0].update(modules=["layers.0", "layers.0"]), r"units\[0\]\.modules\[1\]: lists module 'layers.0' twice"),
-        (lambda d: d["units"].insert(0, {"name": "layers", "activation_checkpointing": "full"}), r"units\[0\]\.activation_checkpointing: the unit holds units\[1\] \('layers.0'\); checkpointing around another unit is not supported"),
+        (
+            lambda d: d["units"][0].update(modules="layers.0"),
+            r"units\[0\]\.modules: expected a list or nothing, got 'layers.0'",
+        ),
+        (
+            lambda d: d["units"][0].update(name="layers.0-1", modules=["layers.0", "layers.1"]),
+            r"units\[1\]\.name: module 'layers.1' is already in units\[0\]",
+        ),
+        (
+            lambda d: d["units"][0].update(modules=["layers.0", "layers.0.attention"]),
+            r"units\[0\]\.modules\[0\]: 'layers.0.attention' is inside 'layers.0' in the same unit",
+        ),
+        (
+            lambda d: d["units"][0].update(modules=["layers.0", "layers.0"]),
+            r"units\[0\]\.modules\[1\]: lists module 'layers.0' twice",
+        ),
+        (
+            lambda d: d["units"].insert(0, {"name": "layers", "activation_checkpointing": "full"}),
+            r"units\[0\]\.activation_checkpointing: the unit holds units\[1\] \('layers.0'\); checkpointing around another unit is not supported",
+        ),
     ],
 )
 def test_invalid_configs_name_the_field(mutate, message):
@@ -162,7 +252,9 @@ def test_world_size_checks():
     with pytest.raises(ConfigError, match=r"mesh: replicate x shard = 2 x 2 does not multiply to the world size 8"):
         validate_for_world(config, 8)
     assert validate_for_world(RuntimeConfig(mesh=MeshConfig(kind="hsdp", replicate=2)), 8) == (2, 4)
-    with pytest.raises(ConfigError, match=r"units\[0\]\.reshard_after_forward: 3 is not a proper divisor of the shard size 4"):
+    with pytest.raises(
+        ConfigError, match=r"units\[0\]\.reshard_after_forward: 3 is not a proper divisor of the shard size 4"
+    ):
         validate_for_world(RuntimeConfig(units=[UnitConfig(name="layers.0", reshard_after_forward=3)]), 4)
 
 

@@ -27,9 +27,14 @@ import torch
 from torch import nn
 
 from autotune.search.consolidation import consolidation_timing
-from autotune.trials import run_ranks
-from autotune.trials import Training, build_training
-from fsdp_runtime import CheckpointError, ConfigError, consolidate_state, load_consolidated_checkpoint, save_consolidated_checkpoint
+from autotune.trials import Training, build_training, run_ranks
+from fsdp_runtime import (
+    CheckpointError,
+    ConfigError,
+    consolidate_state,
+    load_consolidated_checkpoint,
+    save_consolidated_checkpoint,
+)
 from fsdp_runtime import consolidate as consolidate_module
 from fsdp_runtime.consolidate import CHECKPOINT_VERSION
 
@@ -59,14 +64,19 @@ _TARGET = f"{__name__}:{{}}"
 # Rank programs (run in each rank's process by run_ranks)
 
 
-def _check_config(rank: int, world_size: int, *, config: dict, reload_from: str | None, ckpt: Path) -> tuple[dict[str, Any], Training]:
+def _check_config(
+    rank: int, world_size: int, *, config: dict, reload_from: str | None, ckpt: Path
+) -> tuple[dict[str, Any], Training]:
     """Consolidate with every method; with ``reload_from`` ("file": the saved checkpoint,
     "memory": rank 0's consolidated state), load a fresh model and train on."""
     training = build_training(rank, world_size, model=MODEL, config=config)
     for step in range(NUM_STEPS):
         training.step(step)
     states = {name: consolidate_state(training.model, training.optimizer, **kw) for name, kw in METHODS.items()}
-    results = {"states": states, "everywhere": consolidate_state(training.model, training.optimizer, rank0_only=False, to_cpu=False)}
+    results = {
+        "states": states,
+        "everywhere": consolidate_state(training.model, training.optimizer, rank0_only=False, to_cpu=False),
+    }
     if reload_from is None:
         return results, training
     save_consolidated_checkpoint(ckpt, training.model, training.optimizer, metadata={"step": NUM_STEPS})
@@ -104,15 +114,21 @@ def _check_failures(rank: int, training: Training, ckpt_dir: Path) -> dict[str, 
     return errors
 
 
-def _checks(rank: int, world_size: int, *, configs: dict[str, tuple[dict, str | None]], ckpt_dir: str, check_failures: bool) -> dict[str, Any]:
+def _checks(
+    rank: int, world_size: int, *, configs: dict[str, tuple[dict, str | None]], ckpt_dir: str, check_failures: bool
+) -> dict[str, Any]:
     results = {}
     for name, (config, reload_from) in configs.items():
-        results[name], training = _check_config(rank, world_size, config=config, reload_from=reload_from, ckpt=Path(ckpt_dir) / f"{name}.pt")
+        results[name], training = _check_config(
+            rank, world_size, config=config, reload_from=reload_from, ckpt=Path(ckpt_dir) / f"{name}.pt"
+        )
     if check_failures:
         results["failures"] = _check_failures(rank, training, Path(ckpt_dir))
         # The search's rank program, here to share this launch: times the config's method.
         config = {"schema_version": 1, "checkpoint": {"consolidation": "broadcast"}}
-        results["timing"] = consolidation_timing(rank, world_size, model=TIMING_MODEL, config=config, num_repeats=2, measure_memory=True)
+        results["timing"] = consolidation_timing(
+            rank, world_size, model=TIMING_MODEL, config=config, num_repeats=2, measure_memory=True
+        )
     return results
 
 
@@ -188,7 +204,11 @@ def _assert_config_ok(per_rank: list[dict[str, Any]], world_size: int, what: str
     assert shapes["tok_embeddings.weight"] == (101, 30) and shapes["layers.0.attention.wk.weight"] == (6, 30)
     assert set(optim_sd["state"]) == set(model_sd) and optim_sd["param_groups"][0]["params"] == list(model_sd)
     for entry in optim_sd["state"].values():
-        assert entry["step"].item() == NUM_STEPS and entry["exp_avg"].abs().sum() > 0 and entry["exp_avg_sq"].abs().sum() > 0
+        assert (
+            entry["step"].item() == NUM_STEPS
+            and entry["exp_avg"].abs().sum() > 0
+            and entry["exp_avg_sq"].abs().sum() > 0
+        )
     for name in METHODS:
         _assert_same_state(rank0["states"][name], reference, f"{what}: {name} vs dcp")
         for rank in range(1, world_size):
@@ -198,10 +218,14 @@ def _assert_config_ok(per_rank: list[dict[str, Any]], world_size: int, what: str
     if "reloaded" in rank0:
         _assert_same_state(rank0["reloaded"], rank0["states"]["all_gather"], f"{what}: reloaded vs saved")
         for rank, result in enumerate(per_rank):
-            assert result["resumed"] == result["continued"], f"{what}: rank {rank} resumed {result['resumed']} != continued {result['continued']}"
+            assert result["resumed"] == result["continued"], (
+                f"{what}: rank {rank} resumed {result['resumed']} != continued {result['continued']}"
+            )
 
 
-def _run_checks(world_size: int, configs: dict[str, dict], tmp_path: Path, *, check_failures: bool, timeout_s: float) -> list[dict]:
+def _run_checks(
+    world_size: int, configs: dict[str, dict], tmp_path: Path, *, check_failures: bool, timeout_s: float
+) -> list[dict]:
     kwargs = {"configs": configs, "ckpt_dir": str(tmp_path), "check_failures": check_failures}
     run = run_ranks(_TARGET.format("_checks"), world_size=world_size, kwargs=kwargs, timeout_s=timeout_s)
     assert run.ok, f"{run.status}: {run.reason}\n" + "\n".join(run.stderr_tails)
@@ -216,8 +240,15 @@ def test_world2_fsdp_methods_agree_reload_resumes_and_failures_are_collective(tm
     results = _run_checks(2, {"fsdp": (FSDP, "file")}, tmp_path, check_failures=True, timeout_s=120)
     _assert_config_ok([r["fsdp"] for r in results], 2, "world 2 fsdp")
     saved = torch.load(tmp_path / "fsdp.pt", weights_only=True)
-    assert (saved["format"], saved["schema_version"], saved["world_size"], saved["metadata"]) == (consolidate_module.CHECKPOINT_FORMAT, CHECKPOINT_VERSION, 2, {"step": NUM_STEPS})
-    _assert_same_state((saved["model"], saved["optimizer"]), results[0]["fsdp"]["states"]["all_gather"], "file vs state")
+    assert (saved["format"], saved["schema_version"], saved["world_size"], saved["metadata"]) == (
+        consolidate_module.CHECKPOINT_FORMAT,
+        CHECKPOINT_VERSION,
+        2,
+        {"step": NUM_STEPS},
+    )
+    _assert_same_state(
+        (saved["model"], saved["optimizer"]), results[0]["fsdp"]["states"]["all_gather"], "file vs state"
+    )
     assert results[0]["failures"]["save"] == "OSError: disk full (simulated)"
     assert results[1]["failures"]["save"].startswith("CheckpointError: rank 0 failed to write")
     assert not (tmp_path / "failed.pt").exists()
@@ -235,7 +266,10 @@ def test_world2_fsdp_methods_agree_reload_resumes_and_failures_are_collective(tm
     # still alive when the peak is read); rank 1, which keeps nothing, by far less. 10% slack
     # below: the allocator may reuse pages freed earlier in the process (a CI run measured
     # 11 KB of 19.7 MB already resident), so "at least every byte" would be flaky.
-    rise0, rise1 = timing["consolidation_rise_bytes"]["broadcast"], results[1]["timing"]["consolidation_rise_bytes"]["broadcast"]
+    rise0, rise1 = (
+        timing["consolidation_rise_bytes"]["broadcast"],
+        results[1]["timing"]["consolidation_rise_bytes"]["broadcast"],
+    )
     assert timing["state_bytes"] > 5 * 2**20, timing["state_bytes"]
     assert rise0 >= 0.9 * timing["state_bytes"], (rise0, timing["state_bytes"])
     assert rise1 < timing["state_bytes"] / 2, (rise1, timing["state_bytes"])
@@ -243,7 +277,9 @@ def test_world2_fsdp_methods_agree_reload_resumes_and_failures_are_collective(tm
 
 def test_world4_fsdp_and_hsdp_methods_agree_and_reload_resumes(tmp_path: Path) -> None:
     """FSDP (with an empty shard) compares methods only; HSDP also reloads, from memory."""
-    results = _run_checks(4, {"fsdp": (FSDP, None), "hsdp": (HSDP, "memory")}, tmp_path, check_failures=False, timeout_s=180)
+    results = _run_checks(
+        4, {"fsdp": (FSDP, None), "hsdp": (HSDP, "memory")}, tmp_path, check_failures=False, timeout_s=180
+    )
     assert "reloaded" in results[0]["hsdp"]
     for name in ("fsdp", "hsdp"):
         _assert_config_ok([r[name] for r in results], 4, f"world 4 {name}")
@@ -274,7 +310,9 @@ def test_bad_input_raises_one_line_config_error(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as info:
             consolidate_state(model, **kwargs)
         assert info.value.path == field and "\n" not in str(info.value)
-    with pytest.raises(ConfigError, match="unknown consolidation method 'gather'.*use one of all_gather, broadcast, dcp"):
+    with pytest.raises(
+        ConfigError, match="unknown consolidation method 'gather'.*use one of all_gather, broadcast, dcp"
+    ):
         save_consolidated_checkpoint(tmp_path / "x.pt", model, method="gather")
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(CheckpointError, match="not a readable checkpoint"):
@@ -293,4 +331,7 @@ def test_unsharded_model_copies_state_without_aliasing() -> None:
     assert torch.equal(model_sd["weight"], model.weight) and model_sd["weight"].data_ptr() != model.weight.data_ptr()
     assert optim_sd["param_groups"][0]["params"] == ["weight", "bias"]
     live_step = optimizer.state[model.weight]["step"]
-    assert torch.equal(optim_sd["state"]["weight"]["step"], live_step) and optim_sd["state"]["weight"]["step"] is not live_step
+    assert (
+        torch.equal(optim_sd["state"]["weight"]["step"], live_step)
+        and optim_sd["state"]["weight"]["step"] is not live_step
+    )

@@ -29,10 +29,10 @@ import dataclasses
 import math
 
 import pytest
+from _harness import reference_losses
 
 from autotune.search import SearchSpace
 from autotune.trials import run_ranks
-from _harness import reference_losses
 from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, config_to_dict, default_config
 from profiles import load_model_profile
 
@@ -48,17 +48,36 @@ REFERENCE_RTOL = 1e-4
 def _point(world_size: int = 2, **params) -> RuntimeConfig:
     """A point of the search space with every schema-2 knob family on (the defaults unless given)."""
     space = SearchSpace(
-        block_names=tuple(BLOCKS), world_size=world_size, num_microbatches=NUM_MICROBATCHES, grouping=True, checkpointing=True, root_knobs=True,
-        embedding_names=("tok_embeddings",), head_names=("norm", "output"),
-    )  # fmt: skip
+        block_names=tuple(BLOCKS),
+        world_size=world_size,
+        num_microbatches=NUM_MICROBATCHES,
+        grouping=True,
+        checkpointing=True,
+        root_knobs=True,
+        embedding_names=("tok_embeddings",),
+        head_names=("norm", "output"),
+    )
     return space.build_config({**space.get_default_params(), **params})
 
 
 # Every unit skips sync on non-final microbatches, keeps its params, prefetches one unit ahead;
 # embeddings and head are units of their own. The combinations add grouping and checkpointing.
-ALL_LAST = {"nosync_blocks": "all", "nosync_level_fsdp": "last", "keep_unsharded": True, "root_split": "split", "root_sync_fsdp": "last",
-            "root_keep_unsharded": True, "forward_prefetch": "depth1", "backward_prefetch": "depth1"}  # fmt: skip
-HSDP_LAST = {**{k: v for k, v in ALL_LAST.items() if not k.endswith("_fsdp")}, "mesh": "hsdp:2x2", "nosync_level_hsdp": "replica_last", "root_sync_hsdp": "last"}
+ALL_LAST = {
+    "nosync_blocks": "all",
+    "nosync_level_fsdp": "last",
+    "keep_unsharded": True,
+    "root_split": "split",
+    "root_sync_fsdp": "last",
+    "root_keep_unsharded": True,
+    "forward_prefetch": "depth1",
+    "backward_prefetch": "depth1",
+}
+HSDP_LAST = {
+    **{k: v for k, v in ALL_LAST.items() if not k.endswith("_fsdp")},
+    "mesh": "hsdp:2x2",
+    "nosync_level_hsdp": "replica_last",
+    "root_sync_hsdp": "last",
+}
 
 
 def _config(**global_overrides) -> RuntimeConfig:
@@ -122,8 +141,13 @@ def world2() -> dict[str, list[dict]]:
         "sync_last_eager_concat": _with_units(last, defer_concat=False),
         "sync_last_no_reshard_eager": _prefetch(_with_units(last, reshard_after_backward=False, defer_concat=False), 1),
         # bf16 params, fp32 reduction: FSDP2 accumulates unsharded grads in an fp32 buffer.
-        "mp_sync_last": dataclasses.replace(last, mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")),
-        "mp_sync_last_eager": dataclasses.replace(_with_units(last, defer_concat=False), mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")),
+        "mp_sync_last": dataclasses.replace(
+            last, mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
+        ),
+        "mp_sync_last_eager": dataclasses.replace(
+            _with_units(last, defer_concat=False),
+            mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32"),
+        ),
         "ac_full": _with_units(base, activation_checkpointing="full"),
         "ac_selective": _with_units(base, activation_checkpointing="selective"),
         "space_default": _point(),
@@ -132,7 +156,9 @@ def world2() -> dict[str, list[dict]]:
         "split_edges": _point(root_split="split"),
         "root_last": _point(root_sync_fsdp="last", root_keep_unsharded=True, root_reshard_after_forward="true"),
         "all_last": _point(**ALL_LAST),
-        "all_last_grouped_ac": _point(**ALL_LAST, blocks_per_unit=2, ac_units="all", ac_kind="selective", unshard_async="on"),
+        "all_last_grouped_ac": _point(
+            **ALL_LAST, blocks_per_unit=2, ac_units="all", ac_kind="selective", unshard_async="on"
+        ),
         "all_last_ac_full": _point(**ALL_LAST, ac_units="every_2nd", ac_kind="full"),
     }
     return _run(2, configs)
@@ -141,7 +167,15 @@ def world2() -> dict[str, list[dict]]:
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "knob",
-    ["sync_off", "prefetch1", "prefetch2", "prefetch_none", "no_reshard_after_forward", "no_reshard_after_backward", "rs_buffers2"],
+    [
+        "sync_off",
+        "prefetch1",
+        "prefetch2",
+        "prefetch_none",
+        "no_reshard_after_forward",
+        "no_reshard_after_backward",
+        "rs_buffers2",
+    ],
 )
 def test_order_preserving_knobs_are_bitwise_equal_to_defaults(world2, knob):
     assert _losses(world2[knob]) == _losses(world2["default"])
@@ -267,11 +301,17 @@ def test_grouped_units_and_split_edges_are_bitwise_with_fewer_collectives(world2
     ag, rs = _counts(world2, "all_gather"), _counts(world2, "reduce_scatter")
     per_step = NUM_MICROBATCHES * NUM_STEPS
     # Each block unit gathers twice per microbatch (forward, backward) and reduces once; the root once each.
-    assert (ag["space_default"], rs["space_default"]) == ((2 * len(BLOCKS) + 1) * per_step, (len(BLOCKS) + 1) * per_step)
+    assert (ag["space_default"], rs["space_default"]) == (
+        (2 * len(BLOCKS) + 1) * per_step,
+        (len(BLOCKS) + 1) * per_step,
+    )
     assert (ag["grouped2"], rs["grouped2"]) == ((2 * 2 + 1) * per_step, (2 + 1) * per_step)
     assert (ag["grouped4"], rs["grouped4"]) == ((2 * 1 + 1) * per_step, (1 + 1) * per_step)
     # Embeddings (resharded after forward) and head (kept) as units: the root holds no parameters.
-    assert (ag["split_edges"], rs["split_edges"]) == ((2 * len(BLOCKS) + 2 + 1) * per_step, (len(BLOCKS) + 2) * per_step)
+    assert (ag["split_edges"], rs["split_edges"]) == (
+        (2 * len(BLOCKS) + 2 + 1) * per_step,
+        (len(BLOCKS) + 2) * per_step,
+    )
 
 
 @pytest.mark.multirank

@@ -58,21 +58,33 @@ def test_bad_profiles_give_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown model profile 'llama9b' \(use one of: .*llama8b.*\)"):
         load_model_profile("llama9b")
     bad = tmp_path / "m.toml"
-    bad.write_text('name = "m"\nseq_len = 8\nbatch_size = 1\n[shape]\ndim = 10\nnum_layers = 1\nnum_heads = 3\nnum_kv_heads = 1\nffn_hidden_dim = 8\nvocab_size = 8\n')
+    bad.write_text(
+        'name = "m"\nseq_len = 8\nbatch_size = 1\n[shape]\ndim = 10\nnum_layers = 1\nnum_heads = 3\nnum_kv_heads = 1\nffn_hidden_dim = 8\nvocab_size = 8\n'
+    )
     with pytest.raises(ConfigError, match=r"m\.toml: shape: dim 10 is not divisible by num_heads 3"):
         load_model_profile(str(bad))
-    bad.write_text('name = "m"\nseq_len = 8\nbatch_size = 1\nbatch = 3\n[shape]\ndim = 8\nnum_layers = 1\nnum_heads = 2\nnum_kv_heads = 1\nffn_hidden_dim = 8\nvocab_size = 8\n')
+    bad.write_text(
+        'name = "m"\nseq_len = 8\nbatch_size = 1\nbatch = 3\n[shape]\ndim = 8\nnum_layers = 1\nnum_heads = 2\nnum_kv_heads = 1\nffn_hidden_dim = 8\nvocab_size = 8\n'
+    )
     with pytest.raises(ConfigError, match=r"m\.toml: batch: unknown field"):
         load_model_profile(str(bad))
 
 
-@pytest.mark.parametrize(("name", "peak_bf16", "memory_gib"), [("h100-node", 989.4, 79.6), ("h200-node", 989.4, 140.4), ("a100-node", 312.0, 80.0)])
+@pytest.mark.parametrize(
+    ("name", "peak_bf16", "memory_gib"),
+    [("h100-node", 989.4, 79.6), ("h200-node", 989.4, 140.4), ("a100-node", 312.0, 80.0)],
+)
 def test_gpu_cluster_profiles_carry_what_the_simulator_needs(name, peak_bf16, memory_gib):
     cluster = load_cluster_profile(name)
-    assert cluster.collective_model == "ring" and cluster.ranks_per_node == 8 and cluster.memory_per_rank_gib == memory_gib
+    assert (
+        cluster.collective_model == "ring" and cluster.ranks_per_node == 8 and cluster.memory_per_rank_gib == memory_gib
+    )
     assert cluster.accelerator is not None and cluster.accelerator.peak_tflops["bfloat16"] == peak_bf16
     assert all(0 < link.efficiency <= 1 for link in cluster.links.values())
-    assert load_cluster_profile("cpu-gloo").collective_model == "flat" and load_cluster_profile("cpu-gloo").accelerator is None
+    assert (
+        load_cluster_profile("cpu-gloo").collective_model == "flat"
+        and load_cluster_profile("cpu-gloo").accelerator is None
+    )
 
 
 def test_bad_cluster_profiles_give_one_line_errors(tmp_path):
@@ -81,7 +93,10 @@ def test_bad_cluster_profiles_give_one_line_errors(tmp_path):
     bad.write_text(head + 'collective_model = "tree"\n')
     with pytest.raises(ConfigError, match=r"c\.toml: <top>: collective_model must be one of flat, ring, got 'tree'"):
         load_cluster_profile(str(bad))
-    bad.write_text(head + '[accelerator]\nname = "x"\npeak_tflops = { bfloat16 = 1.0 }\ngemm_efficiency = 1.5\nattention_efficiency = 0.5\nhbm_gbps = 1.0\n')
+    bad.write_text(
+        head
+        + '[accelerator]\nname = "x"\npeak_tflops = { bfloat16 = 1.0 }\ngemm_efficiency = 1.5\nattention_efficiency = 0.5\nhbm_gbps = 1.0\n'
+    )
     with pytest.raises(ConfigError, match=r"c\.toml: accelerator: gemm_efficiency must be in \(0, 1\], got 1\.5"):
         load_cluster_profile(str(bad))
     bad.write_text(head + '[accelerator]\nname = "x"\npeak_flops = 1.0\n')
