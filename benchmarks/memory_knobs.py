@@ -131,7 +131,7 @@ def _measure(
                 print(f"  {name}: {result.status} {result.reason[:200] if result.reason else ''}", flush=True)
                 continue
             paired = result.metrics.paired
-            got[name]["ratios"] += paired.get("pair_ratios", [])
+            got[name]["ratios"] += paired.get("block_ratios", [])
             got[name]["peaks"].append(result.metrics.process_peak_bytes)
     return got
 

@@ -158,7 +158,7 @@ def _measure(pool: RankPool, pairs: dict, out_dir: Path, args: argparse.Namespac
                 backend="gloo",
             )
             result = run_trial(spec, pool=pool)
-            ratios[name] += result.metrics.paired.get("pair_ratios", []) if result.ok else []
+            ratios[name] += result.metrics.paired.get("block_ratios", []) if result.ok else []
     return ratios
 
 

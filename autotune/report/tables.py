@@ -64,7 +64,8 @@ def get_tables(report: Report) -> list[ReportTable]:
         return get_trial_tables(report.trials[0])
     if report.rows:  # the search's own rows: knobs, noise and attempts of every trial
         summary = [get_search_summary_table(report.search, report.comparison)] if report.search else []
-        return [*summary, get_search_trials_table(report.rows, report.comparison)]
+        final = get_final_round_table(report.search.confirmation) if report.search else None
+        return [*summary, *([final] if final else []), get_search_trials_table(report.rows, report.comparison)]
     return get_search_tables(report.trials, report.best, report.search)
 
 
@@ -178,7 +179,9 @@ def get_search_summary_table(summary: SearchRecord, comparison: Comparison | Non
 def _describe_speedup(conf: dict[str, Any]) -> str:
     """The final round's verdict in one line (older records: the best-vs-defaults confirmation)."""
     spread = f"interquartile {conf['speedup_q25']:.3f}-{conf['speedup_q75']:.3f}, " if "speedup_q25" in conf else ""
-    text = f"{conf['speedup_median']:.3f}x median of {len(conf['speedups'])} pairs ({spread}min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f})"
+    # v7 and later: one speedup per ABBA block of two pairs ([Note: paired measurement]); before, per pair
+    unit = "blocks" if conf.get("estimator") == "blocks" else "pairs"
+    text = f"{conf['speedup_median']:.3f}x median of {len(conf['speedups'])} {unit} ({spread}min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f})"
     if conf.get("finalists"):
         verdict = (
             f"trial {conf['winner']}" if conf.get("winner") is not None else "the defaults (no finalist beat them)"
@@ -215,7 +218,42 @@ def get_search_tables(
         )
     if any(t.trace_scale for t in trials):
         table.title += "; * trace times scaled to the unprofiled step"
-    return [get_search_summary_table(summary), table] if summary else [table]
+    if not summary:
+        return [table]
+    final = get_final_round_table(summary.confirmation)
+    return [get_search_summary_table(summary), *([final] if final else []), table]
+
+
+def get_final_round_table(conf: dict[str, Any] | None) -> ReportTable | None:
+    """The final round's finalists with their order figures: the median pair ratio of each order
+    (reference first, candidate first) and each side's switch cost ([Note: switch cost]); a gap
+    between the orders means the step after a switch still costs something the blocks cancel."""
+    finalists = [f for f in (conf or {}).get("finalists", []) if f.get("ratio") is not None]
+    if not finalists:
+        return None
+    unit = "blocks" if conf.get("estimator") == "blocks" else "pairs"
+    table = ReportTable(
+        title=f"Final round: each finalist vs the defaults (ratio = median of {unit})",
+        columns=["trial", "/defaults", "IQR", "ref first", "cand first", "order gap", "switch cost c/r", "windows"],
+    )
+    for f in sorted(finalists, key=lambda f: f["ratio"]):
+        orders = f.get("order_ratios") or {}
+        first, second = orders.get("reference_first"), orders.get("candidate_first")
+        gap = first / second - 1.0 if first and second else None
+        cost = f.get("switch_cost") or {}
+        table.rows.append(
+            [
+                str(f["trial"]) + (" (emitted)" if f["trial"] == conf.get("winner") else ""),
+                fmt(f["ratio"], "x"),
+                f"{f['ratio_q25']:.3f}-{f['ratio_q75']:.3f}" if f.get("ratio_q25") is not None else "-",
+                fmt(first, "x"),
+                fmt(second, "x"),
+                fmt(gap, "pct"),
+                f"{fmt(cost.get('candidate'), 'pct')} / {fmt(cost.get('reference'), 'pct')}",
+                str(f.get("windows", 1)),
+            ]
+        )
+    return table
 
 
 TRIALS_COLUMNS = [

@@ -103,6 +103,7 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
         (m for m in measured if m.get("ratio") is not None and not m.get("over_budget")), key=lambda m: m["ratio"]
     )
     record: dict[str, Any] = {
+        "estimator": "blocks",
         "finalists": measured,
         "num_pairs": 2 * ctx.settings.num_confirm_pairs,
         "contested": contested,
@@ -155,14 +156,17 @@ def get_contested(measured: list[dict[str, Any]], max_spread: float) -> list[int
 
 
 def pool_windows(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """One finalist's figures over the pairs of both its windows (a failed window adds none)."""
-    ratios = list(first.get("pair_ratios", [])) + list(second.get("pair_ratios", []))
-    if not ratios:
+    """One finalist's figures over the blocks of both its windows (a failed window adds none);
+    see [Note: paired measurement] for blocks."""
+    blocks = list(first.get("block_ratios", [])) + list(second.get("block_ratios", []))
+    if not blocks:
         return first | {"windows": 2}
     q25, _, q75 = (
-        statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0], 0, ratios[0])
+        statistics.quantiles(blocks, n=4, method="inclusive") if len(blocks) > 1 else (blocks[0], 0, blocks[0])
     )
-    median = statistics.median(ratios)
+    median = statistics.median(blocks)
+    pairs = [list(w.get("pair_ratios", [])) for w in (first, second)]
+    by_order = [[r for w in pairs for r in w[k::2]] for k in (0, 1)]  # each window starts reference first
     noise = [x for x in (first.get("candidate_noise"), second.get("candidate_noise")) if x is not None]
     reference_noise = [x for x in (first.get("reference_noise"), second.get("reference_noise")) if x is not None]
     peaks = [x for x in (first.get("process_peak_bytes"), second.get("process_peak_bytes")) if x is not None]
@@ -178,11 +182,18 @@ def pool_windows(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
             "ratio": median,
             "ratio_q25": q25,
             "ratio_q75": q75,
-            "ratio_min": min(ratios),
-            "ratio_max": max(ratios),
+            "ratio_min": min(blocks),
+            "ratio_max": max(blocks),
             "ratio_spread": (q75 - q25) / median if median > 0 else None,
-            "pair_ratios": ratios,
-            "num_pairs": len(ratios),
+            "block_ratios": blocks,
+            "num_blocks": len(blocks),
+            "pair_ratios": pairs[0] + pairs[1],
+            "num_pairs": len(pairs[0]) + len(pairs[1]),
+            "order_ratios": {
+                "reference_first": statistics.median(by_order[0]) if by_order[0] else None,
+                "candidate_first": statistics.median(by_order[1]) if by_order[1] else None,
+            },
+            "second_window_switch_cost": second.get("switch_cost"),
             "candidate_noise": max(noise, default=None),
             "reference_noise": max(reference_noise, default=None),
             "windows": 2,
@@ -202,5 +213,5 @@ def _speedups(figures: dict[str, Any] | None) -> dict[str, Any]:
         "speedup_q75": 1.0 / figures["ratio_q25"],
         "speedup_min": 1.0 / figures["ratio_max"],
         "speedup_max": 1.0 / figures["ratio_min"],
-        "speedups": [1.0 / r for r in figures["pair_ratios"]],
+        "speedups": [1.0 / r for r in figures["block_ratios"]],
     }

@@ -119,21 +119,31 @@ def _migrate_summary_v1(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "best": _migrate_row_v1(data.get("best")), "default": _migrate_row_v1(data.get("default"))}
 
 
+def _migrate_summary_v6(data: dict[str, Any]) -> dict[str, Any]:
+    """v6 -> v7: a final round's figures were medians of single pairs (``estimator = "pairs"``);
+    from v7 they are medians of ABBA blocks measured after settle steps ([Note: switch cost])."""
+    confirmation = data.get("confirmation")
+    if isinstance(confirmation, dict):
+        confirmation = {**confirmation, "estimator": confirmation.get("estimator", "pairs")}
+    return {**data, "confirmation": confirmation}
+
+
 @dataclass(kw_only=True)
 class SearchRecord:
     """``search.json``: what a search found (read back by ``autotune report``)."""
 
     KIND: ClassVar[str] = "search_summary"
-    SCHEMA_VERSION: ClassVar[int] = 6
+    SCHEMA_VERSION: ClassVar[int] = 7
     # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin, v5 rows the
     # simulator's prediction and the record its presearch, v6 rows which presearch calibration trial they were:
-    # all with defaults.
+    # all with defaults; v7 the final round's estimator (blocks after settle steps, was single pairs).
     MIGRATIONS: ClassVar[dict] = {
         1: _migrate_summary_v1,
         2: lambda data: data,
         3: lambda data: data,
         4: lambda data: data,
         5: lambda data: data,
+        6: _migrate_summary_v6,
     }
 
     model: str
@@ -207,7 +217,8 @@ def read_results(out_dir: Path) -> list[TrialRow]:
         path,
         kind=RESULTS_KIND,
         version=SearchRecord.SCHEMA_VERSION,
-        migrations={1: _migrate_results_v1, 2: lambda d: d, 3: lambda d: d, 4: lambda d: d, 5: lambda d: d},
+        # results.json shares search.json's version; its rows did not change in v7
+        migrations={1: _migrate_results_v1, **dict.fromkeys(range(2, SearchRecord.SCHEMA_VERSION), lambda d: d)},
     )
     trials = data.get("trials")
     if not isinstance(trials, list):

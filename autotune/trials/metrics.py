@@ -41,6 +41,11 @@ class RankMetrics:
     """Unprofiled, timed steps (in a paired trial: the candidate's; each the slowest rank's)."""
     reference_step_ms: list[float] = field(default_factory=list)
     """A paired trial's reference steps, interleaved with ``step_ms`` (see [Note: paired measurement])."""
+    settle_step_ms: list[float] = field(default_factory=list)
+    """A paired trial's candidate steps right after a switch, not measured (slowest rank; v5,
+    see [Note: switch cost])."""
+    reference_settle_step_ms: list[float] = field(default_factory=list)
+    """The same for the reference (v5)."""
     profiled_step_ms: list[float] = field(default_factory=list)
     """This rank's own time of each traced step (see [Note: what a trial measures])."""
     losses: list[float] = field(default_factory=list)
@@ -149,12 +154,14 @@ class TrialMetrics:
     """The body of ``metrics.json``."""
 
     KIND: ClassVar[str] = "trial_metrics"
-    SCHEMA_VERSION: ClassVar[int] = 4
+    SCHEMA_VERSION: ClassVar[int] = 5
     MIGRATIONS: ClassVar[dict] = {
         1: _migrate_v1,
         2: lambda data: data,
         3: lambda data: data,
-    }  # v3, v4 added fields, all with defaults
+        4: lambda data: data,
+    }  # v3, v4 added fields, all with defaults; v5 the settle steps (their ``paired`` figures
+    # stay as measured: before v5 a ratio is the median pair, without ``estimator``)
 
     status: TrialStatus
     reason: str = ""
@@ -212,7 +219,12 @@ class TrialMetrics:
             process_peak_bytes=max(peaks) if peaks else None,
             traces=[r.trace for r in ranks if r.trace],
             reference_step_ms_per_step=reference,
-            paired=summarize_pairs(per_step, reference),
+            paired=summarize_pairs(
+                per_step,
+                reference,
+                _slowest(r.settle_step_ms for r in ranks),
+                _slowest(r.reference_settle_step_ms for r in ranks),
+            ),
             profiled_step_ms=profiled,
             profiler_overhead=profiled / step_ms if profiled and step_ms else None,
             profiler_cpu_overhead=_ratio(profiler.get("profiled_cpu_ms"), profiler.get("cpu_ms")),

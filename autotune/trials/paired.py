@@ -11,16 +11,50 @@ one rank job:
   candidate's process peak memory is sampled before the reference exists;
 - after warm-up, steps alternate in ABBA order (ref, cand | cand, ref | ref, cand ...),
   each started together on all ranks (a barrier), so the two sides of a pair run within a
-  second of each other under the same load, and ABBA cancels a load that drifts linearly;
+  second of each other under the same load;
+- *a step that follows a step of the other config is not measured* ([Note: switch cost]):
+  each side runs one unmeasured *settle* step first whenever the ranks switch to it (its
+  loss is kept: it is a training step like any other), so every measured step follows a
+  step of its own config, as every step of real training does. In ABBA order the ranks
+  switch once per pair, so a pair costs three steps, not two;
 - each step's time is the slowest rank's (a one-element all-reduce after the timed step,
   outside the timing), so every rank holds the same numbers and decides alike;
-- pair ``i``'s ratio is ``candidate_i / reference_i``; the trial's figure is the median
-  ratio, with its quartiles and extremes as the spread, and each side's own noise (median
-  absolute deviation / median of its steps) recorded beside it;
-- pruning (``prune_if_ratio_above``) looks at the first ``PRUNE_AFTER_PAIRS`` pairs and
-  stops only if *every* one of them is above the limit: one noisy pair never prunes;
-- the defaults trial pairs the defaults with themselves (one model, alternate steps):
-  its ratio is 1 up to the noise, which it measures.
+- pair ``i``'s ratio is ``candidate_i / reference_i``; two consecutive pairs form an ABBA
+  *block* (ref, cand, cand, ref), whose ratio ``(c_2j + c_2j+1) / (r_2j + r_2j+1)`` holds
+  both orders, so a linear drift of the load and any order effect left cancel inside it.
+  The trial's figure is the median block ratio, with the blocks' quartiles and extremes as
+  the spread (an odd last pair is a block of its own; a trial of one block takes the spread
+  of its two pairs); each side's own noise (median
+  absolute deviation / median of its steps), the median pair ratio of each order and each
+  side's switch cost (its settle steps' median over its measured steps' median, minus one)
+  are recorded beside it, so a report can show whether the order still matters;
+- pruning (``prune_if_ratio_above``) looks at the first ``PRUNE_AFTER_PAIRS`` pairs (one
+  block) and stops only if *every* one of them is above the limit: one noisy pair never prunes;
+- the defaults trial pairs the defaults with themselves (one model, alternate steps, no
+  switch and so no settle steps): its ratio is 1 up to the noise, which it measures.
+
+[Note: switch cost]
+Two configs trained in alternation on the same ranks do not leave each other alone: the
+first step of a config after a step of the other is slower than its next ones. Measured by
+``benchmarks/switch_cost.py`` (2 ranks, a wide and shallow Llama, dim 512, 2 blocks, batch 1,
+4 microbatches, links emulated as ``cpu-emulated-ib``; the defaults against ``sync = "last"``
+with reshard after backward, in runs of 3 steps): the step right after a switch took 8-10%
+longer than the settled steps of the same config on *both* sides, and most of it was CPU
+time of the training thread (+95 ms of 1,140 ms), not waiting. Two controls locate it:
+the same config against a second model of the *same* config (``--gap twin``) pays nothing,
+and one config alone with an idle pause as long as the other side's run in its place
+(``--gap sleep``) pays nothing. So it is neither the second model's presence nor idleness
+(sockets, threads, CPU frequency) but the *other config's* state: its allocations have
+another shape (sizes and lifetimes of unsharded parameters, gradient buffers, reduce-scatter
+inputs), so the heap hands the first step after a switch other, colder memory than its
+own previous step left (page faults stay few: 0-2,900 per step, under 6 ms; this box has
+no hardware counters to show the cache misses themselves). With one measured step per side
+per pair, ABBA puts the switched step on the candidate in even pairs and on the reference
+in odd ones, so pair ratios alternate with their position (0.975 vs 0.818 in the run above;
+issue 27 saw 0.55 vs 0.36 on a communication-heavy search) and their median lands anywhere
+between the modes. Real training never switches configs, so the settle step is the right
+fix, not a correction: the cost is paid but not measured, and the block ratio cancels what
+order effect remains.
 
 The search's objective is the median ratio (lower is faster); it also reruns a trial whose
 spread is too wide to rank (``autotune.search.loop``) and re-measures its top configs
@@ -66,10 +100,12 @@ class Side:
     """Each step's time on this rank (what its profiled steps are compared with)."""
     cpu_ms: list[float] = field(default_factory=list)
     page_faults: list[int] = field(default_factory=list)
+    settle_ms: list[float] = field(default_factory=list)
+    """Slowest-rank times of the settle steps: the steps right after a switch, not measured."""
 
     def clear(self) -> None:
         """Forget the steps so far (warm-up steps are not measurements; their losses stay)."""
-        for steps in (self.step_ms, self.own_ms, self.cpu_ms, self.page_faults):
+        for steps in (self.step_ms, self.own_ms, self.cpu_ms, self.page_faults, self.settle_ms):
             steps.clear()
 
 
@@ -80,13 +116,18 @@ def _slowest_ms(ms: float, device: torch.device) -> float:
     return float(value.item())
 
 
-def step_side(side: Side, device: torch.device, timed_step: Any) -> float:
-    """One timed step of ``side``; returns (and records) the slowest rank's milliseconds."""
+def step_side(side: Side, device: torch.device, timed_step: Any, *, settle: bool = False) -> float:
+    """One timed step of ``side``; returns (and records) the slowest rank's milliseconds. A
+    ``settle`` step (the first after a switch, [Note: switch cost]) keeps its loss and its time
+    in ``settle_ms`` only."""
     timing = timed_step(side.training, side.next_step, device, side.emulator)
     side.next_step += 1
     ms = _slowest_ms(timing.ms, device)
-    side.step_ms.append(ms)
     side.losses.append(timing.loss)
+    if settle:
+        side.settle_ms.append(ms)
+        return ms
+    side.step_ms.append(ms)
     side.own_ms.append(timing.ms)
     side.cpu_ms.append(timing.cpu_ms)
     side.page_faults.append(timing.page_faults)
@@ -99,12 +140,25 @@ def get_pair_order(index: int) -> tuple[str, str]:
 
 
 def run_pairs(
-    sides: dict[str, Side], *, num_pairs: int, device: torch.device, timed_step: Any, prune_if_ratio_above: float | None
+    sides: dict[str, Side],
+    *,
+    num_pairs: int,
+    device: torch.device,
+    timed_step: Any,
+    prune_if_ratio_above: float | None,
+    last: str = "reference",
+    settle: bool = True,
 ) -> bool:
-    """Alternate the two sides for ``num_pairs`` pairs; returns whether the trial was pruned."""
+    """Alternate the two sides for ``num_pairs`` pairs, a settle step first wherever the ranks
+    switch from one model to the other (``last``: the side that stepped before the first pair;
+    ``settle=False``: the measurement before [Note: switch cost], for tests and benchmarks that
+    compare the two); returns whether the trial was pruned."""
     for i in range(num_pairs):
         for name in get_pair_order(i):
+            if settle and sides[name] is not sides[last]:
+                step_side(sides[name], device, timed_step, settle=True)
             step_side(sides[name], device, timed_step)
+            last = name
         if prune_if_ratio_above is not None and i + 1 == PRUNE_AFTER_PAIRS:
             ratios = get_ratios(sides["candidate"].step_ms, sides["reference"].step_ms)
             if min(ratios) > prune_if_ratio_above:
@@ -130,21 +184,54 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
-def summarize_pairs(candidate_ms: list[float], reference_ms: list[float]) -> dict[str, Any]:
+def get_block_ratios(candidate_ms: list[float], reference_ms: list[float]) -> list[float]:
+    """Per ABBA block (pairs ``2j`` and ``2j+1``: both orders), candidate time over reference
+    time; an odd last pair is a block of its own."""
+    pairs = [(c, r) for c, r in zip(candidate_ms, reference_ms) if r > 0]
+    blocks = [pairs[k : k + 2] for k in range(0, len(pairs), 2)]
+    return [sum(c for c, _ in b) / sum(r for _, r in b) for b in blocks]
+
+
+def _switch_cost(settle_ms: list[float], step_ms: list[float]) -> float | None:
+    if not settle_ms or not step_ms:
+        return None
+    return statistics.median(settle_ms) / statistics.median(step_ms) - 1.0
+
+
+def summarize_pairs(
+    candidate_ms: list[float],
+    reference_ms: list[float],
+    candidate_settle_ms: list[float] | None = None,
+    reference_settle_ms: list[float] | None = None,
+) -> dict[str, Any]:
     """The paired figures of a trial (see [Note: paired measurement]); empty without pairs."""
     ratios = get_ratios(candidate_ms, reference_ms)
     if not ratios:
         return {}
-    q25, q75 = _quartiles(ratios)
-    median = statistics.median(ratios)
+    blocks = get_block_ratios(candidate_ms, reference_ms)
+    # One block has no spread of its own: its two pairs (each measured after settling) stand in.
+    spread_of = blocks if len(blocks) > 1 else ratios
+    q25, q75 = _quartiles(spread_of)
+    median = statistics.median(blocks)
     return {
+        "estimator": "blocks",
         "ratio": median,
         "ratio_q25": q25,
         "ratio_q75": q75,
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
+        "ratio_min": min(spread_of),
+        "ratio_max": max(spread_of),
         "ratio_spread": (q75 - q25) / median if median > 0 else None,
+        "block_ratios": blocks,
+        "num_blocks": len(blocks),
         "pair_ratios": ratios,
+        "order_ratios": {
+            "reference_first": statistics.median(ratios[0::2]),
+            "candidate_first": statistics.median(ratios[1::2]) if len(ratios) > 1 else None,
+        },
+        "switch_cost": {
+            "candidate": _switch_cost(candidate_settle_ms or [], candidate_ms),
+            "reference": _switch_cost(reference_settle_ms or [], reference_ms),
+        },
         "candidate_noise": _relative_mad(candidate_ms),
         "reference_noise": _relative_mad(reference_ms),
         "num_pairs": len(ratios),

@@ -301,6 +301,10 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     memory = _get_memory(device, rss)
     candidate = sides["candidate"]
     reference_ms = list(sides["reference"].step_ms) if "reference" in sides else []
+    settle = {
+        "settle_step_ms": list(candidate.settle_ms),
+        "reference_settle_step_ms": list(sides["reference"].settle_ms) if "reference" in sides else [],
+    }
     unprofiled = {
         "step_ms": candidate.step_ms,
         "own_step_ms": candidate.own_ms,
@@ -330,6 +334,7 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
         "rank": rank,
         **{key: list(steps) for key, steps in unprofiled.items()},
         "reference_step_ms": reference_ms,
+        **settle,
         "profiled_step_ms": [s.ms for s in profiled],
         "profiled_cpu_ms": [s.cpu_ms for s in profiled],
         "profiled_page_faults": [s.page_faults for s in profiled],

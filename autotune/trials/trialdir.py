@@ -32,7 +32,15 @@ dir that still has it belongs to a trial whose launcher was killed."""
 ENV_KIND = "trial_env"
 ENV_SCHEMA_VERSION = 1
 _STALE_FILES = ("metrics.json", "env.json", "config.toml")
-_STEP_COST_KEYS = ("own_step_ms", "step_cpu_ms", "step_page_faults", "profiled_cpu_ms", "profiled_page_faults")
+_STEP_COST_KEYS = (
+    "own_step_ms",
+    "step_cpu_ms",
+    "step_page_faults",
+    "profiled_cpu_ms",
+    "profiled_page_faults",
+    "settle_step_ms",
+    "reference_settle_step_ms",
+)
 
 
 def check_trial_spec(spec: TrialSpec) -> None:

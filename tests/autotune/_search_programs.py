@@ -41,9 +41,10 @@ class _SleepyTraining:
 def noisy_first_window(rank: int, world_size: int, *, spec: dict) -> dict:
     """The real trial workload, except that in a non-default trial's first window rank 1
     sleeps inside some steps: trial 1 in every candidate step (as if a burst of load hit only
-    the candidate: it would be pruned), trial 2 in every other *reference* step (its pairs
-    spread too wide to rank, and the fast-looking ones keep it from being pruned whatever
-    the best is). Re-measured windows (``.../remeasured``) run clean."""
+    the candidate: it would be pruned), trial 2 in the *reference's* first measured step (its
+    pairs, or blocks, spread too wide to rank, and the fast-looking first pair keeps it from
+    being pruned whatever the best is; a slowdown in every other step would cancel inside the
+    ABBA blocks, [Note: paired measurement]). Re-measured windows (``.../remeasured``) run clean."""
     from pathlib import Path
 
     from autotune.trials import program
@@ -58,7 +59,8 @@ def noisy_first_window(rank: int, world_size: int, *, spec: dict) -> dict:
         if not seen:
             seen.append(training)  # the candidate is built, and stepped, first
         is_candidate = training is seen[0]
-        if (trial == "trial_0001" and is_candidate) or (trial == "trial_0002" and not is_candidate and step % 2 == 1):
+        first_measured = step == spec["num_warmup"]  # the reference's first measured step
+        if (trial == "trial_0001" and is_candidate) or (trial == "trial_0002" and not is_candidate and first_measured):
             training = _SleepyTraining(training)
         return original(training, step, device, emulator)
 

@@ -52,17 +52,19 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
             and "profiler_peak_allocated_bytes" not in text
         ), name
     for name, kind, version in [
-        ("metrics_v4.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
-        ("search_v6.json", "search_summary", SearchRecord.SCHEMA_VERSION),
+        ("metrics_v5.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
+        ("search_v7.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v2.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
     ]:
         data = load_fixture(name)
         assert (data["kind"], data["schema_version"]) == (kind, version), name
         assert "peak_memory_bytes" not in (ARTIFACTS / name).read_text(encoding="utf-8"), name
-    assert load_fixture("metrics_v4.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
+    assert load_fixture("metrics_v5.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
 
 
-@pytest.mark.parametrize("name", ["metrics_v1.json", "metrics_v2.json", "metrics_v3.json", "metrics_v4.json"])
+@pytest.mark.parametrize(
+    "name", ["metrics_v1.json", "metrics_v2.json", "metrics_v3.json", "metrics_v4.json", "metrics_v5.json"]
+)
 def test_metrics_of_every_released_version_read(name):
     metrics = TrialMetrics.read(ARTIFACTS / name)
 
@@ -102,7 +104,11 @@ def test_v1_metrics_migrate_to_exactly_what_today_writes():
         == TrialMetrics.read(ARTIFACTS / "metrics_v2.json")
         == TrialMetrics.read(ARTIFACTS / "metrics_v3.json")
     )
-    assert TrialMetrics.read(ARTIFACTS / "metrics_v3.json") == TrialMetrics.read(ARTIFACTS / "metrics_v4.json")
+    assert (
+        TrialMetrics.read(ARTIFACTS / "metrics_v3.json")
+        == TrialMetrics.read(ARTIFACTS / "metrics_v4.json")
+        == TrialMetrics.read(ARTIFACTS / "metrics_v5.json")
+    )
 
 
 def test_v3_metrics_read_without_profiler_costs():
@@ -113,7 +119,7 @@ def test_v3_metrics_read_without_profiler_costs():
         r.own_step_ms == r.step_cpu_ms == r.profiled_page_faults == [] and r.get_profiler_figures() is None
         for r in metrics.ranks
     )
-    assert metrics.to_dict()["schema_version"] == 4 and metrics.to_dict()["profiler"] == {}
+    assert metrics.to_dict()["schema_version"] == 5 and metrics.to_dict()["profiler"] == {}
 
 
 def test_v2_trace_summaries_read_as_v3():
@@ -136,12 +142,12 @@ def test_v2_trace_summaries_read_as_v3():
         summary["aggregate"]["send_recv_ms"] is None
         and summary["aggregate"]["overlap_ratio"] == stored["aggregate"]["overlap_ratio"]
     )
-    assert summary == load_fixture("metrics_v4.json")["trace_metrics"]  # what today's writer stores
+    assert summary == load_fixture("metrics_v5.json")["trace_metrics"]  # what today's writer stores
 
 
 def test_metrics_round_trip_is_lossless(tmp_path):
-    original = load_fixture("metrics_v4.json")
-    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v4.json")
+    original = load_fixture("metrics_v5.json")
+    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v5.json")
     assert metrics.to_dict() == original
 
     written = metrics.write(tmp_path / "metrics.json")
@@ -151,12 +157,10 @@ def test_metrics_round_trip_is_lossless(tmp_path):
 
 def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     written = TrialMetrics.read(ARTIFACTS / "metrics_v1.json").write(tmp_path / "metrics.json")
-    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v4.json")
+    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v5.json")
 
 
-@pytest.mark.parametrize(
-    "name", ["search_v1.json", "search_v2.json", "search_v3.json", "search_v4.json", "search_v5.json", "search_v6.json"]
-)
+@pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 8)])
 def test_search_summary_of_every_released_version_reads(name):
     record = SearchRecord.read(ARTIFACTS / name)
 
@@ -177,16 +181,23 @@ def test_search_summary_of_every_released_version_reads(name):
 
 def test_v1_search_summary_migrates_to_what_today_writes():
     """Same search; only the report list differs (v1 wrote search.json before the report)."""
-    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v6.json")
+    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v7.json")
     assert v1.report == [] and v2.report
     assert dataclasses.replace(v1, report=v2.report) == v2
 
 
 def test_search_summary_round_trip_is_lossless(tmp_path):
-    original = load_fixture("search_v6.json")
-    record = SearchRecord.read(ARTIFACTS / "search_v6.json")
+    original = load_fixture("search_v7.json")
+    record = SearchRecord.read(ARTIFACTS / "search_v7.json")
     assert record.to_dict() == original
     assert SearchRecord.read(record.write(tmp_path / "search.json")).to_dict() == original
+
+
+def test_a_v6_final_round_reads_as_medians_of_single_pairs():
+    """v7 measures the final round in ABBA blocks after settle steps ([Note: switch cost]); a v6
+    record's figures were medians of single pairs, and say so once read."""
+    assert "estimator" not in load_fixture("search_v6.json")["confirmation"]
+    assert SearchRecord.read(ARTIFACTS / "search_v6.json").confirmation["estimator"] == "pairs"
 
 
 def test_results_v1_read(tmp_path):

@@ -43,19 +43,26 @@ def test_failed_finalists_are_ignored():
     assert get_contested([{"trial": 4, "status": "timeout"}], max_spread=0.10) == []
 
 
-def test_pooling_ranks_on_every_pair_of_both_windows():
+def test_pooling_ranks_on_every_block_of_both_windows():
     first, second = (
         _finalist(11, [0.556, 0.676, 0.831, 0.673, 1.111, 0.730]),
         _finalist(11, [0.80, 0.81, 0.82, 0.81, 0.80, 0.82]),
     )
     pooled = pool_windows(first, second)
-    ratios = first["pair_ratios"] + second["pair_ratios"]
-    assert pooled["pair_ratios"] == ratios and pooled["num_pairs"] == 12 and pooled["windows"] == 2
-    assert pooled["ratio"] == pytest.approx(statistics.median(ratios))
-    q25, _, q75 = statistics.quantiles(ratios, n=4, method="inclusive")
+    blocks = first["block_ratios"] + second["block_ratios"]
+    # a reference of 1.0 ms per pair: a block's ratio is the mean of its two pairs
+    assert blocks == pytest.approx([0.616, 0.752, 0.9205, 0.805, 0.815, 0.81])
+    assert pooled["pair_ratios"] == first["pair_ratios"] + second["pair_ratios"] and pooled["num_pairs"] == 12
+    assert pooled["block_ratios"] == blocks and pooled["num_blocks"] == 6 and pooled["windows"] == 2
+    assert pooled["ratio"] == pytest.approx(statistics.median(blocks))
+    q25, _, q75 = statistics.quantiles(blocks, n=4, method="inclusive")
     assert (pooled["ratio_q25"], pooled["ratio_q75"]) == pytest.approx((q25, q75))
     assert pooled["ratio_spread"] == pytest.approx((q75 - q25) / pooled["ratio"])
-    assert (pooled["ratio_min"], pooled["ratio_max"]) == (0.556, 1.111)
+    assert (pooled["ratio_min"], pooled["ratio_max"]) == pytest.approx((0.616, 0.9205))
+    # each window starts with the reference: pairs 0, 2, 4 of both windows are one order
+    assert pooled["order_ratios"]["reference_first"] == pytest.approx(
+        statistics.median([0.556, 0.831, 1.111, 0.80, 0.82, 0.80])
+    )
     assert pooled["first_window_ratio"] == first["ratio"] and pooled["trial"] == 11
 
 

@@ -104,9 +104,19 @@ def _rows() -> list[TrialRow]:
 def _confirmation(winner: int) -> dict:
     finalists = [
         {"trial": 1, "status": "ok", "ratio": 0.97, "pair_ratios": [0.97]},
-        {"trial": 2, "status": "ok", "ratio": 0.90, "pair_ratios": [0.9]},
+        {
+            "trial": 2,
+            "status": "ok",
+            "ratio": 0.90,
+            "ratio_q25": 0.88,
+            "ratio_q75": 0.93,
+            "pair_ratios": [0.92, 0.88],
+            "order_ratios": {"reference_first": 0.92, "candidate_first": 0.88},
+            "switch_cost": {"candidate": 0.09, "reference": 0.08},
+        },
     ]
     return {
+        "estimator": "blocks",
         "finalists": finalists,
         "num_pairs": 2,
         "emitted": "best",
@@ -221,8 +231,14 @@ def cpu_page(cpu_search, tmp_path_factory) -> Path:
 
 
 def test_trials_table_shows_knobs_noise_attempts_and_origin(cpu_search):
-    summary, trials = get_tables(load_report(cpu_search))
+    summary, final, trials = get_tables(load_report(cpu_search))
     assert trials.columns == TRIALS_COLUMNS
+    # the final round with each finalist's order figures ([Note: switch cost]), fastest first
+    assert "median of blocks" in final.title
+    assert final.rows == [
+        ["2 (emitted)", "0.900x", "0.880-0.930", "0.920x", "0.880x", "4.5%", "9.0% / 8.0%", "1"],
+        ["1", "0.970x", "-", "-", "-", "-", "- / -", "1"],
+    ]
     rows = {row[0]: dict(zip(trials.columns, row)) for row in trials.rows}
     assert list(rows) == ["0 (defaults)", "1 (lowest ratio)", "2 (emitted)", "3"]
     emitted = rows["2 (emitted)"]

@@ -61,6 +61,12 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     assert metrics["paired"]["pair_ratios"] == [
         c / r for c, r in zip(metrics["step_ms_per_step"], metrics["reference_step_ms_per_step"])
     ]
+    # a settle step wherever the ranks switch models: the candidate's in even pairs, the reference's in odd
+    n = metrics["num_measured"]
+    assert [(len(r["settle_step_ms"]), len(r["reference_settle_step_ms"])) for r in metrics["ranks"]] == [
+        ((n + 1) // 2, n // 2)
+    ] * 2
+    assert metrics["paired"]["estimator"] == "blocks" and metrics["paired"]["num_blocks"] == (n + 1) // 2
     conf = summary.confirmation
     finalists = [r for r in rows if r.state == "COMPLETE" and not r.is_default and r.duplicate_of is None]
     if finalists:  # the final round re-measured up to 3 of them against the defaults, 2 pairs each
@@ -133,8 +139,8 @@ def test_failed_trials_are_recorded_and_do_not_stop_the_search(tmp_path):
 def test_a_noisy_window_is_measured_again_not_pruned_or_ranked(tmp_path):
     # Rank 1 sleeps inside steps of trials 1 and 2's first windows only
     # (_search_programs.noisy_first_window): trial 1 in every candidate step (its first pairs are
-    # all far above the prune limit), trial 2 in every other reference step (its pairs spread too
-    # wide to rank).
+    # all far above the prune limit), trial 2 in its reference's first measured step (its pairs
+    # spread too wide to rank).
     settings = _settings(
         tmp_path,
         num_trials=3,
