@@ -88,9 +88,9 @@ from typing import Any
 from autotune.sim.costs import get_padded_numel
 from autotune.sim.hardware import Hardware, get_dtype_bytes
 from autotune.sim.measured import LOCAL_HOOK_KEYS, OPTIONAL_HOOK_KEYS, CollectiveFit, MeasuredProfile
+from autotune.sim.model_work import ModelWork
 from autotune.sim.predict import Simulator
 from autotune.sim.trace_costs import CalibrationError, TraceCosts, get_trace_costs
-from autotune.sim.workload import ModelWork
 from fsdp_runtime import ROOT_UNIT, RuntimeConfig, load_config, validate_for_world
 from profiles import ClusterProfile, load_cluster_profile
 

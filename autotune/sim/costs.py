@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from autotune.sim.hardware import Group, Hardware, get_dtype_bytes, get_group
 from autotune.sim.measured import LOCAL_HOOK_KEYS
-from autotune.sim.workload import ModelWork
+from autotune.sim.model_work import ModelWork
 
 ORIG_BYTES = 4
 """The trials build float32 parameters; sharded params, grads and AdamW state are float32."""
