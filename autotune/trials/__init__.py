@@ -8,6 +8,7 @@ Data flow: :class:`TrialSpec` -> :func:`run_trial` -> ranks (:func:`run_ranks` f
 Several nodes: :mod:`autotune.trials.torchrun`.
 """
 
+from autotune.trials.figures import TrialFigures
 from autotune.trials.launch import EXIT_USER_ERROR, RankRun, classify_failure, pid_alive, run_ranks
 from autotune.trials.linkemu import LinkEmulator, get_link_name
 from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, TrialStatus, median_or_none
@@ -26,6 +27,7 @@ __all__ = [
     "RankPool",
     "RankRun",
     "Training",
+    "TrialFigures",
     "TrialMetrics",
     "TrialResult",
     "TrialSpec",
