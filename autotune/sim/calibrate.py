@@ -27,10 +27,10 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
   trace shows them: on a shard group of one (HSDP Nx1) FSDP2 unshards by a plain copy and
   reduces without a reduce-scatter (``unshard_local``/``reduce_local``: its pre-forward labels,
   its reduces); ``fsdp_runtime``'s ``eager_concat``/``eager_restore`` labels price
-  FSDP1-style concat (``defer_concat = false``). Before these were read, ``sim_accuracy``
-  priced the concat as memory traffic at the copy-out's speed (a lower bound: its Python is
-  in it) and over-predicted every eager-concat config on ``wide`` by 12-25%, and priced a
-  shard group of one's copies like the anchor's copy-out.
+  FSDP1-style concat (``defer_concat = false``). Priced instead as memory traffic at the
+  copy-out's speed (a lower bound: its Python is in it), every eager-concat config on ``wide``
+  is over-predicted by 12-25% (``sim_accuracy``); without a trial on a shard group of one, its
+  copies are priced like the anchor's copy-out.
 - *Collectives*: each traced collective's duration (gloo span, extended by its link-emulation
   hold) with its bytes from the model's units and the trial's mesh (all-gather output,
   reduce-scatter input, all-reduce of the shard: what link emulation and nccl-tests count).
@@ -52,22 +52,18 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
   emulated link's hold is not work and is not scaled.
 - *Wait at each collective* (``sync_s``): a synchronous gloo collective is a rendezvous; the
   rank that arrives first waits for the other, and on ranks that share the cores that wait
-  is more than the traced span shows apart. Measured on ``small`` (raw loopback, 2 ranks),
-  the defaults paid ~175 ms of a ~790 ms step that replication with skipped sync saved, where
-  the traced collectives held 142 ms and the simulator saw 120 ms: without this term the
-  simulator under-predicts every config that drops collectives (``sim_accuracy``: mean signed
-  error +4 to +11% on 2 ranks). Fitted with the compute scale (bisection; each try re-solves
+  is more than the traced span shows apart (on ``small``, raw loopback, 2 ranks, the defaults
+  paid ~175 ms of a ~790 ms step that replication with skipped sync saved, where the traced
+  collectives held 142 ms and the simulator saw 120 ms). Fitted with the compute scale (bisection; each try re-solves
   the scale so the anchor stays exact) so that a calibration trial that skips gradient sync,
   paired with the anchor's config, is predicted at its measured ratio; 0 without one, and
   never negative (a trial measured slower than predicted leaves it 0). The trial should drop
   many collectives (``sim_accuracy`` uses no sync + keep unsharded + no reshard after forward:
   ~10 collectives a step instead of ~28) and be measured in many pairs (10): at ~3 ms a
   collective the saving is ~8% of the step, and 3-4 pairs spread 4-9%. *Off by default*
-  (``fit_sync``): the fit absorbs whatever else the simulator gets wrong about that trial.
-  It was added while eager concat and a shard group of one's copies were mispriced, and
-  helped then; once they were priced from their own labels it came out 0 on three of four
-  ``sim_accuracy`` rows and 6.2 ms on ``wide``/emulated, where it made every HSDP 2x1 config
-  predicted ~12% too fast (median error 8.6% with it, 2.7% without, on the same trials).
+  (``fit_sync``): the fit absorbs whatever else the simulator gets wrong about that trial, and
+  with eager concat and a shard group of one's copies priced from their own labels
+  ``sim_accuracy`` predicts better without it (figures in the README's simulator accuracy section).
 - *CPU share of an asynchronous collective* (``cpu_share``): gloo's worker thread shares the
   cores with compute, so an asynchronous all-gather slows the compute it overlaps. Fitted
   (bisection on [0, 1.5]) so that the simulator predicts a calibration trial with

@@ -183,7 +183,7 @@ def _get_root_head_fraction(model: torch.nn.Module, block_names: tuple[str, ...]
 
 def _build_fake(profile: ModelSource, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
     """The model in ``dtype`` and one microbatch, under the caller's ``FakeTensorMode``."""
-    if isinstance(profile, ModelProfile):  # built in the dtype directly, as before other sources existed
+    if isinstance(profile, ModelProfile):  # our Llama builds under the fake mode in the dtype directly: no cast
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
