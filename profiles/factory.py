@@ -41,6 +41,7 @@ from fsdp_runtime import ROOT_UNIT, find_block_names
 from fsdp_runtime.errors import AutotuneError, ConfigError
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 DEFAULT_SEQ_LEN = 128
@@ -99,6 +100,28 @@ def inspect_model(model: nn.Module, label: str) -> ModelFacts:
         vocab_size=vocab_size,
         has_hooks=has_hooks,
     )
+
+
+def compute_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The training loss of [Note: model factory protocol]: ``model.compute_autotune_loss(batch)``,
+    or the causal-LM default: the output's ``.loss``, else fp32 cross-entropy of its logits (the
+    output, or ``.logits``) against the next token. Trials train with it and the simulator traces it."""
+    import torch
+    import torch.nn.functional as F
+
+    hook = getattr(model, LOSS_HOOK, None)
+    if callable(hook):
+        return hook(batch)
+    out = model(batch[:, :-1])
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise ModelSourceError(
+            f"{type(model).__name__}(token ids) returned {type(out).__name__}: expected logits, or an object with .logits or .loss (see [Note: model factory protocol])"
+        )
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 
 def load_factory(ref: str) -> Callable[[], Any]:

@@ -12,15 +12,9 @@ from typing import Any
 
 import torch
 
-from autotune.trials.workload import (
-    LEARNING_RATE,
-    Training,
-    build_training,
-    compute_loss,
-    make_microbatch,
-    resolve_profile,
-)
+from autotune.trials.training import LEARNING_RATE, Training, build_training, make_microbatch, resolve_profile
 from profiles import build_model
+from profiles.factory import compute_loss
 
 
 def train_losses(

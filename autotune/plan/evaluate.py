@@ -3,8 +3,7 @@
 [Note: plan speed]
 ``autotune plan`` simulates one step of every point; each simulation walks every unit of
 every microbatch in Python (~8 ms of CPU for 81 units), and llama70b on 16 nodes has 52,650
-points (118 s on this 2-core box before the changes below). Four things keep it well under
-a minute, each exact or checked:
+points. Four things keep it well under a minute, each exact or checked:
 
 1. *Shared first forward* (:meth:`autotune.sim.Simulator.simulate_knobs`): points that agree
    on the mesh, forward prefetch, async unshard and reshard-after-forward share one simulated

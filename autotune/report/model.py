@@ -12,6 +12,7 @@ import pandas as pd
 
 from autotune.analysis import FsdpTraceAnalysis, TraceError
 from autotune.search import SearchRecord, TrialRow
+from autotune.trials import TrialFigures
 from fsdp_runtime.errors import AutotuneError
 
 REPORT_SCHEMA_VERSION = 1
@@ -26,38 +27,19 @@ class ReportError(AutotuneError):
 
 
 @dataclass(kw_only=True)
-class TrialSummary:
-    """One trial as the report sees it."""
+class TrialSummary(TrialFigures):
+    """One trial dir as the report sees it: its :class:`~autotune.trials.TrialFigures` (from
+    ``metrics.json``; :attr:`feasible` from the search's ``results.json``), traces and profiler cost."""
 
     name: str
     path: Path
-    status: str
-    reason: str = ""
-    step_ms: float | None = None
-    """Median unprofiled step time (``metrics.json``); None without metrics.json."""
-    ratio: float | None = None
-    """A paired trial's median step-time ratio against the defaults (see [Note: paired measurement])."""
-    ratio_spread: float | None = None
-    profiler_overhead: float | None = None
-    """Profiled / unprofiled step time of the trial: how far its traces are from the timed steps."""
     profiler_cpu_overhead: float | None = None
-    """The same for the training threads' CPU time."""
+    """Profiled / unprofiled training-thread CPU time (:attr:`profiler_overhead` is the wall time's)."""
     profiler: dict[str, Any] = field(default_factory=dict)
     """``metrics.json``'s ``profiler`` (page faults, per-rank figures with ``trace_scale``); empty before v4."""
-    process_peak_bytes: int | None = None
-    feasible: bool = True
-    """Within the search's memory budget (from ``results.json``; True without one)."""
     trace_metrics: dict[str, Any] | None = None
     """``autotune.analysis.summarize_traces`` output (from metrics.json, else from the traces)."""
     analysis_error: str | None = None
-
-    @property
-    def succeeded(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def objective(self) -> float | None:
-        return self.ratio if self.ratio is not None else self.step_ms
 
     @property
     def trace_scale(self) -> dict[int, float] | None:

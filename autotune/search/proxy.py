@@ -1,7 +1,7 @@
 """Decide whether trials can run the real model here, or a scale proxy of it.
 
 [Note: scale proxy]
-``autotune search --model llama8b`` on a 2-core, 24 GiB CPU box cannot run llama8b
+``autotune search --model llama8b`` on a CPU machine with tens of GiB cannot run llama8b
 (8.03B params need ~128 GB for fp32 params, grads and AdamW state alone). The search
 then runs a proxy with the *same depth and unit structure* -- the same number of blocks,
 so every per-unit knob maps one-to-one onto llama8b's units -- and every width (model

@@ -2,8 +2,8 @@
 
 [Note: refinement]
 A dozen TPE trials over ~9 categorical knobs sample little more than at random: two
-searches of one workload (``benchmarks/search_noise.py``, small, 4 microbatches, 12 trials)
-emitted configs measured at 1.23x and 1.12x the defaults, each holding some of the knobs
+TPE-only searches of one workload (``benchmarks/search_noise.py``, small, 4 microbatches, 12
+trials) emitted configs measured at 1.23x and 1.12x the defaults, each holding some of the knobs
 that pay (one skipped gradient sync on all blocks and kept them unsharded, the other only
 on the second half). So the last ``num_refine`` trials of a search are not sampled: each
 is a neighbour of the incumbent (the best trial so far, :func:`pick_best`):
@@ -24,20 +24,18 @@ minus the current one's; a value no trial holds is taken optimistically, as good
 knob's best measured value is over its worst (the spread of its values' effects), so the
 unexplored values of the knobs that matter come first.
 
-Why a joint fit and not each value's median objective (the first version): TPE samples knobs
-together, so a value's marginal median carries the other knobs it happened to be sampled
-with. In all three studies of ``search_noise`` run 3 the trials holding
-``root_reshard_after_forward = false`` were slower for other reasons (quiet 0.824 vs 0.804,
-seed 1 0.809 vs 0.759, seed 2 0.872 vs 0.709), so that move ranked last and was never tried,
-and a hand-written config with it beat every emitted one by 1.4-3.1% head to head
-(``test_a_value_sampled_with_slow_knobs_is_not_blamed_for_them``). Replayed on those
-studies: in the quiet one the move now ranks first of the base's moves from the second
-refinement trial on (6th-9th by medians); in the two loaded ones the value was only ever
-sampled together with "no skipped sync", which no fit can tell apart (17th-25th either
-way). Before that, in ``search_noise`` seed 1 (18 trials, whole default space) the TPE phase never sampled "no
-sync on all blocks", every donor carried "no sync on every second block", and six
-refinement trials of donor moves then knob moves in the space's order never reached the
-move that paid most (``test_an_unmeasured_value_of_a_knob_that_pays_is_moved_early``).
+Why a joint fit and not each value's median objective: TPE samples knobs together, so a
+value's marginal median carries the other knobs it happened to be sampled with. In three
+``search_noise`` studies the trials holding ``root_reshard_after_forward = false`` were
+slower for other reasons (median 0.824 vs 0.804, 0.809 vs 0.759, 0.872 vs 0.709): ranked by
+medians, that move comes last and is never tried, although a hand-written config with it beat
+every emitted one by 1.4-3.1% head to head
+(``test_a_value_sampled_with_slow_knobs_is_not_blamed_for_them``; the README's search section
+has where the fit ranks it on those studies). Why unmeasured values first: a short TPE phase
+can miss the value that pays most altogether. In a ``search_noise`` study (seed 1, 18
+trials, whole default space) no trial sampled "no sync on all blocks", every donor carried
+"no sync on every second block", and six refinement trials of donor moves then knob moves in
+the space's order never reached it (``test_an_unmeasured_value_of_a_knob_that_pays_is_moved_early``).
 
 The incumbent's lead is often luck: the best of a dozen noisy medians is biased low. In
 ``search_noise`` (18 trials, a busy loop on one core) trial 2 measured 0.736 and 0.793 when

@@ -13,26 +13,16 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from autotune.artifacts import ArtifactError, build_dataclass, read_artifact, write_artifact
+from autotune.trials import TrialFigures
 from fsdp_runtime.files import write_atomic
 
 RESULTS_KIND = "search_results"
 
 
-class Rankable(Protocol):
-    """What :func:`pick_best` needs of a trial (a search row or a report's trial summary)."""
-
-    @property
-    def succeeded(self) -> bool: ...
-    @property
-    def feasible(self) -> bool: ...
-    @property
-    def objective(self) -> float | None: ...
-
-
-R = TypeVar("R", bound=Rankable)
+R = TypeVar("R", bound=TrialFigures)
 
 
 def pick_best(trials: Iterable[R]) -> R | None:
@@ -43,21 +33,15 @@ def pick_best(trials: Iterable[R]) -> R | None:
 
 
 @dataclass(kw_only=True)
-class TrialRow:
-    """One trial of the study as the search, its tables and ``results.json`` see it."""
+class TrialRow(TrialFigures):
+    """One trial of the study as the search, its tables and ``results.json`` see it: its
+    :class:`~autotune.trials.TrialFigures` and what the study knows of it."""
 
     number: int
     state: str
     """Optuna's state: COMPLETE, PRUNED, FAIL, RUNNING, WAITING."""
-    status: str
-    """The trial's own status (ok, pruned, timeout, crash, oom, invalid_config, interrupted)."""
-    reason: str = ""
-    step_ms: float | None = None
-    ratio: float | None = None
-    """Median candidate/defaults step-time ratio of the trial's pairs (the search's objective)."""
     ratio_q25: float | None = None
     ratio_q75: float | None = None
-    ratio_spread: float | None = None
     noisy: bool = False
     """Its pairs still spread wider than ``max_ratio_spread`` after a re-measurement."""
     attempts: int = 1
@@ -67,13 +51,9 @@ class TrialRow:
     first_ratio: float | None = None
     refined_from: str | None = None
     """How a refinement trial was made from the incumbent ([Note: refinement]); None: sampled."""
-    profiler_overhead: float | None = None
-    process_peak_bytes: int | None = None
     exposed_comm_ms: float | None = None
     overlap_ratio: float | None = None
     bound_ratio: float | None = None
-    feasible: bool = True
-    """Process peak within the memory budget (always True without a budget)."""
     is_default: bool = False
     duplicate_of: int | None = None
     """The trial that measured the same effective config (this one was not run again)."""
@@ -90,11 +70,8 @@ class TrialRow:
 
     @property
     def succeeded(self) -> bool:
+        """Optuna's state is COMPLETE: the study's record, not the trial's own :attr:`status`."""
         return self.state == "COMPLETE"
-
-    @property
-    def objective(self) -> float | None:
-        return self.ratio if self.ratio is not None else self.step_ms
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -184,7 +161,8 @@ class SearchRecord:
         return write_artifact(path, self.to_dict())
 
 
-_CSV_FIELDS = [f.name for f in dataclasses.fields(TrialRow)]
+_CSV_FIELDS = ["number", "state", *(f.name for f in dataclasses.fields(TrialRow) if f.name not in ("number", "state"))]
+"""``results.csv``'s columns: the trial number and Optuna state first, then every other field of a row."""
 
 
 def write_results(rows: list[TrialRow], out_dir: Path) -> None:

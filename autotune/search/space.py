@@ -22,9 +22,8 @@ still hand-edit single units afterwards:
   skips the reduce-scatter but still copies every microbatch's gradients into a flat buffer
   and accumulates them in a second one, work that ``last`` does not do, for the same memory
   (the accumulated gradient is the full size either way) and the same single all-reduce.
-  A dominated choice only spends a short search's trials (the copies are cheap: 1.005x
-  ``last``'s step on ``small``, ``benchmarks/knobs.py``); in ``search_noise`` run 4 a loaded
-  search emitted it, with other knobs, 6% behind the quiet search's config. The level (and the
+  A dominated choice only spends a short search's trials, and a noisy search can emit it (the
+  copies are cheap: 1.005x ``last``'s step on ``small``, ``benchmarks/knobs.py``). The level (and the
   root's) then takes the FSDP parameter, whose choices are the same (:meth:`SearchSpace.get_sync_suffix`).
 - ``reshard_after_forward``: ``true``, ``false``, ``last_block_false`` (the block whose
   backward runs first keeps its params), or ``int:d`` for proper divisors d of the shard size.

@@ -4,7 +4,7 @@
 Several workers (``autotune search`` processes) share one study through its storage:
 
 - SQLite, the default (``sqlite:///<out>/study.db``): no set-up, one host. Every write takes
-  the file's lock: under load sqlite3's 5 s default wait raised "database is locked", so a
+  the file's lock: under load sqlite3's 5 s default wait raises "database is locked", so a
   write waits up to ``storage_timeout_s``; workers starting together race to create the
   schema (:func:`open_study` retries); a write that still fails is retried and then kept on
   disk ([Note: no measurement is lost]). SQLite over a network file system is not safe, so a

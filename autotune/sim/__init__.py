@@ -1,6 +1,6 @@
 """The FSDP2 step simulator behind ``autotune plan``.
 
-Modules in data-flow order: :mod:`~autotune.sim.workload` (the model's FLOPs, bytes and
+Modules in data-flow order: :mod:`~autotune.sim.model_work` (the model's FLOPs, bytes and
 activation memory per microbatch, traced on fake tensors) -> :mod:`~autotune.sim.hardware`
 (a cluster profile's prices: [Note: collective cost model]) -> :mod:`~autotune.sim.costs`
 (per-unit durations and sizes under one mesh) -> :mod:`~autotune.sim.knobs` (a runtime
@@ -18,8 +18,8 @@ from autotune.sim.calibrate import CalibrationError, calibrate, read_calibration
 from autotune.sim.hardware import Hardware, SimError
 from autotune.sim.knobs import Knobs, resolve_knobs
 from autotune.sim.measured import CollectiveFit, MeasuredProfile
+from autotune.sim.model_work import ModelWork, get_model_work
 from autotune.sim.predict import Simulator, StepPrediction, UnitPrediction, simulate
-from autotune.sim.workload import ModelWork, get_model_work
 
 __all__ = [
     "CalibrationError",

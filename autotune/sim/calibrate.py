@@ -27,10 +27,10 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
   trace shows them: on a shard group of one (HSDP Nx1) FSDP2 unshards by a plain copy and
   reduces without a reduce-scatter (``unshard_local``/``reduce_local``: its pre-forward labels,
   its reduces); ``fsdp_runtime``'s ``eager_concat``/``eager_restore`` labels price
-  FSDP1-style concat (``defer_concat = false``). Before these were read, ``sim_accuracy``
-  priced the concat as memory traffic at the copy-out's speed (a lower bound: its Python is
-  in it) and over-predicted every eager-concat config on ``wide`` by 12-25%, and priced a
-  shard group of one's copies like the anchor's copy-out.
+  FSDP1-style concat (``defer_concat = false``). Priced instead as memory traffic at the
+  copy-out's speed (a lower bound: its Python is in it), every eager-concat config on ``wide``
+  is over-predicted by 12-25% (``sim_accuracy``); without a trial on a shard group of one, its
+  copies are priced like the anchor's copy-out.
 - *Collectives*: each traced collective's duration (gloo span, extended by its link-emulation
   hold) with its bytes from the model's units and the trial's mesh (all-gather output,
   reduce-scatter input, all-reduce of the shard: what link emulation and nccl-tests count).
@@ -52,22 +52,18 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
   emulated link's hold is not work and is not scaled.
 - *Wait at each collective* (``sync_s``): a synchronous gloo collective is a rendezvous; the
   rank that arrives first waits for the other, and on ranks that share the cores that wait
-  is more than the traced span shows apart. Measured on ``small`` (raw loopback, 2 ranks),
-  the defaults paid ~175 ms of a ~790 ms step that replication with skipped sync saved, where
-  the traced collectives held 142 ms and the simulator saw 120 ms: without this term the
-  simulator under-predicts every config that drops collectives (``sim_accuracy``: mean signed
-  error +4 to +11% on 2 ranks). Fitted with the compute scale (bisection; each try re-solves
+  is more than the traced span shows apart (on ``small``, raw loopback, 2 ranks, the defaults
+  paid ~175 ms of a ~790 ms step that replication with skipped sync saved, where the traced
+  collectives held 142 ms and the simulator saw 120 ms). Fitted with the compute scale (bisection; each try re-solves
   the scale so the anchor stays exact) so that a calibration trial that skips gradient sync,
   paired with the anchor's config, is predicted at its measured ratio; 0 without one, and
   never negative (a trial measured slower than predicted leaves it 0). The trial should drop
   many collectives (``sim_accuracy`` uses no sync + keep unsharded + no reshard after forward:
   ~10 collectives a step instead of ~28) and be measured in many pairs (10): at ~3 ms a
   collective the saving is ~8% of the step, and 3-4 pairs spread 4-9%. *Off by default*
-  (``fit_sync``): the fit absorbs whatever else the simulator gets wrong about that trial.
-  It was added while eager concat and a shard group of one's copies were mispriced, and
-  helped then; once they were priced from their own labels it came out 0 on three of four
-  ``sim_accuracy`` rows and 6.2 ms on ``wide``/emulated, where it made every HSDP 2x1 config
-  predicted ~12% too fast (median error 8.6% with it, 2.7% without, on the same trials).
+  (``fit_sync``): the fit absorbs whatever else the simulator gets wrong about that trial, and
+  with eager concat and a shard group of one's copies priced from their own labels
+  ``sim_accuracy`` predicts better without it (figures in the README's simulator accuracy section).
 - *CPU share of an asynchronous collective* (``cpu_share``): gloo's worker thread shares the
   cores with compute, so an asynchronous all-gather slows the compute it overlaps. Fitted
   (bisection on [0, 1.5]) so that the simulator predicts a calibration trial with
@@ -88,9 +84,9 @@ from typing import Any
 from autotune.sim.costs import get_padded_numel
 from autotune.sim.hardware import Hardware, get_dtype_bytes
 from autotune.sim.measured import LOCAL_HOOK_KEYS, OPTIONAL_HOOK_KEYS, CollectiveFit, MeasuredProfile
+from autotune.sim.model_work import ModelWork
 from autotune.sim.predict import Simulator
 from autotune.sim.trace_costs import CalibrationError, TraceCosts, get_trace_costs
-from autotune.sim.workload import ModelWork
 from fsdp_runtime import ROOT_UNIT, RuntimeConfig, load_config, validate_for_world
 from profiles import ClusterProfile, load_cluster_profile
 
@@ -270,8 +266,44 @@ def calibrate(
     trial with ``unshard_async`` on under ``anchor``'s links: its step, or its ratio to the
     anchor's config when it was measured against it in pairs (see [Note: calibration])."""
     costs = load_trace_costs(anchor, work)
-    replicate, shard = validate_for_world(anchor.config, anchor.world_size)
-    pb = get_dtype_bytes(anchor.config.mixed_precision.param_dtype or "float32")
+    shard = validate_for_world(anchor.config, anchor.world_size)[1]
+    points, hooks, hook_sources = _read_all_trials(work, anchor, costs, extra, shard)
+    fits = {
+        kind: fit_collective(
+            [(n, b, s) for k, n, b, s in points if k == kind], shard if shard > 1 else anchor.world_size
+        )
+        for kind in ("all_gather", "reduce_scatter")
+    }
+    profile = _get_unscaled_profile(work, anchor, costs, hooks, fits, shard, sources=[anchor, *extra], name=name)
+    target = anchor_step_s or anchor.step_s
+    profile = profile.replace(compute_scale=_solve_compute_scale(work, anchor, profile, target))
+    sync_trial = _find_sync_trial(work, anchor, extra) if fit_sync else None
+    if sync_trial is not None:
+        profile = _fit_sync(work, anchor, sync_trial, profile, target)  # re-solves the compute scale too
+    notes = [
+        f"anchor {anchor.path}: step {1e3 * target:.1f} ms ({'given' if anchor_step_s else 'its unprofiled steps'}); compute scale {profile.compute_scale:.3f}"
+    ]
+    if sync_trial is not None:
+        notes.append(
+            f"sync wait {1e6 * profile.sync_s:.0f} us per collective from {sync_trial.path} (skips gradient sync: {sync_trial.ratio:.3f}x the anchor's config in pairs)"
+        )
+    notes += _describe_optional_hooks(hooks, hook_sources, anchor)
+    share_trial = next((t for t in extra if _runs_like(t, anchor) and _is_async(t, work)), None)
+    if share_trial is not None:
+        profile, note = _fit_cpu_share(work, anchor, share_trial, profile)
+        notes.append(note)
+    for kind, fit in fits.items():
+        notes.append(
+            f"{kind}: {1e6 * fit.latency_s:.0f} us + {1e9 * fit.seconds_per_byte:.3f} ns/B at {fit.group_size} ranks ({fit.num_points} collectives)"
+        )
+    return profile.replace(notes=notes)
+
+
+def _read_all_trials(
+    work: ModelWork, anchor: CalibrationTrial, costs: TraceCosts, extra: list[CalibrationTrial], shard: int
+) -> tuple[list[tuple[str, int, float, float]], dict[str, float], dict[str, Path]]:
+    """The collective points of every trial, the anchor's hooks plus those it does not run (from
+    the first trial on the anchor's world size showing them), and which trial each of those came from."""
     points = get_collective_points(anchor, costs, work)
     hooks = dict(costs.hooks)
     hook_sources: dict[str, Path] = {}
@@ -289,14 +321,24 @@ def calibrate(
         }
         hooks |= found
         hook_sources |= dict.fromkeys(found, trial.path)
-    fits = {
-        kind: fit_collective(
-            [(n, b, s) for k, n, b, s in points if k == kind], shard if shard > 1 else anchor.world_size
-        )
-        for kind in ("all_gather", "reduce_scatter")
-    }
+    return points, hooks, hook_sources
+
+
+def _get_unscaled_profile(
+    work: ModelWork,
+    anchor: CalibrationTrial,
+    costs: TraceCosts,
+    hooks: dict[str, float],
+    fits: dict[str, CollectiveFit],
+    shard: int,
+    *,
+    sources: list[CalibrationTrial],
+    name: str | None,
+) -> MeasuredProfile:
+    """The anchor's measured prices as traced (compute scale 1, no sync wait, no CPU share)."""
+    pb = get_dtype_bytes(anchor.config.mixed_precision.param_dtype or "float32")
     sharded = sum(get_padded_numel(work.param_shapes[u], shard) // shard for u in (*work.block_names, ROOT_UNIT))
-    profile = MeasuredProfile(
+    return MeasuredProfile(
         name=name
         or f"{work.name} on {anchor.world_size} ranks" + (f" ({anchor.cluster.name})" if anchor.emulated else ""),
         world_size=anchor.world_size,
@@ -307,27 +349,60 @@ def calibrate(
         optimizer_s_per_element=costs.optimizer_s / max(1, sharded),
         memory_bytes_per_s=_memory_speed(costs, work, shard, pb),
         collectives=fits,
-        sources=[str(t.path) for t in (anchor, *extra)],
+        sources=[str(t.path) for t in sources],
     )
-    target = anchor_step_s or anchor.step_s
-    scale = _solve(lambda k: _predict(work, anchor, profile.replace(compute_scale=k)), target, 0.05, 20.0)
-    profile = profile.replace(compute_scale=scale)
+
+
+def _solve_compute_scale(
+    work: ModelWork, anchor: CalibrationTrial, profile: MeasuredProfile, target: float, *, iterations: int = 40
+) -> float:
+    """The compute scale at which ``profile`` predicts the anchor's step at ``target`` seconds."""
+    return _solve(
+        lambda k: _predict(work, anchor, profile.replace(compute_scale=k)), target, 0.05, 20.0, iterations=iterations
+    )
+
+
+def _runs_like(trial: CalibrationTrial, anchor: CalibrationTrial) -> bool:
+    """On the anchor's world size and links: a trial whose step the anchor's prices can predict."""
+    return trial.world_size == anchor.world_size and _same_links(trial, anchor)
+
+
+def _find_sync_trial(
+    work: ModelWork, anchor: CalibrationTrial, extra: list[CalibrationTrial]
+) -> CalibrationTrial | None:
+    """The first ``extra`` trial that fits the wait per collective: it skips gradient sync, unshards
+    synchronously and was paired with the anchor's config, on the anchor's world size and links."""
+    return next(
+        (
+            t
+            for t in extra
+            if _runs_like(t, anchor) and _skips_sync(t) and not _is_async(t, work) and t.ratio is not None
+        ),
+        None,
+    )
+
+
+def _fit_cpu_share(
+    work: ModelWork, anchor: CalibrationTrial, trial: CalibrationTrial, profile: MeasuredProfile
+) -> tuple[MeasuredProfile, str]:
+    """``profile`` with ``cpu_share`` fitted so that ``trial`` (asynchronous unshard) is predicted at
+    its measured ratio to the anchor (paired with it: load cancels out of the ratio), else at its
+    step; and a note saying so."""
+    if trial.ratio is not None:
+        base = _predict(work, anchor, profile)
+        share = _solve(lambda k: _predict(work, trial, profile.replace(cpu_share=k)) / base, trial.ratio, 0.0, 1.5)
+        measured = f"{trial.ratio:.3f}x the anchor's config in pairs"
+    else:
+        share = _solve(lambda k: _predict(work, trial, profile.replace(cpu_share=k)), trial.step_s, 0.0, 1.5)
+        measured = f"{1e3 * trial.step_s:.1f} ms"
+    return profile.replace(cpu_share=share), f"cpu share {share:.2f} from {trial.path} (unshard_async on: {measured})"
+
+
+def _describe_optional_hooks(
+    hooks: dict[str, float], hook_sources: dict[str, Path], anchor: CalibrationTrial
+) -> list[str]:
+    """Notes on the hooks priced from a trial other than the anchor: a shard group of one's copies, eager concat."""
     notes = []
-    sync_trials = [
-        t
-        for t in extra
-        if _skips_sync(t)
-        and not _is_async(t, work)
-        and t.ratio is not None
-        and t.world_size == anchor.world_size
-        and _same_links(t, anchor)
-    ]
-    if sync_trials and fit_sync:
-        trial = sync_trials[0]
-        profile = _fit_sync(work, anchor, trial, profile, target)  # re-solves the compute scale too
-        notes.append(
-            f"sync wait {1e6 * profile.sync_s:.0f} us per collective from {trial.path} (skips gradient sync: {trial.ratio:.3f}x the anchor's config in pairs)"
-        )
     if "unshard_local.block" in hook_sources:
         notes.append(
             f"shard group of one: unshard {1e6 * hooks['unshard_local.block']:.0f} us, reduce {1e6 * hooks.get('reduce_local.block', 0.0):.0f} us per block "
@@ -338,29 +413,7 @@ def calibrate(
             f"eager concat {1e6 * hooks['concat.block']:.0f} us, restore {1e6 * hooks.get('restore.block', 0.0):.0f} us per block "
             f"from {hook_sources.get('concat.block', anchor.path)}"
         )
-    notes.insert(
-        0,
-        f"anchor {anchor.path}: step {1e3 * target:.1f} ms ({'given' if anchor_step_s else 'its unprofiled steps'}); compute scale {profile.compute_scale:.3f}",
-    )
-    share_trials = [
-        t for t in extra if _is_async(t, work) and t.world_size == anchor.world_size and _same_links(t, anchor)
-    ]
-    if share_trials:
-        trial = share_trials[0]
-        if trial.ratio is not None:  # paired with the anchor's config: fit the ratio, which load cancels out of
-            base = _predict(work, anchor, profile)
-            share = _solve(lambda k: _predict(work, trial, profile.replace(cpu_share=k)) / base, trial.ratio, 0.0, 1.5)
-            measured = f"{trial.ratio:.3f}x the anchor's config in pairs"
-        else:
-            share = _solve(lambda k: _predict(work, trial, profile.replace(cpu_share=k)), trial.step_s, 0.0, 1.5)
-            measured = f"{1e3 * trial.step_s:.1f} ms"
-        profile = profile.replace(cpu_share=share)
-        notes.append(f"cpu share {share:.2f} from {trial.path} (unshard_async on: {measured})")
-    for kind, fit in fits.items():
-        notes.append(
-            f"{kind}: {1e6 * fit.latency_s:.0f} us + {1e9 * fit.seconds_per_byte:.3f} ns/B at {fit.group_size} ranks ({fit.num_points} collectives)"
-        )
-    return profile.replace(notes=notes)
+    return notes
 
 
 def _fit_sync(
@@ -372,11 +425,7 @@ def _fit_sync(
 
     def fitted(sync_s: float) -> MeasuredProfile:
         p = profile.replace(sync_s=sync_s)
-        return p.replace(
-            compute_scale=_solve(
-                lambda k: _predict(work, anchor, p.replace(compute_scale=k)), target, 0.05, 20.0, iterations=30
-            )
-        )
+        return p.replace(compute_scale=_solve_compute_scale(work, anchor, p, target, iterations=30))
 
     def ratio(sync_s: float) -> float:
         p = fitted(sync_s)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from autotune.sim.hardware import Group, Hardware, get_dtype_bytes, get_group
 from autotune.sim.measured import LOCAL_HOOK_KEYS
-from autotune.sim.workload import ModelWork
+from autotune.sim.model_work import ModelWork
 
 ORIG_BYTES = 4
 """The trials build float32 parameters; sharded params, grads and AdamW state are float32."""
@@ -124,10 +125,70 @@ def get_mesh_costs(
     sharded = [p // shard for p in padded]
     counts = [len(modules) for modules in units[:-1]]
     kinds = _get_kinds(len(counts), checkpointing, activation_checkpointing)
+    return MeshCosts(
+        replicate=replicate,
+        shard=shard,
+        shard_group=shard_group,
+        replicate_group=replicate_group,
+        param_bytes=pb,
+        reduce_bytes=rb,
+        padded=padded,
+        sharded=sharded,
+        **_get_compute_costs(work, hardware, counts, kinds),
+        **_get_collective_costs(hardware, padded, sharded, pb, rb, shard_group, replicate_group),
+        **_get_copy_and_hook_costs(hardware, counts, padded, pb, rb, local=shard == 1),
+        **_get_optimizer_and_host_costs(hardware, sharded),
+        unit_num_blocks=counts,
+        unit_checkpointing=kinds,
+    )
+
+
+def _get_compute_costs(work: ModelWork, hardware: Hardware, counts: list[int], kinds: list[str]) -> dict[str, Any]:
+    """Model compute per unit (its blocks' forward, backward and checkpointing's recompute; the root's
+    tail) and the root's head (embeddings), per microbatch."""
     seg = _get_segment_seconds(work, hardware)
     recompute = {"none": 0.0, "full": seg["block.forward"], "selective": seg["block.forward.memory"]}
-    mem, coll = hardware.get_memory_seconds, hardware.get_collective_seconds
-    measured = hardware.measured
+    return {
+        "forward_s": [c * seg["block.forward"] for c in counts] + [seg["tail.forward"]],
+        "backward_s": [c * (seg["block.backward"] + recompute[k]) for c, k in zip(counts, kinds)]
+        + [seg["tail.backward"]],
+        "head_forward_s": seg["head.forward"],
+        "head_backward_s": seg["head.backward"],
+    }
+
+
+def _get_collective_costs(
+    hardware: Hardware,
+    padded: list[int],
+    sharded: list[int],
+    pb: int,
+    rb: int,
+    shard_group: Group,
+    replicate_group: Group,
+) -> dict[str, Any]:
+    """Each unit's all-gather, reduce-scatter and all-reduce, and the compute an asynchronous
+    all-gather takes from the training thread (measured profiles)."""
+    mem, coll, measured = hardware.get_memory_seconds, hardware.get_collective_seconds, hardware.measured
+    cpu_share = measured.cpu_share if measured is not None else 0.0
+    # reduce-scatter + the post-reduce ops on its stream (divide, cast, accumulate the sharded grad); measured profiles have them in the reduce hook
+    post_reduce = [0.0 if measured else mem(3 * s * ORIG_BYTES) for s in sharded]
+    real = hardware.get_real_collective_seconds
+    return {
+        "all_gather_s": [coll("all_gather", p * pb, shard_group) for p in padded],
+        "reduce_scatter_s": [
+            coll("reduce_scatter", p * rb, shard_group) + extra for p, extra in zip(padded, post_reduce)
+        ],
+        "all_reduce_s": [coll("all_reduce", s * rb, replicate_group) for s in sharded],
+        "all_gather_cpu_s": [cpu_share * real("all_gather", p * pb, shard_group) for p in padded] if measured else None,
+    }
+
+
+def _get_copy_and_hook_costs(
+    hardware: Hardware, counts: list[int], padded: list[int], pb: int, rb: int, *, local: bool
+) -> dict[str, Any]:
+    """FSDP2's copies around the collectives and its hooks' own work, per unit: measured per call
+    where a profile has them, else the bytes they move at the memory speed."""
+    mem, measured = hardware.get_memory_seconds, hardware.measured
 
     def hooks(name: str, default: list[float] | None) -> list[float] | None:
         if measured is None:
@@ -145,48 +206,30 @@ def get_mesh_costs(
 
     # A shard group of one unshards and reduces by plain copies (no all-gather, no reduce-scatter):
     # priced from a trial on such a mesh where calibration had one (LOCAL_HOOK_KEYS), else like the anchor's.
-    local = (
-        "_local"
-        if shard == 1 and measured is not None and all(key in measured.hooks for key in LOCAL_HOOK_KEYS)
-        else ""
+    suffix = (
+        "_local" if local and measured is not None and all(key in measured.hooks for key in LOCAL_HOOK_KEYS) else ""
     )
-    real = hardware.get_real_collective_seconds
-    cpu_share = measured.cpu_share if measured is not None else 0.0
-    # reduce-scatter + the post-reduce ops on its stream (divide, cast, accumulate the sharded grad); measured profiles have them in the reduce hook
-    post_reduce = [0.0 if measured else mem(3 * s * ORIG_BYTES) for s in sharded]
-    return MeshCosts(
-        replicate=replicate,
-        shard=shard,
-        shard_group=shard_group,
-        replicate_group=replicate_group,
-        param_bytes=pb,
-        reduce_bytes=rb,
-        padded=padded,
-        sharded=sharded,
-        forward_s=[c * seg["block.forward"] for c in counts] + [seg["tail.forward"]],
-        backward_s=[c * (seg["block.backward"] + recompute[k]) for c, k in zip(counts, kinds)] + [seg["tail.backward"]],
-        head_forward_s=seg["head.forward"],
-        head_backward_s=seg["head.backward"],
-        all_gather_s=[coll("all_gather", p * pb, shard_group) for p in padded],
-        copy_out_s=hooks(f"unshard{local}", [mem(2 * p * pb) for p in padded]),
-        reduce_scatter_s=[coll("reduce_scatter", p * rb, shard_group) + extra for p, extra in zip(padded, post_reduce)],
-        copy_in_s=hooks(f"reduce{local}", [mem(p * (pb + rb)) for p in padded]),
-        all_reduce_s=[coll("all_reduce", s * rb, replicate_group) for s in sharded],
-        upcast_s=[mem(p * (pb + 2 * rb)) if pb != rb else 0.0 for p in padded],
-        concat_s=optional(
-            "concat", [mem(5 * p * rb) for p in padded]
-        ),  # cat (read + write) and flat += (2 reads + write)
-        restore_s=optional("restore", [mem(3 * p * rb) for p in padded]),
-        optimizer_s=measured.compute_scale * measured.optimizer_s_per_element * sum(sharded)
+    return {
+        "copy_out_s": hooks(f"unshard{suffix}", [mem(2 * p * pb) for p in padded]),
+        "copy_in_s": hooks(f"reduce{suffix}", [mem(p * (pb + rb)) for p in padded]),
+        "upcast_s": [mem(p * (pb + 2 * rb)) if pb != rb else 0.0 for p in padded],
+        # cat (read + write) and flat += (2 reads + write)
+        "concat_s": optional("concat", [mem(5 * p * rb) for p in padded]),
+        "restore_s": optional("restore", [mem(3 * p * rb) for p in padded]),
+        "pre_hook_s": hooks("pre_hook", None),
+        "post_hook_s": hooks("post_hook", None),
+    }
+
+
+def _get_optimizer_and_host_costs(hardware: Hardware, sharded: list[int]) -> dict[str, Any]:
+    """The optimizer step over the rank's shards, and host work per microbatch outside the model (measured profiles)."""
+    measured = hardware.measured
+    return {
+        "optimizer_s": measured.compute_scale * measured.optimizer_s_per_element * sum(sharded)
         if measured
-        else mem(ADAMW_BYTES_PER_ELEMENT * sum(sharded)),
-        microbatch_s=measured.compute_scale * measured.microbatch_s if measured else 0.0,
-        pre_hook_s=hooks("pre_hook", None),
-        post_hook_s=hooks("post_hook", None),
-        all_gather_cpu_s=[cpu_share * real("all_gather", p * pb, shard_group) for p in padded] if measured else None,
-        unit_num_blocks=counts,
-        unit_checkpointing=kinds,
-    )
+        else hardware.get_memory_seconds(ADAMW_BYTES_PER_ELEMENT * sum(sharded)),
+        "microbatch_s": measured.compute_scale * measured.microbatch_s if measured else 0.0,
+    }
 
 
 NOMINAL_CPU_FLOPS_PER_BYTE = 10.0

@@ -8,8 +8,8 @@ from typing import Any
 from autotune.sim.costs import MeshCosts, get_mesh_costs
 from autotune.sim.hardware import Hardware, SimError
 from autotune.sim.knobs import Knobs, resolve_knobs
+from autotune.sim.model_work import ModelWork
 from autotune.sim.schedule import StepSchedule
-from autotune.sim.workload import ModelWork
 from fsdp_runtime import ROOT_UNIT, RuntimeConfig
 
 

@@ -65,6 +65,7 @@ from __future__ import annotations
 from autotune.sim.costs import ORIG_BYTES, MeshCosts
 from autotune.sim.hardware import Hardware
 from autotune.sim.knobs import Knobs
+from autotune.sim.model_work import ActivationProfile
 from autotune.sim.timeline import (
     ACCUMULATED,
     AG_BUFFERS,
@@ -79,7 +80,6 @@ from autotune.sim.timeline import (
     MemoryLedger,
     Timeline,
 )
-from autotune.sim.workload import ActivationProfile
 
 SHARD_LINK, REPLICATE_LINK = "shard", "replicate"
 SHARDED, UNSHARDED_STATE, POST_FORWARD_STATE = 0, 1, 2

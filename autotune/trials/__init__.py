@@ -2,20 +2,21 @@
 
 Data flow: :class:`TrialSpec` -> :func:`run_trial` -> ranks (:func:`run_ranks` fresh, or a
 :class:`RankPool`; ``python -m autotune.trials.rank``) each running the rank program
-(:mod:`autotune.trials.program`: the :mod:`~autotune.trials.workload` under optional
+(:mod:`autotune.trials.program`: the :mod:`~autotune.trials.training` under optional
 :mod:`~autotune.trials.linkemu`) -> :func:`~autotune.trials.trialdir.write_trial_dir`
 (the one writer of a trial dir) -> :class:`TrialResult` with :class:`TrialMetrics`.
 Several nodes: :mod:`autotune.trials.torchrun`.
 """
 
+from autotune.trials.figures import TrialFigures
 from autotune.trials.launch import EXIT_USER_ERROR, RankRun, classify_failure, pid_alive, run_ranks
 from autotune.trials.linkemu import LinkEmulator, get_link_name
 from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, TrialStatus, median_or_none
 from autotune.trials.pool import RankPool
 from autotune.trials.spec import DEFAULT_RANK_PROGRAM, TrialSpec, TrialSpecError
+from autotune.trials.training import Training, build_training, resolve_profile
 from autotune.trials.trial import load_trial_config, run_trial
 from autotune.trials.trialdir import INCOMPLETE_MARKER, check_trial_spec
-from autotune.trials.workload import Training, build_training, resolve_profile
 
 __all__ = [
     "DEFAULT_RANK_PROGRAM",
@@ -26,6 +27,7 @@ __all__ = [
     "RankPool",
     "RankRun",
     "Training",
+    "TrialFigures",
     "TrialMetrics",
     "TrialResult",
     "TrialSpec",

@@ -23,12 +23,12 @@ time the link model says the transfer would end:
   :class:`ArrivalBoard` (shared memory in the launch's temp dir, one small file per process
   group, slots indexed by the collective's sequence number on that group); once the real
   gloo work has completed, every rank of the group has issued it, so the board holds every
-  issue time. Before this, each rank held to its *own* issue time + modelled: a rank that
-  arrived early left early and computed while its peers still slept, with the cores less
-  contended (on `wide` 2 x 2 the ends spread 17.4 ms median per collective against arrivals
-  spread 22.4 ms), which a real cluster never does. Where no board is shared (ranks on other
+  issue time. Holding each rank to its *own* issue time + modelled instead lets a rank that
+  arrived early leave early and compute while its peers still sleep, with the cores less
+  contended, which a real cluster never does (the README's simulator accuracy section has
+  what that did to ``sim_accuracy``'s 4-rank rows). Where no board is shared (ranks on other
   hosts under torchrun, or a board slot not written), the ranks this process can see stand
-  in: at worst its own issue time, the old rule.
+  in: at worst its own issue time.
 - *one transfer at a time per group*: a collective on a group starts when the previous
   one on that group is modelled to end (a link carries one collective at a time, as the
   process group executes them in order); its end is

@@ -235,7 +235,7 @@ def _build_sides(
 ) -> tuple[dict[str, Side], _RssSampler]:
     """The candidate (process peak sampled from before its build through its warm-up) and,
     with ``spec["reference"]``, the reference (built after: its memory is not the candidate's)."""
-    from autotune.trials.workload import build_training
+    from autotune.trials.training import build_training
 
     with _RssSampler() as rss:
         candidate = Side(

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 def load_trial_config(config_path: str | Path | None, model: str | dict[str, Any]) -> RuntimeConfig:
     """The config file's runtime config, or FSDP2 defaults for the model's units when no file is given."""
-    from autotune.trials.workload import resolve_profile
+    from autotune.trials.training import resolve_profile
     from fsdp_runtime import default_config, load_config
 
     if config_path is not None:

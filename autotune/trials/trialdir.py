@@ -45,7 +45,7 @@ _STEP_COST_KEYS = (
 
 def check_trial_spec(spec: TrialSpec) -> None:
     """Checks that need no ranks: the profile exists, the mesh fits the world size, the cluster loads."""
-    from autotune.trials.workload import resolve_profile
+    from autotune.trials.training import resolve_profile
     from profiles import load_cluster_profile
 
     resolve_profile(spec.model)

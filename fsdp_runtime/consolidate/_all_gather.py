@@ -34,7 +34,7 @@ the rows of the full tensor. So the all-gather wins where per-collective latency
 dominates (many small tensors, more ranks) and not where memory bandwidth does. On CPU
 gloo the balance tips further: gloo's all-gather allocates its own flat output and
 copies it into ours on every call (``ProcessGroupGloo``'s ``AsyncAllgatherWork``), while
-its broadcast writes in place. Measured on the 2-core box (benchmarks/consolidation.py):
+its broadcast writes in place. On 2 CPU cores (benchmarks/consolidation.py):
 a 60 KB all-gather beats 4 broadcasts 3x at world 4, a 64 MB one loses 3x; packed
 consolidation of the 4.3M-param model is ~2x faster than broadcast, of the 55M-param
 model (12 MB tensors) ~2x slower. Buckets above ~32 MiB also lose on CPU because glibc

@@ -26,7 +26,7 @@ def without_order_changes(config):
 
 
 def _loss(module: nn.Module, batch, hf: bool) -> torch.Tensor:
-    from autotune.trials.workload import compute_loss
+    from profiles.factory import compute_loss
 
     if hf:  # as an HF training loop has it: the model's own shifted loss
         return module(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
@@ -34,7 +34,7 @@ def _loss(module: nn.Module, batch, hf: bool) -> torch.Tensor:
 
 
 def _train(source, rank: int, configure, num_microbatches: int, num_steps: int) -> list[float]:
-    from autotune.trials.workload import make_microbatch
+    from autotune.trials.training import make_microbatch
     from profiles.hf import HFModel
 
     module = source.build(seed=0)

@@ -53,10 +53,10 @@ def _track(profile, config) -> float:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from autotune.trials.workload import compute_loss
     from fsdp_runtime import GradAccumulator, apply_fsdp
     from fsdp_runtime.apply import build_mesh
     from profiles import build_model
+    from profiles.factory import compute_loss
 
     mesh = build_mesh(config, "cpu")  # outside fake mode: DeviceMesh needs real rank tensors
     with FakeTensorMode():

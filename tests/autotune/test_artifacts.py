@@ -12,6 +12,7 @@ memory budget. See ``tests/data/artifacts/README.md``.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import shutil
@@ -23,6 +24,7 @@ from _artifact_fixtures import ARTIFACTS, load_fixture, write_json
 from autotune.analysis import SUMMARY_SCHEMA_VERSION
 from autotune.report import get_tables, load_report
 from autotune.search import SearchRecord, TrialRow, read_results
+from autotune.search.results import write_results
 from autotune.trials import TrialMetrics, TrialSpec
 from fsdp_runtime import RuntimeConfig
 
@@ -212,6 +214,21 @@ def test_results_v1_read(tmp_path):
     # The rows agree with search.json's best and default.
     record = SearchRecord.read(ARTIFACTS / "search_v1.json")
     assert (rows[1], rows[0]) == (record.best, record.default)
+
+
+def test_results_csv_leads_with_number_and_state_then_every_row_field(tmp_path):
+    shutil.copy(ARTIFACTS / "results_v1.json", tmp_path / "results.json")
+    (tmp_path / "out").mkdir()
+    write_results(read_results(tmp_path), tmp_path / "out")
+    with (tmp_path / "out" / "results.csv").open(newline="") as f:
+        table = list(csv.DictReader(f))
+    header = list(table[0])
+    assert header[:2] == ["number", "state"]
+    assert sorted(header) == sorted(f.name for f in dataclasses.fields(TrialRow))
+    assert [(r["number"], r["state"], r["feasible"]) for r in table][1:3] == [
+        ("1", "COMPLETE", "True"),
+        ("2", "COMPLETE", "False"),
+    ]
 
 
 def test_trial_spec_reads_and_round_trips(tmp_path):

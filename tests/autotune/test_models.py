@@ -111,6 +111,17 @@ def token_lm_with_loss() -> nn.Module:
     return TokenLM(loss_out=True)
 
 
+class _DictTokenLM(TokenLM):
+    """Logits in a dict: outside the default protocol, which wants a tensor or an object with ``.logits``."""
+
+    def forward(self, ids: torch.Tensor):
+        return {"logits": super().forward(ids)}
+
+
+def token_lm_dict_out() -> nn.Module:
+    return _DictTokenLM()
+
+
 def broken() -> nn.Module:
     raise ValueError("checkpoint shard missing")
 
@@ -204,7 +215,8 @@ def test_unit_names_are_the_model_s_own_module_paths(tmp_path):
 
 
 def test_default_batch_and_loss_protocol():
-    from autotune.trials.workload import compute_loss, make_microbatch
+    from autotune.trials.training import make_microbatch
+    from profiles.factory import compute_loss
     from profiles.sources import load_model_source
 
     source = load_model_source("test_models:token_lm")
@@ -292,12 +304,22 @@ def test_hf_configs_without_transformers_say_how_to_install(tmp_path, monkeypatc
 
 
 def test_an_output_without_logits_is_one_line():
-    from autotune.trials.workload import compute_loss
+    from profiles.factory import compute_loss
 
     with pytest.raises(
         AutotuneError, match=r"_DictOut\(token ids\) returned dict: expected logits, or an object with .logits or .loss"
     ):
         compute_loss(_DictOut(), torch.zeros(1, 3, dtype=torch.int64))
+
+
+def test_the_simulator_traces_the_trials_loss():
+    """The simulator's fake-tensor trace runs the trials' loss (profiles.factory.compute_loss): a
+    model outside the protocol is the same one line there, not an AttributeError."""
+    from autotune.sim import get_model_work
+    from profiles.sources import load_model_source
+
+    with pytest.raises(AutotuneError, match=r"_DictTokenLM\(token ids\) returned dict: expected logits"):
+        get_model_work(load_model_source("test_models:token_lm_dict_out"), "float32")
 
 
 class _DictOut(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import shutil
 import statistics
@@ -14,10 +16,10 @@ from _fixtures import get_fixture_traces
 from typer.testing import CliRunner
 
 from autotune.analysis import summarize_traces
-from autotune.report import ReportError, get_tables, load_report, write_report
+from autotune.report import ReportError, TrialSummary, get_tables, load_report, write_report
 from autotune.search import SearchRecord, TrialRow
 from autotune.search.results import write_results
-from autotune.trials import TrialMetrics
+from autotune.trials import TrialFigures, TrialMetrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -69,6 +71,17 @@ def search_dir(tmp_path_factory, trial_dir) -> Path:
 @pytest.fixture(scope="module")
 def trial_report(trial_dir):
     return load_report(trial_dir)
+
+
+def test_search_rows_and_report_trials_hold_one_set_of_figures():
+    """A trial's status and measured figures are declared once (TrialFigures), with the objective they are ranked by."""
+    shared = {f.name for f in dataclasses.fields(TrialFigures)}
+    for cls in (TrialRow, TrialSummary):
+        assert issubclass(cls, TrialFigures) and shared <= {f.name for f in dataclasses.fields(cls)}
+        assert not shared & set(inspect.get_annotations(cls)), f"{cls.__name__} redeclares a field of TrialFigures"
+    summary = TrialSummary(name="t", path=Path("t"), status="ok", step_ms=90.0, ratio=0.8)
+    row = TrialRow(number=1, state="COMPLETE", status="ok", step_ms=90.0, ratio=0.8)
+    assert summary.objective == row.objective == 0.8
 
 
 def test_trial_report_tables_and_json(trial_report):

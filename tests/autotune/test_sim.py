@@ -232,7 +232,7 @@ def test_schema_2_configs_simulate_with_fewer_collectives_and_less_memory():
 
 
 def test_selective_checkpointing_saves_the_ops_fsdp_runtime_saves():
-    from autotune.sim import workload
+    from autotune.sim import model_work
 
     checkpointing = pytest.importorskip("fsdp_runtime.checkpointing")
-    assert workload._SELECTIVE_SAVED == set(checkpointing._SAVE_OP_NAMES)
+    assert model_work._SELECTIVE_SAVED == set(checkpointing._SAVE_OP_NAMES)

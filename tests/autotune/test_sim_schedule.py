@@ -14,8 +14,8 @@ import pytest
 from autotune.sim.costs import MeshCosts
 from autotune.sim.hardware import Group, Hardware
 from autotune.sim.knobs import Knobs
+from autotune.sim.model_work import ActivationProfile
 from autotune.sim.schedule import StepSchedule
-from autotune.sim.workload import ActivationProfile
 from profiles import AcceleratorSpec, ClusterProfile, LinkClass
 
 F, B, A, R, AR = 10.0, 20.0, 4.0, 6.0, 8.0

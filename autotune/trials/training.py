@@ -1,4 +1,4 @@
-"""The training workload that trials and multi-rank tests run on every rank.
+"""The FSDP2 training that trials and multi-rank tests build and step on every rank.
 
 Any model ``--model`` names ([Note: model sources] in :mod:`profiles.sources`) trains here
 with the batch and loss of [Note: model factory protocol] (:mod:`profiles.factory`): token
@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fsdp_runtime import AppliedFsdp, GradAccumulator, apply_fsdp, config_from_dict
-from profiles.factory import BATCH_HOOK, LOSS_HOOK, ModelSourceError
+from profiles.factory import BATCH_HOOK, ModelSourceError, compute_loss
 from profiles.sources import ModelSource, load_model_source
 
 LEARNING_RATE = 1e-3
@@ -50,24 +49,6 @@ def move_batch(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (tuple, list)):
         return type(batch)(move_batch(v, device) for v in batch)
     return batch
-
-
-def compute_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """``model.compute_autotune_loss(batch)``, or the causal-LM default: the output's ``.loss``,
-    else fp32 cross-entropy of its logits (the output, or ``.logits``) against the next token."""
-    hook = getattr(model, LOSS_HOOK, None)
-    if callable(hook):
-        return hook(batch)
-    out = model(batch[:, :-1])
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
-    if not isinstance(logits, torch.Tensor):
-        raise ModelSourceError(
-            f"{type(model).__name__}(token ids) returned {type(out).__name__}: expected logits, or an object with .logits or .loss (see [Note: model factory protocol])"
-        )
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 
 @dataclass(kw_only=True)

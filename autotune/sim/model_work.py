@@ -1,7 +1,7 @@
 """What one microbatch asks of a rank, measured on fake tensors: FLOPs, bytes and activation memory.
 
 The model is whatever ``--model`` names (:mod:`profiles.sources`: a Llama profile, a Hugging
-Face config, a factory) run by the trials' loss (``autotune.trials.workload.compute_loss``:
+Face config, a factory) run by the trials' loss (:func:`profiles.factory.compute_loss`:
 the model's own ``compute_autotune_loss``, its ``.loss``, or float32 cross-entropy of its
 logits). It is built under ``FakeTensorMode`` (nothing is allocated, any shape traces in
 about a second) in the unsharded parameter dtype, so every activation is what the
@@ -36,7 +36,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from fsdp_runtime import ROOT_UNIT, find_block_names
 from profiles import Llama, ModelProfile
-from profiles.factory import BATCH_HOOK, LOSS_HOOK
+from profiles.factory import BATCH_HOOK, compute_loss
 from profiles.sources import ModelSource
 
 SEGMENTS = ("head", "block", "tail")
@@ -181,22 +181,9 @@ def _get_root_head_fraction(model: torch.nn.Module, block_names: tuple[str, ...]
     return sum(sizes[i] for i, places in where.items() if places == {"head"}) / total if total else 0.0
 
 
-def _loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    # The trials' loss (autotune.trials.workload.compute_loss), restated to keep this stage's tracing free of trials.
-    hook = getattr(model, LOSS_HOOK, None)
-    if callable(hook):
-        return hook(batch)
-    out = model(batch[:, :-1])
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    logits = out if isinstance(out, torch.Tensor) else out.logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-
-
 def _build_fake(profile: ModelSource, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
     """The model in ``dtype`` and one microbatch, under the caller's ``FakeTensorMode``."""
-    if isinstance(profile, ModelProfile):  # built in the dtype directly, as before other sources existed
+    if isinstance(profile, ModelProfile):  # our Llama builds under the fake mode in the dtype directly: no cast
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -288,7 +275,7 @@ def _trace_work(profile: ModelSource, dtype: torch.dtype) -> tuple[dict[tuple[st
         blocks = find_block_names(model)
         tracker = ModTracker()
         with tracker, _WorkCounter(tracker, tuple(f"{type(model).__name__}.{b}" for b in blocks)) as counter:
-            _loss(model, batch).backward()
+            compute_loss(model, batch).backward()
     work = {
         key: PassWork(*(v / len(blocks) for v in values) if key[0] == "block" else values)
         for key, values in counter.sums.items()
@@ -311,7 +298,7 @@ def _trace_activations(profile: ModelSource, dtype: torch.dtype) -> ActivationPr
         tracker = MemTracker()
         tracker.track_external(model)
         with tracker:
-            _loss(model, batch).backward()
+            compute_loss(model, batch).backward()
         handle.remove()
         snapshots = tracker.memory_tracking[block].snapshots
 
