@@ -308,8 +308,8 @@ def search_loop(ctx: SearchContext) -> str:
 
 def warm_up(ctx: SearchContext) -> None:
     """One unrecorded defaults run as long as a trial, first: a fresh process's first jobs pay
-    page faults for fresh heap (~3 ms/MB on this VM), gloo connections and autograd warm-up that
-    would otherwise be charged to trial 0, the defaults (measured 1.5-1.9x slower)."""
+    page faults for fresh heap, gloo connections and autograd warm-up, which would otherwise
+    be charged to trial 0 (the defaults) and make every ratio to it look better than it is."""
     ctx.reporter.on_phase("warming up the ranks (not recorded)")
     run_trial(ctx.trial_spec(ctx.default_config, ctx.write_dir / "warmup", profile=False, paired=False), pool=ctx.pool)
 

@@ -1,9 +1,8 @@
 """Paired measurement: a candidate config and a reference config, alternating on the same ranks.
 
 [Note: paired measurement]
-A search compares configs, and on a shared box the load moves by 2-3x within minutes
-(measured: the defaults at 695 ms and a config that changes little at 1,945 ms in one run),
-so an absolute step time says as much about the neighbours as about the config. So every
+A search compares configs, and on a shared box the load moves by 2-3x within minutes, so an
+absolute step time says as much about the neighbours as about the config. So every
 trial of a search measures its candidate *against a reference* (FSDP2's defaults) inside
 one rank job:
 

@@ -36,14 +36,15 @@ Local trials call it through :func:`autotune.trials.launch.run_ranks` or a
   stays mapped and is reused, and before the profiled window touches ``PREFAULT_BYTES``
   (512 MiB, at most a quarter of the free memory per rank) of heap and frees it, so the
   window's growth lands on resident pages; ``malloc_trim`` returns all of it at the end.
-  Real trials, 4 configs, 9 trials (``benchmarks/profiler_overhead.py`` section 6):
-  profiled steps 2-4 page faults per step (was 28-50k), CPU overhead 0.97-1.16 (median
-  1.04, was 1.06). It changes the measured steps too, in the same way for every config and every
-  trial of a pool: glibc's dynamic trimming returned and re-faulted 7-19k pages per step
-  there, an amount that depends on the process's history (0 to 23.5k per step for one config
-  in different processes); now 5 to 1,557. Unprofiled CPU per step: median 1917 vs 1951 ms
-  (ranks summed; within the noise). Peak RSS: 596-623 vs 579-612 MiB (+2%: freed memory is
-  no longer returned during build and warm-up).
+  With it (``benchmarks/profiler_overhead.py`` section 6: real trials, 4 configs, 9 trials)
+  profiled steps take 2-4 page faults per step against 28-50k with glibc's defaults, and
+  CPU overhead is 0.97-1.16 (median 1.04). It changes the measured steps too, in the same
+  way for every config and every trial of a pool: glibc's dynamic trimming returns and
+  re-faults 7-19k pages per step, an amount that depends on the process's history (0 to 23.5k
+  per step for one config in different processes), against 5 to 1,557 with the fixed
+  thresholds; unprofiled CPU per step is the same within the noise, and peak RSS 2% higher
+  (freed memory is not returned during build and warm-up). The README's profiler-overhead
+  table has the figures.
 - *Peak memory*, over the build, warm-up and measured steps (not the profiled window,
   whose buffers would count against configs that were profiled): on CUDA
   ``torch.cuda.max_memory_allocated``. On CPU there is no allocator counter for all of
