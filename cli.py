@@ -61,7 +61,7 @@ def validate(
     if world_size is not None:
         validate_for_world(cfg, world_size, source=str(config))
     if model is not None:
-        from profiles.sources import resolve_config_for_model
+        from profiles import resolve_config_for_model
 
         cfg, notes = resolve_config_for_model(cfg, model, source=str(config))
     console.print(
@@ -345,8 +345,7 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 
 
 def _print_search_summary(summary) -> None:
-    from autotune.report import get_search_outcome_lines, get_search_rows_table
-    from autotune.search.predictions import get_prediction_table
+    from autotune.report import get_prediction_table, get_search_outcome_lines, get_search_rows_table
 
     _print_tables([get_search_rows_table(summary.rows, summary.best)])
     _print_tables([t for t in (get_prediction_table(summary.rows),) if t is not None])
