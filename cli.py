@@ -146,7 +146,7 @@ class _RichSearchReporter:
                 f"{len(plan.run.block_names)} blocks: [bold]{plan.proxy_name}[/]. Times below are the proxy's, not {plan.requested.name}'s.",
                 highlight=False,
             )
-            from autotune.search.proxy import get_plan_hint
+            from autotune.search import get_plan_hint
 
             err_console.print(get_plan_hint(plan), highlight=False, soft_wrap=True)
         err_console.print(
@@ -521,10 +521,7 @@ def plan(
     ] = True,
 ) -> None:
     """Rank every config of the search space in the FSDP2 step simulator for a GPU cluster; emit the best (provenance: simulated)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from autotune.plan import PlanSettings, run_plan
-    from autotune.plan.tables import get_config_lines, get_plan_lines, get_plan_table, get_unit_table
 
     settings = PlanSettings(
         model=model,
@@ -539,41 +536,56 @@ def plan(
         memory_knobs=memory_knobs,
         **({"num_workers": workers} if workers is not None else {}),
     )
-    progress = Progress(
-        TextColumn("[bold]configs"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=False,
-    )
-
-    class Reporter:
-        task = None
-
-        def on_phase(self, message: str) -> None:
-            err_console.print(message, highlight=False)
-
-        def on_start(self, total: int) -> None:
-            progress.start()
-            self.task = progress.add_task("simulate", total=total)
-
-        def on_advance(self, count: int) -> None:
-            progress.update(self.task, advance=count)
-
+    reporter = _RichPlanReporter()
     try:
-        result = run_plan(settings, reporter=Reporter())
+        result = run_plan(settings, reporter=reporter)
     finally:
-        if Reporter.task is not None or progress.tasks:
-            progress.stop()
+        reporter.stop()
+    _print_plan(result)
+    if not result.ranked:
+        raise typer.Exit(1)
+
+
+class _RichPlanReporter:
+    """Progress for ``autotune plan``: phase lines, and a bar over the configs being simulated."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]configs"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=False,
+        )
+        self.task = None
+
+    def on_phase(self, message: str) -> None:
+        err_console.print(message, highlight=False)
+
+    def on_start(self, total: int) -> None:
+        self.progress.start()
+        self.task = self.progress.add_task("simulate", total=total)
+
+    def on_advance(self, count: int) -> None:
+        self.progress.update(self.task, advance=count)
+
+    def stop(self) -> None:
+        if self.task is not None or self.progress.tasks:
+            self.progress.stop()
+
+
+def _print_plan(result) -> None:
+    from autotune.plan import get_config_lines, get_plan_lines, get_plan_table, get_unit_table
+
     _print_tables([get_plan_table(result)])
     for line in get_config_lines(result):
         console.print(line, highlight=False, soft_wrap=True)
     _print_tables([t for t in (get_unit_table(result),) if t is not None])
     for line in get_plan_lines(result):
         console.print(line, highlight=False, soft_wrap=True)
-    if not result.ranked:
-        raise typer.Exit(1)
 
 
 _FLAGS.update(

@@ -21,6 +21,7 @@ import pytest
 from _artifact_fixtures import ARTIFACTS, load_fixture, write_json
 
 from autotune.analysis import SUMMARY_SCHEMA_VERSION
+from autotune.plan import PlanRecord
 from autotune.report import get_tables, load_report
 from autotune.search import SearchRecord, TrialRow, read_results
 from autotune.trials import TrialMetrics, TrialSpec
@@ -55,6 +56,7 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         ("metrics_v4.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
         ("search_v6.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v2.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
+        ("plan_v1.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
     ]:
         data = load_fixture(name)
         assert (data["kind"], data["schema_version"]) == (kind, version), name
@@ -187,6 +189,27 @@ def test_search_summary_round_trip_is_lossless(tmp_path):
     record = SearchRecord.read(ARTIFACTS / "search_v6.json")
     assert record.to_dict() == original
     assert SearchRecord.read(record.write(tmp_path / "search.json")).to_dict() == original
+
+
+def test_plan_summary_v1_reads_and_round_trips(tmp_path):
+    """``autotune plan --model llama8b --cluster h100-node --nodes 1 --microbatches 1 --mesh fsdp --top 3``."""
+    record = PlanRecord.read(ARTIFACTS / "plan_v1.json")
+
+    assert (record.model, record.cluster, record.num_nodes, record.world_size, record.num_microbatches) == (
+        "llama8b",
+        "h100-node",
+        1,
+        8,
+        1,
+    )
+    assert record.activation_checkpointing == "per_unit"
+    assert (record.num_evaluated, record.num_fit, record.num_dropped) == (674, 288, 386)
+    assert record.default["fits"] is False and record.best["fits"] is True
+    assert record.best["params"]["ac_units"] == "all_but_last" and len(record.best["units"]) == 33
+    assert record.best["predicted_step_ms"] == pytest.approx(979.6146)
+    assert [t["num_alike"] for t in record.top] == [8, 8, 8] and record.top[0]["config"] == record.best["config"]
+    assert record.to_dict() == load_fixture("plan_v1.json")
+    assert PlanRecord.read(record.write(tmp_path / "plan.json")) == record
 
 
 def test_results_v1_read(tmp_path):
