@@ -284,10 +284,7 @@ def search(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout (no progress).")] = False,
 ) -> None:
     """Search the FSDP2 knobs with Optuna; write the best config, a results table and the report."""
-    import json
-
-    from autotune.pipeline import search_and_report
-    from autotune.search import SearchSettings, SilentReporter
+    from autotune.search import SearchSettings
 
     settings = SearchSettings(
         model=model,
@@ -315,6 +312,16 @@ def search(
         presearch=presearch,
         presearch_top_k=presearch_top,
     )
+    _run_search(settings, as_json=as_json)
+
+
+def _run_search(settings, *, as_json: bool) -> None:
+    """Run the search and its report; print the summary (JSON or tables); map an interrupt and no success to exit codes."""
+    import json
+
+    from autotune.pipeline import search_and_report
+    from autotune.search import SilentReporter, describe_interrupted
+
     if not as_json:
         import optuna
 
@@ -323,8 +330,6 @@ def search(
     try:
         summary = search_and_report(settings, reporter=SilentReporter() if as_json else _RichSearchReporter())
     except KeyboardInterrupt:
-        from autotune.search import describe_interrupted
-
         err_console.print(describe_interrupted(settings), highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     if as_json:
