@@ -61,7 +61,7 @@ def validate(
     if world_size is not None:
         validate_for_world(cfg, world_size, source=str(config))
     if model is not None:
-        from profiles.sources import resolve_config_for_model
+        from profiles import resolve_config_for_model
 
         cfg, notes = resolve_config_for_model(cfg, model, source=str(config))
     console.print(
@@ -146,7 +146,7 @@ class _RichSearchReporter:
                 f"{len(plan.run.block_names)} blocks: [bold]{plan.proxy_name}[/]. Times below are the proxy's, not {plan.requested.name}'s.",
                 highlight=False,
             )
-            from autotune.search.proxy import get_plan_hint
+            from autotune.search import get_plan_hint
 
             err_console.print(get_plan_hint(plan), highlight=False, soft_wrap=True)
         err_console.print(
@@ -284,10 +284,7 @@ def search(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout (no progress).")] = False,
 ) -> None:
     """Search the FSDP2 knobs with Optuna; write the best config, a results table and the report."""
-    import json
-
-    from autotune.pipeline import search_and_report
-    from autotune.search import SearchSettings, SilentReporter
+    from autotune.search import SearchSettings
 
     settings = SearchSettings(
         model=model,
@@ -315,6 +312,16 @@ def search(
         presearch=presearch,
         presearch_top_k=presearch_top,
     )
+    _run_search(settings, as_json=as_json)
+
+
+def _run_search(settings, *, as_json: bool) -> None:
+    """Run the search and its report; print the summary (JSON or tables); map an interrupt and no success to exit codes."""
+    import json
+
+    from autotune.pipeline import search_and_report
+    from autotune.search import SilentReporter, describe_interrupted
+
     if not as_json:
         import optuna
 
@@ -323,8 +330,6 @@ def search(
     try:
         summary = search_and_report(settings, reporter=SilentReporter() if as_json else _RichSearchReporter())
     except KeyboardInterrupt:
-        from autotune.search import describe_interrupted
-
         err_console.print(describe_interrupted(settings), highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     if as_json:
@@ -345,8 +350,7 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 
 
 def _print_search_summary(summary) -> None:
-    from autotune.report import get_search_outcome_lines, get_search_rows_table
-    from autotune.search.predictions import get_prediction_table
+    from autotune.report import get_prediction_table, get_search_outcome_lines, get_search_rows_table
 
     _print_tables([get_search_rows_table(summary.rows, summary.best)])
     _print_tables([t for t in (get_prediction_table(summary.rows),) if t is not None])
@@ -522,10 +526,7 @@ def plan(
     ] = True,
 ) -> None:
     """Rank every config of the search space in the FSDP2 step simulator for a GPU cluster; emit the best (provenance: simulated)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from autotune.plan import PlanSettings, run_plan
-    from autotune.plan.tables import get_config_lines, get_plan_lines, get_plan_table, get_unit_table
 
     settings = PlanSettings(
         model=model,
@@ -540,41 +541,56 @@ def plan(
         memory_knobs=memory_knobs,
         **({"num_workers": workers} if workers is not None else {}),
     )
-    progress = Progress(
-        TextColumn("[bold]configs"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=False,
-    )
-
-    class Reporter:
-        task = None
-
-        def on_phase(self, message: str) -> None:
-            err_console.print(message, highlight=False)
-
-        def on_start(self, total: int) -> None:
-            progress.start()
-            self.task = progress.add_task("simulate", total=total)
-
-        def on_advance(self, count: int) -> None:
-            progress.update(self.task, advance=count)
-
+    reporter = _RichPlanReporter()
     try:
-        result = run_plan(settings, reporter=Reporter())
+        result = run_plan(settings, reporter=reporter)
     finally:
-        if Reporter.task is not None or progress.tasks:
-            progress.stop()
+        reporter.stop()
+    _print_plan(result)
+    if not result.ranked:
+        raise typer.Exit(1)
+
+
+class _RichPlanReporter:
+    """Progress for ``autotune plan``: phase lines, and a bar over the configs being simulated."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]configs"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=False,
+        )
+        self.task = None
+
+    def on_phase(self, message: str) -> None:
+        err_console.print(message, highlight=False)
+
+    def on_start(self, total: int) -> None:
+        self.progress.start()
+        self.task = self.progress.add_task("simulate", total=total)
+
+    def on_advance(self, count: int) -> None:
+        self.progress.update(self.task, advance=count)
+
+    def stop(self) -> None:
+        if self.task is not None or self.progress.tasks:
+            self.progress.stop()
+
+
+def _print_plan(result) -> None:
+    from autotune.plan import get_config_lines, get_plan_lines, get_plan_table, get_unit_table
+
     _print_tables([get_plan_table(result)])
     for line in get_config_lines(result):
         console.print(line, highlight=False, soft_wrap=True)
     _print_tables([t for t in (get_unit_table(result),) if t is not None])
     for line in get_plan_lines(result):
         console.print(line, highlight=False, soft_wrap=True)
-    if not result.ranked:
-        raise typer.Exit(1)
 
 
 _FLAGS.update(

@@ -1,7 +1,7 @@
 """Versioned JSON artifacts: every JSON file autotune writes is read and written here.
 
 [Note: artifacts]
-Each artifact (``metrics.json`` of a trial, ``search.json`` of a search, a trial spec) is a
+Each artifact (``metrics.json`` of a trial, ``search.json`` of a search, a trial spec, ``plan.json``) is a
 dataclass in the stage that produces it, with a ``KIND`` and a ``SCHEMA_VERSION``; its
 ``to_dict()`` carries both, and its ``read(path)`` goes through :func:`read_artifact`,
 which refuses, with one line naming the file:
@@ -24,6 +24,8 @@ from typing import Any
 
 from fsdp_runtime.errors import AutotuneError
 from fsdp_runtime.files import write_json_atomic
+
+__all__ = ["ArtifactError", "Migration", "build_dataclass", "check_artifact", "read_artifact", "write_artifact"]
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
 

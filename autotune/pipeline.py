@@ -9,6 +9,8 @@ from __future__ import annotations
 from autotune.report import write_search_report
 from autotune.search import SearchReporter, SearchSettings, SearchSummary, SilentReporter, run_search
 
+__all__ = ["search_and_report"]
+
 
 def search_and_report(settings: SearchSettings, *, reporter: SearchReporter | None = None) -> SearchSummary:
     """:func:`autotune.search.run_search`, then its report into the run dir (``report/``)."""

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autotune.search import SearchSettings, SearchSpace, SilentReporter, describe_params, run_search  # noqa: E402
 from autotune.search.predictions import get_spearman as spearman  # noqa: E402
-from autotune.search.presearch import iter_space_params, rank_space  # noqa: E402
+from autotune.search.ranking import iter_space_params, rank_space  # noqa: E402
 from autotune.sim import Hardware, Simulator, get_model_work  # noqa: E402
 from autotune.sim.calibrate import calibrate, read_calibration_trial  # noqa: E402
 from autotune.trials import RankPool, TrialSpec, run_trial  # noqa: E402
@@ -178,8 +178,8 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
             [p for p in points if p != defaults], min(args.configs - 1, len(points) - 1)
         )
         ranked = rank_space(space, simulator, world_size=world, device="cpu") if setting == "2x2" else []
-        if ranked and ranked[0][0] not in sample:
-            sample.append(ranked[0][0])
+        if ranked and ranked[0].params not in sample:
+            sample.append(ranked[0].params)
         default_pred = simulator.simulate(default_config).step_s * 1e3
         rows, loads = [], [_load()]
         for i, params in enumerate(sample):
@@ -276,7 +276,7 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         "misses": _explain(ok),
     }
     if ranked:
-        summary["sim_pick"] = _pick(ranked[0][0], rows)
+        summary["sim_pick"] = _pick(ranked[0].params, rows)
         summary["measured_pick"] = _pick(min(ok, key=lambda r: r["measured_ms"])["params"], rows)
     return summary
 

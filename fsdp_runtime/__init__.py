@@ -29,6 +29,7 @@ from fsdp_runtime.consolidate import (
     save_consolidated_checkpoint,
 )
 from fsdp_runtime.errors import AutotuneError, ConfigError
+from fsdp_runtime.files import atomic_path, write_atomic, write_json_atomic
 from fsdp_runtime.serialize import (
     config_from_dict,
     config_to_dict,
@@ -55,6 +56,7 @@ __all__ = [
     "RuntimeConfig",
     "UnitConfig",
     "apply_fsdp",
+    "atomic_path",
     "config_from_dict",
     "config_to_dict",
     "consolidate_state",
@@ -70,4 +72,6 @@ __all__ = [
     "save_consolidated_checkpoint",
     "validate_config",
     "validate_for_world",
+    "write_atomic",
+    "write_json_atomic",
 ]

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_runtime.errors import ConfigError
-from profiles import ModelProfile, _read_toml, list_model_profiles, load_model_profile
 from profiles.factory import DEFAULT_BATCH_SIZE, DEFAULT_SEQ_LEN, FactoryModel, ModelSourceError
 from profiles.hf import HFModel, find_config_file, get_default_seq_len
+from profiles.profile import ModelProfile, _read_toml, list_model_profiles, load_model_profile
 
 if TYPE_CHECKING:
     from fsdp_runtime import RuntimeConfig

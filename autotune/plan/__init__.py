@@ -1,12 +1,27 @@
 """``autotune plan``: the search space ranked by the step simulator (:mod:`autotune.sim`) for a
 cluster this machine does not have; the best config is emitted with ``simulated`` provenance.
 
-:mod:`~autotune.plan.points` walks the space of :class:`autotune.search.SearchSpace`
-([Note: enumerating the search space]); :mod:`~autotune.plan.run` simulates, ranks, emits;
-:mod:`~autotune.plan.tables` formats the results as report tables. Imports search and sim
-(upstream), never the reverse.
+The space is walked and ranked by :mod:`autotune.search.ranking` ([Note: staged ranking]), which
+``--presearch sim`` uses too; :mod:`~autotune.plan.evaluate` prices its points in parallel
+([Note: plan speed]); :mod:`~autotune.plan.run` ranks and emits, :mod:`~autotune.plan.record`
+is ``plan.json``; :mod:`~autotune.plan.tables` formats the results as report tables. Imports
+search, sim and report (upstream), never the reverse.
 """
 
-from autotune.plan.run import PlanError, PlanReporter, PlanResult, PlanRow, PlanSettings, SilentPlanReporter, run_plan
+from autotune.plan.record import PlanRecord
+from autotune.plan.run import PlanError, PlanReporter, PlanResult, PlanSettings, SilentPlanReporter, run_plan
+from autotune.plan.tables import get_config_lines, get_plan_lines, get_plan_table, get_unit_table
 
-__all__ = ["PlanError", "PlanReporter", "PlanResult", "PlanRow", "PlanSettings", "SilentPlanReporter", "run_plan"]
+__all__ = [
+    "PlanError",
+    "PlanRecord",
+    "PlanReporter",
+    "PlanResult",
+    "PlanSettings",
+    "SilentPlanReporter",
+    "get_config_lines",
+    "get_plan_lines",
+    "get_plan_table",
+    "get_unit_table",
+    "run_plan",
+]

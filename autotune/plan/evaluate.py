@@ -31,11 +31,12 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import multiprocessing
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from autotune.search import SearchSpace, describe_params
-from autotune.search.presearch import KnobFactory, get_forward_key
+from autotune.search import KnobFactory, RankedPoint, SearchSpace, get_forward_key
 from autotune.sim import Hardware, Knobs, ModelWork, Simulator, StepPrediction
 from fsdp_runtime import ROOT_UNIT, MixedPrecisionConfig
 
@@ -57,20 +58,8 @@ class PlanReporter(Protocol):
 
 
 @dataclass(kw_only=True)
-class PlanRow:
-    params: dict[str, Any]
-    prediction: StepPrediction
-    exact: bool = True
-    """Simulated at the model's depth (False: extrapolated from shallower simulations, [Note: plan speed])."""
-
-    @property
-    def description(self) -> str:
-        return describe_params(self.params)
-
-
-@dataclass(kw_only=True)
 class Evaluation:
-    rows: list[PlanRow]
+    rows: list[RankedPoint]
     num_simulated: int
     """Distinct simulations run (at any depth)."""
     num_pruned: int
@@ -224,7 +213,9 @@ def evaluate_space(
     if reduced is None:
         reporter.on_start(len(kept))
         results, count = _run([full], [(0, g) for g in groups], num_workers, reporter, 1.0)
-        rows = [PlanRow(params=p, prediction=pred) for g, preds in zip(groups, results) for p, pred in zip(g, preds)]
+        rows = [
+            RankedPoint(params=p, prediction=pred) for g, preds in zip(groups, results) for p, pred in zip(g, preds)
+        ]
         return Evaluation(rows=rows, num_simulated=count, num_pruned=len(points) - len(kept), num_exact=len(rows))
     reporter.on_start(len(kept) + NUM_EXACT + NUM_EXACT_DROPPED + 1)
     results, count = _run(list(reduced), [(i, g) for g in groups for i in (0, 1)], num_workers, reporter, 0.5)
@@ -232,7 +223,7 @@ def evaluate_space(
     factor = (len(full.simulator.work.block_names) - d2) / (d2 - d1)
     m = full.factory.space.num_microbatches
     rows = [
-        PlanRow(params=p, prediction=extrapolate(a, b, factor, full.simulator, m), exact=False)
+        RankedPoint(params=p, prediction=extrapolate(a, b, factor, full.simulator, m), exact=False)
         for g, shallow, deep in zip(groups, results[0::2], results[1::2])
         for p, a, b in zip(g, shallow, deep)
     ]
@@ -258,3 +249,39 @@ def evaluate_space(
     return Evaluation(
         rows=rows, num_simulated=count + exact_count, num_pruned=len(points) - len(kept), num_exact=len(chosen)
     )
+
+
+@dataclass(kw_only=True)
+class StagedEvaluator:
+    """``autotune plan``'s ``evaluate`` for :func:`autotune.search.rank_staged`: the first stage
+    extrapolated in depth where ``reduced`` is given, the memory-knob variants (few) at full depth;
+    counts what it simulated and the time it took."""
+
+    full: Pricer
+    reduced: tuple[Pricer, Pricer] | None
+    default: dict[str, Any]
+    reporter: PlanReporter
+    num_workers: int
+    describe: Callable[[int, bool], str]
+    """The phase line of a stage: its number of points, whether it is the second."""
+    num_simulated: int = 0
+    num_pruned: int = 0
+    num_exact: int = 0
+    evaluate_s: float = 0.0
+
+    def __call__(self, points: list[dict[str, Any]], second_stage: bool) -> list[RankedPoint]:
+        self.reporter.on_phase(self.describe(len(points), second_stage))
+        started = time.perf_counter()
+        evaluation = evaluate_space(
+            points,
+            self.full,
+            default=self.default,
+            reporter=self.reporter,
+            num_workers=self.num_workers,
+            reduced=None if second_stage else self.reduced,
+        )
+        self.evaluate_s += time.perf_counter() - started
+        self.num_simulated += evaluation.num_simulated
+        self.num_pruned += evaluation.num_pruned
+        self.num_exact += evaluation.num_exact
+        return evaluation.rows

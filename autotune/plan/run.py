@@ -4,27 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
+import functools
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from autotune.plan.evaluate import REDUCED_DEPTHS, PlanReporter, PlanRow, evaluate_space, make_pricer
-from autotune.plan.points import KnobFactory, iter_space_params
-from autotune.search import SearchSpace
-from autotune.search.preflight import check_mesh
-from autotune.search.presearch import get_core_space, has_memory_knobs, iter_memory_variants
+from autotune.plan.evaluate import REDUCED_DEPTHS, PlanReporter, Pricer, StagedEvaluator, make_pricer
+from autotune.plan.record import PlanRecord
+from autotune.search import KnobFactory, RankedPoint, SearchSpace, check_mesh, rank_staged
 from autotune.sim import Hardware, ModelWork, Simulator, StepPrediction, get_model_work
-from fsdp_runtime import MixedPrecisionConfig, Provenance, RuntimeConfig, save_config
-from fsdp_runtime.errors import AutotuneError
-from profiles import load_cluster_profile
-from profiles.sources import load_model_source
+from fsdp_runtime import AutotuneError, MixedPrecisionConfig, Provenance, RuntimeConfig, save_config
+from profiles import load_cluster_profile, load_model_source
 
 ActivationCheckpointing = Literal["auto", "none", "full"]
-STAGED_TOP = 8
-"""Configs (the fastest, and the fastest that fit) whose memory-knob variants are simulated at full depth."""
+PLAN_STAGED_TOP = 8
+"""Configs (the fastest, and the fastest that fit) whose memory-knob variants are simulated at full depth:
+``num_top`` of :func:`autotune.search.rank_staged`, which says why it is smaller than the presearch's."""
 AUTO_AC_HEADROOM = 0.05
 """``--ac auto`` plans without checkpointing only if FSDP2's defaults leave this share of memory free:
 the memory model is within a few percent of FSDPMemTracker, and the allocator fragments."""
@@ -56,7 +52,7 @@ class PlanSettings:
     """Simulate every point at the model's depth, never extrapolated from shallower ones ([Note: plan speed])."""
     memory_knobs: bool = True
     """Also rank blocks per unit, the root's knobs and (with ``activation_checkpointing = "auto"``)
-    per-unit checkpointing in the config, staged ([Note: staged ranking]; ``STAGED_TOP`` fastest)."""
+    per-unit checkpointing in the config, staged ([Note: staged ranking]; ``PLAN_STAGED_TOP`` fastest)."""
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -97,9 +93,9 @@ class PlanResult:
     ac_reason: str
     ac_in_config: bool = False
     """Checkpointing was searched per unit: the emitted config sets it."""
-    ranked: list[PlanRow]
+    ranked: list[RankedPoint]
     """Configs that fit, fastest first."""
-    dropped: list[PlanRow]
+    dropped: list[RankedPoint]
     """Configs over memory, least over first."""
     num_evaluated: int
     """Configs with a prediction (simulated, or identical to one that was)."""
@@ -110,12 +106,12 @@ class PlanResult:
     """Configs not simulated because another point dominates them ([Note: plan speed])."""
     num_exact: int = 0
     """Configs simulated at the model's full depth (all of them unless extrapolated, [Note: plan speed])."""
-    default: PlanRow
+    default: RankedPoint
     best_config: RuntimeConfig | None = None
     best_detail: StepPrediction | None = None
     out_files: list[Path] = field(default_factory=list)
 
-    def get_distinct_top(self) -> list[tuple[PlanRow, int]]:
+    def get_distinct_top(self) -> list[tuple[RankedPoint, int]]:
         """The best configs with distinct predictions (step to the microsecond, peak memory to the
         MiB), each the simplest of its kind (the ranking's tie-break), with how many configs
         predict the same."""
@@ -147,7 +143,55 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
     reporter.on_phase(f"tracing {profile.name} on fake tensors (FLOPs, bytes, activation memory per unit)")
     work = get_model_work(profile, settings.param_dtype)
     searched_ac = settings.memory_knobs and settings.activation_checkpointing == "auto"
-    space = SearchSpace(
+    space = _get_space(settings, work, hardware, searched_ac=searched_ac)
+    mp = MixedPrecisionConfig(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
+    factory = KnobFactory(space, world_size=hardware.world_size, device=hardware.cluster.device, mixed_precision=mp)
+    ac, ac_reason = _choose_checkpointing(settings, factory, work, hardware, space, searched=searched_ac)
+    full, reduced = _get_pricers(settings, work, hardware, space, factory=factory, mp=mp, ac=ac)
+    default_params = space.get_default_params()
+    evaluator = StagedEvaluator(
+        full=full,
+        reduced=reduced,
+        default=default_params,
+        reporter=reporter,
+        num_workers=settings.num_workers,
+        describe=functools.partial(
+            _describe_stage,
+            settings,
+            profile.name,
+            hardware,
+            num_blocks=len(work.block_names),
+            extrapolated=reduced is not None,
+            ac=ac,
+            searched_ac=searched_ac,
+        ),
+    )
+    order = functools.partial(_get_order_key, default_params=default_params)
+    rows = rank_staged(space, evaluator, num_top=PLAN_STAGED_TOP, top_fitting=True, key=order)
+    result = PlanResult(
+        settings=settings,
+        world_size=hardware.world_size,
+        activation_checkpointing=ac,
+        ac_reason=ac_reason,
+        ranked=[r for r in rows if r.prediction.fits],
+        dropped=[r for r in rows if not r.prediction.fits],
+        num_evaluated=len(rows),
+        evaluate_s=evaluator.evaluate_s,
+        default=next(row for row in rows if row.params == default_params),
+        num_simulated=evaluator.num_simulated,
+        num_pruned=evaluator.num_pruned,
+        num_exact=evaluator.num_exact,
+        ac_in_config=searched_ac,
+    )
+    if result.ranked:
+        result.best_config = factory.build_config(result.ranked[0].params)
+        result.best_detail = full.simulator.simulate(result.best_config)
+        result.out_files = _emit(result, profile.name, hardware)
+    return result
+
+
+def _get_space(settings: PlanSettings, work: ModelWork, hardware: Hardware, *, searched_ac: bool) -> SearchSpace:
+    return SearchSpace(
         block_names=work.block_names,
         world_size=hardware.world_size,
         num_microbatches=settings.num_microbatches,
@@ -158,105 +202,80 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
         checkpointing=searched_ac,
         reduce_dtype_differs=settings.reduce_dtype != settings.param_dtype,
     )
-    mp = MixedPrecisionConfig(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
-    factory = KnobFactory(space, world_size=hardware.world_size, device=hardware.cluster.device, mixed_precision=mp)
-    variants = {mesh: list(iter_memory_variants(space, mesh)) for mesh in space.get_mesh_choices()}
-    points = [
-        {**p, **variants[p["mesh"]][0]} for p in iter_space_params(get_core_space(space))
-    ]  # the memory knobs at FSDP2's defaults
-    if searched_ac:
-        ac, ac_reason = (
-            False,
-            "searched per unit (none, selective or full on a pattern of blocks) and set in the emitted config",
-        )
-    else:
-        ac, ac_reason = _choose_checkpointing(settings, factory, work, hardware, space)
-    simulator = Simulator(work, hardware, activation_checkpointing=ac)
-    full = dataclasses.replace(
-        make_pricer(work, hardware, space, mixed_precision=mp, activation_checkpointing=ac),
-        factory=factory,
-        simulator=simulator,
+
+
+def _get_pricers(
+    settings: PlanSettings,
+    work: ModelWork,
+    hardware: Hardware,
+    space: SearchSpace,
+    *,
+    factory: KnobFactory,
+    mp: MixedPrecisionConfig,
+    ac: bool,
+) -> tuple[Pricer, tuple[Pricer, Pricer] | None]:
+    """The full-depth pricer, and for a deep model (unless ``exact``) the shallower ones it is extrapolated from."""
+    full = Pricer(factory=factory, simulator=Simulator(work, hardware, activation_checkpointing=ac))
+    if len(work.block_names) <= 2 * REDUCED_DEPTHS[1] or settings.exact:
+        return full, None
+    shallow, deep = (
+        make_pricer(work, hardware, space, mixed_precision=mp, activation_checkpointing=ac, depth=d)
+        for d in REDUCED_DEPTHS
     )
-    reduced = None
-    if len(work.block_names) > 2 * REDUCED_DEPTHS[1] and not settings.exact:
-        reduced = tuple(
-            make_pricer(work, hardware, space, mixed_precision=mp, activation_checkpointing=ac, depth=d)
-            for d in REDUCED_DEPTHS
+    return full, (shallow, deep)
+
+
+def _describe_stage(
+    settings: PlanSettings,
+    model_name: str,
+    hardware: Hardware,
+    num_points: int,
+    second_stage: bool,
+    *,
+    num_blocks: int,
+    extrapolated: bool,
+    ac: bool,
+    searched_ac: bool,
+) -> str:
+    """The phase line of one stage of the ranking ([Note: staged ranking])."""
+    if second_stage:
+        return (
+            f"memory knobs (blocks per unit, the root's knobs{', checkpointing per unit' if searched_ac else ''}): "
+            f"{num_points} variants of the {PLAN_STAGED_TOP} fastest configs and the {PLAN_STAGED_TOP} fastest that fit, at full depth"
         )
-    reporter.on_phase(
-        f"simulating {len(points)} configs of {profile.name} on {settings.num_nodes} x {hardware.cluster.name} "
+    return (
+        f"simulating {num_points} configs of {model_name} on {settings.num_nodes} x {hardware.cluster.name} "
         f"({hardware.world_size} ranks, {settings.num_microbatches} microbatches, activation checkpointing {'full' if ac else 'none'})"
         + (
-            f"; at {' and '.join(map(str, REDUCED_DEPTHS))} blocks, extrapolated to {len(work.block_names)}, the fastest then at full depth"
-            if reduced
+            f"; at {' and '.join(map(str, REDUCED_DEPTHS))} blocks, extrapolated to {num_blocks}, the fastest then at full depth"
+            if extrapolated
             else ""
         )
     )
-    started = time.perf_counter()
-    default_params = space.get_default_params()
-    evaluation = evaluate_space(
-        points, full, default=default_params, reporter=reporter, num_workers=settings.num_workers, reduced=reduced
-    )  # type: ignore[arg-type]
-    rows = evaluation.rows
-    if has_memory_knobs(space):
-        staged = _get_staged_points(rows, variants)
-        reporter.on_phase(
-            f"memory knobs (blocks per unit, the root's knobs{', checkpointing per unit' if searched_ac else ''}): "
-            f"{len(staged)} variants of the {STAGED_TOP} fastest configs and the {STAGED_TOP} fastest that fit, at full depth"
-        )
-        more = evaluate_space(staged, full, default=default_params, reporter=reporter, num_workers=settings.num_workers)
-        rows += more.rows
-        evaluation = dataclasses.replace(
-            evaluation,
-            num_simulated=evaluation.num_simulated + more.num_simulated,
-            num_pruned=evaluation.num_pruned + more.num_pruned,
-            num_exact=evaluation.num_exact + more.num_exact,
-        )
-    elapsed = time.perf_counter() - started
-    default = next(row for row in rows if row.params == default_params)
-    ranked = sorted(
-        (r for r in rows if r.prediction.fits), key=lambda r: (not r.exact, *_get_rank_key(r, default_params))
-    )
-    dropped = sorted((r for r in rows if not r.prediction.fits), key=lambda r: r.prediction.peak_memory_bytes)
-    result = PlanResult(
-        settings=settings,
-        world_size=hardware.world_size,
-        activation_checkpointing=ac,
-        ac_reason=ac_reason,
-        ranked=ranked,
-        dropped=dropped,
-        num_evaluated=len(rows),
-        evaluate_s=elapsed,
-        default=default,
-        num_simulated=evaluation.num_simulated,
-        num_pruned=evaluation.num_pruned,
-        num_exact=evaluation.num_exact,
-        ac_in_config=searched_ac,
-    )
-    if ranked:
-        result.best_config = factory.build_config(ranked[0].params)
-        result.best_detail = simulator.simulate(result.best_config)
-        result.out_files = _emit(result, profile.name, hardware)
-    return result
 
 
-def _get_staged_points(rows: list[PlanRow], variants: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The memory-knob variants of the ``STAGED_TOP`` fastest exact configs and of the ``STAGED_TOP``
-    fastest that fit (a fast config over memory may fit once it checkpoints or groups differently)."""
-    exact = sorted((r for r in rows if r.exact), key=lambda r: r.prediction.step_s)
-    seeds = {id(r): r for r in [*exact[:STAGED_TOP], *[r for r in exact if r.prediction.fits][:STAGED_TOP]]}
-    return [{**r.params, **variant} for r in seeds.values() for variant in variants[r.params["mesh"]][1:]]
-
-
-def _get_rank_key(row: PlanRow, default_params: dict[str, Any]) -> tuple[float, int, float]:
-    """Fastest first; among configs within a microsecond, the fewest knobs changed from the defaults, then the least memory."""
+def _get_order_key(row: RankedPoint, default_params: dict[str, Any]) -> tuple[Any, ...]:
+    """Configs that fit first, ranked: full depth before extrapolated, then fastest; among configs
+    within a microsecond, the fewest knobs changed from the defaults, then the least memory. Then
+    those over memory, the least over first."""
+    if not row.prediction.fits:
+        return (1, row.prediction.peak_memory_bytes)
     changed = sum(1 for k, v in row.params.items() if default_params.get(k) != v)
-    return round(row.prediction.step_s * 1e6), changed, row.prediction.peak_memory_bytes
+    return (0, not row.exact, round(row.prediction.step_s * 1e6), changed, row.prediction.peak_memory_bytes)
 
 
 def _choose_checkpointing(
-    settings: PlanSettings, factory: KnobFactory, work: ModelWork, hardware: Hardware, space: SearchSpace
+    settings: PlanSettings,
+    factory: KnobFactory,
+    work: ModelWork,
+    hardware: Hardware,
+    space: SearchSpace,
+    *,
+    searched: bool,
 ) -> tuple[bool, str]:
+    """Whether the training script checkpoints every block itself (outside the config), and why."""
+    if searched:
+        return False, "searched per unit (none, selective or full on a pattern of blocks) and set in the emitted config"
     if settings.activation_checkpointing != "auto":
         return settings.activation_checkpointing == "full", f"--ac {settings.activation_checkpointing}"
     knobs = factory.get_knobs(space.get_default_params())
@@ -273,9 +292,30 @@ def _emit(result: PlanResult, model_name: str, hardware: Hardware) -> list[Path]
     """``best.toml``/``best.json`` (provenance: simulated, the cluster) and ``plan.json``."""
     import torch
 
-    best, detail, settings = result.ranked[0], result.best_detail, result.settings
+    detail = result.best_detail
     assert result.best_config is not None and detail is not None
     speedup = result.default.prediction.step_s / detail.step_s if result.default.prediction.fits else None
+    provenance = Provenance(
+        produced_by="autotune plan (simulated)",
+        model=model_name,
+        world_size=result.world_size,
+        backend=hardware.cluster.backend,
+        torch_version=torch.__version__,
+        measured=False,
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        notes=_get_notes(result, hardware, speedup),
+        metrics={**detail.to_metrics(), **({"predicted_speedup_vs_default": speedup} if speedup else {})},
+    )
+    config = dataclasses.replace(result.best_config, provenance=provenance)
+    out = result.settings.out_dir
+    files = [save_config(config, out / "best.toml"), save_config(config, out / "best.json")]
+    return [*files, _get_record(result, model_name, hardware).write(out / "plan.json")]
+
+
+def _get_notes(result: PlanResult, hardware: Hardware, speedup: float | None) -> list[str]:
+    """The emitted config's provenance notes: simulated on what, the checkpointing assumption, the choice."""
+    best, detail, settings = result.ranked[0], result.best_detail, result.settings
+    assert detail is not None
     notes = [
         f"simulated, not measured: autotune plan ranked {result.num_evaluated} configs on {settings.num_nodes} x {hardware.cluster.name} "
         f"({result.world_size} ranks of {hardware.accelerator.name}) with the FSDP2 step simulator (autotune.sim)",
@@ -290,44 +330,32 @@ def _emit(result: PlanResult, model_name: str, hardware: Hardware) -> list[Path]
         notes.append(
             f"predicted {speedup:.3f}x FSDP2's defaults ({1e3 * result.default.prediction.step_s:.0f} ms -> {1e3 * detail.step_s:.0f} ms per step)"
         )
-    provenance = Provenance(
-        produced_by="autotune plan (simulated)",
+    return notes
+
+
+def _get_record(result: PlanResult, model_name: str, hardware: Hardware) -> PlanRecord:
+    best, detail, settings = result.ranked[0], result.best_detail, result.settings
+    assert detail is not None
+    return PlanRecord(
         model=model_name,
+        cluster=hardware.cluster.name,
+        num_nodes=settings.num_nodes,
         world_size=result.world_size,
-        backend=hardware.cluster.backend,
-        torch_version=torch.__version__,
-        measured=False,
-        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        notes=notes,
-        metrics={**detail.to_metrics(), **({"predicted_speedup_vs_default": speedup} if speedup else {})},
-    )
-    config = dataclasses.replace(result.best_config, provenance=provenance)
-    out = settings.out_dir
-    files = [save_config(config, out / "best.toml"), save_config(config, out / "best.json")]
-    summary = {
-        "kind": "autotune-plan",
-        "model": model_name,
-        "cluster": hardware.cluster.name,
-        "num_nodes": settings.num_nodes,
-        "world_size": result.world_size,
-        "num_microbatches": settings.num_microbatches,
-        "activation_checkpointing": "per_unit"
+        num_microbatches=settings.num_microbatches,
+        activation_checkpointing="per_unit"
         if result.ac_in_config
         else ("full" if result.activation_checkpointing else "none"),
-        "num_evaluated": result.num_evaluated,
-        "num_simulated": result.num_simulated,
-        "num_pruned": result.num_pruned,
-        "num_exact": result.num_exact,
-        "num_fit": len(result.ranked),
-        "num_dropped": len(result.dropped),
-        "configs_per_s": result.configs_per_s,
-        "default": {"config": result.default.description, **result.default.prediction.to_dict()},
-        "best": {"config": best.description, "params": best.params, **detail.to_dict()},
-        "top": [
+        num_evaluated=result.num_evaluated,
+        num_simulated=result.num_simulated,
+        num_pruned=result.num_pruned,
+        num_exact=result.num_exact,
+        num_fit=len(result.ranked),
+        num_dropped=len(result.dropped),
+        configs_per_s=result.configs_per_s,
+        default={"config": result.default.description, **result.default.prediction.to_dict()},
+        best={"config": best.description, "params": best.params, **detail.to_dict()},
+        top=[
             {"config": r.description, "params": r.params, "num_alike": n, **r.prediction.to_metrics()}
             for r, n in result.get_distinct_top()
         ],
-    }
-    path = out / "plan.json"
-    path.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
-    return [*files, path]
+    )

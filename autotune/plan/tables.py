@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from autotune.plan.run import PlanResult, PlanRow
+from autotune.plan.run import PlanResult
 from autotune.report import ReportTable, fmt
+from autotune.search import RankedPoint
 
 _GIB = 2**30
 
 
-def _row(rank: str, row: PlanRow, default_step_s: float | None) -> list[str]:
+def _row(rank: str, row: RankedPoint, default_step_s: float | None) -> list[str]:
     p = row.prediction
     speedup = default_step_s / p.step_s if default_step_s else None
     return [

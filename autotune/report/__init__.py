@@ -7,8 +7,8 @@
 
 Modules: :mod:`~autotune.report.model` (the data) <- :mod:`~autotune.report.load` (reads the
 artifacts) <- :mod:`~autotune.report.tables` / :mod:`~autotune.report.frames` (rows and
-DataFrames) <- a search report's figure sections: :mod:`~autotune.report.compare` (best vs
-defaults), :mod:`~autotune.report.study` (Optuna's figures of the study),
+DataFrames; :mod:`~autotune.report.predictions`: the presearch's predicted vs measured) <- a
+search report's figure sections: :mod:`~autotune.report.compare` (best vs defaults), :mod:`~autotune.report.study` (Optuna's figures of the study),
 :mod:`~autotune.report.hta` (HTA on GPU traces) <- :mod:`~autotune.report.html` /
 :mod:`~autotune.report.png` <- :mod:`~autotune.report.write` (the one dispatcher) <-
 :mod:`~autotune.report.browser` (the page checked in headless Chromium,
@@ -17,6 +17,7 @@ defaults), :mod:`~autotune.report.study` (Optuna's figures of the study),
 
 from autotune.report.load import load_report, load_trial
 from autotune.report.model import REPORT_SCHEMA_VERSION, TRACE_GLOB, Report, ReportError, ReportTable, TrialSummary
+from autotune.report.predictions import get_prediction_table
 from autotune.report.tables import fmt, get_rank_table, get_search_outcome_lines, get_search_rows_table, get_tables
 from autotune.report.write import write_report, write_search_report
 
@@ -28,6 +29,7 @@ __all__ = [
     "ReportTable",
     "TrialSummary",
     "fmt",
+    "get_prediction_table",
     "get_rank_table",
     "get_search_outcome_lines",
     "get_search_rows_table",

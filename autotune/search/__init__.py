@@ -7,10 +7,13 @@ progress protocol) -> :mod:`~autotune.search.proxy` (real model or scale proxy) 
 :mod:`~autotune.search.loop` (ask/tell over trials) -> :mod:`~autotune.search.results`
 (rows, the best-trial rule, ``search.json``) -> :mod:`~autotune.search.confirm` ->
 :mod:`~autotune.search.consolidation` -> :mod:`~autotune.search.emit`;
-:mod:`~autotune.search.run` strings them together.
+:mod:`~autotune.search.run` strings them together. :mod:`~autotune.search.ranking` walks the
+space through the step simulator and ranks it (``--presearch sim`` and ``autotune plan``).
 """
 
-from autotune.search.proxy import ModelPlan, plan_for_this_machine, plan_model
+from autotune.search.preflight import check_mesh
+from autotune.search.proxy import ModelPlan, get_plan_hint, plan_for_this_machine, plan_model
+from autotune.search.ranking import KnobFactory, RankedPoint, get_forward_key, rank_staged
 from autotune.search.results import SearchRecord, TrialRow, pick_best, read_results
 from autotune.search.run import SearchSummary, describe_interrupted, run_search
 from autotune.search.settings import SAMPLERS, SearchError, SearchReporter, SearchSettings, SilentReporter
@@ -18,7 +21,9 @@ from autotune.search.space import SearchSpace, describe_params
 
 __all__ = [
     "SAMPLERS",
+    "KnobFactory",
     "ModelPlan",
+    "RankedPoint",
     "SearchError",
     "SearchRecord",
     "SearchReporter",
@@ -27,11 +32,15 @@ __all__ = [
     "SearchSummary",
     "SilentReporter",
     "TrialRow",
+    "check_mesh",
     "describe_interrupted",
     "describe_params",
+    "get_forward_key",
+    "get_plan_hint",
     "pick_best",
     "plan_for_this_machine",
     "plan_model",
+    "rank_staged",
     "read_results",
     "run_search",
 ]

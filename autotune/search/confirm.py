@@ -85,20 +85,7 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
     if ctx.settings.num_confirm_pairs == 0 or not finalists:
         best = pick_best(rows)
         return (ctx.space.build_config(best.params) if best else ctx.default_config), None
-    ctx.reporter.on_phase(
-        f"final round: {len(finalists)} best configs vs the defaults, {2 * ctx.settings.num_confirm_pairs} pairs each"
-    )
-    measured = [_measure_finalist(ctx, row) for row in finalists]
-    contested = get_contested(measured, ctx.settings.max_ratio_spread)
-    if contested:
-        ctx.reporter.on_phase(
-            f"final round contested (trials {', '.join(str(n) for n in contested)}): a second window each"
-        )
-        by_number = {row.number: row for row in finalists}
-        measured = [
-            pool_windows(m, _measure_finalist(ctx, by_number[m["trial"]], window=1)) if m["trial"] in contested else m
-            for m in measured
-        ]
+    measured, contested = _measure_finalists(ctx, finalists)
     ranked = sorted(
         (m for m in measured if m.get("ratio") is not None and not m.get("over_budget")), key=lambda m: m["ratio"]
     )
@@ -141,6 +128,25 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
         **slower,
         **_speedups(winner),
     }
+
+
+def _measure_finalists(ctx: SearchContext, finalists: list[TrialRow]) -> tuple[list[dict[str, Any]], list[int]]:
+    """Each finalist against the defaults, a second window for each contested one; and the contested trials."""
+    ctx.reporter.on_phase(
+        f"final round: {len(finalists)} best configs vs the defaults, {2 * ctx.settings.num_confirm_pairs} pairs each"
+    )
+    measured = [_measure_finalist(ctx, row) for row in finalists]
+    contested = get_contested(measured, ctx.settings.max_ratio_spread)
+    if contested:
+        ctx.reporter.on_phase(
+            f"final round contested (trials {', '.join(str(n) for n in contested)}): a second window each"
+        )
+        by_number = {row.number: row for row in finalists}
+        measured = [
+            pool_windows(m, _measure_finalist(ctx, by_number[m["trial"]], window=1)) if m["trial"] in contested else m
+            for m in measured
+        ]
+    return measured, contested
 
 
 def get_contested(measured: list[dict[str, Any]], max_spread: float) -> list[int]:

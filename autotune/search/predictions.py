@@ -1,11 +1,10 @@
 """Predicted vs measured: how the presearch's predictions compared with the trials' measurements
-(``search.json``'s ``presearch`` summary and the terminal's table; see [Note: presearch] in
-:mod:`autotune.search.presearch`)."""
+(``search.json``'s ``presearch`` summary; see [Note: presearch] in :mod:`autotune.search.presearch`;
+the terminal's table is :func:`autotune.report.get_prediction_table`)."""
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -46,53 +45,3 @@ def get_spearman(xs: list[float], ys: list[float]) -> float | None:
     mx, my = statistics.fmean(rx), statistics.fmean(ry)
     var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
     return sum((a - mx) * (b - my) for a, b in zip(rx, ry)) / var if var else None
-
-
-@dataclass(kw_only=True)
-class PredictionTable:
-    """Predicted vs measured per trial (rendered like the report's tables: title, columns, rows)."""
-
-    title: str
-    columns: list[str]
-    rows: list[list[str]]
-
-
-def get_prediction_table(rows: list[TrialRow]) -> PredictionTable | None:
-    """The trials that have a prediction, with their measurements; None when none has one."""
-    with_prediction = [r for r in rows if r.predicted_step_ms is not None]
-    if not with_prediction:
-        return None
-
-    def num(value: float | None, form: str) -> str:
-        return "-" if value is None else format(value, form)
-
-    table = PredictionTable(
-        title="predicted (simulator, calibrated on the defaults' and the calibration trials' traces) vs measured; ratio: step time / the defaults'",
-        columns=["trial", "from", "pred ms", "meas ms", "error", "pred ratio", "meas ratio"],
-        rows=[],
-    )
-    for r in sorted(with_prediction, key=lambda r: r.number):
-        origin = (
-            "defaults"
-            if r.is_default
-            else (
-                f"presearch #{r.presearch_rank}"
-                if r.presearch_rank
-                else (
-                    f"calibration ({r.calibration})" if r.calibration else ("refined" if r.refined_from else "sampled")
-                )
-            )
-        )
-        error = r.predicted_step_ms / r.step_ms - 1 if r.step_ms else None
-        table.rows.append(
-            [
-                str(r.number),
-                origin,
-                num(r.predicted_step_ms, ".1f"),
-                num(r.step_ms, ".1f"),
-                "-" if error is None else f"{100 * error:+.1f}%",
-                num(r.predicted_ratio, ".3f"),
-                num(r.ratio, ".3f"),
-            ]
-        )
-    return table

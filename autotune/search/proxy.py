@@ -212,6 +212,26 @@ def plan_model(
             estimated_memory_per_rank=mem,
             estimated_step_s=step,
         )
+    return _find_proxy(
+        profile,
+        world_size=world_size,
+        memory_per_rank=memory_per_rank,
+        flops_per_rank=flops_per_rank,
+        step_budget_s=step_budget_s,
+        reason="; ".join(why),
+    )
+
+
+def _find_proxy(
+    profile: ModelSource,
+    *,
+    world_size: int,
+    memory_per_rank: int,
+    flops_per_rank: float,
+    step_budget_s: float,
+    reason: str,
+) -> ModelPlan:
+    """The largest scale proxy of ``profile`` (widths halved, then shorter sequences) that fits both budgets, or the smallest."""
     seq_choices = [s for s in (profile.seq_len, 512, 256, 128, 64) if s <= profile.seq_len]
     factor = 2
     while True:
@@ -225,7 +245,7 @@ def plan_model(
                     requested=profile,
                     run=candidate,
                     is_proxy=True,
-                    reason="; ".join(why),
+                    reason=reason,
                     estimated_memory_per_rank=cmem,
                     estimated_step_s=cstep,
                     overrides=overrides,

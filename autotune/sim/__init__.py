@@ -14,7 +14,7 @@ and torch; calibration reads trial dirs through ``autotune.trials`` and ``autotu
 (upstream stages). The search stage may import this one, never the reverse.
 """
 
-from autotune.sim.calibrate import CalibrationError, calibrate, read_calibration_trial
+from autotune.sim.calibrate import CalibrationError, CalibrationTrial, calibrate, read_calibration_trial
 from autotune.sim.hardware import Hardware, SimError
 from autotune.sim.knobs import Knobs, resolve_knobs
 from autotune.sim.measured import CollectiveFit, MeasuredProfile
@@ -23,6 +23,7 @@ from autotune.sim.predict import Simulator, StepPrediction, UnitPrediction, simu
 
 __all__ = [
     "CalibrationError",
+    "CalibrationTrial",
     "CollectiveFit",
     "Hardware",
     "Knobs",

@@ -35,8 +35,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from fsdp_runtime import ROOT_UNIT, find_block_names
-from profiles import Llama, ModelProfile
-from profiles.factory import BATCH_HOOK, compute_loss
+from profiles import BATCH_HOOK, Llama, ModelProfile, compute_loss
 from profiles.sources import ModelSource
 
 SEGMENTS = ("head", "block", "tail")

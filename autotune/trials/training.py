@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fsdp_runtime import AppliedFsdp, GradAccumulator, apply_fsdp, config_from_dict
-from profiles.factory import BATCH_HOOK, ModelSourceError, compute_loss
+from profiles import BATCH_HOOK, ModelSourceError, compute_loss
 from profiles.sources import ModelSource, load_model_source
 
 LEARNING_RATE = 1e-3

@@ -22,6 +22,7 @@ import pytest
 from _artifact_fixtures import ARTIFACTS, load_fixture, write_json
 
 from autotune.analysis import SUMMARY_SCHEMA_VERSION
+from autotune.plan import PlanRecord
 from autotune.report import get_tables, load_report
 from autotune.search import SearchRecord, TrialRow, read_results
 from autotune.search.results import write_results
@@ -57,6 +58,7 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         ("metrics_v5.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
         ("search_v7.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v2.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
+        ("plan_v1.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
     ]:
         data = load_fixture(name)
         assert (data["kind"], data["schema_version"]) == (kind, version), name
@@ -202,6 +204,27 @@ def test_a_v6_final_round_reads_as_medians_of_single_pairs():
     assert SearchRecord.read(ARTIFACTS / "search_v6.json").confirmation["estimator"] == "pairs"
 
 
+def test_plan_summary_v1_reads_and_round_trips(tmp_path):
+    """``autotune plan --model llama8b --cluster h100-node --nodes 1 --microbatches 1 --mesh fsdp --top 3``."""
+    record = PlanRecord.read(ARTIFACTS / "plan_v1.json")
+
+    assert (record.model, record.cluster, record.num_nodes, record.world_size, record.num_microbatches) == (
+        "llama8b",
+        "h100-node",
+        1,
+        8,
+        1,
+    )
+    assert record.activation_checkpointing == "per_unit"
+    assert (record.num_evaluated, record.num_fit, record.num_dropped) == (674, 288, 386)
+    assert record.default["fits"] is False and record.best["fits"] is True
+    assert record.best["params"]["ac_units"] == "all_but_last" and len(record.best["units"]) == 33
+    assert record.best["predicted_step_ms"] == pytest.approx(979.6146)
+    assert [t["num_alike"] for t in record.top] == [8, 8, 8] and record.top[0]["config"] == record.best["config"]
+    assert record.to_dict() == load_fixture("plan_v1.json")
+    assert PlanRecord.read(record.write(tmp_path / "plan.json")) == record
+
+
 def test_results_v1_read(tmp_path):
     shutil.copy(ARTIFACTS / "results_v1.json", tmp_path / "results.json")
     rows = read_results(tmp_path)
@@ -290,3 +313,15 @@ def test_trial_spec_v1_reads_as_an_unpaired_trial():
     spec = TrialSpec.read(ARTIFACTS / "trial_spec_v1.json")
     assert spec.reference is None and spec.prune_if_ratio_above is None
     assert spec == TrialSpec.read(ARTIFACTS / "trial_spec_v2.json")
+
+
+def test_the_readme_names_the_versions_the_code_writes():
+    """The README's architecture section lists each artifact with its schema version."""
+    text = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8").split())
+    for name, record in [
+        ("autotune.trials.TrialMetrics", TrialMetrics),
+        ("autotune.search.SearchRecord", SearchRecord),
+        ("autotune.trials.TrialSpec", TrialSpec),
+        ("autotune.plan.PlanRecord", PlanRecord),
+    ]:
+        assert f"(`{name}`, v{record.SCHEMA_VERSION}" in text, name

@@ -14,6 +14,7 @@ from _artifact_fixtures import assert_refused, load_fixture, write_json
 
 from autotune.analysis import SUMMARY_SCHEMA_VERSION
 from autotune.artifacts import ArtifactError
+from autotune.plan import PlanRecord
 from autotune.search import SearchRecord, read_results
 from autotune.trials import TrialMetrics, TrialSpec, TrialSpecError
 
@@ -62,6 +63,15 @@ READERS = [
         "results_v1.json",
         lambda p: read_results(p.parent),
         "search_v1.json",
+    ),
+    Reader(
+        "PlanRecord.read",
+        "plan_summary",
+        PlanRecord.SCHEMA_VERSION,
+        "plan.json",
+        "plan_v1.json",
+        PlanRecord.read,
+        "search_v6.json",
     ),
     Reader(
         "TrialSpec.read",
@@ -174,6 +184,13 @@ def _bad_body(
 
 BAD_BODIES = [
     _bad_body(
+        "plan-missing-field",
+        "plan.json",
+        PlanRecord.read,
+        lambda: _without(load_fixture("plan_v1.json"), "best"),
+        "best",
+    ),
+    _bad_body(
         "metrics-unknown-field",
         "metrics.json",
         TrialMetrics.read,
@@ -234,6 +251,15 @@ def test_reader_refuses_a_body_that_does_not_match_its_version(file_name, read, 
 
 
 # --------------------------------------------------------------------------- the trial spec
+
+
+def test_plan_json_of_before_it_was_versioned_is_refused_in_one_line(tmp_path):
+    """``plan.json`` was written unversioned (``"kind": "autotune-plan"``) before ``PlanRecord``."""
+    old = {k: v for k, v in load_fixture("plan_v1.json").items() if k != "schema_version"} | {"kind": "autotune-plan"}
+    path = write_json(tmp_path / "plan.json", old)
+    with pytest.raises(ArtifactError) as excinfo:
+        PlanRecord.read(path)
+    assert_refused(excinfo, path, "not a plan_summary file", "'autotune-plan'")
 
 
 def test_old_trial_spec_without_kind_is_refused_clearly(tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import subprocess
 import sys
@@ -12,9 +11,9 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autotune.plan import PlanError, PlanSettings, run_plan
-from autotune.plan.points import KnobFactory, get_forward_key, iter_space_params
+from autotune.plan import PlanError, PlanRecord, PlanSettings, run_plan
 from autotune.search import SearchSpace
+from autotune.search.ranking import KnobFactory, get_forward_key, iter_space_params
 from autotune.sim.knobs import resolve_knobs
 from fsdp_runtime import MixedPrecisionConfig, load_config
 from profiles import load_model_profile
@@ -171,7 +170,7 @@ def test_cli_plan_emits_a_config_for_llama8b_units(tmp_path):
     assert config.provenance.metrics["predicted_step_ms"] > 0
     assert (tmp_path / "plan.json").exists() and load_config(tmp_path / "best.json") == config
     # llama8b's defaults do not fit one node: checkpointing is searched per unit and written into the config.
-    assert json.loads((tmp_path / "plan.json").read_text())["activation_checkpointing"] == "per_unit"
+    assert PlanRecord.read(tmp_path / "plan.json").activation_checkpointing == "per_unit"
     assert any(u.activation_checkpointing != "none" for u in config.units)
     assert any("set per unit in this config" in note for note in config.provenance.notes)
 
@@ -290,7 +289,8 @@ def test_fast_knobs_equal_the_built_config_with_grouping_checkpointing_and_root_
 def test_the_simulated_space_keeps_the_edges_in_the_root():
     """The simulator's units are blocks and the root: a presearch walks the space without the
     embeddings/head split, and a split trial gets no prediction instead of an error."""
-    from autotune.search.presearch import Predictor, get_simulated_space
+    from autotune.search.presearch import Predictor
+    from autotune.search.ranking import get_simulated_space
 
     space = _space(8, root_knobs=True, embedding_names=("tok_embeddings",), head_names=("norm", "output"))
     simulated = get_simulated_space(space)
@@ -310,7 +310,7 @@ def test_the_simulated_space_keeps_the_edges_in_the_root():
 def test_staged_ranking_finds_the_exhaustive_fastest(changes):
     """[Note: staged ranking]: the memory knobs' variants of the fastest core configs hold the
     fastest point of the whole space (one microbatch keeps the exhaustive walk to seconds)."""
-    from autotune.search.presearch import STAGED_TOP, _rank_points, rank_space
+    from autotune.search.ranking import STAGED_TOP, rank_space, simulate_points
     from autotune.sim import Hardware, Simulator, get_model_work
     from autotune.sim.measured import CollectiveFit, MeasuredProfile
     from profiles import load_cluster_profile
@@ -348,10 +348,60 @@ def test_staged_ranking_finds_the_exhaustive_fastest(changes):
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=1, **changes)
     staged = rank_space(space, simulator, world_size=2, device="cpu")
     factory = KnobFactory(space, world_size=2, device="cpu", mixed_precision=MixedPrecisionConfig())
-    exhaustive = _rank_points(iter_space_params(space), factory, simulator)
+    exhaustive = sorted(
+        simulate_points(iter_space_params(space), factory, simulator), key=lambda p: p.prediction.step_s
+    )
     assert STAGED_TOP < len(staged) < len(exhaustive) / 2
-    assert staged[0][1].step_s == pytest.approx(exhaustive[0][1].step_s, rel=1e-9)
+    assert staged[0].prediction.step_s == pytest.approx(exhaustive[0].prediction.step_s, rel=1e-9)
     keys = {tuple(sorted(p.items())) for p in iter_space_params(space)}
     assert all(
-        tuple(sorted(p.items())) in keys for p, _ in staged
+        tuple(sorted(p.params.items())) in keys for p in staged
     )  # every staged point is a point of the space, all its knobs set
+
+
+def _fake_prediction(params: dict, *, fast_ones_fit: bool):
+    from autotune.sim import StepPrediction
+
+    step = random.Random(repr(sorted(params.items()))).random()
+    fits = (step >= 0.5) != fast_ones_fit  # the faster half fits, or the slower half
+    return StepPrediction(
+        step_s=step,
+        compute_s=step,
+        comm_s=0.0,
+        exposed_comm_s=0.0,
+        tokens_per_s_per_device=1.0,
+        mfu=0.0,
+        peak_memory_bytes=1.0 if fits else 3.0,
+        memory_capacity_bytes=2.0,
+    )
+
+
+@pytest.mark.parametrize("top_fitting", [False, True])
+def test_staged_ranking_takes_its_top_its_fitting_seeds_and_its_key_as_parameters(top_fitting):
+    """[Note: staged ranking]'s parameters, with a made-up evaluation: the second stage holds every
+    memory-knob variant of the ``num_top`` fastest core points, and with ``top_fitting`` of the
+    ``num_top`` fastest that fit (here slower than the fastest, which do not fit); ``key`` orders the result."""
+    from autotune.search.ranking import RankedPoint, get_core_space, iter_memory_variants, rank_staged
+    from autotune.search.space import BLOCKS_PER_UNIT
+
+    space = SearchSpace(block_names=tuple(f"layers.{i}" for i in range(4)), world_size=2, grouping=True)
+    calls = []
+
+    def evaluate(points, second_stage):
+        calls.append((second_stage, points))
+        return [RankedPoint(params=p, prediction=_fake_prediction(p, fast_ones_fit=False)) for p in points]
+
+    ranked = rank_staged(space, evaluate, num_top=2, top_fitting=top_fitting, key=lambda r: -r.prediction.step_s)
+    (first, core), (second, varied) = calls
+    assert (first, second) == (False, True)
+    assert len(core) == len(list(iter_space_params(get_core_space(space))))
+    by_step = sorted(core, key=lambda p: _fake_prediction(p, fast_ones_fit=False).step_s)
+    fastest = by_step[:2]
+    fitting = [p for p in by_step if _fake_prediction(p, fast_ones_fit=False).fits][:2]
+    seeds = fastest + (fitting if top_fitting else [])
+    num_variants = len(list(iter_memory_variants(space, "fsdp"))) - 1
+    assert num_variants == len(BLOCKS_PER_UNIT) - 1 and len(varied) == len(seeds) * num_variants
+    assert {p["blocks_per_unit"] for p in varied} == set(BLOCKS_PER_UNIT[1:])
+    assert [{**p, "blocks_per_unit": 1} for p in varied[::num_variants]] == seeds
+    assert [r.prediction.step_s for r in ranked] == sorted((r.prediction.step_s for r in ranked), reverse=True)
+    assert len(ranked) == len(core) + len(varied)

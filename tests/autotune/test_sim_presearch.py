@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from autotune.report import get_prediction_table
 from autotune.search import SearchError, SearchRecord, SearchSettings, SearchSpace, TrialRow, plan_model, run_search
-from autotune.search.predictions import get_prediction_table, get_spearman
+from autotune.search.predictions import get_spearman
 from autotune.search.proxy import get_plan_hint
 from autotune.sim import get_model_work
 from profiles import load_model_profile
