@@ -350,10 +350,16 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 
 
 def _print_search_summary(summary) -> None:
-    from autotune.report import get_prediction_table, get_search_outcome_lines, get_search_rows_table
+    from autotune.report import (
+        get_final_round_table,
+        get_prediction_table,
+        get_search_outcome_lines,
+        get_search_rows_table,
+    )
 
     _print_tables([get_search_rows_table(summary.rows, summary.best)])
     _print_tables([t for t in (get_prediction_table(summary.rows),) if t is not None])
+    _print_tables([t for t in (get_final_round_table(summary.confirmation),) if t is not None])
     for line in get_search_outcome_lines(summary):
         console.print(line, highlight=False)
 

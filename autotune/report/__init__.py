@@ -18,7 +18,14 @@ search report's figure sections: :mod:`~autotune.report.compare` (best vs defaul
 from autotune.report.load import load_report, load_trial
 from autotune.report.model import REPORT_SCHEMA_VERSION, TRACE_GLOB, Report, ReportError, ReportTable, TrialSummary
 from autotune.report.predictions import get_prediction_table
-from autotune.report.tables import fmt, get_rank_table, get_search_outcome_lines, get_search_rows_table, get_tables
+from autotune.report.tables import (
+    fmt,
+    get_final_round_table,
+    get_rank_table,
+    get_search_outcome_lines,
+    get_search_rows_table,
+    get_tables,
+)
 from autotune.report.write import write_report, write_search_report
 
 __all__ = [
@@ -29,6 +36,7 @@ __all__ = [
     "ReportTable",
     "TrialSummary",
     "fmt",
+    "get_final_round_table",
     "get_prediction_table",
     "get_rank_table",
     "get_search_outcome_lines",
