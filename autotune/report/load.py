@@ -89,6 +89,7 @@ def load_trial(trial_dir: Path, *, analyze_traces: bool = True, feasible: bool =
             metrics.profiler_overhead,
         )
         trial.profiler_cpu_overhead, trial.profiler = metrics.profiler_cpu_overhead, metrics.profiler
+        trial.own_step_ms = {r.rank: list(r.own_step_ms) for r in metrics.ranks}
         trial.process_peak_bytes, trial.trace_metrics, trial.analysis_error = (
             metrics.process_peak_bytes,
             metrics.trace_metrics,

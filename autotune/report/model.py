@@ -20,6 +20,15 @@ TRACE_GLOB = "trace_rank*.json*"
 OVERHEAD_TOLERANCE = 0.03
 """A trial whose profiled steps are further than this from its unprofiled ones (wall) has its
 trace times scaled in the report (see [Note: scaled trace times])."""
+MAX_STEP_NOISE = 0.2
+"""A rank's own unprofiled steps agree when their median absolute deviation is at most this
+share of their median (two steps: the slower at most 1.5x the faster); otherwise their median is
+no step time to scale a trace to, and the report shows it as measured."""
+TRACE_SCALE_RANGE = (0.5, 2.0)
+"""The per-rank trace scales the report applies. On this 2-core box the profiled / unprofiled
+wall ratio measured 0.55-1.72 with the load moving between the windows (the profiler's own cost
+is a few %, [Note: what a trial measures]): a scale beyond this says that the load differed,
+not what the profiler cost."""
 
 
 class ReportError(AutotuneError):
@@ -37,6 +46,8 @@ class TrialSummary(TrialFigures):
     """Profiled / unprofiled training-thread CPU time (:attr:`profiler_overhead` is the wall time's)."""
     profiler: dict[str, Any] = field(default_factory=dict)
     """``metrics.json``'s ``profiler`` (page faults, per-rank figures with ``trace_scale``); empty before v4."""
+    own_step_ms: dict[int, list[float]] = field(default_factory=dict)
+    """Per rank, its own unprofiled step times (``metrics.json``'s ``ranks``): whether the trace scale is trusted."""
     trace_metrics: dict[str, Any] | None = None
     """``autotune.analysis.summarize_traces`` output (from metrics.json, else from the traces)."""
     analysis_error: str | None = None
@@ -44,11 +55,42 @@ class TrialSummary(TrialFigures):
     @property
     def trace_scale(self) -> dict[int, float] | None:
         """Per rank, the factor this trial's trace times are shown scaled by, or None when they are
-        shown as measured (overhead within :data:`OVERHEAD_TOLERANCE`, or no per-rank figures)."""
-        per_rank = self.profiler.get("per_rank") or []
-        if not per_rank or self.profiler_overhead is None or abs(self.profiler_overhead - 1) <= OVERHEAD_TOLERANCE:
+        shown as measured (overhead within :data:`OVERHEAD_TOLERANCE`, no per-rank figures, or a
+        scale not to trust: :attr:`trace_scale_refused`)."""
+        if not self._beyond_tolerance() or self.trace_scale_refused:
             return None
-        return {r["rank"]: r["trace_scale"] for r in per_rank}
+        return {r["rank"]: r["trace_scale"] for r in self.profiler["per_rank"]}
+
+    @property
+    def trace_scale_refused(self) -> str | None:
+        """Why trace times beyond :data:`OVERHEAD_TOLERANCE` are shown as measured, not scaled: a rank
+        whose unprofiled steps disagree (:data:`MAX_STEP_NOISE`) or whose scale is outside
+        :data:`TRACE_SCALE_RANGE`; None when they are scaled or within the tolerance."""
+        if not self._beyond_tolerance():
+            return None
+        low, high = TRACE_SCALE_RANGE
+        for figures in self.profiler["per_rank"]:
+            rank, scale = figures["rank"], figures["trace_scale"]
+            steps = self.own_step_ms.get(rank, [])
+            noise = _relative_mad(steps) if len(steps) > 1 else 0.0
+            if noise > MAX_STEP_NOISE:
+                return (
+                    f"rank {rank}'s unprofiled steps disagree ({min(steps):.0f} to {max(steps):.0f} ms, "
+                    f"deviation {100 * noise:.0f}% of their median > {100 * MAX_STEP_NOISE:.0f}%)"
+                )
+            if not low <= scale <= high:
+                return (
+                    f"rank {rank}'s scale ×{scale:.2f} is outside ×{low:.1f}-×{high:.1f} "
+                    "(the load differed between the timed and the traced steps)"
+                )
+        return None
+
+    def _beyond_tolerance(self) -> bool:
+        return bool(
+            self.profiler.get("per_rank")
+            and self.profiler_overhead is not None
+            and abs(self.profiler_overhead - 1) > OVERHEAD_TOLERANCE
+        )
 
     @property
     def shown_trace_metrics(self) -> dict[str, Any] | None:
@@ -79,7 +121,13 @@ class TrialSummary(TrialFigures):
             "analysis_error": self.analysis_error,
             "trace_metrics": self.trace_metrics,
             "trace_scale": self.trace_scale,
+            "trace_scale_refused": self.trace_scale_refused,
         }
+
+
+def _relative_mad(values: list[float]) -> float:
+    median = statistics.median(values)
+    return statistics.median(abs(v - median) for v in values) / median if median > 0 else 0.0
 
 
 def _scale_row(row: dict[str, Any], factor: float) -> dict[str, Any]:
@@ -97,7 +145,11 @@ def scale_trace_metrics(summary: dict[str, Any], scale: dict[int, float]) -> dic
     beyond :data:`OVERHEAD_TOLERANCE`, the report shows every trace *time* of rank r (step,
     compute, comm per kind, exposed, barrier, bound, per unit) times s_r = rank r's median
     unprofiled step / its median profiled step (both its own wall times), and leaves
-    ratios (overlap, step / bound), counts and bytes as measured. The cross-rank aggregate's
+    ratios (overlap, step / bound), counts and bytes as measured. It does so only where every
+    rank's unprofiled steps agree (:data:`MAX_STEP_NOISE`) and every s_r lies in
+    :data:`TRACE_SCALE_RANGE`: a world-1 trial timed at 141 and 412 ms on a busy box had
+    s = 9.4, which describes the load, not the profiler; such a trace is shown as measured
+    and the report says why. The cross-rank aggregate's
     step figures are the medians of the scaled rows (as the analysis defines them); its
     per-unit figures (the summary keeps no per-step unit rows) are scaled by the median s_r.
     Uniform scaling assumes the profiler's cost is spread over the step in proportion to

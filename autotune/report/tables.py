@@ -85,6 +85,8 @@ def describe_profiler(trial: TrialSummary) -> str | None:
         how = "trace times scaled to the unprofiled step: " + ", ".join(
             f"×{s:.2f} rank {r}" for r, s in sorted(scale.items())
         )
+    elif trial.trace_scale_refused:
+        how = f"trace times as measured, not scaled: {trial.trace_scale_refused}"
     elif trial.profiler.get("per_rank"):
         how = f"trace times as measured (within {100 * OVERHEAD_TOLERANCE:.0f}% of the unprofiled step)"
     else:

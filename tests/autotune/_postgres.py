@@ -1,7 +1,8 @@
 """A throwaway PostgreSQL server for tests (``postgres_server``, a module-scoped fixture).
 
 The server binaries come from Debian's ``postgresql`` package (``/usr/lib/postgresql/*/bin``);
-where there are none the tests that use the fixture skip, saying so. Data and unix-socket
+where there are none the tests that use the fixture skip, saying so (fail under
+``AUTOTUNE_REQUIRE_ALL=1``, as in CI: :mod:`_required`). Data and unix-socket
 dirs live in one temp dir, the server listens on a free port of 127.0.0.1 with trust auth
 (nothing outside this host can reach it), as the ``postgres`` system user when we are root
 (the server refuses to run as root). Every step has a hard time limit; the server is stopped
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _required import skip_unless_required
 
 START_TIMEOUT_S = 60.0
 """initdb plus start-up until the server accepts connections (a few seconds when idle)."""
@@ -184,20 +186,22 @@ def postgres_server() -> Iterator[PostgresServer]:
     """A PostgreSQL server for this test module, stopped and removed at its end."""
     bin_dir = find_server_bin()
     if bin_dir is None:
-        pytest.skip(
+        skip_unless_required(
             "no PostgreSQL server binaries (initdb, postgres, pg_ctl) under /usr/lib/postgresql/*/bin: apt-get install postgresql"
         )
     try:
         import psycopg  # noqa: F401
     except ImportError:
-        pytest.skip("psycopg is not installed: pip install 'fsdp-autotune[postgres]'")
+        skip_unless_required("psycopg is not installed: pip install 'fsdp-autotune[postgres]'")
     run_as: list[str] = []
     owner = None
     if os.geteuid() == 0:
         try:
             owner = pwd.getpwnam("postgres")
         except KeyError:
-            pytest.skip("running as root and there is no 'postgres' system user to run the server as (it refuses root)")
+            skip_unless_required(
+                "running as root and there is no 'postgres' system user to run the server as (it refuses root)"
+            )
         run_as = ["runuser", "-u", "postgres", "--"]
     root = Path(tempfile.mkdtemp(prefix="autotune-pg-"))  # short: a unix socket path has ~100 characters
     server = PostgresServer(port=_free_port(), root=root, bin_dir=bin_dir, run_as=run_as, log=root / "server.log")

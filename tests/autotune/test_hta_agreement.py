@@ -12,15 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# HTA (pip traceinsight) is a dependency: an import that breaks is a failure, not a skip.
+import hta.trace_analysis  # noqa: F401
 import pytest
 from _fixtures import DATA
 
 from autotune.analysis import FsdpTraceAnalysis
-
-try:
-    import hta.trace_analysis  # noqa: F401
-except ImportError as e:  # pragma: no cover - traceinsight is a dependency
-    pytest.skip(f"HTA (pip traceinsight, import hta) cannot be imported: {e}", allow_module_level=True)
 
 HTA_DATA = DATA / "hta_nccl"
 # case -> trace files (one run each), our time-weighted overlap per rank (%), HTA's (%).

@@ -3,7 +3,7 @@ PostgreSQL server (one study across workers, a killed worker's trial failed by h
 Optuna's journal file; the one-host PID rule of SQLite and journal.
 
 The server is a throwaway one (:mod:`_postgres`; the tests skip, saying why, where no server
-binary exists). Every subprocess has a hard wall-clock limit and is killed with its whole
+binary exists, and fail there under ``AUTOTUNE_REQUIRE_ALL=1``, as in CI). Every subprocess has a hard wall-clock limit and is killed with its whole
 process group, its ranks (sessions of their own) included; nothing here can hang CI.
 """
 

@@ -294,6 +294,81 @@ def test_trial_report_within_3_percent_shows_trace_times_as_measured(trial_dir, 
     assert rows["profiled overlap (median)"] == f"{100 * raw['aggregate']['overlap_ratio']:.1f}%"
 
 
+def _one_rank_trial(trial_dir: Path, trace_metrics: dict, *, steps: list[float], profiled: list[float]) -> None:
+    from autotune.trials import RankMetrics
+
+    rank = RankMetrics(
+        rank=0,
+        step_ms=steps,
+        own_step_ms=steps,
+        profiled_step_ms=profiled,
+        step_cpu_ms=[80.0] * len(steps),
+        profiled_cpu_ms=[84.0] * len(profiled),
+        step_page_faults=[100] * len(steps),
+        profiled_page_faults=[100] * len(profiled),
+    )
+    metrics = TrialMetrics.from_ranks(
+        [rank], status="ok", model="tiny", world_size=1, backend="gloo", trace_metrics=trace_metrics
+    )
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    metrics.write(trial_dir / "metrics.json")
+
+
+def test_a_trace_scale_from_disagreeing_steps_is_not_applied_and_the_report_says_why(trial_dir, tmp_path):
+    """The issue's case: a world-1 trial on a busy box, unprofiled steps 141 and 412 ms, profiled 29.4 ms:
+    the per-rank scale would be 276.5 / 29.4 = 9.4x."""
+    raw = json.loads((trial_dir / "metrics.json").read_text())["trace_metrics"]
+    _one_rank_trial(tmp_path / "t", raw, steps=[141.0, 412.0], profiled=[29.4, 29.4])
+    report = load_report(tmp_path / "t")
+    trial = report.trials[0]
+    assert trial.profiler["per_rank"][0]["trace_scale"] == pytest.approx(9.40, abs=0.01)
+    assert trial.trace_scale is None and trial.shown_trace_metrics == raw
+    rows = dict(get_tables(report)[0].rows)
+    # |141 - 276.5| / 276.5 = 49% of the median
+    assert rows["profiler"].startswith(
+        "trace times as measured, not scaled: rank 0's unprofiled steps disagree (141 to 412 ms, deviation 49% of "
+        "their median > 20%); profiler overhead -89% wall"
+    ), rows["profiler"]
+    assert report.to_json()["trace_scale"] is None and "disagree" in report.to_json()["trace_scale_refused"]
+
+
+@pytest.mark.parametrize(
+    ("steps", "profiled", "scale", "why"),
+    [
+        (
+            [100.0, 101.0, 99.0],
+            [40.0, 40.0],
+            None,
+            "rank 0's scale ×2.50 is outside ×0.5-×2.0 (the load differed between the timed and the traced steps)",
+        ),
+        (
+            [100.0, 101.0, 99.0],
+            [250.0, 250.0],
+            None,
+            "rank 0's scale ×0.40 is outside ×0.5-×2.0 (the load differed between the timed and the traced steps)",
+        ),
+        # two steps 1.5x apart (a deviation of 20%) still agree; the scale is theirs: 125 / 100
+        ([100.0, 150.0], [100.0, 100.0], 1.25, None),
+        ([100.0, 101.0, 99.0], [52.0, 52.0], 100.0 / 52.0, None),
+    ],
+    ids=["scale-2.5", "scale-0.4", "two-steps-1.5x-apart", "scale-1.92"],
+)
+def test_trace_scales_apply_only_from_agreeing_steps_in_a_plausible_range(
+    trial_dir, tmp_path, steps, profiled, scale, why
+):
+    raw = json.loads((trial_dir / "metrics.json").read_text())["trace_metrics"]
+    _one_rank_trial(tmp_path / "t", raw, steps=steps, profiled=profiled)
+    trial = load_report(tmp_path / "t").trials[0]
+    assert trial.trace_scale == (None if scale is None else {0: pytest.approx(scale)})
+    assert trial.trace_scale_refused == why
+    rows = dict(get_tables(load_report(tmp_path / "t"))[0].rows)
+    assert rows["profiler"].startswith(
+        f"trace times as measured, not scaled: {why};"
+        if why
+        else f"trace times scaled to the unprofiled step: ×{scale:.2f} rank 0;"
+    )
+
+
 def test_search_tables_show_each_trial_s_profiler_overhead(trial_dir, tmp_path):
     from autotune.report import get_search_rows_table
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import optuna
 import pytest
 from _fixtures import DATA, get_fixture_traces
+from _required import skip_unless_required
 
 from autotune.analysis import summarize_traces
 from autotune.report import get_tables, load_report, write_report
@@ -441,12 +442,14 @@ def test_gpu_traces_get_hta_analyses(tmp_path):
 
 # --------------------------------------------------------------------------- the page in headless Chromium
 
-needs_chromium = pytest.mark.skipif(
-    find_chromium() is None, reason="no chromium on PATH (Debian: apt-get install chromium)"
-)
+
+@pytest.fixture
+def needs_chromium() -> None:
+    if find_chromium() is None:
+        skip_unless_required("no chromium on PATH (Debian: apt-get install chromium)")
 
 
-@needs_chromium
+@pytest.mark.usefixtures("needs_chromium")
 def test_search_page_renders_offline_in_chromium(cpu_page, tmp_path):
     check = check_page(cpu_page, screenshot=tmp_path / "page.png", expect=SEARCH_FIGURES)
     assert check.ok, "\n".join(check.describe())
@@ -454,7 +457,7 @@ def test_search_page_renders_offline_in_chromium(cpu_page, tmp_path):
     assert check.screenshot.read_bytes()[:8] == PNG_MAGIC and check.height_px > 2000
 
 
-@needs_chromium
+@pytest.mark.usefixtures("needs_chromium")
 def test_chromium_check_fails_on_errors_missing_figures_and_network(cpu_page, tmp_path):
     page = cpu_page.read_text()
     page = page.replace('if (document.getElementById("figure-optuna_slice"))', "if (false)")  # one figure never drawn

@@ -4,7 +4,6 @@ monotonicity in link and device speed, and one-line errors."""
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from autotune.search import SearchSpace
 from autotune.sim import Hardware, SimError, Simulator, get_model_work, simulate
 from autotune.sim.hardware import get_group
-from fsdp_runtime import ConfigError, MixedPrecisionConfig, UnitConfig, default_config
+from fsdp_runtime import ConfigError, MixedPrecisionConfig, UnitConfig, default_config, validate_for_world
 from profiles import build_model, load_cluster_profile, load_model_profile
 
 BF16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
@@ -142,13 +141,36 @@ def test_bad_input_is_one_line():
         simulate(default_config(list(work.block_names), mixed_precision=BF16), work, hw)
 
 
-def test_random_configs_simulate_without_error():
+def test_random_configs_keep_the_optimizer_state_by_hand_and_gain_from_a_faster_link():
+    """40 random configs of ``tiny`` on 2 A100 nodes (16 ranks), and again with 4x the inter-node bandwidth."""
     work = get_model_work(load_model_profile("tiny"), "bfloat16")
-    simulator = Simulator(work, Hardware(load_cluster_profile("a100-node"), 2))
+    base = load_cluster_profile("a100-node")
+    link = base.links["inter_node"]
+    faster = dataclasses.replace(
+        base, links={**base.links, "inter_node": dataclasses.replace(link, bandwidth_gbps=4 * link.bandwidth_gbps)}
+    )
+    simulator, fast = Simulator(work, Hardware(base, 2)), Simulator(work, Hardware(faster, 2))
+    # tiny: a block holds q, o 64x64, k, v 64x32 (2 of 4 heads), 3 x 64x192 MLP and 2 norms: 49,280 parameters;
+    # the root embeddings and head 512x64 each and a norm: 65,600. Every dim-0 divides 16: no padding.
+    num_params = 4 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192 + 2 * 64) + 2 * 512 * 64 + 64
+    assert num_params == 262_720
+    meshes = set()
     for config in _sample_configs(work, 16, 40):
-        prediction = simulator.simulate(config)
-        assert prediction.step_s > 0 and prediction.peak_memory_bytes > 0
-    random.seed(0)
+        prediction, quicker = simulator.simulate(config), fast.simulate(config)
+        shard = validate_for_world(config, 16)[1]
+        meshes.add(shard)
+        # AdamW keeps a float32 master shard and two float32 moments: 12 bytes per sharded parameter, all step long.
+        assert prediction.memory_breakdown["sharded_params_and_optimizer"] == 12 * num_params // shard, config
+        # The compute stream is the step's critical path: it computes or waits for a collective.
+        assert prediction.step_s == pytest.approx(prediction.compute_s + prediction.exposed_comm_s, rel=1e-9)
+        assert prediction.exposed_comm_s <= prediction.comm_s
+        # At 16 ranks on 2 nodes every mesh crosses nodes (shard groups, or the replicas' all-reduce): a faster
+        # link makes every step's collectives shorter, and none of them more exposed.
+        assert quicker.comm_s < prediction.comm_s, config
+        assert quicker.exposed_comm_s <= prediction.exposed_comm_s * (1 + 1e-9), config
+        assert quicker.step_s <= prediction.step_s * (1 + 1e-9), config
+        assert quicker.compute_s == pytest.approx(prediction.compute_s, rel=1e-9)
+    assert len(meshes) >= 3, meshes  # FSDP and HSDP shard groups of several sizes were sampled
 
 
 def _grouped(work, *, checkpointing: str = "none", modules=("layers.0", "layers.1")):
@@ -233,6 +255,6 @@ def test_schema_2_configs_simulate_with_fewer_collectives_and_less_memory():
 
 def test_selective_checkpointing_saves_the_ops_fsdp_runtime_saves():
     from autotune.sim import model_work
+    from fsdp_runtime import checkpointing
 
-    checkpointing = pytest.importorskip("fsdp_runtime.checkpointing")
     assert model_work._SELECTIVE_SAVED == set(checkpointing._SAVE_OP_NAMES)

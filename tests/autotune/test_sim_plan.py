@@ -167,7 +167,18 @@ def test_cli_plan_emits_a_config_for_llama8b_units(tmp_path):
     assert config.unit_names == [*LLAMA8B_BLOCKS, "root"]
     assert config.provenance.model == "llama8b" and config.provenance.world_size == 8
     assert any("simulated" in note and "h100-node" in note for note in config.provenance.notes)
-    assert config.provenance.metrics["predicted_step_ms"] > 0
+    # One microbatch of llama8b (batch 1 x 8192 tokens) per device. Its FLOPs by hand: 6 per matmul weight and
+    # token (32 blocks of 218,103,808 weights and the 128,256 x 4096 head), and per block attention's 4 x s^2 x dim
+    # forward, 2.5x that backward.
+    metrics = config.provenance.metrics
+    step_s, tokens, peak = metrics["predicted_step_ms"] / 1e3, 8192, 989.4e12  # h100-node's dense bfloat16
+    gemm_flops = 6 * (32 * 218_103_808 + 128_256 * 4096) * tokens
+    flops = gemm_flops + 3.5 * 32 * 4 * tokens**2 * 4096
+    assert metrics["predicted_mfu"] * step_s * peak == pytest.approx(flops, rel=1e-9)
+    assert metrics["predicted_tokens_per_s_per_device"] * step_s == pytest.approx(tokens, rel=1e-9)
+    # The compute stream runs the matmuls alone at no more than their achievable 80% of peak (the profile's
+    # gemm_efficiency); attention, copies, recomputed forwards and exposed collectives only add to that.
+    assert step_s >= gemm_flops / (0.80 * peak), metrics
     assert (tmp_path / "plan.json").exists() and load_config(tmp_path / "best.json") == config
     # llama8b's defaults do not fit one node: checkpointing is searched per unit and written into the config.
     assert PlanRecord.read(tmp_path / "plan.json").activation_checkpointing == "per_unit"

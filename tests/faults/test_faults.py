@@ -178,42 +178,56 @@ def test_sigkill_of_the_search_then_resume_keeps_every_finished_trial(tmp_path):
     assert not _pool_temp_dirs(proc.pid), "the next run removes a killed run's rank temp dirs"
 
 
-_LOCKER = """
-import sqlite3, sys, time
-con = sqlite3.connect(sys.argv[1], timeout=60, isolation_level=None)
-con.execute("BEGIN EXCLUSIVE")
-print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
+def _lock_when_told(db: Path) -> str:
+    """``autotune search`` that locks its study DB just before the first result of trial 1 or
+    later (COMPLETE or PRUNED: a measurement) is written, and holds the lock until it exits.
+
+    The lock is taken by another SQLite connection (as another writer would hold it) at the
+    one moment that matters, so every write of that result meets it."""
+    return f"""
+import sqlite3
+import cli
+from autotune.search import outcome
+write, held = outcome._write, []
+def write_under_lock(study, told):
+    if not held and told.number >= 1 and told.state in ("COMPLETE", "PRUNED"):
+        held.append(sqlite3.connect({str(db)!r}, timeout=60, isolation_level=None))
+        held[0].execute("BEGIN EXCLUSIVE")
+    write(study, told)
+outcome._write = write_under_lock
+cli.main()
 """
 
 
 @pytest.mark.multirank
 def test_a_study_locked_past_the_timeout_loses_no_measurement(tmp_path):
     args = ["search", *FAST, "--trials", "3", "--out", str(tmp_path), "--study-name", "l", "--storage-timeout", "1"]
-    proc = _start(*args)
     db = tmp_path / "study.db"
-    running = _wait_until(lambda: _running_trial(db, "l", min_number=1), 150, "a running trial")
-    locker = subprocess.Popen(
-        [sys.executable, "-c", _LOCKER, str(db), "120"], stdout=subprocess.PIPE, text=True, start_new_session=True
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _lock_when_told(db), *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
-    try:
-        assert locker.stdout.readline().strip() == "locked"
-        out, err = _finish(proc, timeout_s=200)
-    finally:
-        os.killpg(locker.pid, signal.SIGKILL)
-        locker.wait()
+    out, err = _finish(proc, timeout_s=300)
     assert proc.returncode == 2, err[-2000:]
-    _one_line_error(err, "--storage:", "unavailable")
+    _one_line_error(err, "--storage:", "unavailable", "is recorded by --resume")
     pending = list((tmp_path / "pending").glob("trial_*.json"))
-    if pending:  # the lock hit the trial's result: it was kept on disk ...
-        kept = json.loads(pending[0].read_text())
-        assert kept["number"] == running.number and "is recorded by --resume" in err
+    assert len(pending) == 1, pending
+    kept = json.loads(pending[0].read_text())
+    assert kept["number"] >= 1 and f"trial {kept['number']}'s result is kept in" in err
+    assert kept["state"] in ("COMPLETE", "PRUNED") and kept["user_attrs"]["step_ms"] > 0
+    told = {t.number: t for t in _study(db, "l").get_trials()}
+    assert told[kept["number"]].state == States.RUNNING, "the locked write reached the study"
+    assert all(told[n].state.is_finished() for n in range(kept["number"])), "an earlier trial was not recorded"
     done = _run(*args, "--resume", "--json", timeout_s=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    trial = next(t for t in _study(db, "l").get_trials() if t.number == running.number)
-    if pending:  # ... and the resumed search recorded it as measured
-        assert trial.state.name == kept["state"] and trial.user_attrs["step_ms"] == kept["user_attrs"]["step_ms"]
-        assert not list((tmp_path / "pending").glob("trial_*.json"))
+    trial = next(t for t in _study(db, "l").get_trials() if t.number == kept["number"])
+    assert trial.state.name == kept["state"] and trial.user_attrs["step_ms"] == kept["user_attrs"]["step_ms"]
+    assert trial.value == kept["value"]
+    assert not list((tmp_path / "pending").glob("trial_*.json"))
     assert all(t.state.is_finished() for t in _study(db, "l").get_trials())
 
 

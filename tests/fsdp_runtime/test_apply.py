@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from _required import skip_unless_required
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -206,8 +207,10 @@ def test_a_config_applied_to_a_submodule_is_refused():
 
 def test_an_hf_config_applied_to_the_inner_model_is_refused(tmp_path):
     """The issue's case: a config searched on LlamaForCausalLM, applied to ``model.model`` (lm_head left out)."""
-    pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        skip_unless_required("transformers is not installed: pip install 'fsdp-autotune[hf]'")
 
     model = LlamaForCausalLM(
         LlamaConfig(
