@@ -9,7 +9,7 @@ trace of ``benchmarks/analysis_throughput.py``::
 Each rank trains ``--warmup`` unprofiled steps, then ``--steps`` profiled steps (CPU
 activity, ``ProfilerStep#N`` annotations, memory events), and writes
 ``trace_rank{r}.json.gz``. Timings differ on every run: after re-recording a fixture,
-regenerate its golden numbers (``tests/autotune/test_analysis.py`` says how).
+regenerate its golden numbers (``tests/autotune/analysis/test_analysis.py`` says how).
 """
 
 from __future__ import annotations

@@ -227,3 +227,12 @@ def test_the_readme_states_the_stage_order():
         "profiles",
         "cli",
     ]
+
+
+def test_test_folders_mirror_the_stages():
+    """``tests/autotune/<stage>/`` for each stage package of ``autotune`` that has tests, and no other folder."""
+    folders = {p.name for p in (REPO / "tests" / "autotune").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    packages = {p.name for p in (REPO / "autotune").iterdir() if (p / "__init__.py").exists()}
+    assert folders <= packages, f"test folders that are no stage of autotune: {sorted(folders - packages)}"
+    flat = sorted(p.name for p in (REPO / "tests" / "autotune").glob("test_*.py"))
+    assert flat == ["test_artifacts.py", "test_artifacts_refused.py"], flat  # autotune/artifacts.py is a module

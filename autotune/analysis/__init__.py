@@ -82,7 +82,7 @@ Times are interval unions: overlapping events are counted once.
   when steps differ in how much they communicate (e.g. a gradient-sync step among
   accumulation steps), and the per-step figures can differ slightly from the window's
   when collectives of two steps overlap each other.
-- Against HTA's ``get_comm_comp_overlap`` (``tests/autotune/test_hta_agreement.py``, on
+- Against HTA's ``get_comm_comp_overlap`` (``tests/autotune/analysis/test_hta_agreement.py``, on
   HTA's own NCCL sample traces): the time-weighted ratio per rank agrees within 1 point.
   What remains: HTA parses times into integer microseconds (truncating ``ts`` and
   ``dur``), we keep the trace's fractions; on a trace of thousands of kernels of a few

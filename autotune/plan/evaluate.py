@@ -20,7 +20,7 @@ points. Four things keep it well under a minute, each exact or checked:
    memory and communication figures are extrapolated linearly in depth (in the steady state
    each block adds the same time and activation memory; the ends add constants). The
    ``NUM_EXACT`` fastest by extrapolation, and the defaults, are then simulated at full depth,
-   and only those exact figures are shown, ranked and emitted. ``tests/autotune/test_sim_plan.py``
+   and only those exact figures are shown, ranked and emitted. ``tests/autotune/plan/test_plan.py``
    checks the extrapolation against full-depth simulations.
 
 Workers are forked processes (``--workers``), given groups of points with a shared forward.

@@ -18,7 +18,7 @@ simulating it; so :class:`KnobFactory` assembles the knobs of a point from each 
 parameter's per-unit expansion, taken from ``build_config`` on the real space once per
 distinct value (per mesh where the value depends on it). The expansions are independent of
 each other by the space's construction ([Note: search-space parametrization]);
-``tests/autotune/test_sim_plan.py`` checks the assembled knobs equal those of the built config.
+``tests/autotune/plan/test_plan.py`` checks the assembled knobs equal those of the built config.
 
 [Note: staged ranking]
 Grouping, the root's knobs and checkpointing multiply the space: ``small`` at 2 ranks and 4
@@ -32,7 +32,7 @@ differs between them is a parameter of it, with its reason there. This
 assumes that what the memory knobs change (collective count and size, recompute, the root's
 reduction) adds to what the core knobs do rather than reorders them, which holds where it was
 checked: on ``small`` at 2 ranks the staged and the exhaustive ranking of the grouping + root
-space agree on the fastest prediction (``tests/autotune/test_sim_plan.py``).
+space agree on the fastest prediction (``tests/autotune/plan/test_plan.py``).
 """
 
 from __future__ import annotations

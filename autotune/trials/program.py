@@ -16,7 +16,7 @@ Local trials call it through :func:`autotune.trials.launch.run_ranks` or a
   (profiled / unprofiled median step, slowest rank), ``profiler_cpu_overhead`` (the same
   for CPU time, ranks summed) and ``profiler`` (page faults, and per rank its own wall,
   CPU and fault figures and ``trace_scale``); the report scales trace times by
-  ``trace_scale`` where the wall overhead is beyond 3% ([Note: scaled trace times] in
+  ``trace_scale`` where the wall overhead is beyond 3% and the scale is plausible ([Note: scaled trace times] in
   :mod:`autotune.report.model`).
 - *Where the profiler's cost comes from* (``benchmarks/profiler_overhead.py``, ``small``,
   2 ranks, 4 microbatches, the configs a search trials, at load 4-10 on 2 cores). Per

@@ -1,10 +1,18 @@
-"""Shared fixtures of the autotune tests."""
+"""Shared fixtures of the autotune tests; puts ``tests/autotune`` (the ``_*`` helpers) on ``sys.path``,
+which the launchers pass on to the ranks, for the tests in its stage folders."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 
 from autotune.trials import RankPool
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 @pytest.fixture(scope="session")

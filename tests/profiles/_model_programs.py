@@ -1,4 +1,4 @@
-"""Rank program of tests/autotune/test_models.py: a config in a plain training loop vs ``fully_shard`` by hand."""
+"""Rank program of tests/profiles/test_sources.py: a config in a plain training loop vs ``fully_shard`` by hand."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ on an HF LlamaForCausalLM, an HF GPT-2 and a factory defined here emits a config
 the model's own module paths that applies unchanged in a plain training loop, with losses
 bitwise equal to hand-written ``fully_shard`` defaults when the config keeps the order of
 floating-point sums, within 1e-5 (relative) otherwise. The factories are defined here (ranks
-import them by name: ``test_models:regressor``); the rank program is ``_model_programs``.
+import them by name: ``test_sources:regressor``); the rank program is ``_model_programs``.
 """
 
 from __future__ import annotations
@@ -210,8 +210,8 @@ def test_unit_names_are_the_model_s_own_module_paths(tmp_path):
         gpt2.seq_len,
         gpt2.batch_size,
     ) == ("tiny-gpt2", 16, 2)
-    assert load_model_source("test_models:regressor").block_names == [f"trunk.stages.{i}" for i in range(3)]
-    assert load_model_source("test_models:token_lm").vocab_size == 64
+    assert load_model_source("test_sources:regressor").block_names == [f"trunk.stages.{i}" for i in range(3)]
+    assert load_model_source("test_sources:token_lm").vocab_size == 64
 
 
 def test_default_batch_and_loss_protocol():
@@ -219,15 +219,15 @@ def test_default_batch_and_loss_protocol():
     from profiles.factory import compute_loss
     from profiles.sources import load_model_source
 
-    source = load_model_source("test_models:token_lm")
+    source = load_model_source("test_sources:token_lm")
     model = source.build(seed=3)
     batch = make_microbatch(source, seed=0, step=0, microbatch=0, dp_rank=0, model=model)
     assert batch.shape == (4, 129) and batch.dtype == torch.int64 and int(batch.max()) < 64
     expected = nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
     assert torch.equal(compute_loss(model, batch), expected)
-    with_loss = load_model_source("test_models:token_lm_with_loss").build(seed=3)  # an output's .loss is the loss
+    with_loss = load_model_source("test_sources:token_lm_with_loss").build(seed=3)  # an output's .loss is the loss
     assert torch.equal(compute_loss(with_loss, batch), with_loss(batch[:, :-1]).loss)
-    regressor = load_model_source("test_models:regressor")  # the model's own batch and loss
+    regressor = load_model_source("test_sources:regressor")  # the model's own batch and loss
     x, y = make_microbatch(regressor, seed=0, step=0, microbatch=0, dp_rank=0, model=regressor.build())
     assert x.shape == (4, 128, 4) and y.shape == (4, 128, 1)
     # Identical weights on every rank for one seed: FSDP2 shards each rank's own copy.
@@ -241,14 +241,14 @@ def test_default_batch_and_loss_protocol():
             "no_such_pkg.models:build",
             r"model factory 'no_such_pkg.models:build': cannot import 'no_such_pkg.models' \(ModuleNotFoundError",
         ),
-        ("test_models:nothing_here", r"module 'test_models' has no function 'nothing_here'"),
+        ("test_sources:nothing_here", r"module 'test_sources' has no function 'nothing_here'"),
         (
-            "test_models:broken",
-            r"model factory 'test_models:broken' raised ValueError: checkpoint shard missing \(building on the meta device\)",
+            "test_sources:broken",
+            r"model factory 'test_sources:broken' raised ValueError: checkpoint shard missing \(building on the meta device\)",
         ),
         (
-            "test_models:flat",
-            r"model factory 'test_models:flat': no repeated blocks found in Sequential .*build them as one ModuleList",
+            "test_sources:flat",
+            r"model factory 'test_sources:flat': no repeated blocks found in Sequential .*build them as one ModuleList",
         ),
     ],
 )
@@ -279,11 +279,11 @@ def test_model_toml_and_unknown_names_are_one_line(tmp_path):
     from profiles.sources import load_model_source
 
     bad = tmp_path / "bad.toml"
-    bad.write_text('factory = "test_models:token_lm"\nseq = 16\n')
+    bad.write_text('factory = "test_sources:token_lm"\nseq = 16\n')
     with pytest.raises(AutotuneError, match=r"bad.toml: seq: unknown field"):
         load_model_source(str(bad))
     good = tmp_path / "lm.toml"
-    good.write_text('factory = "test_models:token_lm"\nseq_len = 16\nbatch_size = 1\n')
+    good.write_text('factory = "test_sources:token_lm"\nseq_len = 16\nbatch_size = 1\n')
     source = load_model_source(str(good))
     assert (source.name, source.seq_len, source.batch_size, source.source) == ("lm", 16, 1, str(good.resolve()))
     with pytest.raises(
@@ -319,7 +319,7 @@ def test_the_simulator_traces_the_trials_loss():
     from profiles.sources import load_model_source
 
     with pytest.raises(AutotuneError, match=r"_DictTokenLM\(token ids\) returned dict: expected logits"):
-        get_model_work(load_model_source("test_models:token_lm_dict_out"), "float32")
+        get_model_work(load_model_source("test_sources:token_lm_dict_out"), "float32")
 
 
 class _DictOut(nn.Module):
@@ -372,10 +372,10 @@ def test_a_factory_that_does_not_fit_is_refused_with_what_to_do():
 
     with pytest.raises(
         AutotuneError,
-        match=r"factory 'test_models:token_lm' .* does not fit this machine .*cannot be shrunk into a scale proxy",
+        match=r"factory 'test_sources:token_lm' .* does not fit this machine .*cannot be shrunk into a scale proxy",
     ) as caught:
         plan_model(
-            load_model_source("test_models:token_lm"),
+            load_model_source("test_sources:token_lm"),
             world_size=2,
             memory_per_rank=1024,
             flops_per_rank=1e12,
@@ -384,7 +384,7 @@ def test_a_factory_that_does_not_fit_is_refused_with_what_to_do():
     assert caught.value.field == "model"
     # In memory but slower than the step budget: it runs as it is (there is nothing to shrink).
     plan = plan_model(
-        load_model_source("test_models:token_lm"),
+        load_model_source("test_sources:token_lm"),
         world_size=2,
         memory_per_rank=2**40,
         flops_per_rank=1.0,
@@ -392,7 +392,7 @@ def test_a_factory_that_does_not_fit_is_refused_with_what_to_do():
     )
     assert (
         not plan.is_proxy
-        and plan.run.name == "test_models:token_lm"
+        and plan.run.name == "test_sources:token_lm"
         and plan.reason.endswith("(a factory runs as it is)")
     )
 
@@ -466,7 +466,7 @@ def test_search_emits_a_config_that_applies_unchanged(kind, tmp_path, shared_poo
     model = {
         "hf_llama": lambda: str(hf_llama(tmp_path)),
         "hf_gpt2": lambda: str(hf_gpt2_toml(tmp_path)),
-        "factory": lambda: "test_models:regressor",
+        "factory": lambda: "test_sources:regressor",
     }[kind]()
     summary = run_search(SearchSettings(model=model, out_dir=tmp_path / "run", **SEARCH))
     assert summary.best is not None, [(r.number, r.status, r.reason) for r in summary.rows]

@@ -25,7 +25,7 @@ from _postgres import postgres_server  # noqa: F401 (a fixture)
 from autotune.search import SearchError, SearchSettings
 from autotune.search.study import close_interrupted, get_worker_id, open_study
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FAST = ["--model", "tiny", "--confirm-pairs", "0", "--patience", "0", "--trial-timeout", "90", "--json"]
 States = optuna.trial.TrialState
 WORKER_TIMEOUT_S = 420

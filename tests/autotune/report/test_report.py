@@ -391,7 +391,7 @@ def test_search_tables_show_each_trial_s_profiler_overhead(trial_dir, tmp_path):
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     return subprocess.run(
         [sys.executable, "-c", "import cli; cli.main()", *args], cwd=repo, capture_output=True, text=True, timeout=300
     )

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROGRAM = Path(__file__).with_name("_sim_memory_program.py")
+PROGRAM = Path(__file__).resolve().parents[1] / "_sim_memory_program.py"
 
 
 def test_predicted_peak_memory_matches_fsdp_mem_tracker():

@@ -18,7 +18,7 @@ from autotune.sim.knobs import resolve_knobs
 from fsdp_runtime import MixedPrecisionConfig, load_config
 from profiles import load_model_profile
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BF16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
 LLAMA8B_BLOCKS = tuple(load_model_profile("llama8b").block_names)
 

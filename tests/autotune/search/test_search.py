@@ -34,7 +34,7 @@ FAST = {
     "trial_timeout_s": 90.0,
     "patience": None,
 }
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _settings(out: Path, **kw) -> SearchSettings:

@@ -18,7 +18,7 @@ from autotune.sim import get_model_work
 from profiles import load_model_profile
 from profiles.sources import load_model_source
 
-ARTIFACTS = Path(__file__).resolve().parents[1] / "data" / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "data" / "artifacts"
 FAST = {
     "model": "tiny",
     "world_size": 2,
