@@ -6,10 +6,10 @@ On CPU the "streams" are dummies, so an all-gather issued with ``async_op=False`
 the training thread until it completes, and explicit prefetch only *reorders* blocking
 calls. ``FSDPModule._set_unshard_async_op(True)`` (private; torch 2.6 to 2.14 at least, see
 [Note: torch versions]) issues the all-gather with ``async_op=True``; the wait moves into
-``FSDP::all_gather_copy_out`` when the unit is actually needed. That is what makes prefetch real on CPU/gloo (measured in
-shared/FINDINGS.md: with a waiting "accelerator", async + prefetch 1 cut step time
-3175 -> 2683 ms). On GPU it has a different meaning (all-gather allocations on the
-default stream) and is left off by default.
+``FSDP::all_gather_copy_out`` when the unit is actually needed. That is what makes prefetch
+real on CPU/gloo (measured in shared/FINDINGS.md: with a waiting "accelerator", async +
+prefetch 1 cut step time 3175 -> 2683 ms). On GPU it has a different meaning (all-gather
+allocations on the default stream) and is left off by default.
 
 [Note: concat deferral]
 fairscale #1180 (FSDP1): every parameter of a unit is a view of one flat parameter, so

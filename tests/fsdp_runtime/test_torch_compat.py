@@ -4,6 +4,9 @@ tests/autotune/test_space.py)."""
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -114,6 +117,12 @@ def test_unshard_async_setter_with_and_without_it():
     assert module.calls == [("unshard_async", True)]
     with pytest.raises(RuntimeError, match=r"^unshard_async: needs torch >= 2\.6 "):
         compat.set_unshard_async(_ModuleWithoutSetters(), True)
+
+
+def test_the_package_floor_is_the_oldest_layout_covered():
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    (torch_req,) = [d for d in pyproject["project"]["dependencies"] if d.split(">")[0].strip() == "torch"]
+    assert torch_req.replace(" ", "") == f"torch>={compat.MIN_TORCH}"
 
 
 # -- the installed torch, real FSDP on a one-rank gloo group
