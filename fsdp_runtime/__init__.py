@@ -4,6 +4,7 @@ from fsdp_runtime import load_config, apply_fsdp, GradAccumulator
 applied = apply_fsdp(model, load_config("best.toml"))
 """
 
+from fsdp_runtime._torch_compat import get_unsupported_knobs
 from fsdp_runtime.accumulation import GradAccumulator
 from fsdp_runtime.apply import AppliedFsdp, apply_fsdp, find_block_names, resolve_units
 from fsdp_runtime.blocks import find_edge_modules
@@ -64,6 +65,7 @@ __all__ = [
     "dumps_config",
     "find_block_names",
     "find_edge_modules",
+    "get_unsupported_knobs",
     "load_config",
     "load_consolidated_checkpoint",
     "loads_config",

@@ -1,15 +1,15 @@
-"""Every use of FSDP2 internals lives here, so a torch upgrade breaks one file.
+"""Every use of FSDP2 internals lives here; where torch releases differ, through :mod:`fsdp_runtime._torch_compat`.
 
 [Note: async unshard on CPU]
 On CUDA, FSDP2 overlaps all-gathers with compute by issuing them on a separate stream.
 On CPU the "streams" are dummies, so an all-gather issued with ``async_op=False`` blocks
 the training thread until it completes, and explicit prefetch only *reorders* blocking
-calls. ``FSDPModule._set_unshard_async_op(True)`` (private in torch 2.6-2.13) issues the
-all-gather with ``async_op=True``; the wait moves into ``FSDP::all_gather_copy_out`` when
-the unit is actually needed. That is what makes prefetch real on CPU/gloo (shared/FINDINGS.md:
-with a waiting "accelerator", a step takes 2683 ms with async + prefetch 1 against 3175 ms
-blocking). On GPU it has a different meaning (all-gather allocations on the
-default stream) and is left off by default.
+calls. ``FSDPModule._set_unshard_async_op(True)`` (private; torch 2.6 to 2.14 at least, see
+[Note: torch versions]) issues the all-gather with ``async_op=True``; the wait moves into
+``FSDP::all_gather_copy_out`` when the unit is actually needed. That is what makes prefetch
+real on CPU/gloo (shared/FINDINGS.md: with a waiting "accelerator", a step takes 2683 ms with
+async + prefetch 1 against 3175 ms blocking). On GPU it has a different meaning (all-gather
+allocations on the default stream) and is left off by default.
 
 [Note: concat deferral]
 fairscale #1180 (FSDP1): every parameter of a unit is a view of one flat parameter, so
@@ -53,15 +53,12 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
 
-
-def set_unshard_async(module: FSDPModule, enabled: bool) -> None:
-    """Issue this unit's (and its FSDP children's) all-gathers with ``async_op``; see [Note: async unshard on CPU]."""
-    module._set_unshard_async_op(enabled)
+from fsdp_runtime import _torch_compat
 
 
 def get_param_groups(module: FSDPModule) -> list[Any]:
-    state = module._get_fsdp_state()
-    return list(state._fsdp_param_groups)
+    """The unit's ``FSDPParamGroup``s, in either torch layout ([Note: torch versions])."""
+    return _torch_compat.get_param_groups(module._get_fsdp_state())
 
 
 def _grad_slots(param_group: Any) -> list[tuple[Any, torch.Tensor, str]]:

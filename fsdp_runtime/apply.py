@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -11,7 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from fsdp_runtime._fsdp_private import EagerConcat, set_unshard_async
+from fsdp_runtime._fsdp_private import EagerConcat
+from fsdp_runtime._torch_compat import get_unsupported_knobs, set_reduce_scatter_max_input_buffers, set_unshard_async
 from fsdp_runtime.blocks import find_block_names, find_parameters_outside, resolve_units
 from fsdp_runtime.checkpointing import CheckpointedForward, apply_checkpointing
 from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig, validate_config, validate_for_world
@@ -65,9 +65,11 @@ def apply_fsdp(
     ``fully_shard`` call on those modules. Returns the handle that
     :class:`~fsdp_runtime.GradAccumulator` needs. Pass the whole model: a submodule whose
     parent has parameters outside it is refused, as is a config naming unknown units or
-    covering fewer blocks than the model has ([Note: unit names] in :mod:`fsdp_runtime.blocks`).
+    covering fewer blocks than the model has ([Note: unit names] in :mod:`fsdp_runtime.blocks`),
+    and a knob the installed torch cannot set ([Note: torch versions] in :mod:`fsdp_runtime._torch_compat`).
     """
     validate_config(config)
+    _check_torch_supports(config)
     config = resolve_units(model, config)
     _check_whole_model(model, config)
     if device_type is None:
@@ -113,23 +115,33 @@ def _check_whole_model(model: nn.Module, config: RuntimeConfig) -> None:
         )
 
 
+def _check_torch_supports(config: RuntimeConfig) -> None:
+    """Refuse a knob this torch cannot set, naming the field and the torch it needs (never a silent no-op)."""
+    asked = {
+        "reduce_scatter_max_input_buffers": config.reduce_scatter_max_input_buffers not in (None, 1),  # 1: every torch
+        "unshard_async": config.unshard_async == "on",
+    }
+    for name, reason in get_unsupported_knobs().items():
+        if asked[name]:
+            raise ConfigError(name, reason, fix="unset it, or upgrade torch")
+
+
 def _apply_runtime_knobs(applied: AppliedFsdp, device_type: str) -> None:
     config = applied.config
-    unshard_async = config.unshard_async == "on" or (config.unshard_async == "auto" and device_type == "cpu")
+    # "auto" on CPU asks for async where this torch can (_check_torch_supports refused an explicit "on" it cannot).
+    can_async = "unshard_async" not in get_unsupported_knobs()
+    unshard_async = config.unshard_async == "on" or (
+        config.unshard_async == "auto" and device_type == "cpu" and can_async
+    )
     for unit in config.units:
         module = applied.units[unit.name]
         if unit.forward_prefetch is not None:
             module.set_modules_to_forward_prefetch([applied.units[n] for n in unit.forward_prefetch])
         if unit.backward_prefetch is not None:
             module.set_modules_to_backward_prefetch([applied.units[n] for n in unit.backward_prefetch])
-        set_unshard_async(module, unshard_async)
+        if unshard_async:  # off is FSDP2's default
+            set_unshard_async(module, True)
         if config.reduce_scatter_max_input_buffers is not None:
-            if hasattr(module, "set_reduce_scatter_max_input_buffers"):
-                module.set_reduce_scatter_max_input_buffers(config.reduce_scatter_max_input_buffers, recurse=False)
-            else:
-                warnings.warn(
-                    f"reduce_scatter_max_input_buffers ignored: torch {torch.__version__} has no such FSDP2 setter",
-                    stacklevel=3,
-                )
+            set_reduce_scatter_max_input_buffers(module, config.reduce_scatter_max_input_buffers)
         if not unit.defer_concat:
             applied.eager_concat[unit.name] = EagerConcat(module)

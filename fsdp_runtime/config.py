@@ -161,9 +161,11 @@ class RuntimeConfig:
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     unshard_async: Literal["auto", "on", "off"] = "auto"
     """Issue all-gathers with ``async_op=True``. ``auto``: on for CPU devices, where it is
-    what makes prefetch overlap at all (see [Note: async unshard on CPU]); off on GPU."""
+    what makes prefetch overlap at all (see [Note: async unshard on CPU]), if this torch has
+    the private setter (every release read: [Note: torch versions]); off on GPU."""
     reduce_scatter_max_input_buffers: int | None = None
-    """Reduce-scatter input buffers in flight (FSDP2 experimental setter); ``None``: default."""
+    """Reduce-scatter input buffers in flight (FSDP2 experimental setter, torch >= 2.13: ``apply_fsdp``
+    refuses more than 1 on an older torch); ``None``: default (1)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     provenance: Provenance = field(default_factory=Provenance)
 

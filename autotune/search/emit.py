@@ -48,6 +48,7 @@ def _get_notes(ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] 
         )
     if settings.cluster:
         notes.append(f"collectives were held to the emulated links of cluster profile {settings.cluster!r}")
+    notes.extend(ctx.space.notes)  # knobs this torch cannot set, left out of the search
     return notes
 
 

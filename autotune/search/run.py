@@ -41,7 +41,7 @@ from autotune.search.results import SearchRecord, TrialRow, pick_best, write_res
 from autotune.search.settings import SearchError, SearchReporter, SearchSettings, SilentReporter
 from autotune.search.space import SearchSpace
 from autotune.search.study import claim_out_dir, close_interrupted, make_plan, open_study, resolve_plan
-from fsdp_runtime import RuntimeConfig
+from fsdp_runtime import RuntimeConfig, get_unsupported_knobs
 from profiles.sources import load_model_source
 
 
@@ -87,6 +87,8 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
     apply_pending(study, settings.out_dir / "pending")
     close_interrupted(study)
     space = make_space(settings, plan, device_type)
+    for note in space.notes:  # a knob this torch cannot set: left out of the space
+        reporter.on_phase(note)
     if created:
         study.enqueue_trial(space.get_default_params(), user_attrs={"is_default": True})
     reporter.on_start(plan, settings, len(study.get_trials(deepcopy=False)))
@@ -125,6 +127,7 @@ def make_space(settings: SearchSettings, plan: ModelPlan, device_type: str) -> S
         root_knobs=settings.root_knobs,
         embedding_names=embeddings,
         head_names=head,
+        unsupported_knobs=tuple(get_unsupported_knobs().items()),
     )
 
 

@@ -32,7 +32,8 @@ still hand-edit single units afterwards:
   parameter (``reshard_after_forward_shard4``): an int that this mesh cannot use is never
   sampled, instead of silently running as another point's config.
 - ``unshard_async`` (CPU only: ``off`` is torchtitan's default, ``on`` makes prefetch real)
-  and ``reduce_scatter_max_input_buffers``.
+  and ``reduce_scatter_max_input_buffers``. A knob the installed torch cannot set
+  (``fsdp_runtime.get_unsupported_knobs``) is not asked, and :attr:`SearchSpace.notes` says so.
 
 Memory knobs (schema 2), each family switched on by a :class:`SearchSpace` field (off by
 default: ``autotune plan``'s simulator does not model them yet):
@@ -104,6 +105,18 @@ class SearchSpace:
     """Mixed precision reduces and accumulates gradients in another dtype than the params':
     ``replica_last`` (which accumulates in the reduce dtype) then stays a choice on a shard
     group of one, where ``last`` accumulates in the param dtype ([Note: search-space parametrization])."""
+    unsupported_knobs: tuple[tuple[str, str], ...] = ()
+    """``(config field, why)`` for each knob the installed torch cannot set (``fsdp_runtime.get_unsupported_knobs``):
+    its parameter is never asked, so the config keeps FSDP2's default for it."""
+
+    @property
+    def notes(self) -> list[str]:
+        """One line per knob left out of the space."""
+        return [f"{name} not searched: {why}" for name, why in self.unsupported_knobs]
+
+    def _asks(self, param: str) -> bool:
+        unsupported = {name for name, _ in self.unsupported_knobs}
+        return _FIELD_OF_PARAM.get(param) not in unsupported
 
     def get_mesh_choices(self) -> list[str]:
         if self.fixed_mesh is not None:
@@ -120,10 +133,10 @@ class SearchSpace:
             "mesh": "fsdp" if "fsdp" in self.get_mesh_choices() else self.get_mesh_choices()[0],
             "forward_prefetch": "implicit",
             "backward_prefetch": "implicit",
-            "reduce_scatter_buffers": 1,
+            **({"reduce_scatter_buffers": 1} if self._asks("reduce_scatter_buffers") else {}),
         }
         params[self._get_reshard_key(self._get_shard_size(params["mesh"]))] = "true"
-        if self.device_type == "cpu":
+        if self.device_type == "cpu" and self._asks("unshard_async"):
             params["unshard_async"] = "off"
         if self.num_microbatches > 1:
             params.update(nosync_blocks="none")
@@ -160,9 +173,10 @@ class SearchSpace:
             self._get_reshard_key(shard): trial.suggest_categorical(
                 self._get_reshard_key(shard), self._get_reshard_choices(shard)
             ),
-            "reduce_scatter_buffers": trial.suggest_categorical("reduce_scatter_buffers", [1, 2]),
         }
-        if self.device_type == "cpu":
+        if self._asks("reduce_scatter_buffers"):
+            params["reduce_scatter_buffers"] = trial.suggest_categorical("reduce_scatter_buffers", [1, 2])
+        if self.device_type == "cpu" and self._asks("unshard_async"):
             params["unshard_async"] = trial.suggest_categorical("unshard_async", ["off", "on"])
         if self.num_microbatches > 1:
             params["nosync_blocks"] = trial.suggest_categorical("nosync_blocks", NOSYNC_PATTERNS)
@@ -351,6 +365,9 @@ def _reshard_value(choice: str, index: int, num_blocks: int, shard: int) -> bool
         raise ValueError(f"reshard_after_forward {choice!r} needs a proper divisor of the shard size {shard}")
     return divisor
 
+
+_FIELD_OF_PARAM = {"reduce_scatter_buffers": "reduce_scatter_max_input_buffers", "unshard_async": "unshard_async"}
+"""The config field each torch-dependent parameter sets (``fsdp_runtime.get_unsupported_knobs`` names fields)."""
 
 _SHORT = {
     "forward_prefetch": "fwd",

@@ -33,12 +33,14 @@ from _harness import reference_losses
 
 from autotune.search import SearchSpace
 from autotune.trials import run_ranks
-from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, config_to_dict, default_config
+from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, config_to_dict, default_config, get_unsupported_knobs
 from profiles import load_model_profile
 
 NUM_STEPS = 3
 NUM_MICROBATCHES = 2
 BLOCKS = [f"layers.{i}" for i in range(load_model_profile("tiny").shape.num_layers)]
+RS_BUFFERS = "reduce_scatter_max_input_buffers" not in get_unsupported_knobs()
+"""The installed torch can set the reduce-scatter buffer cap (2.13 on: [Note: torch versions])."""
 # Relative tolerance for knobs that reorder sums: float32 sums of a few terms differ in the
 # last bits (~1e-7 relative); after 3 AdamW steps at lr 1e-3 the loss moves < 1e-5.
 REORDER_RTOL = 1e-5
@@ -161,6 +163,8 @@ def world2() -> dict[str, list[dict]]:
         ),
         "all_last_ac_full": _point(**ALL_LAST, ac_units="every_2nd", ac_kind="full"),
     }
+    if not RS_BUFFERS:  # apply_fsdp refuses it there: one refused config would fail the whole run
+        del configs["rs_buffers2"]
     return _run(2, configs)
 
 
@@ -174,7 +178,7 @@ def world2() -> dict[str, list[dict]]:
         "prefetch_none",
         "no_reshard_after_forward",
         "no_reshard_after_backward",
-        "rs_buffers2",
+        pytest.param("rs_buffers2", marks=pytest.mark.skipif(not RS_BUFFERS, reason="torch < 2.13: refused")),
     ],
 )
 def test_order_preserving_knobs_are_bitwise_equal_to_defaults(world2, knob):

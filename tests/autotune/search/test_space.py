@@ -8,7 +8,7 @@ import optuna
 import pytest
 
 from autotune.search import SearchSpace, describe_params
-from fsdp_runtime import default_config, validate_config, validate_for_world
+from fsdp_runtime import RuntimeConfig, default_config, validate_config, validate_for_world
 
 BLOCKS = tuple(f"layers.{i}" for i in range(4))
 
@@ -292,3 +292,82 @@ def test_every_sampled_config_with_memory_knobs_is_valid(world_size):
         study.tell(trial, 1.0)
     # On 2 ranks HSDP is 2x1, which has no replica level: the root's level is the FSDP parameter there.
     assert SCHEMA2_PARAMS - ({"root_sync_hsdp"} if world_size == 2 else set()) <= seen_params
+
+
+UNSUPPORTED = {  # config field -> (the parameter it is searched as, why this torch cannot set it)
+    "reduce_scatter_max_input_buffers": (
+        "reduce_scatter_buffers",
+        "needs torch >= 2.13 (pytorch #186000); torch 2.12.0 has no FSDPModule.set_reduce_scatter_max_input_buffers",
+    ),
+    "unshard_async": (
+        "unshard_async",
+        "needs torch >= 2.6 (pytorch #135523); torch 2.99 has no FSDPModule._set_unshard_async_op",
+    ),
+}
+
+
+@pytest.mark.parametrize("field", sorted(UNSUPPORTED))
+def test_a_knob_this_torch_cannot_set_is_never_asked_and_said_in_one_line(field):
+    param, why = UNSUPPORTED[field]
+    space = _space(unsupported_knobs=((field, why),))
+    assert space.notes == [f"{field} not searched: {why}"]
+    assert param not in space.get_default_params()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(20):
+        trial = study.ask()
+        config = space.suggest(trial)
+        assert param not in trial.params
+        assert getattr(config, field) == getattr(RuntimeConfig(), field)  # the field's default: FSDP2's own
+        study.tell(trial, 1.0)
+    full = _space()  # the installed torch's probe is not the space's business: nothing left out unless told
+    assert param in full.get_default_params() and full.notes == []
+
+
+def test_the_search_takes_the_probe_and_prints_its_line(tmp_path, monkeypatch):
+    """``run_search`` builds its space from ``fsdp_runtime.get_unsupported_knobs`` and says what it left
+    out through the reporter before any trial (stopped here where the rank pool would open)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    import autotune.search.run as search_run
+    from autotune.search import SearchSettings, run_search
+
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_max_input_buffers", raising=False)
+    spaces, phases = [], []
+    make_space = search_run.make_space
+    monkeypatch.setattr(search_run, "make_space", lambda *a: spaces.append(make_space(*a)) or spaces[-1])
+
+    class Stop(Exception):
+        pass
+
+    def no_pool(settings):
+        raise Stop
+
+    monkeypatch.setattr(search_run, "open_pool", no_pool)
+    reporter = type("R", (), {"on_phase": lambda self, m: phases.append(m), "on_start": lambda self, *a: None})()
+    with pytest.raises(Stop):
+        run_search(SearchSettings(model="tiny", world_size=2, out_dir=tmp_path / "run"), reporter=reporter)
+    (space,) = spaces
+    assert "reduce_scatter_buffers" not in space.get_default_params()
+    assert phases == space.notes and phases[0].startswith(
+        "reduce_scatter_max_input_buffers not searched: needs torch >= 2.13 (pytorch #186000); torch "
+    )
+
+
+def test_the_emitted_config_records_what_was_left_out(tmp_path):
+    from types import SimpleNamespace
+
+    from autotune.search.emit import emit_best
+    from fsdp_runtime import load_config
+
+    field = "reduce_scatter_max_input_buffers"
+    space = _space(unsupported_knobs=((field, UNSUPPORTED[field][1]),))
+    ctx = SimpleNamespace(
+        space=space,
+        settings=SimpleNamespace(sampler="tpe", num_trials=1, world_size=4, cluster=None),
+        plan=SimpleNamespace(requested=SimpleNamespace(name="tiny"), proxy_name=None, is_proxy=False),
+        write_dir=tmp_path,
+    )
+    config = space.build_config(space.get_default_params())
+    best = SimpleNamespace(number=0, step_ms=1.0, ratio=1.0)
+    path = emit_best(ctx, config, best=best, default=None, confirmation=None, consolidation={})
+    assert load_config(path).provenance.notes[-1] == space.notes[0]

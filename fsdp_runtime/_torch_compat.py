@@ -1,0 +1,116 @@
+"""Where the torch releases fsdp_runtime supports differ: each difference probed on the live objects.
+
+[Note: torch versions]
+Read from the ``torch/distributed/fsdp/_fully_shard/`` of the 2.11.0, 2.12.0, 2.13.0 and 2.14.1
+wheels; only what this project touches:
+
+- The param groups of an ``FSDPState``. 2.11: ``_fsdp_param_group``, one ``FSDPParamGroup`` or
+  None. Since 2.12 (pytorch #173509, per-parameter meshes): ``_fsdp_param_groups``, a list;
+  ``_fsdp_param_group`` is then a property that raises with more than one group, so the list is
+  probed first and the property never read.
+- The comm context's reduce-scatter state. 2.11: ``reduce_scatter_state``, one or None. Since
+  2.12 (pytorch #177319): ``reduce_scatter_states``, a list; since 2.13 capped by
+  ``reduce_scatter_max_input_buffers``. fsdp_runtime reads neither (only the knob that sets
+  the cap), so no branch here needs them.
+- ``FSDPModule.set_reduce_scatter_max_input_buffers``: 2.13 on (pytorch #186000; not in 2.12).
+  Before it FSDP2 kept exactly one buffer, so a config asking for 1 is met on every release.
+- ``FSDPModule._set_unshard_async_op``: every release read (added in 2.6, pytorch #135523);
+  private, so probed like a setter that may go.
+- The same in all four: ``_get_fsdp_state``, ``set_requires_gradient_sync`` /
+  ``set_requires_all_reduce`` / ``set_reshard_after_backward`` (keyword ``recurse``),
+  ``set_modules_to_{forward,backward}_prefetch``, ``fully_shard`` of a module list with an int
+  ``reshard_after_forward``, ``FSDPState._states_to_{forward,backward}_prefetch``; per param group
+  ``post_backward`` (called through the instance, so a per-instance wrapper takes effect),
+  ``reduce_grads``, ``fsdp_params``, ``_with_fqn``; per ``FSDPParam``
+  ``unsharded_accumulated_grad`` and ``_unsharded_param``.
+
+2.15 was not read (the machine this was written on installs up to 2.14.1). Nothing here parses
+a version string: each branch is taken by what the object has, so a 2.15 with either layout
+takes its branch, and one with neither fails with one line naming the attribute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+MIN_TORCH = "2.11"
+"""The oldest torch whose FSDP2 layout this module covers (pyproject's floor)."""
+REDUCE_SCATTER_BUFFERS_SINCE = "2.13"
+"""``FSDPModule.set_reduce_scatter_max_input_buffers``: pytorch #186000, first released in 2.13."""
+UNSHARD_ASYNC_SINCE = "2.6"
+"""``FSDPModule._set_unshard_async_op``: pytorch #135523, first released in 2.6."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchKnob:
+    """A runtime-config field that only some torch releases can set."""
+
+    field: str
+    """The config field that asks for it."""
+    method: str
+    """The ``FSDPModule`` method that sets it: whether the class has it is the probe."""
+    since: str
+    """The first torch release with ``method``."""
+    source: str
+    """Where ``since`` comes from."""
+
+    def get_reason(self) -> str:
+        return f"needs torch >= {self.since} ({self.source}); torch {torch.__version__} has no FSDPModule.{self.method}"
+
+
+KNOBS = (
+    TorchKnob(
+        field="reduce_scatter_max_input_buffers",
+        method="set_reduce_scatter_max_input_buffers",
+        since=REDUCE_SCATTER_BUFFERS_SINCE,
+        source="pytorch #186000",
+    ),
+    TorchKnob(
+        field="unshard_async", method="_set_unshard_async_op", since=UNSHARD_ASYNC_SINCE, source="pytorch #135523"
+    ),
+)
+_KNOB_BY_FIELD = {knob.field: knob for knob in KNOBS}
+
+
+def get_unsupported_knobs(fsdp_module_class: type = FSDPModule) -> dict[str, str]:
+    """The config fields this torch cannot set, each with one line saying why (empty: all of them work)."""
+    return {knob.field: knob.get_reason() for knob in KNOBS if not hasattr(fsdp_module_class, knob.method)}
+
+
+def get_param_groups(state: Any) -> list[Any]:
+    """An ``FSDPState``'s ``FSDPParamGroup``s, in either layout ([Note: torch versions])."""
+    if hasattr(state, "_fsdp_param_groups"):  # 2.12+: first, the singular property raises with several groups
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):  # 2.11: one optional group
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    raise RuntimeError(
+        f"torch {torch.__version__}: {type(state).__name__} has neither _fsdp_param_groups (torch >= 2.12) "
+        f"nor _fsdp_param_group (torch 2.11); fsdp_runtime reads FSDP2's param groups from one of them"
+    )
+
+
+def set_unshard_async(module: Any, enabled: bool) -> None:
+    """``_set_unshard_async_op`` on ``module`` and its FSDP children; see [Note: async unshard on CPU]."""
+    _require(module, "unshard_async")
+    module._set_unshard_async_op(enabled)
+
+
+def set_reduce_scatter_max_input_buffers(module: Any, num_buffers: int) -> None:
+    """Cap this unit's reduce-scatter input buffers in flight (not its children's).
+
+    Without the setter (torch < 2.13) FSDP2 keeps one buffer, so ``1`` is met as it is."""
+    if num_buffers == 1 and not hasattr(module, _KNOB_BY_FIELD["reduce_scatter_max_input_buffers"].method):
+        return
+    _require(module, "reduce_scatter_max_input_buffers")
+    module.set_reduce_scatter_max_input_buffers(num_buffers, recurse=False)
+
+
+def _require(module: Any, field: str) -> None:
+    knob = _KNOB_BY_FIELD[field]
+    if not hasattr(module, knob.method):
+        raise RuntimeError(f"{knob.field}: {knob.get_reason()}")

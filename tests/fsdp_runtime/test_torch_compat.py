@@ -1,0 +1,183 @@
+"""The torch-version layer: each branch on stand-ins of each release's layout, then the live path on
+the installed torch, and the refusal of a knob it cannot set (the search space leaving it out:
+tests/autotune/test_space.py)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_runtime import ConfigError, RuntimeConfig, apply_fsdp
+from fsdp_runtime import _torch_compat as compat
+from fsdp_runtime._fsdp_private import get_param_groups
+from profiles import build_model, load_model_profile
+
+# -- stand-ins of each release's layout ([Note: torch versions])
+
+
+class _State211:
+    """torch 2.11: one optional param group."""
+
+    def __init__(self, group):
+        self._fsdp_param_group = group
+
+
+class _State212:
+    """torch 2.12+: a list, and the singular a property that raises with several groups."""
+
+    def __init__(self, groups):
+        self._fsdp_param_groups = groups
+
+    @property
+    def _fsdp_param_group(self):
+        if len(self._fsdp_param_groups) > 1:
+            raise AssertionError("Expected at most 1 param group for backward compatibility")
+        return self._fsdp_param_groups[0] if self._fsdp_param_groups else None
+
+
+class _Module211:
+    """An FSDPModule of 2.11 or 2.12: the async setter, no reduce-scatter buffer setter."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _set_unshard_async_op(self, async_op):
+        self.calls.append(("unshard_async", async_op))
+
+
+class _Module213(_Module211):
+    """An FSDPModule of 2.13+: both setters."""
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers, *, recurse=True):
+        self.calls.append(("rs_buffers", max_input_buffers, recurse))
+
+
+class _ModuleWithoutSetters:
+    """A release that dropped the private async setter too."""
+
+    calls: list = []
+
+
+def test_param_groups_of_2_11_singular_layout():
+    group = object()
+    assert compat.get_param_groups(_State211(group)) == [group]
+    assert compat.get_param_groups(_State211(None)) == []
+
+
+def test_param_groups_of_2_12_plural_layout_never_read_the_singular_property():
+    groups = [object(), object()]  # two groups: the singular property would raise
+    state = _State212(groups)
+    got = compat.get_param_groups(state)
+    assert got == groups and got is not groups
+    assert compat.get_param_groups(_State212([])) == []
+
+
+def test_param_groups_of_an_unknown_layout_fail_in_one_line():
+    with pytest.raises(RuntimeError) as e:
+        compat.get_param_groups(object())
+    message = str(e.value)
+    assert "\n" not in message and "_fsdp_param_groups (torch >= 2.12)" in message
+    assert "_fsdp_param_group (torch 2.11)" in message and torch.__version__ in message
+
+
+def test_unsupported_knobs_are_probed_on_the_class():
+    assert compat.get_unsupported_knobs(_Module213) == {}
+    (only,) = compat.get_unsupported_knobs(_Module211).items()
+    assert only == (
+        "reduce_scatter_max_input_buffers",
+        f"needs torch >= 2.13 (pytorch #186000); torch {torch.__version__} has no "
+        "FSDPModule.set_reduce_scatter_max_input_buffers",
+    )
+    assert set(compat.get_unsupported_knobs(_ModuleWithoutSetters)) == {
+        "reduce_scatter_max_input_buffers",
+        "unshard_async",
+    }
+    assert "torch >= 2.6 (pytorch #135523)" in compat.get_unsupported_knobs(_ModuleWithoutSetters)["unshard_async"]
+
+
+def test_reduce_scatter_buffers_setter_with_and_without_it():
+    module = _Module213()
+    compat.set_reduce_scatter_max_input_buffers(module, 2)
+    assert module.calls == [("rs_buffers", 2, False)]  # this unit only: each unit sets its own
+    old = _Module211()
+    compat.set_reduce_scatter_max_input_buffers(old, 1)  # one buffer is what FSDP2 did before the setter
+    assert old.calls == []
+    with pytest.raises(RuntimeError, match=r"^reduce_scatter_max_input_buffers: needs torch >= 2\.13 "):
+        compat.set_reduce_scatter_max_input_buffers(old, 2)
+
+
+def test_unshard_async_setter_with_and_without_it():
+    module = _Module211()
+    compat.set_unshard_async(module, True)
+    assert module.calls == [("unshard_async", True)]
+    with pytest.raises(RuntimeError, match=r"^unshard_async: needs torch >= 2\.6 "):
+        compat.set_unshard_async(_ModuleWithoutSetters(), True)
+
+
+def test_the_package_floor_is_the_oldest_layout_covered():
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    (torch_req,) = [d for d in pyproject["project"]["dependencies"] if d.split(">")[0].strip() == "torch"]
+    assert torch_req.replace(" ", "") == f"torch>={compat.MIN_TORCH}"
+
+
+# -- the installed torch, real FSDP on a one-rank gloo group
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_rank_group():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _tiny():
+    return build_model(load_model_profile("tiny"), seed=0)
+
+
+@pytest.mark.skipif(
+    not hasattr(FSDPModule, "set_reduce_scatter_max_input_buffers"), reason="torch < 2.13: refused, tested below"
+)
+def test_live_param_groups_and_setters_on_the_installed_torch():
+    model = _tiny()
+    applied = apply_fsdp(model, RuntimeConfig(reduce_scatter_max_input_buffers=2, unshard_async="on"))
+    for name, module in applied.units.items():
+        groups = get_param_groups(module)
+        assert len(groups) == 1, name  # one mesh per unit: one group in either layout
+        unit_params = {id(p) for p in module.parameters()}
+        assert {id(p.sharded_param) for p in groups[0].fsdp_params} <= unit_params
+        assert groups[0].reduce_scatter_max_input_buffers == 2 and groups[0].unshard_async_op, name
+    # The config's run survives a forward and backward with both knobs set.
+    model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+
+
+def _drop(monkeypatch, method):
+    monkeypatch.delattr(FSDPModule, method, raising=False)  # the installed torch as an older one would be
+
+
+def test_a_knob_this_torch_cannot_set_is_refused_in_one_line_before_sharding(monkeypatch):
+    _drop(monkeypatch, "set_reduce_scatter_max_input_buffers")
+    model = _tiny()
+    with pytest.raises(ConfigError) as e:
+        apply_fsdp(model, RuntimeConfig(reduce_scatter_max_input_buffers=2))
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("reduce_scatter_max_input_buffers: needs torch >= 2.13 (pytorch #186000); ")
+    assert f"torch {torch.__version__} has no FSDPModule.set_reduce_scatter_max_input_buffers" in message
+    assert not any(isinstance(m, FSDPModule) for m in model.modules())
+    # One buffer is FSDP2's behaviour on every release: met, not refused.
+    applied = apply_fsdp(_tiny(), RuntimeConfig(reduce_scatter_max_input_buffers=1))
+    assert all(get_param_groups(m) for n, m in applied.units.items() if n != "root")
+
+
+def test_async_unshard_without_its_setter_refuses_on_and_leaves_auto_off(monkeypatch):
+    _drop(monkeypatch, "_set_unshard_async_op")
+    with pytest.raises(ConfigError, match=r"^unshard_async: needs torch >= 2\.6 \(pytorch #135523\)"):
+        apply_fsdp(_tiny(), RuntimeConfig(unshard_async="on"))
+    applied = apply_fsdp(_tiny(), RuntimeConfig(unshard_async="auto"), device_type="cpu")
+    assert not any(g.unshard_async_op for m in applied.units.values() for g in get_param_groups(m))
