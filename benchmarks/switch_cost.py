@@ -15,6 +15,13 @@ the median step time, training-thread CPU time and page faults with their interq
 ranges, and the pair ratios a one-step ABBA measurement would see. ``--model wide`` is
 ``benchmarks/models/wide.toml`` (dim 512, 2 blocks, batch 1, seq 256). See [Note: switch
 cost] in ``autotune/trials/paired.py``.
+
+``--estimators PAIRS`` measures the two sides with the paired measurement itself, on the same
+two models in one launch: per round (``--runs``), a window of PAIRS one-step ABBA pairs (the
+measurement before settle steps) and a window with settle steps, in alternating order; it
+prints the median pair ratio at odd and even positions, the gap between them, each method's
+estimate (median of pairs; median of ABBA blocks) with its interquartile range, and the steps
+each method ran.
 """
 
 from __future__ import annotations
@@ -97,6 +104,85 @@ def rank_main(
     return records
 
 
+def estimators_main(
+    rank: int, world_size: int, *, model: str, configs: dict, pairs: int, rounds: int, warmup: int, cluster: str | None
+) -> list[dict]:
+    """The paired measurement itself on the same two models: per round, ``pairs`` ABBA pairs of
+    one-step sides (``settle=False``, the measurement before issue 27) and ``pairs`` pairs with
+    settle steps, the two in alternating order; each window's pair times."""
+    import torch
+
+    from autotune.trials import LinkEmulator
+    from autotune.trials.paired import Side, run_pairs, step_side
+    from autotune.trials.program import timed_step, tune_heap
+    from profiles import load_cluster_profile
+
+    device = torch.device("cpu")
+    tune_heap(device)
+    sides = {
+        name: Side(
+            training=build_training(rank, world_size, model=model, config=configs[name]),
+            emulator=LinkEmulator.from_cluster(load_cluster_profile(cluster)) if cluster else None,
+        )
+        for name in ("candidate", "reference")
+    }
+    for side in sides.values():
+        for _ in range(warmup):
+            step_side(side, device, timed_step)
+    windows = []
+    for r in range(rounds):
+        for settle in (False, True) if r % 2 == 0 else (True, False):
+            for side in sides.values():
+                side.clear()
+            last = "reference"  # run_pairs starts with the reference; a settle step first puts it there
+            step_side(sides["reference"], device, timed_step, settle=True)
+            run_pairs(
+                sides,
+                num_pairs=pairs,
+                device=device,
+                timed_step=timed_step,
+                prune_if_ratio_above=None,
+                last=last,
+                settle=settle,
+            )
+            windows.append(
+                {
+                    "settle": settle,
+                    "candidate_ms": list(sides["candidate"].step_ms),
+                    "reference_ms": list(sides["reference"].step_ms),
+                    "candidate_settle_ms": list(sides["candidate"].settle_ms),
+                    "reference_settle_ms": list(sides["reference"].settle_ms),
+                }
+            )
+    return windows
+
+
+def _print_estimators(windows: list[dict]) -> None:
+    from autotune.trials.paired import get_block_ratios, get_ratios
+
+    print(f"{'measurement':34} {'pairs 1,3,5..':>14} {'pairs 2,4,6..':>14} {'gap':>7} {'estimate (IQR)':>26} steps")
+    for settle in (False, True):
+        mine = [w for w in windows if w["settle"] == settle]
+        ratios = [get_ratios(w["candidate_ms"], w["reference_ms"]) for w in mine]
+        odd = [x for r in ratios for x in r[0::2]]
+        even = [x for r in ratios for x in r[1::2]]
+        if settle:
+            units = [b for w in mine for b in get_block_ratios(w["candidate_ms"], w["reference_ms"])]
+            name = "settle steps, median of blocks"
+        else:
+            units = [x for r in ratios for x in r]
+            name = "one-step pairs, median of pairs"
+        steps = sum(len(w["candidate_ms"]) + len(w["reference_ms"]) + len(w["candidate_settle_ms"]) for w in mine)
+        steps += sum(len(w["reference_settle_ms"]) for w in mine)
+        gap = statistics.median(odd) / statistics.median(even) - 1
+        q = statistics.quantiles(units, n=4, method="inclusive")
+        estimate = f"{statistics.median(units):.3f} ({q[0]:.3f}-{q[2]:.3f})"
+        print(
+            f"{name:34} {statistics.median(odd):>14.3f} {statistics.median(even):>14.3f} {100 * gap:>+6.1f}% "
+            f"{estimate:>26} {steps}"
+        )
+
+
 def _fmt(values: list[float], digits: int = 1) -> str:
     if not values:
         return "-"
@@ -158,6 +244,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--gap", choices=["switch", "sleep", "twin"], default="switch")
     parser.add_argument("--cluster", default=None, help="emulate this cluster's links (e.g. cpu-emulated-ib)")
+    parser.add_argument(
+        "--estimators",
+        type=int,
+        default=0,
+        metavar="PAIRS",
+        help="instead: the paired measurement with and without settle steps, PAIRS pairs a window, --runs rounds",
+    )
     args = parser.parse_args()
     model = str(WIDE) if args.model == "wide" else args.model
     blocks = load_model_profile(model).unit_names[:-1]
@@ -165,6 +258,25 @@ def main() -> None:
         "reference": config_to_dict(default_config(blocks, num_microbatches=args.microbatches)),
         "candidate": get_candidate(blocks, args.candidate, args.microbatches),
     }
+    if args.estimators:
+        run = run_ranks(
+            "switch_cost:estimators_main",
+            world_size=2,
+            kwargs={
+                "model": model,
+                "configs": configs,
+                "pairs": args.estimators,
+                "rounds": args.runs,
+                "warmup": args.warmup,
+                "cluster": args.cluster,
+            },
+            timeout_s=3600,
+        )
+        if not run.ok:
+            sys.exit(f"benchmark failed: {run.status}: {run.reason}")
+        print(f"model {args.model}, candidate {args.candidate}, cluster {args.cluster}, {args.runs} rounds")
+        _print_estimators(run.results[0])
+        return
     if args.gap == "switch":
         records = _launch(model, configs, args)
     else:  # each config alone (sleep) or against a twin of itself, in a launch of its own
