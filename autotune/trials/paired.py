@@ -39,7 +39,8 @@ first step of a config after a step of the other is slower than its next ones. M
 4 microbatches, links emulated as ``cpu-emulated-ib``; the defaults against ``sync = "last"``
 with reshard after backward, in runs of 3 steps): the step right after a switch took 8-10%
 longer than the settled steps of the same config on *both* sides, and most of it was CPU
-time of the training thread (+95 ms of 1,140 ms), not waiting. Two controls locate it:
+time of the training thread (+95 ms of 1,140 ms), not waiting; its size varies from run to
+run and with the configs (0-10% of a step in the README's table, 40% on issue 27's finalists). Two controls locate it:
 the same config against a second model of the *same* config (``--gap twin``) pays nothing,
 and one config alone with an idle pause as long as the other side's run in its place
 (``--gap sleep``) pays nothing. So it is neither the second model's presence nor idleness
