@@ -393,3 +393,61 @@ def test_a_worker_at_the_trial_count_waits_for_other_workers_trials(tmp_path):
     unseen.set_user_attr("worker", "otherhost:2")
     wait_for_other_workers(study, timeout_s=0.5, poll_s=0.1)
     assert study.get_trials()[unseen.number].state.name == "RUNNING"  # left for --resume, not failed
+
+
+def _start_search(settings: SearchSettings, monkeypatch) -> tuple[SearchSpace, list[str]]:
+    """``run_search`` up to where its rank pool would open: the space it built and the lines it said."""
+    import autotune.search.run as search_run
+
+    spaces, phases = [], []
+    make_space = search_run.make_space
+    monkeypatch.setattr(search_run, "make_space", lambda *a, **k: spaces.append(make_space(*a, **k)) or spaces[-1])
+
+    class Stop(Exception):
+        pass
+
+    def no_pool(settings):
+        raise Stop
+
+    monkeypatch.setattr(search_run, "open_pool", no_pool)
+    reporter = SimpleNamespace(on_phase=phases.append, on_start=lambda *a: None)
+    with pytest.raises(Stop):
+        run_search(settings, reporter=reporter)
+    return spaces[0], phases
+
+
+def test_on_cuda_the_search_runs_bf16_and_names_cuda_device_max_connections(fake_cuda, tmp_path, monkeypatch):
+    """On CUDA (torch asked, no kernel run): every config of the space in bf16 params / fp32 reduction, the
+    plan of a CUDA cluster in the same precision, and CUDA_DEVICE_MAX_CONNECTIONS=1 said in one line with its fix."""
+    from autotune.plan import PlanSettings, get_plan_precision
+    from autotune.search.run import get_environment_notes
+    from autotune.sim import Hardware
+    from autotune.trials import get_overlap_warning
+    from fsdp_runtime import MixedPrecisionConfig
+    from profiles import load_cluster_profile
+
+    fake_cuda.num_devices = 2
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    space, phases = _start_search(_settings(tmp_path / "run"), monkeypatch)
+    bf16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
+    assert space.device_type == "cuda" and space.mixed_precision == bf16
+    assert space.build_config(space.get_default_params()).mixed_precision == bf16
+    line = get_overlap_warning({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "cuda")
+    assert phases.count(line) == 1 and get_environment_notes("cuda") == [line]  # finish_search records the same
+    # `autotune plan` on a CUDA cluster resolves the same default, from the cluster's device.
+    h100 = Hardware(load_cluster_profile("h100-node"), 1)
+    assert get_plan_precision(PlanSettings(), h100) == bf16
+    fp32 = MixedPrecisionConfig(param_dtype="float32", reduce_dtype="float32")
+    assert get_plan_precision(PlanSettings(param_dtype="float32"), h100) == fp32
+    # Unset (or on CPU), nothing is said.
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert get_environment_notes("cuda") == [] and get_environment_notes("cpu") == []
+
+
+def test_a_study_resumed_in_another_precision_is_refused(tmp_path, monkeypatch):
+    space, _ = _start_search(_settings(tmp_path / "run", param_dtype="bfloat16"), monkeypatch)
+    assert space.mixed_precision.param_dtype == "bfloat16" and space.device_type == "cpu"
+    with pytest.raises(SearchError, match=r"was run with mixed_precision=.*'bfloat16'.*not .*'float32'"):
+        _start_search(_settings(tmp_path / "run", resume=True), monkeypatch)
+    with pytest.raises(SearchError, match=r"--search-reduce-dtype searches the reduce dtype"):
+        _settings(tmp_path, search_reduce_dtype=True, reduce_dtype="bfloat16")
