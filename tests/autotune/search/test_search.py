@@ -451,3 +451,32 @@ def test_a_study_resumed_in_another_precision_is_refused(tmp_path, monkeypatch):
         _start_search(_settings(tmp_path / "run", resume=True), monkeypatch)
     with pytest.raises(SearchError, match=r"--search-reduce-dtype searches the reduce dtype"):
         _settings(tmp_path, search_reduce_dtype=True, reduce_dtype="bfloat16")
+
+
+@pytest.mark.multirank
+def test_a_bf16_search_runs_every_trial_in_bf16_and_emits_it(tmp_path, monkeypatch):
+    """``autotune search --param-dtype bfloat16`` on CPU: every trial's config (the defaults', which is
+    every trial's reference, too) and the emitted config carry it; env.json records the overlap variables."""
+    from fsdp_runtime import MixedPrecisionConfig
+
+    out = tmp_path / "run"
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # recorded by every rank; said only on CUDA
+    args = ["--model", "tiny", "--trials", "3", "--confirm-pairs", "1", "--param-dtype", "bfloat16", "--json"]
+    done = subprocess.run(
+        _cli(*args, "--out", str(out)), cwd=REPO, env=env, capture_output=True, text=True, timeout=500
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    bf16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
+    assert load_config(out / "best.toml").mixed_precision == bf16
+    assert '[mixed_precision]\nparam_dtype = "bfloat16"' in (out / "best.toml").read_text()
+    record = json.loads((out / "search.json").read_text())
+    assert record["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    assert record["notes"] == []
+    rows = json.loads((out / "results.json").read_text())["trials"]
+    trial_dirs = [out / r["trial_dir"] for r in rows if r.get("trial_dir")]
+    assert rows[0]["is_default"] and (out / rows[0]["trial_dir"]) in trial_dirs and len(trial_dirs) >= 2
+    configs = sorted(out.rglob("config.toml"))  # the trials', the warm-up's and the final round's
+    assert set(d / "config.toml" for d in trial_dirs) <= set(configs)
+    assert all(load_config(p).mixed_precision == bf16 for p in configs), configs
+    overlap = json.loads((trial_dirs[0] / "env.json").read_text())["overlap_env"]
+    assert overlap["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
