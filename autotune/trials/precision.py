@@ -139,7 +139,7 @@ def check_fits_gpu(
     if total_memory is None:
         import torch
 
-        total_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        total_memory = torch.cuda.get_device_properties(0).total_memory  # ranks take devices 0..nproc-1, alike
     num_params, largest = _count_params(source)
     need = get_min_gpu_bytes(num_params, largest, world_size, mp)
     if need > total_memory:

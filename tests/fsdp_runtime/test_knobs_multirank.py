@@ -353,12 +353,16 @@ def _precision_point(param_dtype: str, reduce_dtype: str) -> RuntimeConfig:
 
 
 # bf16 reduction rounds each reduced gradient element to bf16's 8-bit mantissa (relative error
-# up to 2^-9 = 0.2%) before it is accumulated in float32; AdamW divides by the gradients' own
-# scale, so a weight's update moves by about that share of lr (1e-3), and 3 steps of that move
-# the loss by far less than bf16 compute itself does. Measured at world 2 (tiny, 3 steps x 2
-# microbatches): see BF16_REDUCE_RTOL. bf16 compute vs fp32 moves the loss in its third digit.
-BF16_REDUCE_RTOL = 1e-3
-BF16_PARAMS_RTOL = 2e-2
+# up to 2^-9, 0.2%) before it is accumulated in float32; AdamW divides by the gradients' own
+# scale, so a weight's update moves by at most about that share of lr (1e-3) per step, and the
+# loss of 3 steps by far less. Measured at world 2 (tiny, 3 steps x 2 microbatches, seed 0,
+# torch 2.13 CPU): bf16 vs fp32 reduction 2.1e-5 at most, bf16 vs fp32 params 1.8e-5. Both are
+# small because tiny's loss sits at ln(vocab) (near-uniform logits, see the test below), which
+# first-order perturbations barely move. The bounds: 5x the measured reduce gap; and for bf16
+# compute, whose rounding enters every matmul input (forward and backward) and grows with depth
+# and width rather than once per reduced element, 10x that.
+BF16_REDUCE_RTOL = 1e-4
+BF16_PARAMS_RTOL = 1e-3
 
 
 @pytest.mark.multirank
