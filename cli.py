@@ -40,6 +40,25 @@ def make_console(*, stderr: bool = False) -> Console:
 err_console = make_console(stderr=True)
 console = make_console()
 
+# One definition of the precision options for search, trial and plan; resolved in
+# autotune.trials.resolve_precision ([Note: precision defaults]).
+ParamDtype = Annotated[
+    str | None,
+    typer.Option(
+        "--param-dtype",
+        help="Dtype of the unsharded parameters (compute) in every trial: float32, bfloat16 or float16. Default: bfloat16 on CUDA (as torchtitan trains), float32 on CPU (CPU bf16 matmuls are slow). trial --config keeps the config's own mixed_precision table unless this is given.",
+        show_default=False,
+    ),
+]
+ReduceDtype = Annotated[
+    str | None,
+    typer.Option(
+        "--reduce-dtype",
+        help="Dtype of gradient reduction in every trial: float32, bfloat16 or float16. Default: float32 (CUDA and CPU). trial --config keeps the config's own mixed_precision table unless this is given.",
+        show_default=False,
+    ),
+]
+
 
 @app.command()
 def validate(
@@ -281,6 +300,15 @@ def search(
             "--presearch-top", help="Configs --presearch measures; default: every trial before the refinement."
         ),
     ] = None,
+    param_dtype: ParamDtype = None,
+    reduce_dtype: ReduceDtype = None,
+    search_reduce_dtype: Annotated[
+        bool,
+        typer.Option(
+            "--search-reduce-dtype",
+            help="Also search the reduce dtype (float32 or bfloat16; bfloat16 halves reduce-scatter bytes and changes the sums). The defaults trial reduces in float32.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout (no progress).")] = False,
 ) -> None:
     """Search the FSDP2 knobs with Optuna; write the best config, a results table and the report."""
@@ -311,6 +339,9 @@ def search(
         heartbeat_s=heartbeat,
         presearch=presearch,
         presearch_top_k=presearch_top,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        search_reduce_dtype=search_reduce_dtype,
     )
     _run_search(settings, as_json=as_json)
 
@@ -398,16 +429,21 @@ def trial(
             "--write-spec", help="Only write the trial spec JSON for `torchrun -m autotune.trials.torchrun --spec`."
         ),
     ] = None,
+    param_dtype: ParamDtype = None,
+    reduce_dtype: ReduceDtype = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics.json on stdout.")] = False,
 ) -> None:
     """Run one trial: N ranks, warm-up, timed steps, a profiled window; exit 1 if the trial failed."""
     import json
 
-    from autotune.trials import TrialSpec, load_trial_config, run_trial
+    from autotune.trials import TrialSpec, check_trial_machine, resolve_trial_config, run_trial
 
+    runtime_config, notes = resolve_trial_config(
+        config, model, backend=backend, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+    )
     spec = TrialSpec(
         model=model,
-        config=load_trial_config(config, model),
+        config=runtime_config,
         world_size=nproc,
         out_dir=out,
         num_warmup=warmup,
@@ -419,6 +455,9 @@ def trial(
         seed=seed,
         **({"backend": backend} if backend else {}),
     )
+    check_trial_machine(spec, local=write_spec is None)
+    for note in notes:  # markup off: the note names [mixed_precision]
+        err_console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     if write_spec is not None:
         spec.write(write_spec)
         console.print(
@@ -479,6 +518,8 @@ _FLAGS = {
     "heartbeat_s": "--heartbeat",
     "presearch": "--presearch",
     "presearch_top_k": "--presearch-top",
+    "param_dtype": "--param-dtype",
+    "reduce_dtype": "--reduce-dtype",
 }
 
 
@@ -530,6 +571,8 @@ def plan(
             help="Also rank blocks per unit, the root's knobs and (with --ac auto) checkpointing per unit, for the fastest configs.",
         ),
     ] = True,
+    param_dtype: ParamDtype = None,
+    reduce_dtype: ReduceDtype = None,
 ) -> None:
     """Rank every config of the search space in the FSDP2 step simulator for a GPU cluster; emit the best (provenance: simulated)."""
     from autotune.plan import PlanSettings, run_plan
@@ -545,6 +588,8 @@ def plan(
         num_top=top,
         exact=exact,
         memory_knobs=memory_knobs,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
         **({"num_workers": workers} if workers is not None else {}),
     )
     reporter = _RichPlanReporter()

@@ -9,7 +9,15 @@ search, sim and report (upstream), never the reverse.
 """
 
 from autotune.plan.record import PlanRecord
-from autotune.plan.run import PlanError, PlanReporter, PlanResult, PlanSettings, SilentPlanReporter, run_plan
+from autotune.plan.run import (
+    PlanError,
+    PlanReporter,
+    PlanResult,
+    PlanSettings,
+    SilentPlanReporter,
+    get_plan_precision,
+    run_plan,
+)
 from autotune.plan.tables import get_config_lines, get_plan_lines, get_plan_table, get_unit_table
 
 __all__ = [
@@ -18,6 +26,7 @@ __all__ = [
     "PlanReporter",
     "PlanResult",
     "PlanSettings",
+    "get_plan_precision",
     "SilentPlanReporter",
     "get_config_lines",
     "get_plan_lines",

@@ -14,6 +14,7 @@ from autotune.plan.evaluate import REDUCED_DEPTHS, PlanReporter, Pricer, StagedE
 from autotune.plan.record import PlanRecord
 from autotune.search import KnobFactory, RankedPoint, SearchSpace, check_mesh, rank_staged
 from autotune.sim import Hardware, ModelWork, Simulator, StepPrediction, get_model_work
+from autotune.trials import check_dtype, resolve_precision
 from fsdp_runtime import AutotuneError, MixedPrecisionConfig, Provenance, RuntimeConfig, save_config
 from profiles import load_cluster_profile, load_model_source
 
@@ -43,8 +44,11 @@ class PlanSettings:
     nothing itself); without, none if FSDP2's defaults fit in memory without it with
     ``AUTO_AC_HEADROOM`` to spare, else full."""
     fixed_mesh: str | None = None
-    param_dtype: str = "bfloat16"
-    reduce_dtype: str = "float32"
+    param_dtype: str | None = None
+    """Unsharded parameters' dtype; None: the cluster device's default (bfloat16 on CUDA), as
+    ``autotune search`` resolves it ([Note: precision defaults] in :mod:`autotune.trials.precision`)."""
+    reduce_dtype: str | None = None
+    """Gradient reduction's dtype; None: float32."""
     num_top: int = 10
     num_workers: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
     """Processes simulating in parallel."""
@@ -69,6 +73,8 @@ class PlanSettings:
         ):
             if not ok:
                 raise PlanError(problem, field=name)
+        check_dtype(self.param_dtype, field="param_dtype")
+        check_dtype(self.reduce_dtype, field="reduce_dtype")
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise PlanError(f"{self.out_dir} exists and is not a directory", field="out_dir")
 
@@ -107,6 +113,8 @@ class PlanResult:
     num_exact: int = 0
     """Configs simulated at the model's full depth (all of them unless extrapolated, [Note: plan speed])."""
     default: RankedPoint
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """The precision every config was simulated in (:func:`get_plan_precision`)."""
     best_config: RuntimeConfig | None = None
     best_detail: StepPrediction | None = None
     out_files: list[Path] = field(default_factory=list)
@@ -140,11 +148,11 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
     hardware = Hardware(load_cluster_profile(settings.cluster), settings.num_nodes)
     _ = hardware.accelerator  # a profile without one fails here, in one line
     check_mesh(settings.fixed_mesh, hardware.world_size)
+    mp = get_plan_precision(settings, hardware)
     reporter.on_phase(f"tracing {profile.name} on fake tensors (FLOPs, bytes, activation memory per unit)")
-    work = get_model_work(profile, settings.param_dtype)
+    work = get_model_work(profile, mp.param_dtype)
     searched_ac = settings.memory_knobs and settings.activation_checkpointing == "auto"
-    space = _get_space(settings, work, hardware, searched_ac=searched_ac)
-    mp = MixedPrecisionConfig(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
+    space = _get_space(settings, work, hardware, searched_ac=searched_ac, mp=mp)
     factory = KnobFactory(space, world_size=hardware.world_size, device=hardware.cluster.device, mixed_precision=mp)
     ac, ac_reason = _choose_checkpointing(settings, factory, work, hardware, space, searched=searched_ac)
     full, reduced = _get_pricers(settings, work, hardware, space, factory=factory, mp=mp, ac=ac)
@@ -182,6 +190,7 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
         num_pruned=evaluator.num_pruned,
         num_exact=evaluator.num_exact,
         ac_in_config=searched_ac,
+        mixed_precision=mp,
     )
     if result.ranked:
         result.best_config = factory.build_config(result.ranked[0].params)
@@ -190,7 +199,16 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
     return result
 
 
-def _get_space(settings: PlanSettings, work: ModelWork, hardware: Hardware, *, searched_ac: bool) -> SearchSpace:
+def get_plan_precision(settings: PlanSettings, hardware: Hardware) -> MixedPrecisionConfig:
+    """The plan's precision: the options, else the default of the cluster's device (as a search there resolves it)."""
+    return resolve_precision(
+        hardware.cluster.device, param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype
+    )
+
+
+def _get_space(
+    settings: PlanSettings, work: ModelWork, hardware: Hardware, *, searched_ac: bool, mp: MixedPrecisionConfig
+) -> SearchSpace:
     return SearchSpace(
         block_names=work.block_names,
         world_size=hardware.world_size,
@@ -200,7 +218,7 @@ def _get_space(settings: PlanSettings, work: ModelWork, hardware: Hardware, *, s
         grouping=settings.memory_knobs,
         root_knobs=settings.memory_knobs,
         checkpointing=searched_ac,
-        reduce_dtype_differs=settings.reduce_dtype != settings.param_dtype,
+        mixed_precision=mp,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from autotune.plan.run import PlanResult
 from autotune.report import ReportTable, fmt
 from autotune.search import RankedPoint
+from autotune.trials import describe_precision
 
 _GIB = 2**30
 
@@ -73,6 +74,7 @@ def get_plan_lines(result: PlanResult) -> list[str]:
         f"evaluated {result.num_evaluated} configs in {result.evaluate_s:.1f} s ({result.configs_per_s:,.0f} configs/s; {how}{result.num_simulated} distinct "
         f"simulations, the other configs' knobs equal one of them; {result.num_pruned} not simulated: defer_concat=false, dominated by its deferred twin)",
         f"activation checkpointing: {result.ac_label} ({result.ac_reason})",
+        f"precision: {describe_precision(result.mixed_precision)}",
     ]
     if result.dropped:
         least = result.dropped[0]

@@ -147,6 +147,11 @@ def get_search_summary_table(summary: SearchRecord, comparison: Comparison | Non
         table.rows.append(
             ["measured on", f"scale proxy {proxy.get('name')} (not {summary.model}): {proxy.get('reason')}"]
         )
+    if summary.mixed_precision:
+        mp = summary.mixed_precision
+        searched = ", reduce dtype searched" if summary.searched_reduce_dtype else ""
+        table.rows.append(["precision", f"{mp.get('param_dtype')} params, {mp.get('reduce_dtype')} reduce{searched}"])
+    table.rows += [["environment", note] for note in summary.notes]
     table.rows.append(["stopped", str(summary.stopped_because)])
     best, default = summary.best, summary.default
     if comparison is not None:
@@ -369,7 +374,7 @@ def get_search_rows_table(rows: list[TrialRow], best: TrialRow | None) -> Report
 
 def get_search_outcome_lines(summary: SearchSummary) -> list[str]:
     """What ``autotune search`` says after its table: why it stopped, the speedup, where the files are."""
-    lines = [f"stopped: {summary.record.stopped_because}"]
+    lines = [*summary.record.notes, f"stopped: {summary.record.stopped_because}"]
     conf = summary.confirmation
     if conf and conf["speedup_median"] is not None:
         lines.append(f"emitted config vs defaults: {_describe_speedup(conf)}")

@@ -81,9 +81,14 @@ def make_predictor(ctx: SearchContext, measured: MeasuredProfile) -> Predictor:
     hardware = Hardware(
         load_cluster_profile(ctx.settings.cluster or "cpu-gloo"), num_ranks=ctx.settings.world_size, measured=measured
     )
-    simulator = Simulator(get_model_work(run, "float32"), hardware)
+    simulator = Simulator(get_model_work(run, get_param_dtype(ctx.space)), hardware)
     default_step = simulator.simulate(ctx.space.build_config(ctx.space.get_default_params())).step_s
     return Predictor(space=ctx.space, simulator=simulator, default_step_s=default_step)
+
+
+def get_param_dtype(space: SearchSpace) -> str:
+    """The dtype the simulated workload is traced in: the trials' param dtype (their compute dtype)."""
+    return space.mixed_precision.param_dtype or "float32"
 
 
 def get_default_top_k(settings: Any, num_calibration: int = 0) -> int:
@@ -178,7 +183,7 @@ def _calibrate(ctx: SearchContext, default: TrialRow, extra: list[CalibrationTri
     # The defaults as timed alongside the calibration trials (their pairs' reference), else the defaults trial's own steps.
     references = [t.reference_step_s for t in extra if t.reference_step_s]
     return calibrate(
-        get_model_work(work_source, "float32"),
+        get_model_work(work_source, get_param_dtype(ctx.space)),
         anchor,
         extra=extra,
         anchor_step_s=statistics.median(references) if references else None,

@@ -146,14 +146,22 @@ class KnobFactory:
     """Knobs for any point of ``space``, from per-parameter expansions of ``build_config``."""
 
     def __init__(
-        self, space: SearchSpace, *, world_size: int, device: str, mixed_precision: MixedPrecisionConfig
+        self,
+        space: SearchSpace,
+        *,
+        world_size: int,
+        device: str,
+        mixed_precision: MixedPrecisionConfig | None = None,
     ) -> None:
+        """``mixed_precision``: every point's, replacing the space's own (None: the space's, a searched
+        ``reduce_dtype`` included)."""
         self.space, self.world_size, self.device, self.mp = space, world_size, device, mixed_precision
         self.defaults = space.get_default_params()
         self._cache: dict[tuple[Any, ...], Knobs] = {}
 
     def build_config(self, params: dict[str, Any]) -> RuntimeConfig:
-        return dataclasses.replace(self.space.build_config(params), mixed_precision=self.mp)
+        config = self.space.build_config(params)
+        return config if self.mp is None else dataclasses.replace(config, mixed_precision=self.mp)
 
     def _expand(self, key: tuple[Any, ...], params: dict[str, Any]) -> Knobs:
         if key not in self._cache:
@@ -200,6 +208,9 @@ class KnobFactory:
             reshard_after_backward=nosync.reshard_after_backward,
             defer_concat=nosync.defer_concat,
             checkpointing=checkpointing,
+            reduce_dtype=(
+                params["reduce_dtype"] if self.mp is None and "reduce_dtype" in params else meshed.reduce_dtype
+            ),
         )
 
 
@@ -319,7 +330,5 @@ def rank_space(
 ) -> list[RankedPoint]:
     """The points of ``space`` with their predictions, fastest first, in one process (``autotune plan``
     parallelises): every point, or with memory knobs on, the staged subset of [Note: staged ranking]."""
-    factory = KnobFactory(
-        space, world_size=world_size, device=device, mixed_precision=mixed_precision or MixedPrecisionConfig()
-    )
+    factory = KnobFactory(space, world_size=world_size, device=device, mixed_precision=mixed_precision)
     return rank_staged(space, lambda points, _: simulate_points(points, factory, simulator), num_top=num_top)

@@ -110,10 +110,11 @@ class SearchRecord:
     """``search.json``: what a search found (read back by ``autotune report``)."""
 
     KIND: ClassVar[str] = "search_summary"
-    SCHEMA_VERSION: ClassVar[int] = 7
+    SCHEMA_VERSION: ClassVar[int] = 8
     # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin, v5 rows the
     # simulator's prediction and the record its presearch, v6 rows which presearch calibration trial they were:
-    # all with defaults; v7 the final round's estimator (blocks after settle steps, was single pairs).
+    # all with defaults; v7 the final round's estimator (blocks after settle steps, was single pairs); v8 the
+    # trials' precision, whether the reduce dtype was searched, and notes on the environment (defaults: unknown, none).
     MIGRATIONS: ClassVar[dict] = {
         1: _migrate_summary_v1,
         2: lambda data: data,
@@ -121,6 +122,7 @@ class SearchRecord:
         4: lambda data: data,
         5: lambda data: data,
         6: _migrate_summary_v6,
+        7: lambda data: data,
     }
 
     model: str
@@ -139,6 +141,13 @@ class SearchRecord:
     report_error: str | None = None
     presearch: dict[str, Any] | None = None
     """``--presearch``: configs ranked, calibration notes, predicted vs measured error (v5)."""
+    mixed_precision: dict[str, Any] | None = None
+    """``param_dtype`` and ``reduce_dtype`` of every trial (v8; None: an older search, which set none)."""
+    searched_reduce_dtype: bool = False
+    """The reduce dtype was a knob of the space (``--search-reduce-dtype``, v8)."""
+    notes: list[str] = field(default_factory=list)
+    """Lines about the environment that change what the trials measured, each with its fix
+    (``CUDA_DEVICE_MAX_CONNECTIONS=1``: :func:`autotune.trials.get_overlap_warning`; v8)."""
 
     def to_dict(self) -> dict[str, Any]:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

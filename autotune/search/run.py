@@ -41,8 +41,9 @@ from autotune.search.results import SearchRecord, TrialRow, pick_best, write_res
 from autotune.search.settings import SearchError, SearchReporter, SearchSettings, SilentReporter
 from autotune.search.space import SearchSpace
 from autotune.search.study import claim_out_dir, close_interrupted, make_plan, open_study, resolve_plan
-from fsdp_runtime import RuntimeConfig, get_unsupported_knobs
-from profiles.sources import load_model_source
+from autotune.trials import check_cuda_devices, check_fits_gpu, get_overlap_warning, resolve_precision
+from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, get_unsupported_knobs
+from profiles.sources import ModelSource, load_model_source
 
 
 @dataclass(kw_only=True)
@@ -79,15 +80,17 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
     reporter = reporter or SilentReporter()
     profile = load_model_source(settings.model)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    mp = get_search_precision(settings, device_type)
+    check_machine(settings, profile, mp, device_type)
     plan = make_plan(settings, profile, device_type)
     preflight(settings)
     study, created = open_study(settings, settings.get_study_name(profile.name))
     own_dir, lock = claim_out_dir(settings.out_dir)  # ``lock`` stays referenced (held) until we return
-    plan = resolve_plan(study, settings, profile, plan)
+    plan = resolve_plan(study, settings, profile, plan, mixed_precision=mp)
     apply_pending(study, settings.out_dir / "pending")
     close_interrupted(study)
-    space = make_space(settings, plan, device_type)
-    for note in space.notes:  # a knob this torch cannot set: left out of the space
+    space = make_space(settings, plan, device_type, mixed_precision=mp)
+    for note in [*space.notes, *get_environment_notes(device_type)]:  # knobs left out; CUDA_DEVICE_MAX_CONNECTIONS=1
         reporter.on_phase(note)
     if created:
         study.enqueue_trial(space.get_default_params(), user_attrs={"is_default": True})
@@ -112,8 +115,29 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
             ) from None
 
 
-def make_space(settings: SearchSettings, plan: ModelPlan, device_type: str) -> SearchSpace:
-    """The space of ``settings``' knobs for the model the trials run (the proxy's blocks and edge modules)."""
+def get_search_precision(settings: SearchSettings, device_type: str) -> MixedPrecisionConfig:
+    """The precision of every trial of the search ([Note: precision defaults] in :mod:`autotune.trials.precision`)."""
+    return resolve_precision(device_type, param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
+
+
+def check_machine(settings: SearchSettings, profile: ModelSource, mp: MixedPrecisionConfig, device_type: str) -> None:
+    """On CUDA, before anything is written: a GPU per rank, and the model's sharded training state fits one GPU."""
+    check_cuda_devices(settings.world_size, device_type)
+    check_fits_gpu(profile, settings.world_size, mp, device_type=device_type)
+
+
+def get_environment_notes(device_type: str) -> list[str]:
+    """Lines about this process's environment that change what the trials measure (each with its fix)."""
+    import os
+
+    return [line for line in (get_overlap_warning(os.environ, device_type),) if line]
+
+
+def make_space(
+    settings: SearchSettings, plan: ModelPlan, device_type: str, *, mixed_precision: MixedPrecisionConfig | None = None
+) -> SearchSpace:
+    """The space of ``settings``' knobs for the model the trials run (the proxy's blocks and edge modules),
+    every config in ``mixed_precision`` (None: :func:`get_search_precision`'s)."""
     # A custom rank program builds its own model, which need not have the run model's edge modules.
     embeddings, head = _find_edges(plan) if settings.root_knobs and settings.rank_program is None else ((), ())
     return SearchSpace(
@@ -128,6 +152,8 @@ def make_space(settings: SearchSettings, plan: ModelPlan, device_type: str) -> S
         embedding_names=embeddings,
         head_names=head,
         unsupported_knobs=tuple(get_unsupported_knobs().items()),
+        mixed_precision=mixed_precision or get_search_precision(settings, device_type),
+        search_reduce_dtype=settings.search_reduce_dtype,
     )
 
 
@@ -169,6 +195,9 @@ def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
         stopped_because=stopped_because,
         best=best,
         default=next((r for r in rows if r.is_default), None),
+        mixed_precision=dataclasses.asdict(ctx.space.mixed_precision),
+        searched_reduce_dtype=ctx.space.search_reduce_dtype,
+        notes=get_environment_notes(ctx.space.device_type),
     )
     record.presearch = summarize_predictions(rows, ctx.study.user_attrs.get(PRESEARCH_ATTR))
     summary = SearchSummary(out_dir=ctx.write_dir, study_dir=ctx.settings.out_dir, plan=plan, rows=rows, record=record)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from autotune.trials import check_dtype
 from fsdp_runtime.errors import AutotuneError
 
 if TYPE_CHECKING:
@@ -94,6 +95,15 @@ class SearchSettings:
     ``presearch_top_k`` fastest predictions first ([Note: presearch] in :mod:`autotune.search.presearch`)."""
     presearch_top_k: int | None = None
     """Configs the presearch enqueues; None: every trial before the refinement, the defaults' aside."""
+    param_dtype: str | None = None
+    """Dtype of the unsharded parameters in every trial (the defaults' included); None: the
+    device's default, bfloat16 on CUDA, float32 on CPU ([Note: precision defaults] in
+    :mod:`autotune.trials.precision`)."""
+    reduce_dtype: str | None = None
+    """Dtype of gradient reduction in every trial; None: float32."""
+    search_reduce_dtype: bool = False
+    """Search the reduce dtype (float32 or bfloat16) as a knob; the defaults trial reduces in float32.
+    bfloat16 reduction changes the sums (``tests/fsdp_runtime/test_knobs_multirank.py`` bounds by how much)."""
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -147,6 +157,13 @@ class SearchSettings:
         for name, ok, problem in checks:
             if not ok:
                 raise SearchError(problem, field=name)
+        check_dtype(self.param_dtype, field="param_dtype")
+        check_dtype(self.reduce_dtype, field="reduce_dtype")
+        if self.search_reduce_dtype and self.reduce_dtype is not None:
+            raise SearchError(
+                f"--search-reduce-dtype searches the reduce dtype, so it cannot also be fixed to {self.reduce_dtype}; drop one",
+                field="reduce_dtype",
+            )
 
     def get_checkpointing(self) -> bool:
         return self.memory_budget_bytes is not None if self.checkpointing is None else self.checkpointing

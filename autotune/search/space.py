@@ -31,6 +31,11 @@ still hand-edit single units afterwards:
   the mesh's shard size, so meshes whose shard size has proper divisors get their own
   parameter (``reshard_after_forward_shard4``): an int that this mesh cannot use is never
   sampled, instead of silently running as another point's config.
+- ``reduce_dtype`` (only with ``search_reduce_dtype``: ``float32`` or ``bfloat16``, the defaults
+  trial's being the space's own): bf16 reduction halves the reduce-scatter's bytes and changes
+  the sums. Every config the space builds carries :attr:`SearchSpace.mixed_precision` (the
+  reduce dtype from the parameter where it is searched): the defaults trial, the calibration
+  and presearch points, the refinement and the emitted config all run the chosen precision.
 - ``unshard_async`` (CPU only: ``off`` is torchtitan's default, ``on`` makes prefetch real)
   and ``reduce_scatter_max_input_buffers``. A knob the installed torch cannot set
   (``fsdp_runtime.get_unsupported_knobs``) is not asked, and :attr:`SearchSpace.notes` says so.
@@ -71,13 +76,14 @@ from typing import Any
 
 import optuna
 
-from fsdp_runtime import ROOT_UNIT, MeshConfig, RuntimeConfig, UnitConfig
+from fsdp_runtime import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, RuntimeConfig, UnitConfig
 
 PREFETCH_CHOICES = ("implicit", "depth1", "depth2", "depth3", "paired")
 NOSYNC_PATTERNS = ("none", "all", "every_2nd", "first_half", "second_half")
 AC_PATTERNS = ("none", "all", "all_but_last", "every_2nd", "first_half")
 AC_KINDS = ("selective", "full")
 BLOCKS_PER_UNIT = (1, 2, 4)
+REDUCE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -101,13 +107,24 @@ class SearchSpace:
     ``root_knobs``, ``root_split`` is offered."""
     head_names: tuple[str, ...] = ()
     """The model's final norm and output modules, sharded together when split."""
-    reduce_dtype_differs: bool = False
-    """Mixed precision reduces and accumulates gradients in another dtype than the params':
-    ``replica_last`` (which accumulates in the reduce dtype) then stays a choice on a shard
-    group of one, where ``last`` accumulates in the param dtype ([Note: search-space parametrization])."""
+    mixed_precision: MixedPrecisionConfig = dataclasses.field(default_factory=MixedPrecisionConfig, hash=False)
+    """The precision every config of the space runs (``autotune.trials.resolve_precision``)."""
+    search_reduce_dtype: bool = False
+    """Search ``reduce_dtype`` (``REDUCE_DTYPES``); the defaults keep :attr:`mixed_precision`'s."""
     unsupported_knobs: tuple[tuple[str, str], ...] = ()
     """``(config field, why)`` for each knob the installed torch cannot set (``fsdp_runtime.get_unsupported_knobs``):
     its parameter is never asked, so the config keeps FSDP2's default for it."""
+
+    @property
+    def reduce_dtype_differs(self) -> bool:
+        """Gradients may be reduced and accumulated in another dtype than the params': ``replica_last``
+        (which accumulates in the reduce dtype) then stays a choice on a shard group of one, where
+        ``last`` accumulates in the param dtype ([Note: search-space parametrization])."""
+        param = self.mixed_precision.param_dtype or "float32"
+        return self.search_reduce_dtype or (self.mixed_precision.reduce_dtype or param) != param
+
+    def _get_default_reduce_dtype(self) -> str:
+        return self.mixed_precision.reduce_dtype or self.mixed_precision.param_dtype or "float32"
 
     @property
     def notes(self) -> list[str]:
@@ -136,6 +153,8 @@ class SearchSpace:
             **({"reduce_scatter_buffers": 1} if self._asks("reduce_scatter_buffers") else {}),
         }
         params[self._get_reshard_key(self._get_shard_size(params["mesh"]))] = "true"
+        if self.search_reduce_dtype:
+            params["reduce_dtype"] = self._get_default_reduce_dtype()
         if self.device_type == "cpu" and self._asks("unshard_async"):
             params["unshard_async"] = "off"
         if self.num_microbatches > 1:
@@ -176,6 +195,8 @@ class SearchSpace:
         }
         if self._asks("reduce_scatter_buffers"):
             params["reduce_scatter_buffers"] = trial.suggest_categorical("reduce_scatter_buffers", [1, 2])
+        if self.search_reduce_dtype:
+            params["reduce_dtype"] = trial.suggest_categorical("reduce_dtype", REDUCE_DTYPES)
         if self.device_type == "cpu" and self._asks("unshard_async"):
             params["unshard_async"] = trial.suggest_categorical("unshard_async", ["off", "on"])
         if self.num_microbatches > 1:
@@ -282,6 +303,9 @@ class SearchSpace:
             num_microbatches=self.num_microbatches,
             unshard_async=params.get("unshard_async", "auto"),
             reduce_scatter_max_input_buffers=None if buffers == 1 else buffers,
+            mixed_precision=dataclasses.replace(
+                self.mixed_precision, reduce_dtype=params.get("reduce_dtype", self.mixed_precision.reduce_dtype)
+            ),
         )
 
     def _get_edge_units(self) -> list[UnitConfig]:
@@ -388,6 +412,7 @@ _SHORT = {
     "root_sync_hsdp": "rootsync",
     "root_keep_unsharded": "rootkeep",
     "root_split": "split",
+    "reduce_dtype": "reduce",
 }
 
 

@@ -32,6 +32,7 @@ leaves that trial RUNNING; it counts towards ``--trials`` and nothing waits for 
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import os
@@ -49,6 +50,7 @@ import sqlalchemy.exc
 from autotune.search.proxy import ModelPlan, get_model_argument, plan_for_this_machine
 from autotune.search.settings import JOURNAL_PREFIX, SamplerName, SearchError, SearchSettings
 from autotune.trials import pid_alive
+from fsdp_runtime import MixedPrecisionConfig
 from profiles import ModelProfile
 
 HEARTBEAT_POLL_S = 1.0
@@ -168,16 +170,28 @@ def make_plan(settings: SearchSettings, profile: ModelProfile, device_type: str)
     return plan
 
 
-def resolve_plan(study: optuna.Study, settings: SearchSettings, profile: ModelProfile, plan: ModelPlan) -> ModelPlan:
-    """The model plan stored with the study (a resumed study measures what it measured before), else ``plan`` (stored)."""
+def resolve_plan(
+    study: optuna.Study,
+    settings: SearchSettings,
+    profile: ModelProfile,
+    plan: ModelPlan,
+    *,
+    mixed_precision: MixedPrecisionConfig | None = None,
+) -> ModelPlan:
+    """The model plan stored with the study (a resumed study measures what it measured before), else ``plan`` (stored).
+    A study stores the precision of its trials: one resumed in another precision is refused (a study
+    from before precision was stored is not checked)."""
     stored = study.user_attrs.get("plan")
+    precision = dataclasses.asdict(mixed_precision) if mixed_precision is not None else None
     if stored is not None:
         for key, value in (
             ("world_size", settings.world_size),
             ("num_microbatches", settings.num_microbatches),
             ("model", profile.name),
+            ("mixed_precision", precision),
+            ("search_reduce_dtype", settings.search_reduce_dtype),
         ):
-            if stored[key] != value:
+            if key in stored and stored[key] != value:
                 raise SearchError(
                     f"study {study.study_name!r} was run with {key}={stored[key]!r}, not {value!r} (use the same settings or another --study-name)"
                 )
@@ -204,6 +218,8 @@ def resolve_plan(study: optuna.Study, settings: SearchSettings, profile: ModelPr
             "overrides": plan.overrides,
             "estimated_memory_per_rank": plan.estimated_memory_per_rank,
             "estimated_step_s": plan.estimated_step_s,
+            "mixed_precision": precision,
+            "search_reduce_dtype": settings.search_reduce_dtype,
         },
     )
     return plan

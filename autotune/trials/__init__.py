@@ -13,12 +13,44 @@ from autotune.trials.launch import EXIT_USER_ERROR, RankRun, classify_failure, p
 from autotune.trials.linkemu import LinkEmulator, get_link_name
 from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, TrialStatus, median_or_none
 from autotune.trials.pool import RankPool
+from autotune.trials.precision import (
+    DEFAULT_PRECISION,
+    OVERLAP_ENV,
+    PRECISION_DTYPES,
+    MachineError,
+    PrecisionError,
+    apply_precision_options,
+    check_cuda_devices,
+    check_dtype,
+    check_fits_gpu,
+    describe_precision,
+    get_device_type,
+    get_min_gpu_bytes,
+    get_overlap_env,
+    get_overlap_warning,
+    resolve_precision,
+)
 from autotune.trials.spec import DEFAULT_RANK_PROGRAM, TrialSpec, TrialSpecError
 from autotune.trials.training import Training, build_training, resolve_profile
-from autotune.trials.trial import load_trial_config, run_trial
+from autotune.trials.trial import check_trial_machine, load_trial_config, resolve_trial_config, run_trial
 from autotune.trials.trialdir import INCOMPLETE_MARKER, check_trial_spec
 
 __all__ = [
+    "DEFAULT_PRECISION",
+    "OVERLAP_ENV",
+    "PRECISION_DTYPES",
+    "MachineError",
+    "PrecisionError",
+    "apply_precision_options",
+    "check_cuda_devices",
+    "check_dtype",
+    "check_fits_gpu",
+    "describe_precision",
+    "get_device_type",
+    "get_min_gpu_bytes",
+    "get_overlap_env",
+    "get_overlap_warning",
+    "resolve_precision",
     "DEFAULT_RANK_PROGRAM",
     "EXIT_USER_ERROR",
     "INCOMPLETE_MARKER",
@@ -43,4 +75,6 @@ __all__ = [
     "resolve_profile",
     "run_ranks",
     "run_trial",
+    "check_trial_machine",
+    "resolve_trial_config",
 ]

@@ -81,6 +81,7 @@ import torch.distributed as dist
 
 from autotune.trials.metrics import median_or_none
 from autotune.trials.paired import Side, StepTiming, get_pair_order, run_pairs, step_side
+from autotune.trials.precision import get_overlap_env
 from fsdp_runtime.files import atomic_path
 
 PRUNE_AFTER = 2
@@ -366,4 +367,5 @@ def _get_rank_env(device: torch.device) -> dict[str, Any]:
         "num_threads": torch.get_num_threads(),
         "device": str(device),
         "cuda_device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "overlap_env": get_overlap_env(),  # what the ranks saw (env.json)
     }

@@ -22,7 +22,8 @@ class TrialSpecError(AutotuneError):
     """A trial spec that cannot describe a trial (bad counts, backend, pool mismatch)."""
 
 
-def _default_backend() -> str:
+def get_default_backend() -> str:
+    """``nccl`` where CUDA is available, else ``gloo``."""
     import torch
 
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -54,7 +55,7 @@ class TrialSpec:
     seed: int = 0
     timeout_s: float = 120.0
     """Wall-clock limit for the whole trial, start-up included; then every rank is killed."""
-    backend: str = field(default_factory=_default_backend)
+    backend: str = field(default_factory=get_default_backend)
     """``gloo`` (CPU) or ``nccl`` (CUDA); default: ``nccl`` when CUDA is available."""
     cluster: str | None = None
     """Cluster profile whose emulated links hold the collectives (autotune.trials.linkemu); None: real links."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.trials.metrics import TrialResult
+from autotune.trials.precision import apply_precision_options, check_cuda_devices, check_fits_gpu, get_device_type
 from autotune.trials.spec import TrialSpec, TrialSpecError
 from autotune.trials.trialdir import prepare_trial_dir, write_trial_dir
 from fsdp_runtime import RuntimeConfig
@@ -40,6 +41,35 @@ def load_trial_config(config_path: str | Path | None, model: str | dict[str, Any
     if config_path is not None:
         return load_config(config_path)
     return default_config(resolve_profile(model).unit_names)
+
+
+def resolve_trial_config(
+    config_path: str | Path | None,
+    model: str | dict[str, Any],
+    *,
+    backend: str | None = None,
+    param_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+) -> tuple[RuntimeConfig, list[str]]:
+    """:func:`load_trial_config` in the precision the trial runs (:func:`~autotune.trials.precision.apply_precision_options`:
+    a config's own ``[mixed_precision]`` kept unless an option is given), and one note per option that overrode it."""
+    from autotune.trials.spec import get_default_backend
+
+    device_type = get_device_type(backend or get_default_backend())
+    return apply_precision_options(
+        load_trial_config(config_path, model), device_type, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+    )
+
+
+def check_trial_machine(spec: TrialSpec, *, local: bool = True) -> None:
+    """Before anything is written, on CUDA: one GPU per local rank (``local``: ranks on this node, not a
+    torchrun spec's world) and the model's sharded training state fits one GPU."""
+    from autotune.trials.training import resolve_profile
+
+    device_type = get_device_type(spec.backend)
+    if local:
+        check_cuda_devices(spec.world_size, device_type)
+    check_fits_gpu(resolve_profile(spec.model), spec.world_size, spec.config.mixed_precision, device_type=device_type)
 
 
 def load_rank_program(target: str) -> Callable[..., dict[str, Any]]:

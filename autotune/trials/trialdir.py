@@ -7,7 +7,9 @@ A trial dir holds (every file written atomically)::
                           losses, link-emulation totals, trace metrics)
     config.toml           the runtime config the trial ran
     env.json              torch version, backend, world size, host, python, CPU count, CUDA
-                          device name, link emulation used
+                          device name, link emulation used, and the environment variables
+                          that change overlap (``overlap_env``: CUDA_DEVICE_MAX_CONNECTIONS,
+                          NCCL channels/algorithm/protocol; :data:`~autotune.trials.precision.OVERLAP_ENV`)
     trace_rank{r}.json.gz one chrome trace per rank (openable in Perfetto / chrome://tracing)
 """
 
@@ -23,6 +25,7 @@ from typing import Any
 
 from autotune.artifacts import write_artifact
 from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, TrialStatus
+from autotune.trials.precision import get_overlap_env
 from autotune.trials.spec import TrialSpec
 from fsdp_runtime import config_to_dict, save_config, validate_for_world
 
@@ -30,7 +33,8 @@ INCOMPLETE_MARKER = "INCOMPLETE"
 """Present in a trial dir from the start of a trial until its ``metrics.json`` is written: a
 dir that still has it belongs to a trial whose launcher was killed."""
 ENV_KIND = "trial_env"
-ENV_SCHEMA_VERSION = 1
+ENV_SCHEMA_VERSION = 2
+"""v2: ``overlap_env`` (the ranks' values of ``OVERLAP_ENV``)."""
 _STALE_FILES = ("metrics.json", "env.json", "config.toml")
 _STEP_COST_KEYS = (
     "own_step_ms",
@@ -152,4 +156,5 @@ def _get_env(spec: TrialSpec, rank_results: list[dict[str, Any]]) -> dict[str, A
         "device": rank_env.get("device"),
         "cuda_device_name": rank_env.get("cuda_device_name"),
         "link_emulation": link_emulation,
+        "overlap_env": rank_env.get("overlap_env", get_overlap_env()),
     }

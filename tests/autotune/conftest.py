@@ -3,7 +3,26 @@ the ranks, for the tests in its stage folders."""
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """This box as a CUDA node for code that only asks torch about it (no kernel runs):
+    ``state.num_devices`` GPUs of ``state.total_memory`` bytes each."""
+    import torch
+
+    state = SimpleNamespace(num_devices=1, total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: state.num_devices)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=state.total_memory)
+    )
+    return state

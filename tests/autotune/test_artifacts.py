@@ -56,7 +56,7 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         ), name
     for name, kind, version in [
         ("metrics_v5.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
-        ("search_v7.json", "search_summary", SearchRecord.SCHEMA_VERSION),
+        ("search_v8.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v2.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
         ("plan_v1.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
     ]:
@@ -164,7 +164,7 @@ def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v5.json")
 
 
-@pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 8)])
+@pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 9)])
 def test_search_summary_of_every_released_version_reads(name):
     record = SearchRecord.read(ARTIFACTS / name)
 
@@ -185,14 +185,14 @@ def test_search_summary_of_every_released_version_reads(name):
 
 def test_v1_search_summary_migrates_to_what_today_writes():
     """Same search; only the report list differs (v1 wrote search.json before the report)."""
-    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v7.json")
+    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v8.json")
     assert v1.report == [] and v2.report
     assert dataclasses.replace(v1, report=v2.report) == v2
 
 
 def test_search_summary_round_trip_is_lossless(tmp_path):
-    original = load_fixture("search_v7.json")
-    record = SearchRecord.read(ARTIFACTS / "search_v7.json")
+    original = load_fixture("search_v8.json")
+    record = SearchRecord.read(ARTIFACTS / "search_v8.json")
     assert record.to_dict() == original
     assert SearchRecord.read(record.write(tmp_path / "search.json")).to_dict() == original
 

@@ -338,3 +338,49 @@ def test_grouping_and_checkpointing_combine_with_prefetch_and_no_sync(world2):
     assert [r["recomputes"] for r in world2["all_last_ac_full"]] == [len(BLOCKS) // 2 * per_step] * 2
     rs = _counts(world2, "reduce_scatter")
     assert rs["all_last"] == (len(BLOCKS) + 2) * NUM_STEPS and rs["all_last_grouped_ac"] == (2 + 2) * NUM_STEPS
+
+
+def _precision_point(param_dtype: str, reduce_dtype: str) -> RuntimeConfig:
+    """FSDP2's defaults in a precision, as a search with ``--search-reduce-dtype`` builds them."""
+    space = SearchSpace(
+        block_names=tuple(BLOCKS),
+        world_size=2,
+        num_microbatches=NUM_MICROBATCHES,
+        mixed_precision=MixedPrecisionConfig(param_dtype=param_dtype, reduce_dtype="float32"),
+        search_reduce_dtype=True,
+    )
+    return space.build_config({**space.get_default_params(), "reduce_dtype": reduce_dtype})
+
+
+# bf16 reduction rounds each reduced gradient element to bf16's 8-bit mantissa (relative error
+# up to 2^-9, 0.2%) before it is accumulated in float32; AdamW divides by the gradients' own
+# scale, so a weight's update moves by at most about that share of lr (1e-3) per step, and the
+# loss of 3 steps by far less. Measured at world 2 (tiny, 3 steps x 2 microbatches, seed 0,
+# torch 2.13 CPU): bf16 vs fp32 reduction 2.1e-5 at most, bf16 vs fp32 params 1.8e-5. Both are
+# small because tiny's loss sits at ln(vocab) (near-uniform logits, see the test below), which
+# first-order perturbations barely move. The bounds: 5x the measured reduce gap; and for bf16
+# compute, whose rounding enters every matmul input (forward and backward) and grows with depth
+# and width rather than once per reduced element, 10x that.
+BF16_REDUCE_RTOL = 1e-4
+BF16_PARAMS_RTOL = 1e-3
+
+
+@pytest.mark.multirank
+def test_bf16_reduction_stays_within_tolerance_of_fp32_reduction():
+    results = _run(
+        2,
+        {
+            "fp32": _precision_point("float32", "float32"),
+            "bf16_fp32": _precision_point("bfloat16", "float32"),
+            "bf16_bf16": _precision_point("bfloat16", "bfloat16"),
+        },
+    )
+    fp32, bf16_fp32, bf16_bf16 = (_losses(results[k]) for k in ("fp32", "bf16_fp32", "bf16_bf16"))
+    # The first step's loss comes before any reduction: equal. After it, the reduce dtype shows.
+    assert [r[0] for r in bf16_bf16] == [r[0] for r in bf16_fp32]
+    assert bf16_bf16 != bf16_fp32, "bf16 reduction did not take effect"
+    _assert_close(bf16_bf16, bf16_fp32, BF16_REDUCE_RTOL)
+    assert bf16_fp32 != fp32, "bf16 compute did not take effect"
+    _assert_close(bf16_fp32, fp32, BF16_PARAMS_RTOL)
+    # The same collectives either way: only their dtype differs.
+    assert results["bf16_bf16"][0]["collectives"] == results["bf16_fp32"][0]["collectives"]

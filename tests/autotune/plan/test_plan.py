@@ -31,7 +31,7 @@ def _space(world_size: int = 8, **changes) -> SearchSpace:
             "world_size": world_size,
             "num_microbatches": 2,
             "device_type": "cuda",
-            "reduce_dtype_differs": True,
+            "mixed_precision": BF16,
             **changes,
         }
     )
@@ -44,7 +44,7 @@ def test_the_walk_visits_every_point_of_the_space_once():
     assert len(keys) == len(points) == 16750
     # In one dtype, HSDP 8x1 (a shard group of one) loses the dominated replica_last level:
     # 4 patterns x 2 keep x 5 x 5 prefetch x 3 reshard x 2 buffers fewer.
-    assert len(list(iter_space_params(_space(reduce_dtype_differs=False)))) == 16750 - 4 * 2 * 25 * 3 * 2
+    assert len(list(iter_space_params(_space(mixed_precision=MixedPrecisionConfig())))) == 16750 - 4 * 2 * 25 * 3 * 2
     assert tuple(sorted(space.get_default_params().items())) in keys
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))

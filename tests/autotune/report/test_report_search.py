@@ -471,3 +471,32 @@ def test_chromium_check_fails_on_errors_missing_figures_and_network(cpu_page, tm
     assert not check.ok and check.missing == ["optuna_slice"]
     assert any("notDefinedAnywhere" in e for e in check.errors), check.errors
     assert any("failed to load https://cdn.example.com/plotly.js" in e for e in check.errors), check.errors
+
+
+def test_the_summary_shows_the_precision_and_the_environment_line():
+    """The search report's summary (and the terminal's outcome lines) carry ``search.json``'s
+    precision and its environment notes (``CUDA_DEVICE_MAX_CONNECTIONS=1`` with its fix)."""
+    from types import SimpleNamespace
+
+    from autotune.report import get_search_outcome_lines
+    from autotune.report.tables import get_search_summary_table
+    from autotune.trials import get_overlap_warning
+
+    line = get_overlap_warning({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "cuda")
+    record = SearchRecord(
+        model="tiny",
+        stopped_because="plateau",
+        mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"},
+        searched_reduce_dtype=True,
+        notes=[line],
+    )
+    rows = get_search_summary_table(record).rows
+    assert ["precision", "bfloat16 params, float32 reduce, reduce dtype searched"] in rows
+    assert ["environment", line] in rows
+    summary = SimpleNamespace(
+        record=record, confirmation=None, plan=SimpleNamespace(is_proxy=False), best_config_path=None
+    )
+    assert get_search_outcome_lines(summary)[0] == line
+    # An older search.json (no precision recorded, no notes): neither row.
+    old = get_search_summary_table(SearchRecord(model="tiny")).rows
+    assert not any(r[0] in ("precision", "environment") for r in old)

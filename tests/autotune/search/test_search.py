@@ -393,3 +393,90 @@ def test_a_worker_at_the_trial_count_waits_for_other_workers_trials(tmp_path):
     unseen.set_user_attr("worker", "otherhost:2")
     wait_for_other_workers(study, timeout_s=0.5, poll_s=0.1)
     assert study.get_trials()[unseen.number].state.name == "RUNNING"  # left for --resume, not failed
+
+
+def _start_search(settings: SearchSettings, monkeypatch) -> tuple[SearchSpace, list[str]]:
+    """``run_search`` up to where its rank pool would open: the space it built and the lines it said."""
+    import autotune.search.run as search_run
+
+    spaces, phases = [], []
+    make_space = search_run.make_space
+    monkeypatch.setattr(search_run, "make_space", lambda *a, **k: spaces.append(make_space(*a, **k)) or spaces[-1])
+
+    class Stop(Exception):
+        pass
+
+    def no_pool(settings):
+        raise Stop
+
+    monkeypatch.setattr(search_run, "open_pool", no_pool)
+    reporter = SimpleNamespace(on_phase=phases.append, on_start=lambda *a: None)
+    with pytest.raises(Stop):
+        run_search(settings, reporter=reporter)
+    return spaces[0], phases
+
+
+def test_on_cuda_the_search_runs_bf16_and_names_cuda_device_max_connections(fake_cuda, tmp_path, monkeypatch):
+    """On CUDA (torch asked, no kernel run): every config of the space in bf16 params / fp32 reduction, the
+    plan of a CUDA cluster in the same precision, and CUDA_DEVICE_MAX_CONNECTIONS=1 said in one line with its fix."""
+    from autotune.plan import PlanSettings, get_plan_precision
+    from autotune.search.run import get_environment_notes
+    from autotune.sim import Hardware
+    from autotune.trials import get_overlap_warning
+    from fsdp_runtime import MixedPrecisionConfig
+    from profiles import load_cluster_profile
+
+    fake_cuda.num_devices = 2
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    space, phases = _start_search(_settings(tmp_path / "run"), monkeypatch)
+    bf16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
+    assert space.device_type == "cuda" and space.mixed_precision == bf16
+    assert space.build_config(space.get_default_params()).mixed_precision == bf16
+    line = get_overlap_warning({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "cuda")
+    assert phases.count(line) == 1 and get_environment_notes("cuda") == [line]  # finish_search records the same
+    # `autotune plan` on a CUDA cluster resolves the same default, from the cluster's device.
+    h100 = Hardware(load_cluster_profile("h100-node"), 1)
+    assert get_plan_precision(PlanSettings(), h100) == bf16
+    fp32 = MixedPrecisionConfig(param_dtype="float32", reduce_dtype="float32")
+    assert get_plan_precision(PlanSettings(param_dtype="float32"), h100) == fp32
+    # Unset (or on CPU), nothing is said.
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert get_environment_notes("cuda") == [] and get_environment_notes("cpu") == []
+
+
+def test_a_study_resumed_in_another_precision_is_refused(tmp_path, monkeypatch):
+    space, _ = _start_search(_settings(tmp_path / "run", param_dtype="bfloat16"), monkeypatch)
+    assert space.mixed_precision.param_dtype == "bfloat16" and space.device_type == "cpu"
+    with pytest.raises(SearchError, match=r"was run with mixed_precision=.*'bfloat16'.*not .*'float32'"):
+        _start_search(_settings(tmp_path / "run", resume=True), monkeypatch)
+    with pytest.raises(SearchError, match=r"--search-reduce-dtype searches the reduce dtype"):
+        _settings(tmp_path, search_reduce_dtype=True, reduce_dtype="bfloat16")
+
+
+@pytest.mark.multirank
+def test_a_bf16_search_runs_every_trial_in_bf16_and_emits_it(tmp_path, monkeypatch):
+    """``autotune search --param-dtype bfloat16`` on CPU: every trial's config (the defaults', which is
+    every trial's reference, too) and the emitted config carry it; env.json records the overlap variables."""
+    from fsdp_runtime import MixedPrecisionConfig
+
+    out = tmp_path / "run"
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # recorded by every rank; said only on CUDA
+    args = ["--model", "tiny", "--trials", "3", "--confirm-pairs", "1", "--param-dtype", "bfloat16", "--json"]
+    done = subprocess.run(
+        _cli(*args, "--out", str(out)), cwd=REPO, env=env, capture_output=True, text=True, timeout=500
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    bf16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
+    assert load_config(out / "best.toml").mixed_precision == bf16
+    assert '[mixed_precision]\nparam_dtype = "bfloat16"' in (out / "best.toml").read_text()
+    record = json.loads((out / "search.json").read_text())
+    assert record["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    assert record["notes"] == []
+    rows = json.loads((out / "results.json").read_text())["trials"]
+    trial_dirs = [out / r["trial_dir"] for r in rows if r.get("trial_dir")]
+    assert rows[0]["is_default"] and (out / rows[0]["trial_dir"]) in trial_dirs and len(trial_dirs) >= 2
+    configs = sorted(out.rglob("config.toml"))  # the trials', the warm-up's and the final round's
+    assert set(d / "config.toml" for d in trial_dirs) <= set(configs)
+    assert all(load_config(p).mixed_precision == bf16 for p in configs), configs
+    overlap = json.loads((trial_dirs[0] / "env.json").read_text())["overlap_env"]
+    assert overlap["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"

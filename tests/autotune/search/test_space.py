@@ -8,7 +8,7 @@ import optuna
 import pytest
 
 from autotune.search import SearchSpace, describe_params
-from fsdp_runtime import RuntimeConfig, default_config, validate_config, validate_for_world
+from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, default_config, validate_config, validate_for_world
 
 BLOCKS = tuple(f"layers.{i}" for i in range(4))
 
@@ -252,11 +252,20 @@ def test_root_sync_levels_follow_the_mesh():
     assert levels == {"every", "replica_last", "last"}
 
 
-@pytest.mark.parametrize("reduce_dtype_differs", [False, True])
-def test_replica_level_is_offered_only_where_it_is_not_dominated(reduce_dtype_differs):
+@pytest.mark.parametrize(
+    ("precision", "reduce_dtype_differs"),
+    [
+        ({}, False),
+        ({"mixed_precision": MixedPrecisionConfig(param_dtype="float32", reduce_dtype="float32")}, False),
+        ({"mixed_precision": MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")}, True),
+        ({"search_reduce_dtype": True}, True),
+    ],
+)
+def test_replica_level_is_offered_only_where_it_is_not_dominated(precision, reduce_dtype_differs):
     # HSDP 4x1 replicates over a shard group of one: replica_last would copy and accumulate every
     # microbatch's gradients for nothing, unless it accumulates in a wider reduce dtype than last does.
-    space = _space(root_knobs=True, fixed_mesh="hsdp:4x1", reduce_dtype_differs=reduce_dtype_differs)
+    space = _space(root_knobs=True, fixed_mesh="hsdp:4x1", **precision)
+    assert space.reduce_dtype_differs == reduce_dtype_differs
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=5))
     levels, root_levels, keys = set(), set(), set()
     for _ in range(60):
@@ -334,7 +343,7 @@ def test_the_search_takes_the_probe_and_prints_its_line(tmp_path, monkeypatch):
     monkeypatch.delattr(FSDPModule, "set_reduce_scatter_max_input_buffers", raising=False)
     spaces, phases = [], []
     make_space = search_run.make_space
-    monkeypatch.setattr(search_run, "make_space", lambda *a: spaces.append(make_space(*a)) or spaces[-1])
+    monkeypatch.setattr(search_run, "make_space", lambda *a, **k: spaces.append(make_space(*a, **k)) or spaces[-1])
 
     class Stop(Exception):
         pass
@@ -371,3 +380,53 @@ def test_the_emitted_config_records_what_was_left_out(tmp_path):
     best = SimpleNamespace(number=0, step_ms=1.0, ratio=1.0)
     path = emit_best(ctx, config, best=best, default=None, confirmation=None, consolidation={})
     assert load_config(path).provenance.notes[-1] == space.notes[0]
+
+
+def test_every_config_of_the_space_runs_its_precision():
+    """Defaults, sampled points and built points all carry the space's precision (the search's
+    reference, its trials and the emitted config run what the user chose)."""
+    bf16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
+    space = _space(mixed_precision=bf16, grouping=True, root_knobs=True)
+    assert space.build_config(space.get_default_params()).mixed_precision == bf16
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    for _ in range(20):
+        trial = study.ask()
+        assert space.suggest(trial).mixed_precision == bf16
+        assert "reduce_dtype" not in trial.params  # not a knob unless asked for
+        study.tell(trial, 1.0)
+
+
+def test_the_reduce_dtype_is_a_knob_only_when_asked_and_defaults_to_the_space_s():
+    bf16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
+    space = _space(mixed_precision=bf16, search_reduce_dtype=True)
+    defaults = space.get_default_params()
+    assert defaults["reduce_dtype"] == "float32" and space.build_config(defaults).mixed_precision == bf16
+    both = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="bfloat16")
+    assert space.build_config({**defaults, "reduce_dtype": "bfloat16"}).mixed_precision == both
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=4))
+    seen = set()
+    for _ in range(30):
+        trial = study.ask()
+        config = space.suggest(trial)
+        assert config.mixed_precision.reduce_dtype == trial.params["reduce_dtype"]
+        assert config.mixed_precision.param_dtype == "bfloat16"
+        seen.add(trial.params["reduce_dtype"])
+        study.tell(trial, 1.0)
+    assert seen == {"float32", "bfloat16"}
+    assert "reduce" in describe_params({**defaults, "reduce_dtype": "bfloat16"})
+
+
+def test_the_simulator_s_knobs_follow_a_searched_reduce_dtype():
+    from autotune.search.ranking import KnobFactory
+    from autotune.sim import resolve_knobs
+
+    space = _space(
+        mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32"),
+        search_reduce_dtype=True,
+    )
+    factory = KnobFactory(space, world_size=4, device="cuda")
+    for reduce in ("float32", "bfloat16"):
+        params = {**space.get_default_params(), "reduce_dtype": reduce, "mesh": "hsdp:2x2"}
+        knobs = factory.get_knobs(params)
+        assert knobs.reduce_dtype == reduce
+        assert knobs == resolve_knobs(factory.build_config(params), space.block_names, world_size=4, device="cuda")
