@@ -12,28 +12,28 @@ if TYPE_CHECKING:
     from autotune.search import SearchSummary
     from autotune.trials import TrialMetrics
 
-STEP_TABLE = [  # (short column title, long title, summary field, format)
-    ("step", "step ms", "step_ms", "ms"),
-    ("compute", "compute ms", "compute_ms", "ms"),
-    ("comm", "communication ms", "comm_ms", "ms"),
-    ("AG", "all-gather ms", "all_gather_ms", "ms"),
-    ("RS", "reduce-scatter ms", "reduce_scatter_ms", "ms"),
-    ("AR", "all-reduce ms", "all_reduce_ms", "ms"),
-    ("exposed", "exposed communication ms", "exposed_comm_ms", "ms"),
-    ("overlap", "overlap", "overlap_ratio", "pct"),
-    ("bound", "bound max(compute, comm) ms", "bound_ms", "ms"),
-    ("/bound", "step / bound", "bound_ratio", "x"),
-    ("barrier", "barrier (synchronization, not comm) ms", "barrier_ms", "ms"),
+_COLUMNS = {  # short column title: (short column title, long title, summary field, format)
+    c[0]: c
+    for c in [
+        ("step", "step ms", "step_ms", "ms"),
+        ("compute", "compute ms", "compute_ms", "ms"),
+        ("comm", "communication ms", "comm_ms", "ms"),
+        ("AG", "all-gather ms", "all_gather_ms", "ms"),
+        ("RS", "reduce-scatter ms", "reduce_scatter_ms", "ms"),
+        ("AR", "all-reduce ms", "all_reduce_ms", "ms"),
+        ("exposed", "exposed communication ms", "exposed_comm_ms", "ms"),
+        ("overlap", "overlap", "overlap_ratio", "pct"),
+        ("bound", "bound max(compute, comm) ms", "bound_ms", "ms"),
+        ("/bound", "step / bound", "bound_ratio", "x"),
+        ("barrier", "barrier (synchronization, not comm) ms", "barrier_ms", "ms"),
+        ("hooks", "time in the unit's FSDP hooks ms", "hook_ms", "ms"),
+    ]
+}
+STEP_TABLE = [
+    _COLUMNS[c]
+    for c in ("step", "compute", "comm", "AG", "RS", "AR", "exposed", "overlap", "bound", "/bound", "barrier")
 ]
-UNIT_TABLE = [
-    ("AG", "all-gather ms", "all_gather_ms", "ms"),
-    ("RS", "reduce-scatter ms", "reduce_scatter_ms", "ms"),
-    ("AR", "all-reduce ms", "all_reduce_ms", "ms"),
-    ("comm", "communication ms", "comm_ms", "ms"),
-    ("exposed", "exposed communication ms", "exposed_comm_ms", "ms"),
-    ("overlap", "overlap", "overlap_ratio", "pct"),
-    ("hooks", "time in the unit's FSDP hooks ms", "hook_ms", "ms"),
-]
+UNIT_TABLE = [_COLUMNS[c] for c in ("AG", "RS", "AR", "comm", "exposed", "overlap", "hooks")]
 _LEGEND = "ms; AG/RS/AR: all-gather/reduce-scatter/all-reduce"
 _SUMMARY_ONLY = ("AG", "RS", "AR", "barrier")  # kept out of the per-step table, to fit 80 columns
 
