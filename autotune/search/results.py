@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from autotune.artifacts import ArtifactError, build_dataclass, read_artifact, write_artifact
+from autotune.artifacts import (
+    ArtifactError,
+    build_dataclass,
+    get_added_field_migrations,
+    read_artifact,
+    write_artifact,
+)
 from autotune.trials import TrialFigures
 from fsdp_runtime.files import write_atomic
 
@@ -116,10 +122,7 @@ class SearchRecord:
     # all with defaults; v7 the final round's estimator (blocks after settle steps, was single pairs).
     MIGRATIONS: ClassVar[dict] = {
         1: _migrate_summary_v1,
-        2: lambda data: data,
-        3: lambda data: data,
-        4: lambda data: data,
-        5: lambda data: data,
+        **get_added_field_migrations(2, 3, 4, 5),
         6: _migrate_summary_v6,
     }
 
