@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 from _fixtures import get_fixture_traces
-from _trace_builders import gloo, label, memory, span, step, trace, write
+from _trace_builders import EXACT, assert_metrics, gloo, label, memory, metrics_of, span, step, trace, write
 
 from autotune.analysis import SUMMARY_SCHEMA_VERSION, FsdpTraceAnalysis, TraceError, summarize_traces
 from autotune.analysis._events import get_collective_kind, get_label_unit
 from fsdp_runtime.errors import AutotuneError
-
-EXACT = 1e-9
-
-
-def metrics_of(path: Path, events: list[dict]) -> dict:
-    """The step-metrics rows of a one-rank synthetic trace, keyed by step number."""
-    write(path, trace(events))
-    rows = FsdpTraceAnalysis([path]).get_step_metrics().to_dict("records")
-    return {row["step"]: row for row in rows}
-
 
 # --- synthetic CPU traces: the right answer is obvious ---------------------------------
 
@@ -46,14 +35,17 @@ def test_comm_hidden_under_compute_is_not_exposed(tmp_path):
         ],
     )
     row = rows[1]
-    assert row["step_ms"] == pytest.approx(1.0, abs=EXACT)
-    assert row["compute_ms"] == pytest.approx(0.8, abs=EXACT)
-    assert row["comm_ms"] == pytest.approx(0.5, abs=EXACT)
-    assert row["all_gather_ms"] == pytest.approx(0.5, abs=EXACT)
-    assert row["exposed_comm_ms"] == pytest.approx(0.0, abs=EXACT)
-    assert row["overlap_ratio"] == pytest.approx(1.0, abs=EXACT)
-    assert row["bound_ms"] == pytest.approx(0.8, abs=EXACT)
-    assert row["bound_ratio"] == pytest.approx(1.25, abs=EXACT)
+    assert_metrics(
+        row,
+        step_ms=1.0,
+        compute_ms=0.8,
+        comm_ms=0.5,
+        all_gather_ms=0.5,
+        exposed_comm_ms=0.0,
+        overlap_ratio=1.0,
+        bound_ms=0.8,
+        bound_ratio=1.25,
+    )
 
 
 def test_comm_while_training_thread_idle_is_fully_exposed(tmp_path):
@@ -68,12 +60,15 @@ def test_comm_while_training_thread_idle_is_fully_exposed(tmp_path):
         ],
     )
     row = rows[1]
-    assert row["compute_ms"] == pytest.approx(0.2, abs=EXACT)
-    assert row["comm_ms"] == pytest.approx(0.3, abs=EXACT)
-    assert row["exposed_comm_ms"] == pytest.approx(0.3, abs=EXACT)
-    assert row["overlap_ratio"] == pytest.approx(0.0, abs=EXACT)
-    assert row["reduce_scatter_ms"] == pytest.approx(0.3, abs=EXACT)  # gloo ran it as an all-reduce
-    assert row["all_reduce_ms"] == pytest.approx(0.0, abs=EXACT)
+    assert_metrics(
+        row,
+        compute_ms=0.2,
+        comm_ms=0.3,
+        exposed_comm_ms=0.3,
+        overlap_ratio=0.0,
+        reduce_scatter_ms=0.3,  # gloo ran it as an all-reduce
+        all_reduce_ms=0.0,
+    )
 
 
 def test_emulated_link_holds_count_as_exposed_communication(tmp_path):
@@ -89,12 +84,13 @@ def test_emulated_link_holds_count_as_exposed_communication(tmp_path):
         ],
     )
     row = rows[1]
-    assert row["compute_ms"] == pytest.approx(0.29, abs=EXACT)
-    assert row["comm_ms"] == pytest.approx(
-        0.48, abs=EXACT
-    )  # one collective, [20, 500): the link is busy until the hold ends
-    assert row["all_gather_ms"] == pytest.approx(0.48, abs=EXACT)
-    assert row["exposed_comm_ms"] == pytest.approx(0.3, abs=EXACT)
+    assert_metrics(
+        row,
+        compute_ms=0.29,
+        comm_ms=0.48,  # one collective, [20, 500): the link is busy until the hold ends
+        all_gather_ms=0.48,
+        exposed_comm_ms=0.3,
+    )
     assert row["num_collectives"] == 1
 
 
@@ -159,10 +155,7 @@ def test_partial_overlap_and_wait_ops_are_not_compute(tmp_path):
         ],
     )
     row = rows[1]
-    assert row["compute_ms"] == pytest.approx(0.3, abs=EXACT)
-    assert row["exposed_comm_ms"] == pytest.approx(0.3, abs=EXACT)
-    assert row["overlap_ratio"] == pytest.approx(0.25, abs=EXACT)
-    assert row["bound_ms"] == pytest.approx(0.4, abs=EXACT)  # comm-bound step
+    assert_metrics(row, compute_ms=0.3, exposed_comm_ms=0.3, overlap_ratio=0.25, bound_ms=0.4)  # comm-bound step
 
 
 def test_gloo_spans_pair_with_their_enqueue_ops_in_order(tmp_path):
