@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 from _measured_profiles import get_measured_profile
+from _search_fixtures import nosync_params
 
 from autotune.search import SearchSpace
 from autotune.sim import Hardware, Simulator, get_model_work
@@ -243,13 +244,7 @@ def test_the_wait_per_collective_is_fitted_from_a_trial_that_skips_sync():
     work = get_model_work(load_model_profile("tiny"), "float32")
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=4, device_type="cpu")
     defaults = space.get_default_params()
-    nosync = {
-        **defaults,
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "defer_concat": True,
-        "keep_unsharded": False,
-    }
+    nosync = nosync_params(defaults, keep_unsharded=False, defer_concat=True)
     fits = {
         "all_gather": CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2),
         "reduce_scatter": CollectiveFit(latency_s=1e-4, seconds_per_byte=2e-9, group_size=2),
@@ -398,13 +393,7 @@ def test_calibration_from_real_trials_reproduces_its_anchor_and_fits_the_cpu_sha
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=2, device_type="cpu")
     defaults = space.get_default_params()
     dirs = {}
-    nosync = {
-        **defaults,
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "defer_concat": False,
-        "keep_unsharded": False,
-    }
+    nosync = nosync_params(defaults, keep_unsharded=False, defer_concat=False)
     for name, params, reference in (
         ("defaults", defaults, None),
         ("async", {**defaults, "unshard_async": "on", "forward_prefetch": "depth1"}, None),
