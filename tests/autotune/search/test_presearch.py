@@ -228,7 +228,7 @@ def tiny_lm() -> nn.Module:
 
 
 def test_a_factory_is_traced_whole_and_its_blocks_averaged():
-    source = load_model_source("test_sim_presearch:tiny_lm")
+    source = load_model_source("test_presearch:tiny_lm")
     work = get_model_work(source, "float32")
     tokens = source.batch_size * source.seq_len
     assert work.block_names == ("blocks.0", "blocks.1", "blocks.2")
