@@ -154,16 +154,17 @@ def count_since(before: int | None) -> int | None:
 def failed_run(
     codes: list[int | None],
     tails: list[str],
-    *,
     timed_out: bool,
-    timeout_s: float,
     exit_order: list[int],
+    *,
+    timeout_s: float,
     oom_before: int | None,
     wall_s: float,
     pids: list[int],
 ) -> RankRun:
-    """The :class:`RankRun` of ranks that failed: status and reason by :func:`classify_failure`, with
-    the OOM kills counted since ``oom_before`` (a :func:`read_oom_kills` value)."""
+    """The :class:`RankRun` of ranks that failed: status and reason by :func:`classify_failure` from
+    how the wait for them ended (``timed_out``, ``exit_order``), with the OOM kills counted since
+    ``oom_before`` (a :func:`read_oom_kills` value)."""
     status, reason = classify_failure(
         codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order, oom_kills=count_since(oom_before)
     )
@@ -220,14 +221,7 @@ def run_ranks(
             results = [pickle.loads((tmpdir / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
             return RankRun(status="ok", results=results, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
         return failed_run(
-            codes,
-            tails,
-            timed_out=timed_out,
-            timeout_s=timeout_s,
-            exit_order=exit_order,
-            oom_before=oom_before,
-            wall_s=wall,
-            pids=pids,
+            codes, tails, timed_out, exit_order, timeout_s=timeout_s, oom_before=oom_before, wall_s=wall, pids=pids
         )
 
 

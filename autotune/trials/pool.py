@@ -103,15 +103,9 @@ class RankPool:
                 pids=pids,
             )
         codes, tails = self._stop_all(exit_order)
+        wall = time.monotonic() - start
         return failed_run(
-            codes,
-            tails,
-            timed_out=timed_out,
-            timeout_s=timeout_s,
-            exit_order=exit_order,
-            oom_before=oom_before,
-            wall_s=time.monotonic() - start,
-            pids=pids,
+            codes, tails, timed_out, exit_order, timeout_s=timeout_s, oom_before=oom_before, wall_s=wall, pids=pids
         )
 
     def close(self) -> None:
