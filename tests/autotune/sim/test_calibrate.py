@@ -350,7 +350,7 @@ def test_calibration_recovers_the_profile_its_trials_were_made_from(monkeypatch,
         assert _predict(work, trial, profile) == pytest.approx(trial.step_s, rel=1e-3)
 
 
-def test_a_shard_group_of_one_is_priced_by_its_own_copies_whereget_measured_profile():
+def test_a_shard_group_of_one_is_priced_by_its_own_copies_where_measured():
     work = get_model_work(load_model_profile("tiny"), "float32")
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=1, device_type="cpu")
     local = {
