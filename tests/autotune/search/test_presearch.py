@@ -41,7 +41,7 @@ def test_presearch_measures_the_simulators_top_k_and_records_predicted_vs_measur
         1.0
     )  # the defaults, and the anchor: predicted at its step timed in the calibration trials' pairs
     record = json.loads((tmp_path / "search.json").read_text())
-    assert record["schema_version"] == SearchRecord.SCHEMA_VERSION == 6
+    assert record["schema_version"] == SearchRecord.SCHEMA_VERSION == 7
     presearch = record["presearch"]
     assert presearch["num_ranked"] > 100 and presearch["num_enqueued"] == 2 and presearch["num_compared"] >= 1
     assert presearch["calibrated_on"] == rows[0].trial_dir and "profile" not in presearch
