@@ -25,13 +25,31 @@ from typing import Any
 from fsdp_runtime.errors import AutotuneError
 from fsdp_runtime.files import write_json_atomic
 
-__all__ = ["ArtifactError", "Migration", "build_dataclass", "check_artifact", "read_artifact", "write_artifact"]
+__all__ = [
+    "ArtifactError",
+    "Migration",
+    "build_dataclass",
+    "check_artifact",
+    "get_added_field_migrations",
+    "read_artifact",
+    "write_artifact",
+]
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class ArtifactError(AutotuneError):
     """An artifact file is unreadable, of another kind, or from a newer schema."""
+
+
+def _unchanged(data: dict[str, Any]) -> dict[str, Any]:
+    return data
+
+
+def get_added_field_migrations(*versions: int) -> dict[int, Migration]:
+    """The migrations of ``versions`` whose next version only added fields with defaults: the data
+    as it is (the dataclass fills the new fields in)."""
+    return dict.fromkeys(versions, _unchanged)
 
 
 def check_artifact(

@@ -21,10 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.trials import (
-    build_training,  # noqa: E402
-    run_ranks,  # noqa: E402
-)
+from _common import run_rank0  # noqa: E402
+
+from autotune.trials import build_training  # noqa: E402
 from fsdp_runtime import MeshConfig, RuntimeConfig, config_to_dict, default_config  # noqa: E402
 from profiles import load_model_profile  # noqa: E402
 
@@ -124,7 +123,7 @@ def main() -> None:
         for k, (a, b) in get_cases(blocks, args.microbatches, args.world).items()
         if not args.only or args.only in k
     }
-    run = run_ranks(
+    results = run_rank0(
         "knobs:rank_main",
         world_size=args.world,
         kwargs={
@@ -134,11 +133,7 @@ def main() -> None:
             "num_steps": args.steps,
             "cluster": args.cluster,
         },
-        timeout_s=3600,
     )
-    if not run.ok:
-        sys.exit(f"benchmark failed: {run.status}: {run.reason}")
-    results = run.results[0]
     print(
         f"model={args.model} world={args.world} microbatches={args.microbatches} pairs={args.pairs} steps/measurement={args.steps} cluster={args.cluster}"
     )

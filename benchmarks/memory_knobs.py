@@ -136,6 +136,22 @@ def _measure(
     return got
 
 
+def _measure_warmed(
+    pool: RankPool,
+    model: str,
+    configs: dict[str, RuntimeConfig],
+    defaults: RuntimeConfig,
+    args: argparse.Namespace,
+    *,
+    out: str,
+) -> dict[str, dict]:
+    """:func:`_measure` into ``args.out / out``, after one warm-up trial of the defaults: a fresh pool's
+    first trial starts from a smaller resident set (~300 vs ~370 MiB here), so warm it first, as the
+    search's pool is, and no config is measured on a younger process."""
+    _measure(pool, model, {"warm-up": defaults}, defaults, rounds=1, pairs=1, out=args.out / f"{out}_warmup")
+    return _measure(pool, model, configs, defaults, rounds=args.rounds, pairs=args.pairs, out=args.out / out)
+
+
 def _predict_peaks(model: Path, configs: dict[str, RuntimeConfig]) -> dict[str, float]:
     """The simulator's peak tensor memory per rank for each config (float32, 2 ranks); a config it cannot simulate is left out.
     Memory does not depend on the device's speeds: any profile with an accelerator table serves (its times are ignored)."""
@@ -212,17 +228,8 @@ def main() -> None:
     print(f"load before: {os.getloadavg()}", flush=True)
 
     with RankPool(2) as pool:
-        _measure(pool, str(model), {"warm-up": defaults}, defaults, rounds=1, pairs=1, out=args.out / "warmup")
         print(f"\n1. each knob vs FSDP2's defaults ({args.pairs} pairs x {args.rounds} interleaved rounds)", flush=True)
-        got = _measure(
-            pool,
-            str(model),
-            {"defaults (A/A)": defaults, **hand},
-            defaults,
-            rounds=args.rounds,
-            pairs=args.pairs,
-            out=args.out / "knobs",
-        )
+        got = _measure_warmed(pool, str(model), {"defaults (A/A)": defaults, **hand}, defaults, args, out="knobs")
         default_peak = max(got["defaults (A/A)"]["peaks"])
         knob_table = _print_table(
             got, default_peak, predicted=_predict_peaks(model, {"defaults (A/A)": defaults, **hand})
@@ -272,17 +279,8 @@ def main() -> None:
             f"\n4. the emitted config and the {len(feasible)} feasible hand-written configs vs the defaults ({args.pairs} pairs x {args.rounds} rounds)",
             flush=True,
         )
-        # A fresh pool's first trial starts from a smaller resident set (~300 vs ~370 MiB here): warm it
-        # first, as the search's pool is, so no config is measured on a younger process.
-        _measure(pool, str(model), {"warm-up": defaults}, defaults, rounds=1, pairs=1, out=args.out / "final_warmup")
-        final = _measure(
-            pool,
-            str(model),
-            {"search under the budget": emitted, **feasible},
-            defaults,
-            rounds=args.rounds,
-            pairs=args.pairs,
-            out=args.out / "final",
+        final = _measure_warmed(
+            pool, str(model), {"search under the budget": emitted, **feasible}, defaults, args, out="final"
         )
         final_table = _print_table(final, default_peak, budget)
     if "search under the budget" in final_table:

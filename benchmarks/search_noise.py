@@ -39,19 +39,13 @@ from autotune.trials import RankPool, TrialSpec, run_trial  # noqa: E402
 from fsdp_runtime import load_config  # noqa: E402
 from profiles import load_model_profile  # noqa: E402
 
+_NOSYNC = {"nosync_blocks": "all", "nosync_level_fsdp": "last", "defer_concat": True}
+# On 2 ranks HSDP 2x1 is plain replication (DDP-like: no all-gather, one all-reduce):
+# the mesh every search of this benchmark picked, so the hand-written bar includes it.
+_REPLICATE_NOSYNC = {"mesh": "hsdp:2x1", "nosync_blocks": "all", "nosync_level_hsdp": "last", "defer_concat": True}
 HAND_WRITTEN = {
-    "no sync on non-final microbatches (all blocks)": {
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "defer_concat": True,
-        "keep_unsharded": False,
-    },
-    "no sync + keep unsharded": {
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "defer_concat": True,
-        "keep_unsharded": True,
-    },
+    "no sync on non-final microbatches (all blocks)": {**_NOSYNC, "keep_unsharded": False},
+    "no sync + keep unsharded": {**_NOSYNC, "keep_unsharded": True},
     "async unshard + prefetch depth 1": {
         "unshard_async": "on",
         "forward_prefetch": "depth1",
@@ -59,34 +53,19 @@ HAND_WRITTEN = {
     },
     "no reshard after forward": {"reshard_after_forward": "false"},
     "no sync + keep unsharded + no reshard after forward": {
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "defer_concat": True,
+        **_NOSYNC,
         "keep_unsharded": True,
         "reshard_after_forward": "false",
     },
-    # On 2 ranks HSDP 2x1 is plain replication (DDP-like: no all-gather, one all-reduce):
-    # the mesh every search of this benchmark picked, so the hand-written bar includes it.
-    "replicate (HSDP 2x1) + no sync": {
-        "mesh": "hsdp:2x1",
-        "nosync_blocks": "all",
-        "nosync_level_hsdp": "last",
-        "defer_concat": True,
-    },
+    "replicate (HSDP 2x1) + no sync": _REPLICATE_NOSYNC,
     "replicate (HSDP 2x1) + no sync + keep unsharded, no reshard": {
-        "mesh": "hsdp:2x1",
-        "nosync_blocks": "all",
-        "nosync_level_hsdp": "last",
-        "defer_concat": True,
+        **_REPLICATE_NOSYNC,
         "keep_unsharded": True,
         "reshard_after_forward": "false",
     },
     # The same with the root's knobs (searched since issue 15): the root unit skips sync and stays unsharded too.
     "replicate + no sync + keep unsharded, no reshard, root too": {
-        "mesh": "hsdp:2x1",
-        "nosync_blocks": "all",
-        "nosync_level_hsdp": "last",
-        "defer_concat": True,
+        **_REPLICATE_NOSYNC,
         "keep_unsharded": True,
         "reshard_after_forward": "false",
         "root_reshard_after_forward": "false",

@@ -35,7 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.trials import build_training, run_ranks  # noqa: E402
+from _common import run_rank0  # noqa: E402
+
+from autotune.trials import build_training  # noqa: E402
 from fsdp_runtime import config_to_dict, default_config  # noqa: E402
 from profiles import load_model_profile  # noqa: E402
 
@@ -194,7 +196,7 @@ def _fmt(values: list[float], digits: int = 1) -> str:
 
 def _launch(model: str, configs: dict, args: argparse.Namespace) -> list[dict]:
     """One launch of 2 ranks running ``configs`` in alternating runs; rank 0's step records."""
-    run = run_ranks(
+    return run_rank0(
         "switch_cost:rank_main",
         world_size=2,
         kwargs={
@@ -206,11 +208,7 @@ def _launch(model: str, configs: dict, args: argparse.Namespace) -> list[dict]:
             "gap": args.gap,
             "cluster": args.cluster,
         },
-        timeout_s=3600,
     )
-    if not run.ok:
-        sys.exit(f"benchmark failed: {run.status}: {run.reason}")
-    return run.results[0]
 
 
 def _print(records: list[dict], args: argparse.Namespace) -> None:
@@ -259,7 +257,7 @@ def main() -> None:
         "candidate": get_candidate(blocks, args.candidate, args.microbatches),
     }
     if args.estimators:
-        run = run_ranks(
+        windows = run_rank0(
             "switch_cost:estimators_main",
             world_size=2,
             kwargs={
@@ -270,12 +268,9 @@ def main() -> None:
                 "warmup": args.warmup,
                 "cluster": args.cluster,
             },
-            timeout_s=3600,
         )
-        if not run.ok:
-            sys.exit(f"benchmark failed: {run.status}: {run.reason}")
         print(f"model {args.model}, candidate {args.candidate}, cluster {args.cluster}, {args.runs} rounds")
-        _print_estimators(run.results[0])
+        _print_estimators(windows)
         return
     if args.gap == "switch":
         records = _launch(model, configs, args)

@@ -8,6 +8,7 @@ from fsdp_runtime._torch_compat import get_unsupported_knobs
 from fsdp_runtime.accumulation import GradAccumulator
 from fsdp_runtime.apply import AppliedFsdp, apply_fsdp, find_block_names, resolve_units
 from fsdp_runtime.blocks import find_edge_modules
+from fsdp_runtime.checkpointing import SAVED_OP_NAMES
 from fsdp_runtime.config import (
     CHECKPOINTING_KINDS,
     CONSOLIDATION_METHODS,
@@ -44,6 +45,7 @@ __all__ = [
     "CHECKPOINTING_KINDS",
     "CONSOLIDATION_METHODS",
     "ROOT_UNIT",
+    "SAVED_OP_NAMES",
     "SCHEMA_VERSION",
     "AppliedFsdp",
     "AutotuneError",

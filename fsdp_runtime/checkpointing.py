@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 _aten = torch.ops.aten
-_SAVE_OP_NAMES = (
+SAVED_OP_NAMES = (
     "mm",
     "addmm",
     "bmm",
@@ -44,7 +44,8 @@ _SAVE_OP_NAMES = (
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
 )
-SAVED_OPS = frozenset(getattr(_aten, name).default for name in _SAVE_OP_NAMES if hasattr(_aten, name))
+"""The aten ops whose outputs ``selective`` checkpointing saves, by name (the simulator prices the same)."""
+SAVED_OPS = frozenset(getattr(_aten, name).default for name in SAVED_OP_NAMES if hasattr(_aten, name))
 """Ops whose outputs ``selective`` checkpointing saves (those this torch build has)."""
 
 

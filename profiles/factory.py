@@ -163,11 +163,24 @@ def call_factory(factory: Callable[[], Any], ref: str, *, device: str, seed: int
     return model
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
 class FactsModel:
-    """What every model source that inspects a built model answers from its :class:`ModelFacts`
-    (a ``facts`` property, defined by the source)."""
+    """What every model source that inspects a built model holds (its name, how ranks rebuild it,
+    the training shape) and answers from its :class:`ModelFacts` (a ``facts`` property, defined by
+    the source)."""
 
-    __slots__ = ()
+    name: str
+    source: str
+    """What trial ranks pass to :func:`profiles.sources.load_model_source` to rebuild it."""
+    seq_len: int = DEFAULT_SEQ_LEN
+    batch_size: int = DEFAULT_BATCH_SIZE
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelSourceError(f"{self.name}: {name} must be a positive integer, got {value!r}")
 
     @property
     def block_names(self) -> list[str]:
@@ -189,20 +202,8 @@ class FactsModel:
 class FactoryModel(FactsModel):
     """A model built by the user's function (see [Note: model factory protocol])."""
 
-    name: str
     ref: str
     """``package.module:function``."""
-    source: str
-    """What trial ranks pass to :func:`profiles.sources.load_model_source` to rebuild it."""
-    seq_len: int = DEFAULT_SEQ_LEN
-    batch_size: int = DEFAULT_BATCH_SIZE
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelSourceError(f"{self.name}: {name} must be a positive integer, got {value!r}")
 
     def build(self, *, device: str = "cpu", seed: int = 0) -> nn.Module:
         return call_factory(load_factory(self.ref), self.ref, device=device, seed=seed)

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from profiles.factory import (
-    DEFAULT_BATCH_SIZE,
     DEFAULT_SEQ_LEN,
     FactsModel,
     ModelFacts,
@@ -62,22 +61,10 @@ def find_config_file(value: str) -> Path:
 class HFModel(FactsModel):
     """A causal LM built from a local Hugging Face config, optionally with some fields overridden."""
 
-    name: str
     config_path: str
     """Absolute path of the ``config.json``."""
-    source: str
-    """What trial ranks pass to :func:`profiles.sources.load_model_source` to rebuild it."""
-    seq_len: int = DEFAULT_SEQ_LEN
-    batch_size: int = DEFAULT_BATCH_SIZE
-    description: str = ""
     config_overrides: tuple[tuple[str, Any], ...] = ()
     """Config fields set over the file's (a scale proxy's widths)."""
-
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelSourceError(f"{self.name}: {name} must be a positive integer, got {value!r}")
 
     def get_config(self) -> Any:
         """A fresh ``PretrainedConfig`` with the overrides applied and the KV cache off."""

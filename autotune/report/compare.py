@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -51,6 +52,32 @@ def get_unit_compare_figure(comparison: Comparison) -> go.Figure | None:
     return fig
 
 
+def add_lane_bars(
+    fig: go.Figure, lanes: pd.DataFrame, *, label: str = "", shown: set[str] | None = None, **subplot: int
+) -> None:
+    """One horizontal bar trace per lane of ``lanes`` (:func:`get_lanes`), in :data:`LANE_COLORS`;
+    ``label`` heads the hover text. With ``shown`` (the lanes already in the legend, updated here) the
+    traces of one lane share a legend entry across subplots; ``subplot``: ``row`` and ``col``."""
+    for lane, color in LANE_COLORS.items():
+        spans = lanes[lanes["lane"] == lane]
+        if spans.empty:
+            continue
+        legend = {} if shown is None else {"legendgroup": lane, "showlegend": lane not in shown}
+        fig.add_bar(
+            x=spans["end_ms"] - spans["start_ms"],
+            base=spans["start_ms"],
+            y=spans["y"],
+            orientation="h",
+            name=lane,
+            **legend,
+            marker={"color": color, "line": {"width": 0}},
+            **subplot,
+            hovertemplate=(f"{label}<br>" if label else "") + "%{y}<br>%{base:.3f} ms +%{x:.3f} ms<extra></extra>",
+        )
+        if shown is not None:
+            shown.add(lane)
+
+
 def _subplot_title(label: str, trial: TrialSummary, traces: TrialTraces) -> str:
     if traces.timeline is None or traces.timeline.empty:
         return f"{label}: no timeline ({traces.error or 'no intervals in its traces'})"
@@ -81,24 +108,7 @@ def get_timeline_compare_figure(compared: dict[str, tuple[TrialSummary, TrialTra
     for row, (label, frame) in enumerate(lanes.items(), start=1):
         if frame is None:
             continue
-        for lane, color in LANE_COLORS.items():
-            spans = frame[frame["lane"] == lane]
-            if spans.empty:
-                continue
-            fig.add_bar(
-                x=spans["end_ms"] - spans["start_ms"],
-                base=spans["start_ms"],
-                y=spans["y"],
-                orientation="h",
-                name=lane,
-                legendgroup=lane,
-                showlegend=lane not in shown,
-                marker={"color": color, "line": {"width": 0}},
-                row=row,
-                col=1,
-                hovertemplate=f"{label}<br>" + "%{y}<br>%{base:.3f} ms +%{x:.3f} ms<extra></extra>",
-            )
-            shown.add(lane)
+        add_lane_bars(fig, frame, label=label, shown=shown, row=row, col=1)
         fig.update_yaxes(categoryorder="array", categoryarray=list(dict.fromkeys(frame["y"]))[::-1], row=row, col=1)
     fig.update_layout(
         title="Timelines on one time axis (red: exposed communication; as traced, not scaled)",

@@ -9,7 +9,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from autotune.report.compare import COMPARE_FIGURES, get_compare_section, get_compared_traces
+from autotune.report.compare import COMPARE_FIGURES, add_lane_bars, get_compare_section, get_compared_traces
 from autotune.report.frames import (
     LANE_COLORS,
     FigureSection,
@@ -39,19 +39,7 @@ def get_timeline_figure(report: Report) -> go.Figure | None:
         return None
     lanes = get_lanes(report.timeline)
     fig = go.Figure()
-    for lane, color in LANE_COLORS.items():
-        rows = lanes[lanes["lane"] == lane]
-        if rows.empty:
-            continue
-        fig.add_bar(
-            x=rows["end_ms"] - rows["start_ms"],
-            base=rows["start_ms"],
-            y=rows["y"],
-            orientation="h",
-            name=lane,
-            marker={"color": color, "line": {"width": 0}},
-            hovertemplate="%{y}<br>%{base:.3f} ms +%{x:.3f} ms<extra></extra>",
-        )
+    add_lane_bars(fig, lanes)
     title = "Timeline: compute vs communication (red: exposed communication)" + (
         ", as traced (not scaled)" if report.trials[0].trace_scale else ""
     )

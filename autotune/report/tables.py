@@ -25,13 +25,8 @@ STEP_TABLE = [  # (short column title, long title, summary field, format)
     ("/bound", "step / bound", "bound_ratio", "x"),
     ("barrier", "barrier (synchronization, not comm) ms", "barrier_ms", "ms"),
 ]
-UNIT_TABLE = [
-    ("AG", "all-gather ms", "all_gather_ms", "ms"),
-    ("RS", "reduce-scatter ms", "reduce_scatter_ms", "ms"),
-    ("AR", "all-reduce ms", "all_reduce_ms", "ms"),
-    ("comm", "communication ms", "comm_ms", "ms"),
-    ("exposed", "exposed communication ms", "exposed_comm_ms", "ms"),
-    ("overlap", "overlap", "overlap_ratio", "pct"),
+UNIT_TABLE = [  # the step table's communication columns, then the unit's own
+    *(c for t in ("AG", "RS", "AR", "comm", "exposed", "overlap") for c in STEP_TABLE if c[0] == t),
     ("hooks", "time in the unit's FSDP hooks ms", "hook_ms", "ms"),
 ]
 _LEGEND = "ms; AG/RS/AR: all-gather/reduce-scatter/all-reduce"
@@ -292,6 +287,15 @@ def _mark(row: TrialRow, comparison: Comparison | None) -> str:
     return f"{row.number} ({', '.join(marks)})" if marks else str(row.number)
 
 
+def _describe_status(row: TrialRow) -> str:
+    """``ok``, ``ok (noisy)``, ``ok (= 3)`` for a config measured as trial 3."""
+    return (
+        row.status
+        + (" (noisy)" if row.noisy else "")
+        + (f" (= {row.duplicate_of})" if row.duplicate_of is not None else "")
+    )
+
+
 def _describe_attempts(row: TrialRow) -> str:
     """``1``, or ``2 (first: pruned 1.520x)`` for a trial measured again ([Note: paired measurement])."""
     if row.attempts <= 1:
@@ -309,11 +313,6 @@ def get_search_trials_table(rows: list[TrialRow], comparison: Comparison | None 
     title = f"{len(rows)} trials (ratio: median step time / the defaults' in alternating pairs; IQR and spread of those pairs)"
     table = ReportTable(title=title, columns=list(TRIALS_COLUMNS))
     for row in sorted(rows, key=lambda r: r.number):
-        status = (
-            row.status
-            + (" (noisy)" if row.noisy else "")
-            + (f" (= {row.duplicate_of})" if row.duplicate_of is not None else "")
-        )
         iqr = (
             f"{row.ratio_q25:.3f}-{row.ratio_q75:.3f}"
             if row.ratio_q25 is not None and row.ratio_q75 is not None
@@ -323,7 +322,7 @@ def get_search_trials_table(rows: list[TrialRow], comparison: Comparison | None 
         table.rows.append(
             [
                 _mark(row, comparison),
-                status,
+                _describe_status(row),
                 fmt(row.ratio, "x"),
                 iqr,
                 fmt(row.ratio_spread, "pct"),
@@ -350,15 +349,10 @@ def get_search_rows_table(rows: list[TrialRow], best: TrialRow | None) -> Report
     )
     for row in rows:
         mark = " *" if best and row.number == best.number else (" (defaults)" if row.is_default else "")
-        status = (
-            row.status
-            + (" (noisy)" if row.noisy else "")
-            + (f" (= {row.duplicate_of})" if row.duplicate_of is not None else "")
-        )
         table.rows.append(
             [
                 f"{row.number}{mark}",
-                status,
+                _describe_status(row),
                 fmt(row.ratio, "x"),
                 fmt(row.ratio_spread, "pct"),
                 fmt(row.step_ms),

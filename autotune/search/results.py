@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from autotune.artifacts import ArtifactError, build_dataclass, read_artifact, write_artifact
+from autotune.artifacts import (
+    ArtifactError,
+    build_dataclass,
+    get_added_field_migrations,
+    read_artifact,
+    write_artifact,
+)
 from autotune.trials import TrialFigures
 from fsdp_runtime.files import write_atomic
 
@@ -117,12 +123,9 @@ class SearchRecord:
     # trials' precision, whether the reduce dtype was searched, and notes on the environment (defaults: unknown, none).
     MIGRATIONS: ClassVar[dict] = {
         1: _migrate_summary_v1,
-        2: lambda data: data,
-        3: lambda data: data,
-        4: lambda data: data,
-        5: lambda data: data,
+        **get_added_field_migrations(2, 3, 4, 5),
         6: _migrate_summary_v6,
-        7: lambda data: data,
+        **get_added_field_migrations(7),
     }
 
     model: str

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from fsdp_runtime import ROOT_UNIT, find_block_names
+from fsdp_runtime import ROOT_UNIT, SAVED_OP_NAMES, find_block_names
 from profiles import BATCH_HOOK, Llama, ModelProfile, compute_loss
 from profiles.sources import ModelSource
 
@@ -46,17 +46,8 @@ _ATTENTION_FORWARD = {
 }
 _ATTENTION_BACKWARD = {f"{name}_backward" for name in _ATTENTION_FORWARD}
 _VIEWS = {"_unsafe_view", "detach", "lift_fresh"}
-_SELECTIVE_SAVED = {
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-}
-"""The ops whose outputs selective activation checkpointing saves (``fsdp_runtime.checkpointing.SAVED_OPS``)."""
+_SELECTIVE_SAVED = set(SAVED_OP_NAMES)
+"""The ops whose outputs selective activation checkpointing saves (``fsdp_runtime.SAVED_OP_NAMES``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,26 @@ def count_since(before: int | None) -> int | None:
     return None if before is None or after is None else after - before
 
 
+def failed_run(
+    codes: list[int | None],
+    tails: list[str],
+    timed_out: bool,
+    exit_order: list[int],
+    *,
+    timeout_s: float,
+    oom_before: int | None,
+    wall_s: float,
+    pids: list[int],
+) -> RankRun:
+    """The :class:`RankRun` of ranks that failed: status and reason by :func:`classify_failure` from
+    how the wait for them ended (``timed_out``, ``exit_order``), with the OOM kills counted since
+    ``oom_before`` (a :func:`read_oom_kills` value)."""
+    status, reason = classify_failure(
+        codes, tails, timed_out=timed_out, timeout_s=timeout_s, exit_order=exit_order, oom_kills=count_since(oom_before)
+    )
+    return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall_s, pids=pids)
+
+
 def run_ranks(
     target: str,
     *,
@@ -200,15 +220,9 @@ def run_ranks(
         if not timed_out and all(c == 0 for c in codes):
             results = [pickle.loads((tmpdir / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
             return RankRun(status="ok", results=results, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
-        status, reason = classify_failure(
-            codes,
-            tails,
-            timed_out=timed_out,
-            timeout_s=timeout_s,
-            exit_order=exit_order,
-            oom_kills=count_since(oom_before),
+        return failed_run(
+            codes, tails, timed_out, exit_order, timeout_s=timeout_s, oom_before=oom_before, wall_s=wall, pids=pids
         )
-        return RankRun(status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
 
 
 TEMP_PREFIX = "autotune-"

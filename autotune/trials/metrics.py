@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from autotune.analysis import check_summary
-from autotune.artifacts import ArtifactError, build_dataclass, read_artifact, write_artifact
+from autotune.artifacts import (
+    ArtifactError,
+    build_dataclass,
+    get_added_field_migrations,
+    read_artifact,
+    write_artifact,
+)
 from autotune.trials.paired import summarize_pairs
 
 TrialStatus = Literal["ok", "pruned", "timeout", "crash", "oom", "invalid_config"]
@@ -155,12 +161,8 @@ class TrialMetrics:
 
     KIND: ClassVar[str] = "trial_metrics"
     SCHEMA_VERSION: ClassVar[int] = 5
-    MIGRATIONS: ClassVar[dict] = {
-        1: _migrate_v1,
-        2: lambda data: data,
-        3: lambda data: data,
-        4: lambda data: data,
-    }  # v3, v4 added fields, all with defaults; v5 the settle steps (their ``paired`` figures
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4)}
+    # v3, v4 added fields, all with defaults; v5 the settle steps (their ``paired`` figures
     # stay as measured: before v5 a ratio is the median pair, without ``estimator``)
 
     status: TrialStatus

@@ -34,8 +34,7 @@ from typing import Any
 from autotune.trials.launch import (
     TEMP_PREFIX,
     RankRun,
-    classify_failure,
-    count_since,
+    failed_run,
     kill_tree,
     read_oom_kills,
     read_tail,
@@ -104,21 +103,9 @@ class RankPool:
                 pids=pids,
             )
         codes, tails = self._stop_all(exit_order)
-        status, reason = classify_failure(
-            codes,
-            tails,
-            timed_out=timed_out,
-            timeout_s=timeout_s,
-            exit_order=exit_order,
-            oom_kills=count_since(oom_before),
-        )
-        return RankRun(
-            status=status,
-            reason=reason,
-            returncodes=codes,
-            stderr_tails=tails,
-            wall_s=time.monotonic() - start,
-            pids=pids,
+        wall = time.monotonic() - start
+        return failed_run(
+            codes, tails, timed_out, exit_order, timeout_s=timeout_s, oom_before=oom_before, wall_s=wall, pids=pids
         )
 
     def close(self) -> None:

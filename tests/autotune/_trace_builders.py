@@ -73,31 +73,42 @@ def write(path: Path, doc: dict[str, Any]) -> Path:
     return path
 
 
+EXACT = 1e-9
+"""Tolerance of the metrics of these traces: their right answers are exact."""
+
+
+def metrics_of(path: Path, events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The step-metrics rows of a one-rank synthetic trace, keyed by step number."""
+    from autotune.analysis import FsdpTraceAnalysis
+
+    write(path, trace(events))
+    return {row["step"]: row for row in FsdpTraceAnalysis([path]).get_step_metrics().to_dict("records")}
+
+
+def assert_metrics(row: Any, **expected: float) -> None:
+    """Each named metric of ``row`` (a step-metrics row) is the expected value: a zero exactly
+    (nothing of it counted), any other value to :data:`EXACT`."""
+    import pytest
+
+    assert {k: row[k] for k in expected} == {
+        k: v if v == 0 else pytest.approx(v, abs=EXACT) for k, v in expected.items()
+    }
+
+
 def launch(
-    name: str,
-    start: float,
-    end: float,
-    *,
     kernel: str,
-    kernel_start: float,
-    kernel_end: float,
+    host: tuple[float, float],
+    device: tuple[float, float],
+    *,
     stream: int,
     correlation: int,
+    api: str = "cudaLaunchKernel",
 ) -> list[dict[str, Any]]:
-    """A host-side launch and the device kernel it launched, linked by ``correlation``."""
+    """A host-side launch (``api`` over ``host``) and the device kernel it launched (over ``device``),
+    linked by ``correlation``."""
     return [
-        span(name, start, end, cat="cuda_runtime", correlation=correlation),
-        span(
-            kernel,
-            kernel_start,
-            kernel_end,
-            cat="kernel",
-            pid=0,
-            tid=stream,
-            stream=stream,
-            correlation=correlation,
-            device=0,
-        ),
+        span(api, *host, cat="cuda_runtime", correlation=correlation),
+        span(kernel, *device, cat="kernel", pid=0, tid=stream, stream=stream, correlation=correlation, device=0),
     ]
 
 
@@ -114,83 +125,31 @@ def gpu_rank_trace(rank: int) -> dict[str, Any]:
         step(1, 0, 1000),
         step(2, 1000, 2000),
         span("aten::mm", 10, 60),
-        *launch(
-            "cudaLaunchKernel",
-            20,
-            30,
-            kernel="sm90_xmma_gemm_f32",
-            kernel_start=100,
-            kernel_end=400,
-            stream=STREAM_COMPUTE,
-            correlation=1,
-        ),
+        *launch("sm90_xmma_gemm_f32", (20, 30), (100, 400), stream=STREAM_COMPUTE, correlation=1),
         label("FSDP::all_gather (layers.0)", 65, 90),
         span("c10d::_allgather_base_", 70, 85),
-        *launch(
-            "cudaLaunchKernel",
-            75,
-            80,
-            kernel="ncclDevKernel_AllGather_RING_LL",
-            kernel_start=ag_start,
-            kernel_end=600,
-            stream=STREAM_NCCL,
-            correlation=2,
-        ),
+        *launch("ncclDevKernel_AllGather_RING_LL", (75, 80), (ag_start, 600), stream=STREAM_NCCL, correlation=2),
         span("aten::mm", 95, 120),
-        *launch(
-            "cudaLaunchKernel",
-            100,
-            110,
-            kernel="sm90_xmma_gemm_f32",
-            kernel_start=500,
-            kernel_end=700,
-            stream=STREAM_COMPUTE,
-            correlation=3,
-        ),
+        *launch("sm90_xmma_gemm_f32", (100, 110), (500, 700), stream=STREAM_COMPUTE, correlation=3),
         span("aten::copy_", 130, 150),
         *launch(
-            "cudaMemcpyAsync",
-            135,
-            145,
-            kernel="Memcpy HtoD (Pageable -> Device)",
-            kernel_start=700,
-            kernel_end=800,
+            "Memcpy HtoD (Pageable -> Device)",
+            (135, 145),
+            (700, 800),
             stream=STREAM_COMPUTE,
             correlation=4,
+            api="cudaMemcpyAsync",
         ),
         span("aten::mm", 1010, 1060),
-        *launch(
-            "cudaLaunchKernel",
-            1020,
-            1030,
-            kernel="sm90_xmma_gemm_f32",
-            kernel_start=1100,
-            kernel_end=1300,
-            stream=STREAM_COMPUTE,
-            correlation=5,
-        ),
+        *launch("sm90_xmma_gemm_f32", (1020, 1030), (1100, 1300), stream=STREAM_COMPUTE, correlation=5),
         span("c10d::allreduce_", 1070, 1090),
         *launch(
-            "cudaLaunchKernel",
-            1075,
-            1080,
-            kernel="ncclDevKernel_AllReduce_Sum_f32_RING_LL",
-            kernel_start=1150,
-            kernel_end=1250,
-            stream=STREAM_NCCL,
-            correlation=6,
+            "ncclDevKernel_AllReduce_Sum_f32_RING_LL", (1075, 1080), (1150, 1250), stream=STREAM_NCCL, correlation=6
         ),
         label("FSDP::post_backward_reduce (layers.0)", 1095, 1130),
         span("c10d::_reduce_scatter_base_", 1100, 1120),
         *launch(
-            "cudaLaunchKernel",
-            1105,
-            1110,
-            kernel="ncclDevKernel_ReduceScatter_Sum_f32_RING_LL",
-            kernel_start=1300,
-            kernel_end=1500,
-            stream=STREAM_NCCL,
-            correlation=7,
+            "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", (1105, 1110), (1300, 1500), stream=STREAM_NCCL, correlation=7
         ),
     ]
     doc = trace(events, rank=rank, backend="nccl")

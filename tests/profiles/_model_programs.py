@@ -90,19 +90,3 @@ def compare_with_fully_shard(
     for name, config in configs.items():
         out[name] = _train(source, rank, by_config(config), num_microbatches, num_steps)
     return out
-
-
-def rename_units(config, mapping: dict[str, str]):
-    def names(items):
-        return None if items is None else [mapping.get(n, n) for n in items]
-
-    units = [
-        dataclasses.replace(
-            u,
-            name=mapping.get(u.name, u.name),
-            forward_prefetch=names(u.forward_prefetch),
-            backward_prefetch=names(u.backward_prefetch),
-        )
-        for u in config.units
-    ]
-    return dataclasses.replace(config, units=units)

@@ -18,10 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _model_programs import REL_TOL, order_preserving, rename_units, without_order_changes
+from _model_programs import REL_TOL, order_preserving, without_order_changes
 from torch import nn
 
 from fsdp_runtime import AutotuneError, config_to_dict, default_config, load_config, save_config
+from fsdp_runtime.blocks import _rename as rename_units
 
 # Two trials (the defaults, one sampled), no final round; never pruned or re-measured (what
 # those do is tested in test_search.py): the model is what is under test here.
@@ -478,7 +479,7 @@ def test_search_emits_a_config_that_applies_unchanged(kind, tmp_path, shared_poo
     configs = {"emitted": config_to_dict(best), "emitted_in_order": config_to_dict(without_order_changes(best))}
     if kind == "hf_llama":  # the same knobs named as on our Llama profile: resolved by position
         by_position = {f"model.layers.{i}": f"layers.{i}" for i in range(4)}
-        configs["profile_names"] = config_to_dict(rename_units(best, by_position))
+        configs["profile_names"] = config_to_dict(rename_units(best, by_position))  # names, modules, prefetch lists
     run = shared_pool.run(
         "_model_programs:compare_with_fully_shard", {"model": model, "configs": configs}, timeout_s=120
     )

@@ -11,32 +11,21 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 from _fixtures import get_fixture_traces
-from _trace_builders import gloo, label, memory, span, step, trace, write
+from _trace_builders import EXACT, assert_metrics, gloo, label, memory, metrics_of, span, step, trace, write
 
 from autotune.analysis import SUMMARY_SCHEMA_VERSION, FsdpTraceAnalysis, TraceError, summarize_traces
 from autotune.analysis._events import get_collective_kind, get_label_unit
 from fsdp_runtime.errors import AutotuneError
 
-EXACT = 1e-9
-
-
-def metrics_of(path: Path, events: list[dict]) -> dict:
-    """The step-metrics rows of a one-rank synthetic trace, keyed by step number."""
-    write(path, trace(events))
-    rows = FsdpTraceAnalysis([path]).get_step_metrics().to_dict("records")
-    return {row["step"]: row for row in rows}
-
-
 # --- synthetic CPU traces: the right answer is obvious ---------------------------------
 
 
-def test_comm_hidden_under_compute_is_not_exposed(tmp_path):
-    rows = metrics_of(
-        tmp_path / "t.json",
+# (events of one rank's trace, per step: its metrics) -- the right answer is obvious
+STEP_CASES = [
+    pytest.param(
         [
             step(1, 0, 1000),
             span("c10d::_allgather_base_", 10, 20),
@@ -44,21 +33,21 @@ def test_comm_hidden_under_compute_is_not_exposed(tmp_path):
             span("aten::addmm", 150, 250),  # nested: counted once
             gloo("gloo:all_gather", 200, 700),
         ],
-    )
-    row = rows[1]
-    assert row["step_ms"] == pytest.approx(1.0, abs=EXACT)
-    assert row["compute_ms"] == pytest.approx(0.8, abs=EXACT)
-    assert row["comm_ms"] == pytest.approx(0.5, abs=EXACT)
-    assert row["all_gather_ms"] == pytest.approx(0.5, abs=EXACT)
-    assert row["exposed_comm_ms"] == pytest.approx(0.0, abs=EXACT)
-    assert row["overlap_ratio"] == pytest.approx(1.0, abs=EXACT)
-    assert row["bound_ms"] == pytest.approx(0.8, abs=EXACT)
-    assert row["bound_ratio"] == pytest.approx(1.25, abs=EXACT)
-
-
-def test_comm_while_training_thread_idle_is_fully_exposed(tmp_path):
-    rows = metrics_of(
-        tmp_path / "t.json",
+        {
+            1: {
+                "step_ms": 1.0,
+                "compute_ms": 0.8,
+                "comm_ms": 0.5,
+                "all_gather_ms": 0.5,
+                "exposed_comm_ms": 0.0,
+                "overlap_ratio": 1.0,
+                "bound_ms": 0.8,
+                "bound_ratio": 1.25,
+            }
+        },
+        id="comm_hidden_under_compute_is_not_exposed",
+    ),
+    pytest.param(
         [
             step(1, 0, 1000),
             span("aten::mm", 0, 100),
@@ -66,19 +55,19 @@ def test_comm_while_training_thread_idle_is_fully_exposed(tmp_path):
             gloo("gloo:all_reduce", 160, 460),  # the thread waits, no op runs
             span("aten::add", 500, 600),
         ],
-    )
-    row = rows[1]
-    assert row["compute_ms"] == pytest.approx(0.2, abs=EXACT)
-    assert row["comm_ms"] == pytest.approx(0.3, abs=EXACT)
-    assert row["exposed_comm_ms"] == pytest.approx(0.3, abs=EXACT)
-    assert row["overlap_ratio"] == pytest.approx(0.0, abs=EXACT)
-    assert row["reduce_scatter_ms"] == pytest.approx(0.3, abs=EXACT)  # gloo ran it as an all-reduce
-    assert row["all_reduce_ms"] == pytest.approx(0.0, abs=EXACT)
-
-
-def test_emulated_link_holds_count_as_exposed_communication(tmp_path):
-    rows = metrics_of(
-        tmp_path / "t.json",
+        {
+            1: {
+                "compute_ms": 0.2,
+                "comm_ms": 0.3,
+                "exposed_comm_ms": 0.3,
+                "overlap_ratio": 0.0,
+                "reduce_scatter_ms": 0.3,  # gloo ran it as an all-reduce
+                "all_reduce_ms": 0.0,
+            }
+        },
+        id="comm_while_training_thread_idle_is_fully_exposed",
+    ),
+    pytest.param(
         [
             step(1, 0, 1000),
             span("c10d::_allgather_base_", 0, 10),
@@ -87,15 +76,67 @@ def test_emulated_link_holds_count_as_exposed_communication(tmp_path):
             span("linkemu::hold_all_gather", 200, 500, cat="user_annotation"),  # the emulated link's remainder
             span("aten::mm", 500, 600),
         ],
-    )
-    row = rows[1]
-    assert row["compute_ms"] == pytest.approx(0.29, abs=EXACT)
-    assert row["comm_ms"] == pytest.approx(
-        0.48, abs=EXACT
-    )  # one collective, [20, 500): the link is busy until the hold ends
-    assert row["all_gather_ms"] == pytest.approx(0.48, abs=EXACT)
-    assert row["exposed_comm_ms"] == pytest.approx(0.3, abs=EXACT)
-    assert row["num_collectives"] == 1
+        {
+            1: {
+                "compute_ms": 0.29,
+                "comm_ms": 0.48,  # one collective, [20, 500): the link is busy until the hold ends
+                "all_gather_ms": 0.48,
+                "exposed_comm_ms": 0.3,
+                "num_collectives": 1,
+            }
+        },
+        id="emulated_link_holds_count_as_exposed_communication",
+    ),
+    pytest.param(
+        [
+            step(1, 0, 1000),
+            span("aten::mm", 0, 300),
+            span("c10d::allreduce_", 300, 320),
+            gloo("gloo:all_reduce", 200, 600),  # overlaps compute on [200, 300) only
+            span("aten::wait", 400, 500),  # a wait op is not compute
+        ],
+        {1: {"compute_ms": 0.3, "exposed_comm_ms": 0.3, "overlap_ratio": 0.25, "bound_ms": 0.4}},  # comm-bound step
+        id="partial_overlap_and_wait_ops_are_not_compute",
+    ),
+    pytest.param(
+        [
+            step(1, 0, 1000),
+            span("c10d::barrier", 0, 10),
+            gloo("gloo:barrier", 5, 300),  # a harness syncing the ranks
+            span("c10d::_allgather_base_", 400, 410),
+            gloo("gloo:all_gather", 410, 500),
+        ],
+        {
+            1: {
+                "barrier_ms": 0.295,
+                "comm_ms": 0.09,
+                "other_comm_ms": 0.0,
+                "exposed_comm_ms": 0.09,
+                "num_collectives": 1,
+            }
+        },
+        id="barriers_are_not_communication",
+    ),
+    pytest.param(
+        [
+            step(1, 0, 1000),
+            step(2, 1000, 2000),
+            span("c10d::_allgather_base_", 900, 950),
+            gloo("gloo:all_gather", 990, 1100),
+            span("c10d::_allgather_base_", 1200, 1250),
+            gloo("gloo:all_gather", 1300, 1350),
+        ],
+        {1: {"num_collectives": 1, "comm_ms": 0.11}, 2: {"num_collectives": 1, "comm_ms": 0.05}},
+        id="collectives_split_between_steps_by_issue_time",
+    ),
+]
+
+
+@pytest.mark.parametrize(("events", "expected"), STEP_CASES)
+def test_step_metrics_of_synthetic_traces(tmp_path, events, expected):
+    rows = metrics_of(tmp_path / "t.json", events)
+    for number, metrics in expected.items():
+        assert_metrics(rows[number], **metrics)
 
 
 def test_holds_pair_with_the_collectives_they_hold(tmp_path):
@@ -147,24 +188,6 @@ def test_holds_pair_with_the_collectives_they_hold(tmp_path):
     assert rows[1]["num_collectives"] == 5 and rows[2]["num_collectives"] == 1
 
 
-def test_partial_overlap_and_wait_ops_are_not_compute(tmp_path):
-    rows = metrics_of(
-        tmp_path / "t.json",
-        [
-            step(1, 0, 1000),
-            span("aten::mm", 0, 300),
-            span("c10d::allreduce_", 300, 320),
-            gloo("gloo:all_reduce", 200, 600),  # overlaps compute on [200, 300) only
-            span("aten::wait", 400, 500),  # a wait op is not compute
-        ],
-    )
-    row = rows[1]
-    assert row["compute_ms"] == pytest.approx(0.3, abs=EXACT)
-    assert row["exposed_comm_ms"] == pytest.approx(0.3, abs=EXACT)
-    assert row["overlap_ratio"] == pytest.approx(0.25, abs=EXACT)
-    assert row["bound_ms"] == pytest.approx(0.4, abs=EXACT)  # comm-bound step
-
-
 def test_gloo_spans_pair_with_their_enqueue_ops_in_order(tmp_path):
     path = write(
         tmp_path / "t.json",
@@ -184,39 +207,6 @@ def test_gloo_spans_pair_with_their_enqueue_ops_in_order(tmp_path):
     comm = FsdpTraceAnalysis([path]).events[0].comm
     assert list(comm["kind"]) == ["all_reduce", "reduce_scatter", "all_reduce", "other"]
     assert list(comm["issue_ts"] - comm["issue_ts"].iloc[0]) == [0.0, 100.0, 120.0, 140.0]
-
-
-def test_barriers_are_not_communication(tmp_path):
-    rows = metrics_of(
-        tmp_path / "t.json",
-        [
-            step(1, 0, 1000),
-            span("c10d::barrier", 0, 10),
-            gloo("gloo:barrier", 5, 300),  # a harness syncing the ranks
-            span("c10d::_allgather_base_", 400, 410),
-            gloo("gloo:all_gather", 410, 500),
-        ],
-    )
-    row = rows[1]
-    assert row["barrier_ms"] == pytest.approx(0.295, abs=EXACT)
-    assert row["comm_ms"] == pytest.approx(0.09, abs=EXACT) and row["other_comm_ms"] == 0.0
-    assert row["exposed_comm_ms"] == pytest.approx(0.09, abs=EXACT) and row["num_collectives"] == 1
-
-
-def test_collectives_split_between_steps_by_issue_time(tmp_path):
-    rows = metrics_of(
-        tmp_path / "t.json",
-        [
-            step(1, 0, 1000),
-            step(2, 1000, 2000),
-            span("c10d::_allgather_base_", 900, 950),
-            gloo("gloo:all_gather", 990, 1100),
-            span("c10d::_allgather_base_", 1200, 1250),
-            gloo("gloo:all_gather", 1300, 1350),
-        ],
-    )
-    assert rows[1]["num_collectives"] == 1 and rows[1]["comm_ms"] == pytest.approx(0.11, abs=EXACT)
-    assert rows[2]["num_collectives"] == 1 and rows[2]["comm_ms"] == pytest.approx(0.05, abs=EXACT)
 
 
 def test_units_from_fsdp_labels(tmp_path):

@@ -7,18 +7,22 @@ right answer is obvious; the same rules on HTA's own traces: ``test_hta_agreemen
 from __future__ import annotations
 
 import pytest
-from _trace_builders import STREAM_COMPUTE, STREAM_NCCL, gloo, launch, span, step, trace, write
+from _trace_builders import (
+    EXACT,
+    STREAM_COMPUTE,
+    STREAM_NCCL,
+    assert_metrics,
+    gloo,
+    launch,
+    metrics_of,
+    span,
+    step,
+    trace,
+    write,
+)
 
 from autotune.analysis import FsdpTraceAnalysis, summarize_traces
 from autotune.analysis._events import get_collective_kind
-
-EXACT = 1e-9
-
-
-def metrics_of(path, events: list[dict]) -> dict:
-    """The step-metrics rows of a one-rank synthetic trace, keyed by step number."""
-    write(path, trace(events))
-    return {row["step"]: row for row in FsdpTraceAnalysis([path]).get_step_metrics().to_dict("records")}
 
 
 def gpu_trace(events: list[dict], *, rank: int = 0) -> dict:
@@ -34,25 +38,9 @@ def test_gpu_kernel_without_a_launch_is_dropped(tmp_path):
             [
                 step(1, 0, 1000),
                 step(2, 1000, 2000),
+                *launch("sm90_gemm", (10, 20), (100, 300), stream=STREAM_COMPUTE, correlation=1),
                 *launch(
-                    "cudaLaunchKernel",
-                    10,
-                    20,
-                    kernel="sm90_gemm",
-                    kernel_start=100,
-                    kernel_end=300,
-                    stream=STREAM_COMPUTE,
-                    correlation=1,
-                ),
-                *launch(
-                    "cudaLaunchKernel",
-                    1010,
-                    1020,
-                    kernel="ncclDevKernel_AllReduce_Sum_f32",
-                    kernel_start=1100,
-                    kernel_end=1200,
-                    stream=STREAM_NCCL,
-                    correlation=2,
+                    "ncclDevKernel_AllReduce_Sum_f32", (1010, 1020), (1100, 1200), stream=STREAM_NCCL, correlation=2
                 ),
                 orphan,  # its launch (correlation 99) is not in the trace: it has no step
             ]
@@ -77,10 +65,14 @@ def test_overlap_across_a_step_boundary_is_hidden(tmp_path):
             span("aten::mm", 1000, 1300),  # step 2's compute
         ],
     )
-    assert rows[1]["comm_ms"] == pytest.approx(0.25, abs=EXACT) and rows[2]["comm_ms"] == 0.0
-    assert rows[1]["exposed_comm_ms"] == pytest.approx(0.05, abs=EXACT)  # only [950, 1000) waits
-    assert rows[1]["overlap_ratio"] == pytest.approx(0.8, abs=EXACT)
-    assert rows[1]["compute_ms"] == pytest.approx(0.8, abs=EXACT)  # the step's own compute
+    assert_metrics(
+        rows[1],
+        comm_ms=0.25,
+        exposed_comm_ms=0.05,  # only [950, 1000) waits
+        overlap_ratio=0.8,
+        compute_ms=0.8,  # the step's own compute
+    )
+    assert rows[2]["comm_ms"] == 0.0
 
 
 def test_send_recv_is_a_kind_of_its_own():
@@ -102,32 +94,14 @@ def test_send_recv_kernels_count_as_communication(tmp_path):
         gpu_trace(
             [
                 step(1, 0, 1000),
-                *launch(
-                    "cudaLaunchKernel",
-                    10,
-                    20,
-                    kernel="sm90_gemm",
-                    kernel_start=100,
-                    kernel_end=300,
-                    stream=STREAM_COMPUTE,
-                    correlation=1,
-                ),
-                *launch(
-                    "cudaLaunchKernel",
-                    30,
-                    40,
-                    kernel="ncclDevKernel_SendRecv",
-                    kernel_start=200,
-                    kernel_end=500,
-                    stream=STREAM_NCCL,
-                    correlation=2,
-                ),
+                *launch("sm90_gemm", (10, 20), (100, 300), stream=STREAM_COMPUTE, correlation=1),
+                *launch("ncclDevKernel_SendRecv", (30, 40), (200, 500), stream=STREAM_NCCL, correlation=2),
             ]
         ),
     )
     row = FsdpTraceAnalysis([path]).get_step_metrics().iloc[0]
-    assert row["send_recv_ms"] == pytest.approx(0.3, abs=EXACT) and row["other_comm_ms"] == 0.0
-    assert row["comm_ms"] == pytest.approx(0.3, abs=EXACT) and row["exposed_comm_ms"] == pytest.approx(0.2, abs=EXACT)
+    assert_metrics(row, send_recv_ms=0.3, comm_ms=0.3, exposed_comm_ms=0.2)
+    assert row["other_comm_ms"] == 0.0
 
 
 def test_time_weighted_overlap_beside_the_median(tmp_path):

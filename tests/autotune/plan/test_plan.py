@@ -321,34 +321,15 @@ def test_the_simulated_space_keeps_the_edges_in_the_root():
 def test_staged_ranking_finds_the_exhaustive_fastest(changes):
     """[Note: staged ranking]: the memory knobs' variants of the fastest core configs hold the
     fastest point of the whole space (one microbatch keeps the exhaustive walk to seconds)."""
+    from _measured_profiles import get_measured_profile
+
     from autotune.search.ranking import STAGED_TOP, rank_space, simulate_points
     from autotune.sim import Hardware, Simulator, get_model_work
-    from autotune.sim.measured import CollectiveFit, MeasuredProfile
+    from autotune.sim.measured import CollectiveFit
     from profiles import load_cluster_profile
 
-    measured = MeasuredProfile(
-        name="test",
+    measured = get_measured_profile(
         world_size=2,
-        num_microbatches=1,
-        segments=dict.fromkeys(
-            ("head.forward", "block.forward", "tail.forward", "tail.backward", "block.backward", "head.backward"), 1e-3
-        ),
-        hooks=dict.fromkeys(
-            (
-                "unshard.block",
-                "unshard.root",
-                "pre_hook.block",
-                "pre_hook.root",
-                "post_hook.block",
-                "post_hook.root",
-                "reduce.block",
-                "reduce.root",
-            ),
-            1e-4,
-        ),
-        microbatch_s=1e-4,
-        optimizer_s_per_element=1e-9,
-        memory_bytes_per_s=1e9,
         collectives={
             kind: CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2)
             for kind in ("all_gather", "reduce_scatter", "all_reduce")

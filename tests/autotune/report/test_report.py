@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from _fixtures import get_fixture_traces
+from _search_fixtures import complete_row
 from typer.testing import CliRunner
 
 from autotune.analysis import summarize_traces
@@ -80,7 +81,7 @@ def test_search_rows_and_report_trials_hold_one_set_of_figures():
         assert issubclass(cls, TrialFigures) and shared <= {f.name for f in dataclasses.fields(cls)}
         assert not shared & set(inspect.get_annotations(cls)), f"{cls.__name__} redeclares a field of TrialFigures"
     summary = TrialSummary(name="t", path=Path("t"), status="ok", step_ms=90.0, ratio=0.8)
-    row = TrialRow(number=1, state="COMPLETE", status="ok", step_ms=90.0, ratio=0.8)
+    row = complete_row(1, 90.0, ratio=0.8)
     assert summary.objective == row.objective == 0.8
 
 
@@ -137,7 +138,7 @@ def test_search_report_lists_trials_and_best(search_dir, tmp_path):
 def test_search_report_takes_best_from_search_json(search_dir, tmp_path):
     folder = tmp_path / "search"
     shutil.copytree(search_dir, folder)
-    best = TrialRow(number=0, state="COMPLETE", status="ok", step_ms=150.0, trial_dir="trials/t0")
+    best = complete_row(0, 150.0, trial_dir="trials/t0")
     SearchRecord(model="tiny", best=best).write(folder / "search.json")
     assert load_report(folder).best.name == "t0"  # the search knows better (e.g. t1 broke a memory budget)
 
@@ -146,7 +147,7 @@ def test_search_report_without_search_json_applies_the_memory_budget(search_dir,
     folder = tmp_path / "search"
     shutil.copytree(search_dir, folder)
     rows = [
-        TrialRow(number=i, state="COMPLETE", status="ok", step_ms=ms, feasible=name != "t1", trial_dir=f"trials/{name}")
+        complete_row(i, ms, feasible=name != "t1", trial_dir=f"trials/{name}")
         for i, (name, ms) in enumerate([("t0", 150.0), ("t1", 120.0)])
     ]
     write_results(rows, folder)
@@ -381,9 +382,7 @@ def test_search_tables_show_each_trial_s_profiler_overhead(trial_dir, tmp_path):
     assert (by_name["t0"][prof], by_name["t1"][prof]) == ("+25%", "-")
     assert by_name["t0"][exposed].endswith("*") and not by_name["t1"][exposed].endswith("*")
     assert table.title.endswith("* trace times scaled to the unprofiled step")
-    rows = get_search_rows_table(
-        [TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, profiler_overhead=1.18)], None
-    )
+    rows = get_search_rows_table([complete_row(0, 100.0, profiler_overhead=1.18)], None)
     assert rows.rows[0][rows.columns.index("prof")] == "+18%"
 
 

@@ -14,6 +14,7 @@ import optuna
 import pytest
 from _fixtures import DATA, get_fixture_traces
 from _required import skip_unless_required
+from _search_fixtures import complete_row
 
 from autotune.analysis import summarize_traces
 from autotune.report import get_tables, load_report, write_report
@@ -47,11 +48,9 @@ SEARCH_FIGURES = [
 def _rows() -> list[TrialRow]:
     """Trial 1 has the lowest ratio; trial 2 (measured twice) won the final round and was emitted."""
     return [
-        TrialRow(
-            number=0,
-            state="COMPLETE",
-            status="ok",
-            step_ms=150.0,
+        complete_row(
+            0,
+            150.0,
             ratio=1.01,
             ratio_q25=0.98,
             ratio_q75=1.03,
@@ -60,11 +59,9 @@ def _rows() -> list[TrialRow]:
             trial_dir="trials/trial_0000",
             params=dict(DEFAULTS),
         ),
-        TrialRow(
-            number=1,
-            state="COMPLETE",
-            status="ok",
-            step_ms=118.0,
+        complete_row(
+            1,
+            118.0,
             ratio=0.80,
             ratio_q25=0.70,
             ratio_q75=0.95,
@@ -73,11 +70,9 @@ def _rows() -> list[TrialRow]:
             trial_dir="trials/trial_0001",
             params={"mesh": "hsdp:2x1", "forward_prefetch": "depth1", "reshard_after_forward": "false"},
         ),
-        TrialRow(
-            number=2,
-            state="COMPLETE",
-            status="ok",
-            step_ms=125.0,
+        complete_row(
+            2,
+            125.0,
             ratio=0.85,
             ratio_q25=0.82,
             ratio_q75=0.88,

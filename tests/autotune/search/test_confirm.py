@@ -4,8 +4,10 @@ how a second window's pairs are pooled. Pure functions: no ranks."""
 from __future__ import annotations
 
 import statistics
+from types import SimpleNamespace
 
 import pytest
+from _search_fixtures import complete_row
 
 from autotune.search.confirm import get_contested, pool_windows
 from autotune.trials.paired import summarize_pairs
@@ -73,17 +75,26 @@ def test_a_failed_second_window_keeps_the_first_window_s_figures():
     assert pooled["second_window_status"] == "timeout" and pooled["windows"] == 2
 
 
+def _final_round_ctx() -> SimpleNamespace:
+    """What the final round reads of a search: 3 finalists, 2 pairs each, a 100-byte memory budget;
+    a finalist's config is named by its param ``k``."""
+    settings = SimpleNamespace(num_finalists=3, num_confirm_pairs=2, max_ratio_spread=0.5, memory_budget_bytes=100)
+    return SimpleNamespace(
+        settings=settings,
+        reporter=SimpleNamespace(on_phase=lambda message: None),
+        default_config="defaults",
+        space=SimpleNamespace(build_config=lambda params: f"config {params['k']}"),
+    )
+
+
 def test_a_finalist_over_the_memory_budget_in_the_final_round_is_not_emitted(monkeypatch):
     """Peaks vary between measurements: the emitted config must fit the budget when re-measured too."""
-    from types import SimpleNamespace
-
     from autotune.search import confirm
-    from autotune.search.results import TrialRow
 
     rows = [
-        TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, ratio=1.0, is_default=True),
-        TrialRow(number=1, state="COMPLETE", status="ok", step_ms=70.0, ratio=0.70, params={"k": 1}),
-        TrialRow(number=2, state="COMPLETE", status="ok", step_ms=80.0, ratio=0.80, params={"k": 2}),
+        complete_row(0, 100.0, ratio=1.0, is_default=True),
+        complete_row(1, 70.0, ratio=0.70, params={"k": 1}),
+        complete_row(2, 80.0, ratio=0.80, params={"k": 2}),
     ]
     peaks = {1: 110, 2: 90}  # trial 1 fit in the search but not now; trial 2 fits
     final_ratios = {1: [0.70, 0.71, 0.72, 0.70], 2: [0.80, 0.81, 0.82, 0.80]}
@@ -96,13 +107,7 @@ def test_a_finalist_over_the_memory_budget_in_the_final_round_is_not_emitted(mon
         return _finalist(row.number, final_ratios[row.number]) | memory
 
     monkeypatch.setattr(confirm, "_measure_finalist", measure)
-    settings = SimpleNamespace(num_finalists=3, num_confirm_pairs=2, max_ratio_spread=0.5, memory_budget_bytes=100)
-    ctx = SimpleNamespace(
-        settings=settings,
-        reporter=SimpleNamespace(on_phase=lambda message: None),
-        default_config="defaults",
-        space=SimpleNamespace(build_config=lambda params: f"config {params['k']}"),
-    )
+    ctx = _final_round_ctx()
     config, record = confirm.run_final_round(ctx, rows)
     assert config == "config 2" and record["winner"] == 2 and record["emitted"] == "best"
     assert [f["over_budget"] for f in record["finalists"]] == [True, False]
@@ -124,27 +129,18 @@ def test_pooled_windows_keep_the_higher_peak_and_any_overrun():
 def test_defaults_over_the_memory_budget_are_never_the_fallback(monkeypatch):
     """Checkpointing makes every config that fits slower than the defaults; when the defaults do not
     fit, the fastest finalist that fits is emitted, not the defaults."""
-    from types import SimpleNamespace
-
     from autotune.search import confirm
-    from autotune.search.results import TrialRow
 
     rows = [
-        TrialRow(number=0, state="COMPLETE", status="ok", step_ms=100.0, ratio=1.0, is_default=True, feasible=False),
-        TrialRow(number=1, state="COMPLETE", status="ok", step_ms=115.0, ratio=1.15, params={"k": 1}),
-        TrialRow(number=2, state="COMPLETE", status="ok", step_ms=120.0, ratio=1.20, params={"k": 2}),
+        complete_row(0, 100.0, ratio=1.0, is_default=True, feasible=False),
+        complete_row(1, 115.0, ratio=1.15, params={"k": 1}),
+        complete_row(2, 120.0, ratio=1.20, params={"k": 2}),
     ]
     final_ratios = {1: [1.16, 1.17, 1.18, 1.16], 2: [1.08, 1.09, 1.10, 1.08]}
     monkeypatch.setattr(
         confirm, "_measure_finalist", lambda ctx, row, *, window=0: _finalist(row.number, final_ratios[row.number])
     )
-    settings = SimpleNamespace(num_finalists=3, num_confirm_pairs=2, max_ratio_spread=0.5, memory_budget_bytes=100)
-    ctx = SimpleNamespace(
-        settings=settings,
-        reporter=SimpleNamespace(on_phase=lambda message: None),
-        default_config="defaults",
-        space=SimpleNamespace(build_config=lambda params: f"config {params['k']}"),
-    )
+    ctx = _final_round_ctx()
     config, record = confirm.run_final_round(ctx, rows)
     assert config == "config 2" and record["winner"] == 2 and record["defaults_over_budget"] is True
     # Defaults that fit stay the fallback when no finalist beats them.

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _search_fixtures import FAST, complete_row, nosync_params
 from torch import nn
 
 from autotune.report import get_prediction_table
-from autotune.search import SearchError, SearchRecord, SearchSettings, SearchSpace, TrialRow, plan_model, run_search
+from autotune.search import SearchError, SearchRecord, SearchSettings, SearchSpace, plan_model, run_search
 from autotune.search.predictions import get_spearman
 from autotune.search.proxy import get_plan_hint
 from autotune.sim import get_model_work
@@ -19,15 +20,6 @@ from profiles import load_model_profile
 from profiles.sources import load_model_source
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "data" / "artifacts"
-FAST = {
-    "model": "tiny",
-    "world_size": 2,
-    "num_warmup": 1,
-    "num_measured": 2,
-    "num_profiled": 1,
-    "trial_timeout_s": 90.0,
-    "patience": None,
-}
 
 
 @pytest.mark.multirank
@@ -85,13 +77,7 @@ def test_the_calibration_trials_are_points_of_the_space_it_can_express():
     assert list(points) == ["unshard_async", "replicated", "eager_concat"]
     defaults = space.get_default_params()
     assert points["unshard_async"] == {**defaults, "unshard_async": "on", "forward_prefetch": "depth1"}
-    assert points["eager_concat"] == {
-        **defaults,
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "defer_concat": False,
-        "keep_unsharded": False,
-    }
+    assert points["eager_concat"] == nosync_params(defaults, keep_unsharded=False, defer_concat=False)
     assert points["replicated"] == {**defaults, "mesh": "hsdp:2x1"}
     # One microbatch has no sync to skip; one rank nothing to replicate or gather.
     assert list(
@@ -114,11 +100,9 @@ def test_presearch_is_refused_where_it_cannot_calibrate(tmp_path):
 def test_search_record_v5_reads_v4_and_round_trips_predictions(tmp_path):
     old = SearchRecord.read(ARTIFACTS / "search_v4.json")
     assert old.presearch is None and old.best.predicted_step_ms is None and old.best.presearch_rank is None
-    row = TrialRow(
-        number=1,
-        state="COMPLETE",
-        status="ok",
-        step_ms=10.0,
+    row = complete_row(
+        1,
+        10.0,
         ratio=0.9,
         predicted_step_ms=9.5,
         predicted_ratio=0.92,
@@ -135,26 +119,22 @@ def test_spearman_and_prediction_table_by_hand():
     assert get_spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
     assert get_spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)  # ties share their mean rank
     rows = [
-        TrialRow(
-            number=0,
-            state="COMPLETE",
-            status="ok",
-            step_ms=100.0,
+        complete_row(
+            0,
+            100.0,
             is_default=True,
             predicted_step_ms=100.0,
             predicted_ratio=1.0,
         ),
-        TrialRow(
-            number=1,
-            state="COMPLETE",
-            status="ok",
-            step_ms=80.0,
+        complete_row(
+            1,
+            80.0,
             ratio=0.8,
             predicted_step_ms=88.0,
             predicted_ratio=0.88,
             presearch_rank=1,
         ),
-        TrialRow(number=2, state="COMPLETE", status="ok", step_ms=90.0),
+        complete_row(2, 90.0),
     ]
     table = get_prediction_table(rows)
     assert table.rows == [

@@ -4,6 +4,7 @@ its runner-ups' knobs first, never a config already measured."""
 from __future__ import annotations
 
 import optuna
+from _search_fixtures import nosync_params
 
 from autotune.search import SearchSpace
 from autotune.search.confirm import get_finalists
@@ -44,13 +45,7 @@ def test_the_incumbent_takes_a_runner_ups_knob_first():
     space = _space()
     defaults = space.get_default_params()
     best = {**defaults, "reshard_after_forward": "false"}
-    runner_up = {
-        **defaults,
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "keep_unsharded": True,
-        "defer_concat": True,
-    }
+    runner_up = nosync_params(defaults, keep_unsharded=True, defer_concat=True)
     study = _study_with(space, [(defaults, 1.0), (best, 0.8), (runner_up, 0.9)])
     rows = get_rows(study)
     candidates = get_candidates(rows, {})
@@ -68,13 +63,7 @@ def test_the_incumbent_takes_a_runner_ups_knob_first():
     queued = study.ask()
     # The knobs that only matter once blocks skip sync came from the donor.
     config = space.suggest(queued)
-    assert queued.params == {
-        **best,
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "keep_unsharded": True,
-        "defer_concat": True,
-    }
+    assert queued.params == nosync_params(best, keep_unsharded=True, defer_concat=True)
     assert queued.user_attrs[ORIGIN_ATTR] == origin
     assert all(u.sync == "last" and u.reshard_after_forward is False for u in config.units if u.name != "root")
 
@@ -112,21 +101,8 @@ def _rows_with_a_lucky_incumbent(space: SearchSpace):
     incumbent + a donor's knob, measured 0.755: a tie within trial 1's own noise (the
     ``search_noise`` seed-1 run); refinement trial 4 measured clearly worse (0.79)."""
     defaults = space.get_default_params()
-    lucky = {
-        **defaults,
-        "nosync_blocks": "second_half",
-        "nosync_level_fsdp": "last",
-        "keep_unsharded": False,
-        "defer_concat": False,
-    }
-    donor = {
-        **defaults,
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "keep_unsharded": False,
-        "defer_concat": False,
-        "reshard_after_forward": "false",
-    }
+    lucky = nosync_params(defaults, "second_half", keep_unsharded=False, defer_concat=False)
+    donor = nosync_params(defaults, keep_unsharded=False, defer_concat=False, reshard_after_forward="false")
     stacked = {**lucky, "nosync_blocks": "all"}
     worse = {**lucky, "reduce_scatter_buffers": 2}
     study = _study_with(space, [(defaults, 1.0), (lucky, 0.736), (donor, 0.75), (stacked, 0.755), (worse, 0.79)])
@@ -165,13 +141,7 @@ def test_an_unmeasured_value_of_a_knob_that_pays_is_moved_early():
     one-knob moves, and every second refinement trial is such a move, not a donor's."""
     space = _space()
     defaults = space.get_default_params()
-    every_2nd = {
-        **defaults,
-        "nosync_blocks": "every_2nd",
-        "nosync_level_fsdp": "last",
-        "keep_unsharded": False,
-        "defer_concat": True,
-    }
+    every_2nd = nosync_params(defaults, "every_2nd", keep_unsharded=False, defer_concat=True)
     best = {**every_2nd, "reshard_after_forward": "false"}
     buffers = {**defaults, "reduce_scatter_buffers": 2}
     study = _study_with(space, [(defaults, 1.0), (every_2nd, 0.8), (best, 0.78), (buffers, 0.99)])
@@ -198,16 +168,14 @@ def test_an_unmeasured_value_of_a_knob_that_pays_is_moved_early():
 def test_a_move_to_hsdp_keeps_the_sync_levels_it_had():
     space = SearchSpace(block_names=BLOCKS, world_size=4, num_microbatches=4, root_knobs=True)
     defaults = space.get_default_params()
-    best = {
-        **defaults,
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "keep_unsharded": True,
-        "defer_concat": True,
-        "root_reshard_after_forward": "false",
-        "root_sync_fsdp": "last",
-        "root_keep_unsharded": True,
-    }
+    best = nosync_params(
+        defaults,
+        keep_unsharded=True,
+        defer_concat=True,
+        root_reshard_after_forward="false",
+        root_sync_fsdp="last",
+        root_keep_unsharded=True,
+    )
     study = _study_with(space, [(defaults, 1.0), (best, 0.7)])
     rows = get_rows(study)
     move = next(
@@ -227,13 +195,7 @@ def test_a_value_sampled_with_slow_knobs_is_not_blamed_for_them():
     among the moves to measured values; by marginal medians it came last."""
     space = SearchSpace(block_names=BLOCKS, world_size=2, num_microbatches=4, root_knobs=True)
     defaults = space.get_default_params()
-    nosync = {
-        **defaults,
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "keep_unsharded": True,
-        "defer_concat": True,
-    }
+    nosync = nosync_params(defaults, keep_unsharded=True, defer_concat=True)
     best = {**nosync, "root_reshard_after_forward": "true"}
     study = _study_with(
         space,

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import optuna
 import pytest
+from _search_fixtures import FAST
 from _search_programs import INJECTED
 
 from autotune.pipeline import search_and_report
@@ -25,15 +26,6 @@ from autotune.search.loop import plateaued
 from autotune.trials import run_ranks
 from fsdp_runtime import config_to_dict, load_config
 
-FAST = {
-    "model": "tiny",
-    "world_size": 2,
-    "num_warmup": 1,
-    "num_measured": 2,
-    "num_profiled": 1,
-    "trial_timeout_s": 90.0,
-    "patience": None,
-}
 REPO = Path(__file__).resolve().parents[3]
 
 

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+from _measured_profiles import get_measured_profile
+from _search_fixtures import nosync_params
 
 from autotune.search import SearchSpace
 from autotune.sim import Hardware, Simulator, get_model_work
@@ -193,47 +195,20 @@ def test_collective_fits_by_hand():
     assert (origin.latency_s, origin.seconds_per_byte) == pytest.approx((0.0, 1.4e-9))
 
 
-def _measured(**changes) -> MeasuredProfile:
-    base = MeasuredProfile(
-        name="test",
-        world_size=4,
-        num_microbatches=1,
-        segments=dict.fromkeys(
-            ("head.forward", "block.forward", "tail.forward", "tail.backward", "block.backward", "head.backward"), 1e-3
-        ),
-        hooks=dict.fromkeys(
-            (
-                "unshard.block",
-                "unshard.root",
-                "pre_hook.block",
-                "pre_hook.root",
-                "post_hook.block",
-                "post_hook.root",
-                "reduce.block",
-                "reduce.root",
-            ),
-            1e-4,
-        ),
-        microbatch_s=1e-4,
-        optimizer_s_per_element=1e-9,
-        memory_bytes_per_s=1e9,
-        collectives={"all_gather": CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2)},
-    )
-    return dataclasses.replace(base, **changes)
-
-
 def test_measured_collectives_are_held_to_emulated_links():
-    emulated = Hardware(load_cluster_profile("cpu-emulated-ib"), num_ranks=4, measured=_measured())
+    emulated = Hardware(load_cluster_profile("cpu-emulated-ib"), num_ranks=4, measured=get_measured_profile())
     shard2, world4 = get_group(2, 1, 2), get_group(4, 1, 2)
     # 10 MB inside a node: real 100 us + 10 ms beats the emulated 50 us + 10 ms (1 GB/s)
     assert emulated.get_collective_seconds("all_gather", 1e7, shard2) == pytest.approx(1e-4 + 1e-2)
     # across 2 nodes: real 100 us + 10 ms x 1.5 (4 ranks' ring), held to 200 us + 40 ms (0.25 GB/s)
     assert emulated.get_collective_seconds("all_gather", 1e7, world4) == pytest.approx(2e-4 + 4e-2)
     assert emulated.get_real_collective_seconds("all_gather", 1e7, world4) == pytest.approx(1e-4 + 1.5e-2)
-    raw = Hardware(load_cluster_profile("cpu-gloo"), num_ranks=4, measured=_measured())
+    raw = Hardware(load_cluster_profile("cpu-gloo"), num_ranks=4, measured=get_measured_profile())
     assert raw.get_collective_seconds("all_gather", 1e7, world4) == pytest.approx(1e-4 + 1.5e-2) and raw.world_size == 4
     # gloo runs reduce-scatter and all-reduce as one all-reduce: either fit prices both
-    both = _measured(collectives={"reduce_scatter": CollectiveFit(latency_s=0.0, seconds_per_byte=1e-9, group_size=2)})
+    both = get_measured_profile(
+        collectives={"reduce_scatter": CollectiveFit(latency_s=0.0, seconds_per_byte=1e-9, group_size=2)}
+    )
     assert (
         both.get_real_seconds("all_reduce", 1e6, 2) == pytest.approx(1e-3)
         and both.get_real_seconds("all_gather", 1e6, 2) == 0.0
@@ -243,7 +218,7 @@ def test_measured_collectives_are_held_to_emulated_links():
 
 def test_measured_prices_simulate_a_cpu_step_with_mesh_dependent_optimizer():
     work = get_model_work(load_model_profile("tiny"), "float32")
-    hardware = Hardware(load_cluster_profile("cpu-gloo"), num_ranks=2, measured=_measured(world_size=2))
+    hardware = Hardware(load_cluster_profile("cpu-gloo"), num_ranks=2, measured=get_measured_profile(world_size=2))
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=1, device_type="cpu")
     simulator = Simulator(work, hardware)
     fsdp = simulator.simulate(space.build_config(space.get_default_params()))
@@ -269,18 +244,12 @@ def test_the_wait_per_collective_is_fitted_from_a_trial_that_skips_sync():
     work = get_model_work(load_model_profile("tiny"), "float32")
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=4, device_type="cpu")
     defaults = space.get_default_params()
-    nosync = {
-        **defaults,
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "defer_concat": True,
-        "keep_unsharded": False,
-    }
+    nosync = nosync_params(defaults, keep_unsharded=False, defer_concat=True)
     fits = {
         "all_gather": CollectiveFit(latency_s=1e-4, seconds_per_byte=1e-9, group_size=2),
         "reduce_scatter": CollectiveFit(latency_s=1e-4, seconds_per_byte=2e-9, group_size=2),
     }
-    truth = _measured(world_size=2, num_microbatches=4, collectives=fits, sync_s=2e-3, compute_scale=1.3)
+    truth = get_measured_profile(world_size=2, num_microbatches=4, collectives=fits, sync_s=2e-3, compute_scale=1.3)
     anchor = CalibrationTrial(
         path=Path("defaults"), config=space.build_config(defaults), world_size=2, step_s=0.0, cluster=None
     )
@@ -327,8 +296,8 @@ def test_calibration_recovers_the_profile_its_trials_were_made_from(monkeypatch,
     # Both collectives of a unit move its padded float32 parameters (gloo reduces the full buffer).
     padded = {unit: get_padded_numel(shapes, 2) for unit, shapes in work.param_shapes.items()}
     costs = TraceCosts(
-        segments=_measured().segments,
-        hooks=_measured().hooks,
+        segments=get_measured_profile().segments,
+        hooks=get_measured_profile().hooks,
         microbatch_s=1e-4,
         optimizer_s=1e-9 * sum(n // 2 for n in padded.values()),
         collectives=[
@@ -338,7 +307,7 @@ def test_calibration_recovers_the_profile_its_trials_were_made_from(monkeypatch,
         ],
     )
     assert len({n for n in padded.values()}) > 1  # two sizes at least: latency and bandwidth apart
-    truth = _measured(
+    truth = get_measured_profile(
         name="truth",
         world_size=2,
         num_microbatches=2,
@@ -390,7 +359,7 @@ def test_a_shard_group_of_one_is_priced_by_its_own_copies_where_measured():
         "reduce_local.block": 7e-4,
         "reduce_local.root": 8e-4,
     }
-    plain = _measured(world_size=2, compute_scale=2.0)
+    plain = get_measured_profile(world_size=2, compute_scale=2.0)
     measured = dataclasses.replace(plain, hooks={**plain.hooks, **local})
 
     def costs(profile, mesh):
@@ -424,13 +393,7 @@ def test_calibration_from_real_trials_reproduces_its_anchor_and_fits_the_cpu_sha
     space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=2, device_type="cpu")
     defaults = space.get_default_params()
     dirs = {}
-    nosync = {
-        **defaults,
-        "nosync_blocks": "all",
-        "nosync_level_fsdp": "last",
-        "defer_concat": False,
-        "keep_unsharded": False,
-    }
+    nosync = nosync_params(defaults, keep_unsharded=False, defer_concat=False)
     for name, params, reference in (
         ("defaults", defaults, None),
         ("async", {**defaults, "unshard_async": "on", "forward_prefetch": "depth1"}, None),

@@ -257,4 +257,4 @@ def test_selective_checkpointing_saves_the_ops_fsdp_runtime_saves():
     from autotune.sim import model_work
     from fsdp_runtime import checkpointing
 
-    assert model_work._SELECTIVE_SAVED == set(checkpointing._SAVE_OP_NAMES)
+    assert model_work._SELECTIVE_SAVED == set(checkpointing.SAVED_OP_NAMES)
