@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import optuna
 import pytest
-from _search_fixtures import FAST
+from _search_fixtures import FAST, start_search
 from _search_programs import INJECTED
 
 from autotune.pipeline import search_and_report
@@ -387,27 +387,6 @@ def test_a_worker_at_the_trial_count_waits_for_other_workers_trials(tmp_path):
     assert study.get_trials()[unseen.number].state.name == "RUNNING"  # left for --resume, not failed
 
 
-def _start_search(settings: SearchSettings, monkeypatch) -> tuple[SearchSpace, list[str]]:
-    """``run_search`` up to where its rank pool would open: the space it built and the lines it said."""
-    import autotune.search.run as search_run
-
-    spaces, phases = [], []
-    make_space = search_run.make_space
-    monkeypatch.setattr(search_run, "make_space", lambda *a, **k: spaces.append(make_space(*a, **k)) or spaces[-1])
-
-    class Stop(Exception):
-        pass
-
-    def no_pool(settings):
-        raise Stop
-
-    monkeypatch.setattr(search_run, "open_pool", no_pool)
-    reporter = SimpleNamespace(on_phase=phases.append, on_start=lambda *a: None)
-    with pytest.raises(Stop):
-        run_search(settings, reporter=reporter)
-    return spaces[0], phases
-
-
 def test_on_cuda_the_search_runs_bf16_and_names_cuda_device_max_connections(fake_cuda, tmp_path, monkeypatch):
     """On CUDA (torch asked, no kernel run): every config of the space in bf16 params / fp32 reduction, the
     plan of a CUDA cluster in the same precision, and CUDA_DEVICE_MAX_CONNECTIONS=1 said in one line with its fix."""
@@ -420,7 +399,7 @@ def test_on_cuda_the_search_runs_bf16_and_names_cuda_device_max_connections(fake
 
     fake_cuda.num_devices = 2
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    space, phases = _start_search(_settings(tmp_path / "run"), monkeypatch)
+    space, phases = start_search(_settings(tmp_path / "run"), monkeypatch)
     bf16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
     assert space.device_type == "cuda" and space.mixed_precision == bf16
     assert space.build_config(space.get_default_params()).mixed_precision == bf16
@@ -437,10 +416,10 @@ def test_on_cuda_the_search_runs_bf16_and_names_cuda_device_max_connections(fake
 
 
 def test_a_study_resumed_in_another_precision_is_refused(tmp_path, monkeypatch):
-    space, _ = _start_search(_settings(tmp_path / "run", param_dtype="bfloat16"), monkeypatch)
+    space, _ = start_search(_settings(tmp_path / "run", param_dtype="bfloat16"), monkeypatch)
     assert space.mixed_precision.param_dtype == "bfloat16" and space.device_type == "cpu"
     with pytest.raises(SearchError, match=r"was run with mixed_precision=.*'bfloat16'.*not .*'float32'"):
-        _start_search(_settings(tmp_path / "run", resume=True), monkeypatch)
+        start_search(_settings(tmp_path / "run", resume=True), monkeypatch)
     with pytest.raises(SearchError, match=r"--search-reduce-dtype searches the reduce dtype"):
         _settings(tmp_path, search_reduce_dtype=True, reduce_dtype="bfloat16")
 

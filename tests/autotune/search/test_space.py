@@ -335,27 +335,13 @@ def test_a_knob_this_torch_cannot_set_is_never_asked_and_said_in_one_line(field)
 def test_the_search_takes_the_probe_and_prints_its_line(tmp_path, monkeypatch):
     """``run_search`` builds its space from ``fsdp_runtime.get_unsupported_knobs`` and says what it left
     out through the reporter before any trial (stopped here where the rank pool would open)."""
+    from _search_fixtures import start_search
     from torch.distributed.fsdp import FSDPModule
 
-    import autotune.search.run as search_run
-    from autotune.search import SearchSettings, run_search
+    from autotune.search import SearchSettings
 
     monkeypatch.delattr(FSDPModule, "set_reduce_scatter_max_input_buffers", raising=False)
-    spaces, phases = [], []
-    make_space = search_run.make_space
-    monkeypatch.setattr(search_run, "make_space", lambda *a, **k: spaces.append(make_space(*a, **k)) or spaces[-1])
-
-    class Stop(Exception):
-        pass
-
-    def no_pool(settings):
-        raise Stop
-
-    monkeypatch.setattr(search_run, "open_pool", no_pool)
-    reporter = type("R", (), {"on_phase": lambda self, m: phases.append(m), "on_start": lambda self, *a: None})()
-    with pytest.raises(Stop):
-        run_search(SearchSettings(model="tiny", world_size=2, out_dir=tmp_path / "run"), reporter=reporter)
-    (space,) = spaces
+    space, phases = start_search(SearchSettings(model="tiny", world_size=2, out_dir=tmp_path / "run"), monkeypatch)
     assert "reduce_scatter_buffers" not in space.get_default_params()
     assert phases == space.notes and phases[0].startswith(
         "reduce_scatter_max_input_buffers not searched: needs torch >= 2.13 (pytorch #186000); torch "
