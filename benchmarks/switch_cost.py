@@ -194,21 +194,15 @@ def _fmt(values: list[float], digits: int = 1) -> str:
     return f"{statistics.median(values):.{digits}f} ({q[0]:.{digits}f}-{q[2]:.{digits}f})"
 
 
-def _launch(model: str, configs: dict, args: argparse.Namespace) -> list[dict]:
-    """One launch of 2 ranks running ``configs`` in alternating runs; rank 0's step records."""
-    return run_rank0(
-        "switch_cost:rank_main",
-        world_size=2,
-        kwargs={
-            "model": model,
-            "configs": configs,
-            "runs": args.runs,
-            "run_length": args.run_length,
-            "warmup": args.warmup,
-            "gap": args.gap,
-            "cluster": args.cluster,
-        },
-    )
+def _launch(model: str, configs: dict, args: argparse.Namespace, estimators: bool = False) -> list[dict]:
+    """One launch of 2 ranks: ``configs`` in alternating runs (rank 0's step records), or with
+    ``estimators`` both measurements (rank 0's windows)."""
+    common = {"model": model, "configs": configs, "warmup": args.warmup, "cluster": args.cluster}
+    if estimators:
+        kwargs = {"pairs": args.estimators, "rounds": args.runs}
+        return run_rank0("switch_cost:estimators_main", world_size=2, kwargs={**common, **kwargs})
+    kwargs = {"runs": args.runs, "run_length": args.run_length, "gap": args.gap}
+    return run_rank0("switch_cost:rank_main", world_size=2, kwargs={**common, **kwargs})
 
 
 def _print(records: list[dict], args: argparse.Namespace) -> None:
@@ -257,18 +251,7 @@ def main() -> None:
         "candidate": get_candidate(blocks, args.candidate, args.microbatches),
     }
     if args.estimators:
-        windows = run_rank0(
-            "switch_cost:estimators_main",
-            world_size=2,
-            kwargs={
-                "model": model,
-                "configs": configs,
-                "pairs": args.estimators,
-                "rounds": args.runs,
-                "warmup": args.warmup,
-                "cluster": args.cluster,
-            },
-        )
+        windows = _launch(model, configs, args, estimators=True)
         print(f"model {args.model}, candidate {args.candidate}, cluster {args.cluster}, {args.runs} rounds")
         _print_estimators(windows)
         return
