@@ -110,13 +110,16 @@ Times are interval unions: overlapping events are counted once.
 from autotune.analysis._errors import TraceError
 from autotune.analysis._facade import FsdpTraceAnalysis
 from autotune.analysis._hta_overlap import open_hta_analysis
+from autotune.analysis._kernels import KERNEL_CLASSES, get_kernel_class
 from autotune.analysis._summary import SUMMARY_SCHEMA_VERSION, check_summary
 
 __all__ = [
+    "KERNEL_CLASSES",
     "SUMMARY_SCHEMA_VERSION",
     "FsdpTraceAnalysis",
     "TraceError",
     "check_summary",
+    "get_kernel_class",
     "open_hta_analysis",
     "summarize_traces",
 ]

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from autotune.analysis import _intervals as iv
+from autotune.analysis._kernels import KERNEL_CLASSES, get_kernel_class
 from autotune.analysis._load import RankTrace
 from fsdp_runtime import ROOT_UNIT
 
@@ -37,6 +38,8 @@ _MEMORY_KERNEL = re.compile(r"^(hip)?(Memcpy|Memset)")
 _NCCL_KERNEL = re.compile(r"^nccl")
 _FSDP_LABEL = re.compile(r"^FSDP::")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_NO_DEVICE_OPS = pd.DataFrame({"start": [], "end": [], "issue_ts": [], "cls": []})
 # What gloo runs for each c10d collective kind (it runs reduce-scatter as an all-reduce).
 _GLOO_RUNS_AS = {
     "all_gather": "all_gather",
@@ -94,6 +97,9 @@ class RankEvents:
     num_unlaunched_kernels: int = 0
     """GPU: kernels dropped because no host launch (``cuda_runtime``/``cuda_driver`` event with
     their ``correlation``) is in the trace, as HTA drops them (see [Note: trace metrics])."""
+    device_ops: pd.DataFrame = field(default_factory=lambda: _NO_DEVICE_OPS)
+    """GPU: ``start, end, issue_ts, cls``, every launched kernel, memcpy and memset with its class
+    (``autotune.analysis._kernels``, [Note: kernel classes]); CPU: empty."""
     cache: dict = field(default_factory=dict, repr=False, compare=False)
     """Per-step slices, computed once (``_steps.get_step_slices``)."""
 
@@ -265,14 +271,16 @@ def _attach_holds(gloo: pd.DataFrame, holds: pd.DataFrame, labels: pd.DataFrame)
     return out.sort_values("start", kind="stable").reset_index(drop=True)
 
 
-def _gpu_kernels(events: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, int]:
-    """(compute, comm, number dropped): kernels with their launch's start on the host as issue
-    time; kernels whose launch is not in the trace are dropped (as HTA does)."""
+def _gpu_kernels(events: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, int, pd.DataFrame]:
+    """(compute, comm, number dropped, device ops): kernels with their launch's start on the host
+    as issue time; kernels whose launch is not in the trace are dropped (as HTA does). Device
+    ops are every launched kernel, memcpy and memset with its class ([Note: kernel classes])."""
     launches = events.loc[
         events["cat"].isin(_LAUNCH_CATS).to_numpy() & (events["correlation"].to_numpy() >= 0), ["correlation", "ts"]
     ]
     order = np.argsort(launches["correlation"].to_numpy(), kind="stable")
     launch_corr, launch_ts = launches["correlation"].to_numpy()[order], launches["ts"].to_numpy()[order]
+    device_ops = _get_device_ops(events, launch_corr, launch_ts)
     kernels = events[(events["cat"] == "kernel").to_numpy()]
     corr = kernels["correlation"].to_numpy()
     at = np.searchsorted(launch_corr, corr, side="right") - 1  # the last launch with that correlation
@@ -286,7 +294,31 @@ def _gpu_kernels(events: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, int]
     is_comm = get_name_mask(kernels["name"], _NCCL_KERNEL)
     is_compute = ~is_comm & ~get_name_mask(kernels["name"], _MEMORY_KERNEL)
     comm = frame[is_comm].assign(kind=[get_collective_kind(str(n)) for n in kernels["name"].to_numpy()[is_comm]])
-    return frame[is_compute].reset_index(drop=True), comm.reset_index(drop=True), int((~launched).sum())
+    return frame[is_compute].reset_index(drop=True), comm.reset_index(drop=True), int((~launched).sum()), device_ops
+
+
+def _get_device_ops(events: pd.DataFrame, launch_corr: np.ndarray, launch_ts: np.ndarray) -> pd.DataFrame:
+    """``start, end, issue_ts, cls``: every kernel, memcpy and memset whose launch is in the trace."""
+    ops = events[events["cat"].isin(_DEVICE_CATS).to_numpy()]
+    corr = ops["correlation"].to_numpy()
+    at = np.searchsorted(launch_corr, corr, side="right") - 1
+    launched = (
+        (at >= 0) & (launch_corr[np.maximum(at, 0)] == corr) if len(launch_corr) else np.zeros(len(corr), dtype=bool)
+    )
+    ops = ops[launched]
+    classes = {name: get_kernel_class(str(name)) for name in pd.unique(ops["name"])}
+    return (
+        pd.DataFrame(
+            {
+                "start": ops["ts"].to_numpy(),
+                "end": ops["end"].to_numpy(),
+                "issue_ts": launch_ts[at[launched]],
+                "cls": pd.Categorical([classes[n] for n in ops["name"]], categories=KERNEL_CLASSES),
+            }
+        )
+        .sort_values("start", kind="stable")
+        .reset_index(drop=True)
+    )
 
 
 def classify_events(trace: RankTrace) -> RankEvents:
@@ -294,10 +326,14 @@ def classify_events(trace: RankTrace) -> RankEvents:
     events = trace.events
     pid, tid = _training_thread(events)
     main_mask = ((events["pid"] == pid) & (events["tid"] == tid) & (events["cat"] != "gpu_user_annotation")).to_numpy()
-    labels = _get_labels(events[main_mask])
-    num_unlaunched = 0
+    # On a GPU the backward's hooks run on autograd's device thread, not the training thread:
+    # FSDP labels are read from every host thread there (the training thread waits in
+    # ``backward()`` meanwhile, so the two threads' labels do not interleave).
+    host = (events["cat"] != "gpu_user_annotation").to_numpy()
+    labels = _get_labels(events[host] if trace.device == "gpu" else events[main_mask])
+    num_unlaunched, device_ops = 0, _NO_DEVICE_OPS
     if trace.device == "gpu":
-        compute, comm, num_unlaunched = _gpu_kernels(events)
+        compute, comm, num_unlaunched, device_ops = _gpu_kernels(events)
     else:
         compute, comm = _cpu_compute(events[main_mask]), _cpu_comm(events, pd.Series(main_mask, index=events.index))
     is_barrier = (comm["kind"] == BARRIER).to_numpy()
@@ -316,4 +352,5 @@ def classify_events(trace: RankTrace) -> RankEvents:
         memory=trace.memory,
         units=list(dict.fromkeys(labels["unit"])),
         num_unlaunched_kernels=num_unlaunched,
+        device_ops=device_ops,
     )

@@ -39,7 +39,7 @@ def _unit_kind(unit: str) -> str:
     return "root" if unit == ROOT_UNIT else "block"
 
 
-def _gap_key(prev: Any, first_block: str, last_block: str, last_callback: bool) -> str:
+def get_gap_key(prev: Any, first_block: str, last_block: str, last_callback: bool) -> str:
     """Whose compute the time after label ``prev`` (None: the step's start) is; see [Note: calibration]."""
     if prev is None:
         return "microbatch"
@@ -63,7 +63,7 @@ EAGER_PHASES = {"eager_concat": "concat", "eager_restore": "restore"}
 """``fsdp_runtime``'s labels around FSDP1-style eager concat (``defer_concat = false``)."""
 
 
-def _label_key(label: Any, copies_out: bool, local: bool) -> str:
+def get_label_key(label: Any, copies_out: bool, local: bool) -> str:
     """The key a top-level label's own time counts under; ``local``: a trace on a shard group of
     one, whose pre-forward hooks unshard by a plain copy (no copy-out label to tell them by) and
     whose reduces copy instead of reduce-scattering (``LOCAL_HOOK_KEYS``)."""
@@ -131,19 +131,19 @@ def _get_step_sums(
 
     t, prev = step.start, None
     for i, label in enumerate(top):
-        add(_gap_key(prev, first_block, last_block, bool(callbacks) and i - 1 == callbacks[-1]), t, label.start)
+        add(get_gap_key(prev, first_block, last_block, bool(callbacks) and i - 1 == callbacks[-1]), t, label.start)
         copies_out = any(label.start <= s <= label.end and u == label.unit for s, u in copy_outs)
-        key = _label_key(label, copies_out, local)
+        key = get_label_key(label, copies_out, local)
         add(key, label.start, label.end)
         count(key, label)
         for inner in (
             e for e in eager if label.start <= e.start and e.end <= label.end
         ):  # counted apart, not as the outer hook's
             add(key, inner.start, inner.end, -1.0)
-            add(_label_key(inner, False, local), inner.start, inner.end)
-            count(_label_key(inner, False, local), inner)
+            add(get_label_key(inner, False, local), inner.start, inner.end)
+            count(get_label_key(inner, False, local), inner)
         t, prev = label.end, label
-    add(_gap_key(prev, first_block, last_block, bool(callbacks) and len(top) - 1 == callbacks[-1]), t, step.end)
+    add(get_gap_key(prev, first_block, last_block, bool(callbacks) and len(top) - 1 == callbacks[-1]), t, step.end)
     return sums, counts
 
 
