@@ -573,6 +573,13 @@ def plan(
     ] = True,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtype = None,
+    device_profile: Annotated[
+        Path | None,
+        typer.Option(
+            "--device-profile",
+            help="A GPU measured by `autotune calibrate`: its rates price compute, copies, the optimizer and the host floor instead of the datasheet.",
+        ),
+    ] = None,
 ) -> None:
     """Rank every config of the search space in the FSDP2 step simulator for a GPU cluster; emit the best (provenance: simulated)."""
     from autotune.plan import PlanSettings, run_plan
@@ -590,6 +597,7 @@ def plan(
         memory_knobs=memory_knobs,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
+        device_profile=device_profile,
         **({"num_workers": workers} if workers is not None else {}),
     )
     reporter = _RichPlanReporter()
@@ -645,8 +653,45 @@ def _print_plan(result) -> None:
 
 
 _FLAGS.update(
-    num_nodes="--nodes", num_top="--top", num_workers="--workers", activation_checkpointing="--ac", cluster="--cluster"
+    num_nodes="--nodes",
+    num_top="--top",
+    num_workers="--workers",
+    activation_checkpointing="--ac",
+    cluster="--cluster",
+    device_profile="--device-profile",
 )
+
+
+@app.command()
+def calibrate(
+    trials: Annotated[
+        list[Path], typer.Argument(help="GPU trial dirs (`autotune trial --nproc 1` on one GPU of your cluster).")
+    ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The device profile (TOML) to write.")] = Path("device.toml"),
+    model: Annotated[
+        str | None, typer.Option("--model", help="The trials' model, where metrics.json's name does not resolve.")
+    ] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option("--cluster", help="Cluster profile of that GPU, for the check (default: by the GPU's name)."),
+    ] = None,
+) -> None:
+    """Measure a GPU from trials' kernels: a device profile for `autotune plan --device-profile`."""
+    from autotune.sim import calibrate_trials
+
+    profile, lines = calibrate_trials(trials, model=model, cluster=cluster)
+    profile.write(out)
+    console.print(
+        f"{profile.device}: GEMM {profile.gemm_tflops:.0f} TFLOP/s, attention {profile.attention_forward_tflops:.0f}/"
+        f"{profile.attention_backward_tflops:.0f} TFLOP/s (head dim {profile.attention_head_dim}), elementwise "
+        f"{', '.join(f'{k} {v:,.0f}' for k, v in profile.elementwise_gbps.items())} GB/s, FSDP2 copies {profile.copy_gbps:,.0f} GB/s, "
+        f"optimizer {profile.optimizer_ps_per_element:.1f} ps/element, host floor "
+        f"{', '.join(f'{k} {v:.0f}' for k, v in profile.host_floor_us.items())} us",
+        highlight=False,
+    )
+    for line in lines:
+        console.print(line, highlight=False)
+    console.print(f"wrote {out}", highlight=False)
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from fsdp_runtime import load_config, apply_fsdp, GradAccumulator
 applied = apply_fsdp(model, load_config("best.toml"))
 """
 
+from fsdp_runtime._toml import dumps as dumps_toml
 from fsdp_runtime._torch_compat import get_unsupported_knobs
 from fsdp_runtime.accumulation import GradAccumulator
 from fsdp_runtime.apply import AppliedFsdp, apply_fsdp, find_block_names, resolve_units
@@ -65,6 +66,7 @@ __all__ = [
     "consolidate_state",
     "default_config",
     "dumps_config",
+    "dumps_toml",
     "find_block_names",
     "find_edge_modules",
     "get_unsupported_knobs",

@@ -101,17 +101,31 @@ class AcceleratorSpec:
     gemm_efficiency: float
     """Best measured large-matmul throughput / peak (MAMF)."""
     attention_efficiency: float
-    """Flash attention throughput / peak, counting the causal half of the FLOPs."""
+    """Fused attention forward throughput / peak at head dim ``attention_head_dim``, counting the
+    causal half of the FLOPs."""
     hbm_gbps: float
     """HBM bandwidth, GB/s."""
     hbm_efficiency: float = 0.9
     """Fraction of ``hbm_gbps`` that elementwise kernels reach."""
     reserved_gib: float = 0.0
     """Device memory that tensors cannot use (CUDA context, NCCL buffers, workspaces)."""
+    attention_backward_efficiency: float | None = None
+    """Fused attention backward throughput / peak at ``attention_head_dim`` (its FLOPs 2.5x the
+    forward's, causal half); None: the forward's."""
+    attention_head_dim: int = 128
+    """The head dim the attention efficiencies were measured at."""
+    special_function_tflops: float | None = None
+    """Exponentials per second (the SFUs), in T/s: attention spends one per score element besides
+    its 4 x head_dim (forward) or 10 x head_dim (backward) matmul FLOPs, so a smaller head dim
+    runs at a lower efficiency ([Note: attention and head dim] in ``autotune.sim.hardware``);
+    None: the efficiencies hold at every head dim."""
+    host_floor_us: dict[str, float] = field(default_factory=dict)
+    """Device idle per call the host leaves while it launches eager kernels: ``block_forward``,
+    ``block_backward`` (per block and microbatch), ``microbatch``, ``step``; missing keys: 0."""
 
     def __post_init__(self) -> None:
-        for name in ("gemm_efficiency", "attention_efficiency", "hbm_efficiency"):
-            if not 0 < getattr(self, name) <= 1:
+        for name in ("gemm_efficiency", "attention_efficiency", "hbm_efficiency", "attention_backward_efficiency"):
+            if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if self.hbm_gbps <= 0 or not self.peak_tflops or min(self.peak_tflops.values()) <= 0:
             raise ValueError("hbm_gbps and every peak_tflops value must be positive")

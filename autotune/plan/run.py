@@ -13,7 +13,7 @@ from typing import Any, Literal
 from autotune.plan.evaluate import REDUCED_DEPTHS, PlanReporter, Pricer, StagedEvaluator, make_pricer
 from autotune.plan.record import PlanRecord
 from autotune.search import KnobFactory, RankedPoint, SearchSpace, check_mesh, rank_staged
-from autotune.sim import Hardware, ModelWork, Simulator, StepPrediction, get_model_work
+from autotune.sim import DeviceProfile, Hardware, ModelWork, Simulator, StepPrediction, get_model_work
 from autotune.trials import check_dtype, resolve_precision
 from fsdp_runtime import AutotuneError, MixedPrecisionConfig, Provenance, RuntimeConfig, save_config
 from profiles import load_cluster_profile, load_model_source
@@ -50,6 +50,9 @@ class PlanSettings:
     reduce_dtype: str | None = None
     """Gradient reduction's dtype; None: float32."""
     num_top: int = 10
+    device_profile: Path | None = None
+    """A GPU measured by ``autotune calibrate`` ([Note: device profile]): its rates price compute,
+    copies, the optimizer and the host floor in place of the cluster's datasheet figures."""
     num_workers: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
     """Processes simulating in parallel."""
     exact: bool = False
@@ -145,10 +148,13 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
     """Simulate every point of the search space on the cluster, rank, and emit the best config."""
     reporter = reporter or SilentPlanReporter()
     profile = load_model_source(settings.model)
-    hardware = Hardware(load_cluster_profile(settings.cluster), settings.num_nodes)
+    hardware = Hardware(load_cluster_profile(settings.cluster), settings.num_nodes, device=_read_device(settings))
     _ = hardware.accelerator  # a profile without one fails here, in one line
     check_mesh(settings.fixed_mesh, hardware.world_size)
     mp = get_plan_precision(settings, hardware)
+    _check_device(settings, hardware, mp)
+    for line in hardware.describe_prices():
+        reporter.on_phase(line)
     reporter.on_phase(f"tracing {profile.name} on fake tensors (FLOPs, bytes, activation memory per unit)")
     work = get_model_work(profile, mp.param_dtype)
     searched_ac = settings.memory_knobs and settings.activation_checkpointing == "auto"
@@ -272,6 +278,31 @@ def _describe_stage(
     )
 
 
+def _read_device(settings: PlanSettings) -> DeviceProfile | None:
+    return DeviceProfile.read(settings.device_profile) if settings.device_profile is not None else None
+
+
+def _check_device(settings: PlanSettings, hardware: Hardware, mp: Any) -> None:
+    """A device profile prices the precision it was measured in, on the accelerator it was measured on."""
+    device = hardware.device
+    if device is None:
+        return
+    measured = (device.measured_on.get("param_dtype"), device.measured_on.get("reduce_dtype"))
+    if measured != (mp.param_dtype, mp.reduce_dtype):
+        raise PlanError(
+            f"device profile {settings.device_profile} was measured in {measured[0]}/{measured[1]}, the plan runs "
+            f"{mp.param_dtype}/{mp.reduce_dtype}: pass --param-dtype/--reduce-dtype to match, or calibrate a trial in that precision",
+            field="device_profile",
+        )
+    gpu = device.device.lower().removeprefix("nvidia ").strip()
+    if gpu and gpu not in hardware.accelerator.name.lower():
+        raise PlanError(
+            f"device profile {settings.device_profile} was measured on {device.device}, cluster {hardware.cluster.name} has "
+            f"{hardware.accelerator.name}: use a cluster profile of that GPU",
+            field="device_profile",
+        )
+
+
 def _get_order_key(row: RankedPoint, default_params: dict[str, Any]) -> tuple[Any, ...]:
     """Configs that fit first, ranked: full depth before extrapolated, then fastest; among configs
     within a microsecond, the fewest knobs changed from the defaults, then the least memory. Then
@@ -343,6 +374,7 @@ def _get_notes(result: PlanResult, hardware: Hardware, speedup: float | None) ->
             else f"assumes activation checkpointing {'full (every block)' if result.activation_checkpointing else 'none'} in the training script ({result.ac_reason}); this config does not set it"
         ),
         f"chosen: {best.description}",
+        *hardware.describe_prices(),
     ]
     if speedup is not None:
         notes.append(

@@ -9,13 +9,18 @@ ledger) -> :mod:`~autotune.sim.schedule` ([Note: FSDP2 step schedule]) ->
 :mod:`~autotune.sim.predict` (:func:`simulate`). On a machine at hand,
 :mod:`~autotune.sim.calibrate` fits a :class:`MeasuredProfile` (:mod:`~autotune.sim.measured`)
 from trials' traces ([Note: calibration]) that prices the same schedule in place of a GPU
-profile's datasheet figures. The simulator itself imports only ``fsdp_runtime``, ``profiles``
+profile's datasheet figures; on a GPU, :mod:`~autotune.sim.gpu_calibrate` fits a
+:class:`DeviceProfile` (:mod:`~autotune.sim.device_profile`) from one trial's kernels
+(:mod:`~autotune.sim.kernel_costs`), rates that price any model on that GPU. The simulator itself imports only ``fsdp_runtime``, ``profiles``
 and torch; calibration reads trial dirs through ``autotune.trials`` and ``autotune.analysis``
 (upstream stages). The search stage may import this one, never the reverse.
 """
 
 from autotune.sim.calibrate import CalibrationError, CalibrationTrial, calibrate, read_calibration_trial
+from autotune.sim.device_profile import DeviceProfile, DeviceProfileError
+from autotune.sim.gpu_calibrate import GpuTrial, calibrate_device, calibrate_trials, load_kernel_costs, read_gpu_trial
 from autotune.sim.hardware import Hardware, SimError
+from autotune.sim.kernel_costs import KernelCosts, get_kernel_costs
 from autotune.sim.knobs import Knobs, resolve_knobs
 from autotune.sim.measured import CollectiveFit, MeasuredProfile
 from autotune.sim.model_work import ModelWork, get_model_work
@@ -25,7 +30,11 @@ __all__ = [
     "CalibrationError",
     "CalibrationTrial",
     "CollectiveFit",
+    "DeviceProfile",
+    "DeviceProfileError",
+    "GpuTrial",
     "Hardware",
+    "KernelCosts",
     "Knobs",
     "MeasuredProfile",
     "ModelWork",
@@ -34,8 +43,13 @@ __all__ = [
     "StepPrediction",
     "UnitPrediction",
     "calibrate",
+    "calibrate_device",
+    "calibrate_trials",
+    "get_kernel_costs",
+    "load_kernel_costs",
     "get_model_work",
     "read_calibration_trial",
+    "read_gpu_trial",
     "resolve_knobs",
     "simulate",
 ]

@@ -19,9 +19,6 @@ from autotune.sim.model_work import ModelWork
 
 ORIG_BYTES = 4
 """The trials build float32 parameters; sharded params, grads and AdamW state are float32."""
-ADAMW_BYTES_PER_ELEMENT = 36
-"""Bytes AdamW (foreach) moves per parameter element: reads param, grad, exp_avg, exp_avg_sq
-(16), writes param, exp_avg, exp_avg_sq (12), and about 8 for its intermediates."""
 
 
 def get_padded_numel(shapes: tuple[tuple[int, ...], ...], shard: int) -> int:
@@ -136,7 +133,7 @@ def get_mesh_costs(
         sharded=sharded,
         **_get_compute_costs(work, hardware, counts, kinds),
         **_get_collective_costs(hardware, padded, sharded, pb, rb, shard_group, replicate_group),
-        **_get_copy_and_hook_costs(hardware, counts, padded, pb, rb, local=shard == 1),
+        **_get_copy_and_hook_costs(hardware, counts, padded, sharded, pb, rb, local=shard == 1),
         **_get_optimizer_and_host_costs(hardware, sharded),
         unit_num_blocks=counts,
         unit_checkpointing=kinds,
@@ -148,9 +145,11 @@ def _get_compute_costs(work: ModelWork, hardware: Hardware, counts: list[int], k
     tail) and the root's head (embeddings), per microbatch."""
     seg = _get_segment_seconds(work, hardware)
     recompute = {"none": 0.0, "full": seg["block.forward"], "selective": seg["block.forward.memory"]}
+    # the host's launch floor per block pass (GPU; 0 on CPU, whose measured segments hold their host time)
+    fwd_floor, bwd_floor = hardware.get_host_floor_s("block_forward"), hardware.get_host_floor_s("block_backward")
     return {
-        "forward_s": [c * seg["block.forward"] for c in counts] + [seg["tail.forward"]],
-        "backward_s": [c * (seg["block.backward"] + recompute[k]) for c, k in zip(counts, kinds)]
+        "forward_s": [c * (seg["block.forward"] + fwd_floor) for c in counts] + [seg["tail.forward"]],
+        "backward_s": [c * (seg["block.backward"] + recompute[k] + bwd_floor) for c, k in zip(counts, kinds)]
         + [seg["tail.backward"]],
         "head_forward_s": seg["head.forward"],
         "head_backward_s": seg["head.backward"],
@@ -184,7 +183,7 @@ def _get_collective_costs(
 
 
 def _get_copy_and_hook_costs(
-    hardware: Hardware, counts: list[int], padded: list[int], pb: int, rb: int, *, local: bool
+    hardware: Hardware, counts: list[int], padded: list[int], sharded: list[int], pb: int, rb: int, *, local: bool
 ) -> dict[str, Any]:
     """FSDP2's copies around the collectives and its hooks' own work, per unit: measured per call
     where a profile has them, else the bytes they move at the memory speed."""
@@ -209,8 +208,15 @@ def _get_copy_and_hook_costs(
     suffix = (
         "_local" if local and measured is not None and all(key in measured.hooks for key in LOCAL_HOOK_KEYS) else ""
     )
+    # Unshard: the sharded float32 params cast to the param dtype into the all-gather input
+    # (copy-in), then split out of the gathered buffer (copy-out); a shard group of one casts
+    # each whole param into its unsharded buffer instead.
+    unshard = [
+        mem(p * (ORIG_BYTES + pb)) if local else mem(2 * p * pb + s * (ORIG_BYTES + pb))
+        for p, s in zip(padded, sharded)
+    ]
     return {
-        "copy_out_s": hooks(f"unshard{suffix}", [mem(2 * p * pb) for p in padded]),
+        "copy_out_s": hooks(f"unshard{suffix}", unshard),
         "copy_in_s": hooks(f"reduce{suffix}", [mem(p * (pb + rb)) for p in padded]),
         "upcast_s": [mem(p * (pb + 2 * rb)) if pb != rb else 0.0 for p in padded],
         # cat (read + write) and flat += (2 reads + write)
@@ -224,11 +230,14 @@ def _get_copy_and_hook_costs(
 def _get_optimizer_and_host_costs(hardware: Hardware, sharded: list[int]) -> dict[str, Any]:
     """The optimizer step over the rank's shards, and host work per microbatch outside the model (measured profiles)."""
     measured = hardware.measured
+    if measured:
+        return {
+            "optimizer_s": measured.compute_scale * measured.optimizer_s_per_element * sum(sharded),
+            "microbatch_s": measured.compute_scale * measured.microbatch_s,
+        }
     return {
-        "optimizer_s": measured.compute_scale * measured.optimizer_s_per_element * sum(sharded)
-        if measured
-        else hardware.get_memory_seconds(ADAMW_BYTES_PER_ELEMENT * sum(sharded)),
-        "microbatch_s": measured.compute_scale * measured.microbatch_s if measured else 0.0,
+        "optimizer_s": hardware.get_optimizer_seconds(sum(sharded)) + hardware.get_host_floor_s("step"),
+        "microbatch_s": hardware.get_host_floor_s("microbatch"),
     }
 
 
@@ -252,15 +261,16 @@ def _get_segment_seconds(work: ModelWork, hardware: Hardware) -> dict[str, float
         )
         return {**seconds, "block.forward.memory": share * seconds["block.forward"]}
 
-    def compute(segment: str, phase: str) -> float:
-        w = work.work[segment, phase]
-        return hardware.get_compute_seconds(
-            gemm_flops=w.gemm_flops, attention_flops=w.attention_flops, memory_bytes=w.memory_bytes, dtype=work.dtype
-        )
-
     seconds = {
-        f"{segment}.{phase}": compute(segment, phase)
+        f"{segment}.{phase}": hardware.get_pass_seconds(
+            work.work[segment, phase],
+            part="block" if segment == "block" else "root",
+            phase=phase,
+            head_dim=work.attention_head_dim,
+            dtype=work.dtype,
+        )
         for segment in ("head", "block", "tail")
         for phase in ("forward", "backward")
     }
-    return {**seconds, "block.forward.memory": hardware.get_memory_seconds(block.memory_bytes)}
+    memory = block.memory_bytes / hardware.get_elementwise_bytes_per_s("block", "forward")
+    return {**seconds, "block.forward.memory": memory}

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autotune.sim.device_profile import DeviceProfile
 from autotune.sim.measured import MeasuredProfile
+from autotune.sim.model_work import PassWork, get_optimizer_bytes_per_element
 from fsdp_runtime.errors import AutotuneError
 from profiles import AcceleratorSpec, ClusterProfile, LinkClass
 
@@ -73,6 +75,9 @@ class Hardware:
     num_ranks: int | None = None
     """The world size when it is not ``nodes x ranks_per_node`` (a CPU box running 2 or 4 ranks)."""
     measured: MeasuredProfile | None = None
+    device: DeviceProfile | None = None
+    """A GPU measured by ``autotune calibrate`` ([Note: device profile]): its rates replace the
+    accelerator's datasheet ones (compute, copies, optimizer, host floor); links stay the cluster's."""
 
     @property
     def world_size(self) -> int:
@@ -102,23 +107,100 @@ class Hardware:
             )
         return peaks[dtype] * 1e12
 
-    def get_compute_seconds(
-        self, *, gemm_flops: float, attention_flops: float, memory_bytes: float, dtype: str
-    ) -> float:
-        """GEMMs at MAMF, causal attention (half of the counted square) at flash speed, the rest at HBM speed."""
-        acc = self.accelerator
-        peak = self.get_peak_flops(dtype)
+    def get_pass_seconds(self, work: PassWork, *, part: str, phase: str, head_dim: int, dtype: str) -> float:
+        """Seconds of one segment's pass: GEMMs, causal attention (half of the counted square) at
+        ``head_dim`` and the memory-bound ops; ``part`` is ``block`` or ``root`` (head and tail)."""
         return (
-            gemm_flops / (peak * acc.gemm_efficiency)
-            + 0.5 * attention_flops / (peak * acc.attention_efficiency)
-            + memory_bytes / (acc.hbm_gbps * 1e9 * acc.hbm_efficiency)
+            work.gemm_flops / self.get_gemm_flops_per_s(dtype)
+            + 0.5 * work.attention_flops / self.get_attention_flops_per_s(phase, head_dim, dtype)
+            + work.memory_bytes / self.get_elementwise_bytes_per_s(part, phase)
         )
 
+    def get_gemm_flops_per_s(self, dtype: str) -> float:
+        if self.device is not None:
+            return self.device.gemm_tflops * 1e12
+        return self.get_peak_flops(dtype) * self.accelerator.gemm_efficiency
+
+    def get_attention_flops_per_s(self, phase: str, head_dim: int, dtype: str) -> float:
+        """Causal attention FLOPs per second in ``phase`` at ``head_dim``: see [Note: attention and head dim].
+
+        [Note: attention and head dim]
+        Fused attention spends, per element of the score matrix, 4 x head_dim matmul FLOPs in
+        forward (QK^T and PV) and 10 x head_dim in backward (2.5x, as torch's flop counter counts
+        it), and one exponential either way (the backward recomputes P). Exponentials run on the
+        special-function units, 256x slower than the tensor cores on an H100 (989 against 3.9
+        TFLOPS: FA3 paper, Shah et al. 2024), and FlashAttention-2-style kernels (cuDNN's, SDPA's)
+        do not hide them behind the matmuls. So a FLOP costs ``1/(peak x e) + 1/(k x d x S)``
+        (k = 4 or 10, d the head dim, S the special-function rate): ``e`` follows from the rate
+        measured at one head dim (the accelerator's ``attention_head_dim``, or a device profile's)
+        and the formula gives any other. Checked on one H200 (``shared/gpu-traces``): calibrated on
+        head dim 128 (578 TFLOP/s forward, 467 backward), it predicts head dim 64 at 448 and 427
+        where the trace measured 437 and 404.
+        """
+        acc = self.accelerator
+        if self.device is not None:
+            rate = self.device.attention_forward_tflops if phase == "forward" else self.device.attention_backward_tflops
+            rate, at = rate * 1e12, self.device.attention_head_dim
+        else:
+            efficiency = acc.attention_efficiency
+            if phase == "backward" and acc.attention_backward_efficiency is not None:
+                efficiency = acc.attention_backward_efficiency
+            rate, at = self.get_peak_flops(dtype) * efficiency, acc.attention_head_dim
+        if not head_dim or head_dim == at or acc.special_function_tflops is None:
+            return rate
+        per_score = 4.0 if phase == "forward" else 10.0
+        special = acc.special_function_tflops * 1e12
+        matmul = max(1.0 / rate - 1.0 / (per_score * at * special), 0.1 / rate)  # the tensor cores' share
+        return 1.0 / (matmul + 1.0 / (per_score * head_dim * special))
+
+    def get_elementwise_bytes_per_s(self, part: str, phase: str) -> float:
+        if self.device is not None:
+            return self.device.elementwise_gbps["root" if part != "block" else f"block_{phase}"] * 1e9
+        acc = self.accelerator
+        return acc.hbm_gbps * 1e9 * acc.hbm_efficiency
+
+    def get_host_floor_s(self, key: str) -> float:
+        """Device idle per call while the host launches (``block_forward``, ``block_backward``, ``microbatch``, ``step``)."""
+        if self.device is not None:
+            return self.device.host_floor_us.get(key, 0.0) * 1e-6
+        if self.cluster.accelerator is None:
+            return 0.0
+        return self.accelerator.host_floor_us.get(key, 0.0) * 1e-6
+
+    def get_optimizer_seconds(self, num_elements: float) -> float:
+        """AdamW over ``num_elements`` float32 sharded elements: measured per element, else its traced bytes at HBM speed."""
+        if self.device is not None:
+            return self.device.optimizer_ps_per_element * 1e-12 * num_elements
+        return self.get_memory_seconds(get_optimizer_bytes_per_element() * num_elements)
+
     def get_memory_seconds(self, num_bytes: float) -> float:
+        """Copies and casts (FSDP2's, the optimizer's on the datasheet): measured speed where a profile has one."""
         if self.measured is not None:
             return self.measured.get_memory_seconds(num_bytes)
+        if self.device is not None:
+            return num_bytes / (self.device.copy_gbps * 1e9)
         acc = self.accelerator
         return num_bytes / (acc.hbm_gbps * 1e9 * acc.hbm_efficiency)
+
+    def describe_prices(self) -> list[str]:
+        """Where each price comes from: measured (a device profile) or the cluster profile's datasheet."""
+        cluster = self.cluster.name
+        if self.device is None:
+            return [
+                f"prices: all from {cluster}'s datasheet figures ({self.accelerator.name}); `autotune calibrate` on a GPU trial measures them"
+            ]
+        d = self.device
+        on = d.measured_on
+        return [
+            f"prices measured on {d.device} (torch {d.torch}; {on.get('model')}, {on.get('param_dtype')}/{on.get('reduce_dtype')}, "
+            f"{on.get('num_microbatches')} microbatches; {', '.join(d.sources)}): GEMM {d.gemm_tflops:.0f} TFLOP/s, attention "
+            f"{d.attention_forward_tflops:.0f}/{d.attention_backward_tflops:.0f} TFLOP/s (forward/backward at head dim {d.attention_head_dim}), "
+            f"elementwise {', '.join(f'{k} {v:,.0f}' for k, v in d.elementwise_gbps.items())} GB/s, FSDP2 copies {d.copy_gbps:,.0f} GB/s, "
+            f"optimizer {d.optimizer_ps_per_element:.1f} ps/element, host floor "
+            f"{', '.join(f'{k} {v:.0f}' for k, v in d.host_floor_us.items())} us",
+            f"prices from {cluster}'s datasheet: collectives (links {', '.join(self.cluster.links)}), memory capacity, "
+            f"peak FLOP/s for MFU, the special-function rate for other head dims ([Note: attention and head dim])",
+        ]
 
     def get_mesh_groups(self, replicate: int, shard: int) -> tuple[Group, Group]:
         """(shard group, replicate group) placements of a (replicate, shard) mesh over this cluster."""

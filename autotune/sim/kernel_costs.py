@@ -36,6 +36,8 @@ class KernelCosts:
     """Hook key -> labels per step (how many calls its seconds are over)."""
     idle_s: float
     """Device time per step with no kernel running."""
+    idle_by_key: dict[str, float] = field(default_factory=dict)
+    """That idle time by the key whose launch ended each gap (see ``_get_idle_by_key``)."""
     span_s: float
     """The step's device span."""
     num_steps: int = 0
@@ -138,9 +140,35 @@ def _get_step_rows(events: Any, block_names: tuple[str, ...], local: bool) -> li
             if "." in key and key.split(".")[0] not in ("head", "block", "tail"):
                 calls[key] += 1
         rows.append(
-            {"seconds": dict(seconds), "calls": dict(calls), "span": (hi - lo) * _US, "idle": (hi - lo - busy) * _US}
+            {
+                "seconds": dict(seconds),
+                "calls": dict(calls),
+                "span": (hi - lo) * _US,
+                "idle": (hi - lo - busy) * _US,
+                "idle_by_key": _get_idle_by_key(mine, [spans[j][2] for j in at], hi),
+            }
         )
     return rows
+
+
+def _get_idle_by_key(ops: Any, keys: list[str], hi: float) -> dict[str, float]:
+    """Each device gap, charged to the key whose host span launched the kernel that ends it (the
+    launch came late); the gap after the step's last kernel to ``microbatch`` (the next step's start)."""
+    idle: dict[str, float] = defaultdict(float)
+    order = np.argsort(ops["start"].to_numpy(), kind="stable")
+    starts, ends = ops["start"].to_numpy()[order], ops["end"].to_numpy()[order]
+    end = starts[0]
+    for j, start, stop in zip(order, starts, ends):
+        if start > end:
+            idle[keys[j]] += (start - end) * _US
+        end = max(end, stop)
+    if hi > end:
+        idle["microbatch"] += (hi - end) * _US
+    return dict(idle)
+
+
+def _keys(rows: list[dict[str, Any]], name: str) -> set[str]:
+    return {k for r in rows for k in r[name]}
 
 
 def get_kernel_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, ...], local: bool) -> KernelCosts:
@@ -154,6 +182,9 @@ def get_kernel_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, 
         seconds={k: statistics.median(r["seconds"].get(k, 0.0) for r in rows) for k in keys},
         calls={k: statistics.median(r["calls"].get(k, 0.0) for r in rows) for k in hooks},
         idle_s=statistics.median(r["idle"] for r in rows),
+        idle_by_key={
+            k: statistics.median(r["idle_by_key"].get(k, 0.0) for r in rows) for k in _keys(rows, "idle_by_key")
+        },
         span_s=statistics.median(r["span"] for r in rows),
         num_steps=len(rows),
     )

@@ -104,6 +104,8 @@ class ModelWork:
     work: dict[tuple[str, str], PassWork]
     """``(segment, "forward" | "backward")`` -> work."""
     activations: ActivationProfile
+    attention_head_dim: int = 0
+    """The head dim of the model's fused attention (its query's last dim; 0: no attention)."""
 
     def get_flops_per_microbatch(self) -> float:
         """Model FLOPs of one microbatch (forward + backward, every unit), as FlopCounterMode counts them."""
@@ -119,7 +121,7 @@ def get_model_work(profile: ModelSource, dtype: str = "bfloat16") -> ModelWork:
     full = profile.build(device="meta")
     block_names = tuple(find_block_names(full))
     traced = _get_traced_source(profile)
-    work, selective = _trace_work(traced, torch_dtype)
+    work, selective, head_dim = _trace_work(traced, torch_dtype)
     activations = _trace_activations(traced, torch_dtype)
     return ModelWork(
         name=profile.name,
@@ -130,6 +132,7 @@ def get_model_work(profile: ModelSource, dtype: str = "bfloat16") -> ModelWork:
         root_head_fraction=_get_root_head_fraction(full, block_names),
         work=work,
         activations=dataclasses.replace(activations, block_selective=activations.block_input + selective),
+        attention_head_dim=head_dim,
     )
 
 
@@ -207,6 +210,7 @@ class _WorkCounter(TorchDispatchMode):
         self.sums: dict[tuple[str, str], list[float]] = {
             (s, p): [0.0, 0.0, 0.0] for s in SEGMENTS for p in ("forward", "backward")
         }
+        self.head_dim = 0
         self.selective = 0.0
         """Bytes of the outputs of blocks' matmuls and attention in forward (what selective checkpointing keeps)."""
 
@@ -232,6 +236,7 @@ class _WorkCounter(TorchDispatchMode):
             )
         if name in _ATTENTION_FORWARD:
             q, k, v = args[:3]
+            self.head_dim = int(q.shape[-1])
             sums[1] += sdpa_flop_count(q.shape, k.shape, v.shape)
         elif name in _ATTENTION_BACKWARD:
             grad_out, q, k, v = args[:4]
@@ -254,9 +259,9 @@ def _moves_data(func, out) -> bool:
     return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
 
 
-def _trace_work(profile: ModelSource, dtype: torch.dtype) -> tuple[dict[tuple[str, str], PassWork], float]:
-    """Work per segment and pass (the block segment: the mean over the traced blocks), and a block's
-    bytes of matmul and attention outputs in forward."""
+def _trace_work(profile: ModelSource, dtype: torch.dtype) -> tuple[dict[tuple[str, str], PassWork], float, int]:
+    """Work per segment and pass (the block segment: the mean over the traced blocks), a block's
+    bytes of matmul and attention outputs in forward, and the attention's head dim."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mod_tracker import ModTracker
 
@@ -270,7 +275,7 @@ def _trace_work(profile: ModelSource, dtype: torch.dtype) -> tuple[dict[tuple[st
         key: PassWork(*(v / len(blocks) for v in values) if key[0] == "block" else values)
         for key, values in counter.sums.items()
     }
-    return work, counter.selective / len(blocks)
+    return work, counter.selective / len(blocks), counter.head_dim
 
 
 def _trace_activations(profile: ModelSource, dtype: torch.dtype) -> ActivationProfile:
@@ -308,3 +313,40 @@ def _trace_activations(profile: ModelSource, dtype: torch.dtype) -> ActivationPr
         block_backward_peak=live(_ModState.PEAK_BW),
         tail_peak=global_peak - (len(blocks) - 1) * saved,  # as if one block had been traced
     )
+
+
+class _ByteCounter(TorchDispatchMode):
+    """Bytes every op reads (its tensor arguments) and writes (arguments it mutates, new outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        values = [*args, *(kwargs.get(a.name) for a in schema.arguments[len(args) :])]
+        for arg, value in zip(schema.arguments, values):
+            size = sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+            self.bytes += size * (2 if arg.alias_info is not None and arg.alias_info.is_write else 1)
+        if not any(r.alias_info is not None for r in schema.returns):
+            self.bytes += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def get_optimizer_bytes_per_element() -> float:
+    """Bytes torch's AdamW (``foreach``, the default on CUDA) reads and writes per float32
+    parameter element in one step, counted op by op on torch's own implementation (a step on a
+    1M-element parameter after a first step that creates the state): 84 on torch 2.13
+    (``_foreach_mul_``, ``_foreach_lerp_``, ``_foreach_mul_``, ``_foreach_addcmul_``,
+    ``_foreach_sqrt``, ``_foreach_div_``, ``_foreach_add_``, ``_foreach_addcdiv_``)."""
+    numel = 1 << 20
+    param = torch.nn.Parameter(torch.zeros(numel))
+    param.grad = torch.ones(numel)
+    optimizer = torch.optim.AdamW([param], foreach=True)
+    optimizer.step()
+    with _ByteCounter() as counter:
+        optimizer.step()
+    return counter.bytes / numel

@@ -1,0 +1,291 @@
+"""GPU calibration: a :class:`~autotune.sim.device_profile.DeviceProfile` from GPU trials' kernels.
+
+[Note: GPU calibration]
+Each trial's kernels are attributed to the parts of its step and to classes
+(:mod:`autotune.sim.kernel_costs`); each rate of [Note: device profile] is then the work the
+simulator counts for that trial (:mod:`autotune.sim.model_work` on fake tensors, in the
+trial's param dtype; FSDP2's copies by the same formulas :mod:`autotune.sim.costs` charges)
+over the device time of the kernels that did it, pooled over the trials given (work summed,
+time summed). Every kernel of the step is counted once:
+
+- GEMM kernels anywhere in the model's forward and backward -> ``gemm_tflops``;
+- attention kernels (forward, backward) -> the attention rates, at the model's head dim;
+- every other kernel launched by a block's forward, a block's backward, or the root's
+  segments (head, tail: the loss's forward and backward run before the root's pre-backward,
+  so the tail is fitted whole) -> ``elementwise_gbps`` for that part;
+- every kernel FSDP2's hooks launch (unshard, pre-backward unshard, post-backward,
+  reduce) -> ``copy_gbps``;
+- every kernel after the last post-backward callback -> ``optimizer_ps_per_element``;
+- device idle, by the part whose launch ended the gap -> ``host_floor_us`` per block
+  forward, per block backward (a block's own hooks with it), per microbatch (the rest) and
+  per step (the optimizer's).
+
+Only trials on one GPU (world 1) with one block per unit calibrate compute; their
+collectives, if any, are not fitted (the cluster's links price collectives).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.sim.costs import ORIG_BYTES, get_padded_numel
+from autotune.sim.device_profile import DeviceProfile
+from autotune.sim.hardware import get_dtype_bytes
+from autotune.sim.kernel_costs import KernelCosts, get_kernel_costs
+from autotune.sim.knobs import resolve_knobs
+from autotune.sim.model_work import ModelWork
+from autotune.sim.trace_costs import CalibrationError
+from fsdp_runtime import ROOT_UNIT, RuntimeConfig, load_config
+
+_MODEL_CLASSES = ("elementwise", "loss", "copy", "memset")
+_HOOK_PREFIXES = ("unshard", "pre_hook", "post_hook", "reduce", "concat", "restore")
+
+
+@dataclass(kw_only=True)
+class GpuTrial:
+    """One finished GPU trial read back for calibration."""
+
+    path: Path
+    config: RuntimeConfig
+    world_size: int
+    step_s: float
+    """Median unprofiled step."""
+    model: str
+    """The model as the trial named it (a profile name, or a path resolved against the trial dir)."""
+    traces: list[Path]
+    device: str
+    torch: str
+
+
+def read_gpu_trial(path: str | Path) -> GpuTrial:
+    """A GPU trial dir (``metrics.json``, ``config.toml``, ``env.json``, traces) as calibration input."""
+    from autotune.trials import TrialMetrics
+
+    path = Path(path)
+    if not (path / "metrics.json").is_file():
+        raise CalibrationError(f"{path}: no metrics.json: not a trial dir (run `autotune trial` on the GPU first)")
+    metrics = TrialMetrics.read(path / "metrics.json")
+    if metrics.status != "ok" or not metrics.step_ms or not metrics.traces:
+        raise CalibrationError(
+            f"{path}: trial status {metrics.status}, {len(metrics.traces)} traces: only a finished, profiled trial calibrates"
+        )
+    env = json.loads((path / "env.json").read_text()) if (path / "env.json").is_file() else {}
+    if not str(env.get("device", "cuda")).startswith("cuda") or metrics.backend != "nccl":
+        raise CalibrationError(
+            f"{path}: a {metrics.backend} trial on {env.get('device', '?')}: GPU calibration reads CUDA kernels"
+        )
+    if metrics.world_size != 1:
+        raise CalibrationError(
+            f"{path}: world size {metrics.world_size}: calibrate compute on a trial of one GPU (`--nproc 1`)"
+        )
+    model = metrics.model
+    if (path / model).is_file():  # a model file named relative to the trial dir
+        model = str(path / model)
+    return GpuTrial(
+        path=path,
+        config=load_config(path / "config.toml"),
+        world_size=metrics.world_size,
+        step_s=metrics.step_ms / 1e3,
+        model=model,
+        traces=[path / t for t in metrics.traces],
+        device=str(env.get("cuda_device_name", "unknown GPU")),
+        torch=str(env.get("torch_version", "unknown")),
+    )
+
+
+def load_kernel_costs(trial: GpuTrial, work: ModelWork) -> KernelCosts:
+    from autotune.analysis import FsdpTraceAnalysis
+
+    if trial.config.units and any(len(u.modules) > 1 for u in trial.config.units):
+        raise CalibrationError(f"{trial.path}: units that group blocks: calibrate on a trial with one block per unit")
+    events = FsdpTraceAnalysis(trial.traces).events
+    if any(e.device != "gpu" for e in events.values()):
+        raise CalibrationError(f"{trial.path}: the traces hold no CUDA kernels")
+    return get_kernel_costs(events, block_names=work.block_names, local=True)
+
+
+@dataclass
+class _Sums:
+    """Work counted and device seconds, pooled over trials."""
+
+    work: dict[str, float]
+    seconds: dict[str, float]
+
+    def add(self, name: str, work: float, seconds: float) -> None:
+        self.work[name] = self.work.get(name, 0.0) + float(work)
+        self.seconds[name] = self.seconds.get(name, 0.0) + float(seconds)
+
+    def rate(self, name: str) -> float:
+        if self.seconds.get(name, 0.0) <= 0 or self.work.get(name, 0.0) <= 0:
+            raise CalibrationError(f"the trials show no {name.replace('_', ' ')} work to fit its rate from")
+        return float(self.work[name] / self.seconds[name])
+
+
+def _add_trial(sums: _Sums, trial: GpuTrial, work: ModelWork, kc: KernelCosts) -> None:
+    m, n = trial.config.num_microbatches, len(work.block_names)
+    w = work.work
+    model_keys = ("block.", "head.", "tail.")
+    gemm_flops = sum(
+        w[s, p].gemm_flops * (n if s == "block" else 1)
+        for s in ("head", "block", "tail")
+        for p in ("forward", "backward")
+    )
+    sums.add("gemm", m * gemm_flops, sum(kc.get(k, ("gemm",)) for k in model_keys))
+    for phase in ("forward", "backward"):
+        sums.add(
+            f"attention_{phase}",
+            m * n * 0.5 * w["block", phase].attention_flops,
+            kc.get("", (f"attention_{phase}",))
+            if False
+            else sum(kc.get(k, (f"attention_{phase}",)) for k in model_keys),
+        )
+        sums.add(
+            f"elementwise_block_{phase}",
+            m * n * w["block", phase].memory_bytes,
+            kc.get(f"block.{phase}", _MODEL_CLASSES),
+        )
+    root_bytes = sum(w[s, p].memory_bytes for s in ("head", "tail") for p in ("forward", "backward"))
+    sums.add("elementwise_root", m * root_bytes, kc.get("head.", _MODEL_CLASSES) + kc.get("tail.", _MODEL_CLASSES))
+    hook_seconds = sum(s for (k, _), s in kc.seconds.items() if k.startswith(_HOOK_PREFIXES))
+    sums.add("copy", _get_copy_bytes(trial, work), hook_seconds)
+    sharded = sum(get_padded_numel(work.param_shapes[u], 1) for u in (*work.block_names, ROOT_UNIT))
+    sums.add("optimizer", sharded, kc.get("optimizer"))
+    idle = kc.idle_by_key
+    block_fwd = sum(
+        v for k, v in idle.items() if k == "block.forward" or k.startswith("unshard") and k.endswith(".block")
+    )
+    block_bwd = sum(
+        v
+        for k, v in idle.items()
+        if k == "block.backward" or k.endswith(".block") and k.startswith(("pre_hook", "post_hook", "reduce"))
+    )
+    step = idle.get("optimizer", 0.0)
+    sums.add("floor_block_forward", m * n, block_fwd)
+    sums.add("floor_block_backward", m * n, block_bwd)
+    sums.add("floor_step", 1, step)
+    sums.add("floor_microbatch", m, sum(idle.values()) - block_fwd - block_bwd - step)
+
+
+def _get_copy_bytes(trial: GpuTrial, work: ModelWork) -> float:
+    """Bytes FSDP2's copies move in one step of ``trial`` on one GPU, as :mod:`autotune.sim.costs`
+    charges them: a cast of each unit's params at every unshard (forward, and backward where the
+    unit resharded after forward), and at every reduce the gradient packed into the reduce dtype
+    plus the post-reduce's read-modify-write of the sharded grad (3 float32 accesses)."""
+    mp = trial.config.mixed_precision
+    pb = get_dtype_bytes(mp.param_dtype or "float32")
+    rb = get_dtype_bytes(mp.reduce_dtype or mp.param_dtype or "float32")
+    knobs = resolve_knobs(trial.config, work.block_names, world_size=1, device="cuda")
+    m = trial.config.num_microbatches
+    total = 0.0
+    for u, unit in enumerate((*work.block_names, ROOT_UNIT)):
+        p = get_padded_numel(work.param_shapes[unit], 1)
+        unshards = m * (2 if knobs.reshard_after_forward[u] is not False else 1)
+        reduces = m if knobs.sync[u] == "every" else 1
+        total += unshards * p * (ORIG_BYTES + pb) + reduces * (p * (pb + rb) + 3 * p * ORIG_BYTES)
+    return total
+
+
+def calibrate_device(
+    trials: list[tuple[GpuTrial, ModelWork]], *, kernel_costs: list[KernelCosts] | None = None
+) -> DeviceProfile:
+    """A device profile from GPU trials and their models' work (see [Note: GPU calibration])."""
+    if not trials:
+        raise CalibrationError("no GPU trial to calibrate from")
+    sums = _Sums({}, {})
+    costs = kernel_costs or [load_kernel_costs(t, w) for t, w in trials]
+    for (trial, work), kc in zip(trials, costs):
+        _add_trial(sums, trial, work, kc)
+    first, work = trials[0]
+    head_dims = {w.attention_head_dim for _, w in trials}
+    if len(head_dims) > 1:
+        raise CalibrationError(
+            f"the trials' models have head dims {sorted(head_dims)}: calibrate attention on one head dim at a time"
+        )
+    return DeviceProfile(
+        device=first.device,
+        torch=first.torch,
+        measured_on=_describe(trials),
+        sources=[str(t.path) for t, _ in trials],
+        gemm_tflops=sums.rate("gemm") / 1e12,
+        attention_forward_tflops=sums.rate("attention_forward") / 1e12,
+        attention_backward_tflops=sums.rate("attention_backward") / 1e12,
+        attention_head_dim=work.attention_head_dim,
+        elementwise_gbps={
+            "block_forward": sums.rate("elementwise_block_forward") / 1e9,
+            "block_backward": sums.rate("elementwise_block_backward") / 1e9,
+            "root": sums.rate("elementwise_root") / 1e9,
+        },
+        copy_gbps=sums.rate("copy") / 1e9,
+        optimizer_ps_per_element=1e12 / sums.rate("optimizer"),
+        host_floor_us={
+            k: 1e6 * sums.seconds[f"floor_{k}"] / sums.work[f"floor_{k}"]
+            for k in ("block_forward", "block_backward", "microbatch", "step")
+        },
+        notes=[
+            f"{t.path}: {len(c.seconds)} (part, class) cells over {c.num_steps} profiled steps; device span {1e3 * c.span_s:.1f} ms, idle {1e3 * c.idle_s:.1f} ms, unprofiled step {1e3 * t.step_s:.1f} ms"
+            for (t, _), c in zip(trials, costs)
+        ],
+    )
+
+
+def _describe(trials: list[tuple[GpuTrial, ModelWork]]) -> dict[str, Any]:
+    trial, work = trials[0]
+    mp = trial.config.mixed_precision
+    return {
+        "model": ", ".join(dict.fromkeys(w.name for _, w in trials)),
+        "tokens_per_microbatch": work.tokens,
+        "num_microbatches": trial.config.num_microbatches,
+        "param_dtype": mp.param_dtype or "float32",
+        "reduce_dtype": mp.reduce_dtype or mp.param_dtype or "float32",
+        "world_size": trial.world_size,
+    }
+
+
+_CLUSTER_FOR_GPU = {"h200": "h200-node", "h100": "h100-node", "a100": "a100-node"}
+
+
+def get_cluster_for(device: str, cluster: str | None) -> str:
+    """The cluster profile whose accelerator a GPU of this name is (``--cluster`` wins)."""
+    if cluster:
+        return cluster
+    for key, name in _CLUSTER_FOR_GPU.items():
+        if key in device.lower():
+            return name
+    raise CalibrationError(
+        f"no cluster profile for a {device}: pass --cluster with a profile (TOML) whose [accelerator] is that GPU",
+        field="cluster",
+    )
+
+
+def calibrate_trials(
+    paths: list[str | Path], *, model: str | None = None, cluster: str | None = None
+) -> tuple[DeviceProfile, list[str]]:
+    """``autotune calibrate``: a device profile from GPU trial dirs, and lines saying how well it
+    reproduces each trial's unprofiled step (the simulator on one GPU of the matching cluster)."""
+    from autotune.sim.hardware import Hardware
+    from autotune.sim.model_work import get_model_work
+    from autotune.sim.predict import Simulator
+    from profiles import load_cluster_profile
+    from profiles.sources import load_model_source
+
+    trials = [read_gpu_trial(p) for p in paths]
+    works = [
+        get_model_work(load_model_source(model or t.model), t.config.mixed_precision.param_dtype or "float32")
+        for t in trials
+    ]
+    costs = [load_kernel_costs(t, w) for t, w in zip(trials, works)]
+    profile = calibrate_device(list(zip(trials, works)), kernel_costs=costs)
+    profile_cluster = load_cluster_profile(get_cluster_for(profile.device, cluster))
+    lines = []
+    for trial, work in zip(trials, works):
+        predicted = (
+            Simulator(work, Hardware(profile_cluster, num_ranks=1, device=profile)).simulate(trial.config).step_s
+        )
+        lines.append(
+            f"{trial.path}: predicted {1e3 * predicted:.1f} ms/step with this profile, measured {1e3 * trial.step_s:.1f} ms "
+            f"({100 * (predicted / trial.step_s - 1):+.1f}%)"
+        )
+    return profile.replace(notes=[*profile.notes, *lines]), lines
