@@ -144,9 +144,14 @@ def _get_compute_costs(work: ModelWork, hardware: Hardware, counts: list[int], k
     """Model compute per unit (its blocks' forward, backward and checkpointing's recompute; the root's
     tail) and the root's head (embeddings), per microbatch."""
     seg = _get_segment_seconds(work, hardware)
-    recompute = {"none": 0.0, "full": seg["block.forward"], "selective": seg["block.forward.memory"]}
-    # the host's launch floor per block pass (GPU; 0 on CPU, whose measured segments hold their host time)
+    # the host's launch floor per block pass (GPU; 0 on CPU, whose measured segments hold their host time);
+    # a recomputed forward launches its kernels again
     fwd_floor, bwd_floor = hardware.get_host_floor_s("block_forward"), hardware.get_host_floor_s("block_backward")
+    recompute = {
+        "none": 0.0,
+        "full": seg["block.forward"] + fwd_floor,
+        "selective": seg["block.forward.memory"] + fwd_floor,
+    }
     return {
         "forward_s": [c * (seg["block.forward"] + fwd_floor) for c in counts] + [seg["tail.forward"]],
         "backward_s": [c * (seg["block.backward"] + recompute[k] + bwd_floor) for c, k in zip(counts, kinds)]

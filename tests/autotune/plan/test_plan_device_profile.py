@@ -1,0 +1,80 @@
+"""``autotune calibrate`` writes a device profile from a GPU trial; ``autotune plan --device-profile`` prices with it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from autotune.plan import PlanSettings, run_plan
+from autotune.sim import DeviceProfile
+from fsdp_runtime import load_config
+from tests._gpu_traces import L8B4, get_gpu_trial
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "import cli; cli.main()", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_calibrate_then_plan_with_the_measured_profile(tmp_path):
+    trial = get_gpu_trial(L8B4)
+    done = _cli("calibrate", str(trial), "--out", str(tmp_path / "h200.toml"))
+    assert done.returncode == 0, done.stderr
+    assert "NVIDIA H200: GEMM 791 TFLOP/s" in done.stdout and "measured 377.3 ms (-1.3%)" in done.stdout
+    profile = DeviceProfile.read(tmp_path / "h200.toml")
+    assert profile.measured_on["model"] == "l8b4" and profile.torch.startswith("2.11")
+
+    settings = dict(model="tiny", cluster="h200-node", num_nodes=1, num_workers=1, memory_knobs=False)
+    lines: list[str] = []
+
+    class Reporter:
+        def on_phase(self, message: str) -> None:
+            lines.append(message)
+
+        def on_start(self, total: int) -> None: ...
+
+        def on_advance(self, count: int) -> None: ...
+
+    measured = run_plan(
+        PlanSettings(**settings, out_dir=tmp_path / "m", device_profile=tmp_path / "h200.toml"), reporter=Reporter()
+    )
+    datasheet = run_plan(PlanSettings(**settings, out_dir=tmp_path / "d"))
+    assert any(line.startswith("prices measured on NVIDIA H200") for line in lines)
+    assert any("datasheet: collectives" in line for line in lines)
+    # Measured rates are slower than the datasheet's (eager elementwise kernels, copies): a longer step.
+    assert measured.default.prediction.step_s > datasheet.default.prediction.step_s
+    notes = load_config(tmp_path / "m" / "best.toml").provenance.notes
+    assert any(note.startswith("prices measured on NVIDIA H200") for note in notes)
+
+
+def test_a_device_profile_of_another_gpu_or_precision_is_refused_in_one_line(tmp_path):
+    trial = get_gpu_trial(L8B4)
+    assert _cli("calibrate", str(trial), "--out", str(tmp_path / "h200.toml")).returncode == 0
+    for args, message in (
+        (("--cluster", "h100-node"), "error: --device-profile: device profile"),
+        (("--cluster", "h200-node", "--param-dtype", "float32"), "error: --device-profile: device profile"),
+    ):
+        done = _cli(
+            "plan",
+            "--model",
+            "tiny",
+            *args,
+            "--device-profile",
+            str(tmp_path / "h200.toml"),
+            "--out",
+            str(tmp_path / "o"),
+        )
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(message) and len(done.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "o").exists()
+    done = _cli("calibrate", str(tmp_path), "--out", str(tmp_path / "x.toml"))
+    assert done.returncode == 2 and "not a trial dir" in done.stderr and not (tmp_path / "x.toml").exists()
