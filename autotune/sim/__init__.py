@@ -16,6 +16,7 @@ and torch; calibration reads trial dirs through ``autotune.trials`` and ``autotu
 
 from autotune.sim.calibrate import CalibrationError, CalibrationTrial, calibrate, read_calibration_trial
 from autotune.sim.hardware import Hardware, SimError
+from autotune.sim.kernel_costs import KernelCosts, get_kernel_costs
 from autotune.sim.knobs import Knobs, resolve_knobs
 from autotune.sim.measured import CollectiveFit, MeasuredProfile
 from autotune.sim.model_work import ModelWork, get_model_work
@@ -26,6 +27,7 @@ __all__ = [
     "CalibrationTrial",
     "CollectiveFit",
     "Hardware",
+    "KernelCosts",
     "Knobs",
     "MeasuredProfile",
     "ModelWork",
@@ -34,6 +36,7 @@ __all__ = [
     "StepPrediction",
     "UnitPrediction",
     "calibrate",
+    "get_kernel_costs",
     "get_model_work",
     "read_calibration_trial",
     "resolve_knobs",
