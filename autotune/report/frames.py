@@ -7,7 +7,8 @@ from typing import Any
 
 import pandas as pd
 
-from autotune.report.model import Report, TrialSummary
+from autotune.report.attribution import CLASS_TITLES, PARTS, StepAttribution
+from autotune.report.model import Report, ReportTable, TrialSummary
 
 LANE_COLORS = {
     "compute": "#4c78a8",
@@ -19,6 +20,19 @@ LANE_COLORS = {
     "exposed": "#e45756",
 }
 """One color per timeline lane; ``exposed`` (communication while not computing) stands out in red."""
+CLASS_COLORS = {
+    "gemm": "#4c78a8",
+    "attention_forward": "#72b7b2",
+    "attention_backward": "#54a24b",
+    "elementwise": "#eeca3b",
+    "loss": "#b279a2",
+    "copy": "#f58518",
+    "memset": "#ff9da6",
+    "optimizer": "#9d755d",
+    "communication": "#e45756",
+    "idle": "#bab0ac",
+}
+"""One color per kernel class (``autotune.analysis.KERNEL_CLASSES``) and for idle device time."""
 
 
 @dataclass(kw_only=True)
@@ -33,6 +47,8 @@ class FigureSection:
     """Figure name -> why it is not there."""
     lines: list[str] = field(default_factory=list)
     """One-line notes shown under the title."""
+    tables: list[ReportTable] = field(default_factory=list)
+    """Tables shown after the figures."""
 
 
 def get_lanes(timeline: pd.DataFrame) -> pd.DataFrame:
@@ -88,3 +104,21 @@ def get_unit_compare_frame(best: TrialSummary, default: TrialSummary | None) -> 
     )
     order = list(dict.fromkeys([*frames["best"]["unit"], *frames["defaults"]["unit"]]))
     return merged.set_index("unit").loc[order].reset_index() if order else merged
+
+
+def get_attribution_frame(attribution: StepAttribution) -> pd.DataFrame:
+    """One row per (part of the step, kernel class) that ran, then one for idle, in the tables' order:
+    ``part`` and ``cls`` (keys), ``part_title``, ``class_title``, ``ms`` per step, ``share`` of the span."""
+    by_part_class = attribution.by_part_class()
+    rows = [
+        {"part": part, "cls": cls, "ms": by_part_class[part, cls]}
+        for part in PARTS
+        for cls in CLASS_TITLES
+        if by_part_class.get((part, cls), 0.0) > 0
+    ]
+    rows.append({"part": "idle", "cls": "idle", "ms": attribution.idle_ms})
+    frame = pd.DataFrame(rows, columns=["part", "cls", "ms"])
+    frame["part_title"] = [PARTS.get(p, "idle") for p in frame["part"]]
+    frame["class_title"] = [CLASS_TITLES.get(c, "idle") for c in frame["cls"]]
+    frame["share"] = frame["ms"] / attribution.span_ms if attribution.span_ms > 0 else 0.0
+    return frame

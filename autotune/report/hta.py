@@ -16,6 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from autotune.report.frames import FigureSection
+from autotune.report.gpu_step import add_attribution
 from autotune.report.model import TrialSummary, TrialTraces
 
 HTA_FIGURES = {
@@ -100,7 +101,8 @@ def get_idle_figure(results: dict[str, dict[str, pd.DataFrame]]) -> go.Figure:
 
 def get_hta_section(compared: dict[str, tuple[TrialSummary, TrialTraces]]) -> FigureSection:
     """The HTA part of a search report for best and defaults (``compared`` from
-    :func:`autotune.report.compare.get_compared_traces`)."""
+    :func:`autotune.report.compare.get_compared_traces`), with each GPU trial's step attribution
+    beside HTA's figures (:mod:`autotune.report.gpu_step`)."""
     section = FigureSection(title="HTA analyses (GPU traces)")
     gpu = {label: traces for label, (_, traces) in compared.items() if traces.device == "gpu"}
     if not gpu:
@@ -114,6 +116,14 @@ def get_hta_section(compared: dict[str, tuple[TrialSummary, TrialTraces]]) -> Fi
             )
             section.absent = dict.fromkeys(HTA_FIGURES, f"no traces HTA could read ({reasons})")
         return section
+    section.title = "HTA analyses and the GPU step attribution (GPU traces)"
+    _add_hta(section, gpu)
+    add_attribution(section, {label: traces.attribution for label, traces in gpu.items()})
+    return section
+
+
+def _add_hta(section: FigureSection, gpu: dict[str, TrialTraces]) -> None:
+    """HTA's three figures of each GPU trial's traces, or one line per trial HTA failed on."""
     results: dict[str, Any] = {}
     for label, traces in gpu.items():
         try:
@@ -123,8 +133,8 @@ def get_hta_section(compared: dict[str, tuple[TrialSummary, TrialTraces]]) -> Fi
                 f"HTA failed on {label}'s traces: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             )
     if not results:
-        section.absent = dict.fromkeys(HTA_FIGURES, "HTA could not analyse the traces (see above)")
-        return section
+        section.absent.update(dict.fromkeys(HTA_FIGURES, "HTA could not analyse the traces (see above)"))
+        return
     section.lines += [
         f"{label}: HTA read {len(gpu[label].paths)} traces in {gpu[label].paths[0].parent}" for label in results
     ]
@@ -134,4 +144,3 @@ def get_hta_section(compared: dict[str, tuple[TrialSummary, TrialTraces]]) -> Fi
         ("hta_idle", get_idle_figure),
     ):
         section.figures[name] = draw(results)
-    return section

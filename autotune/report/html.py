@@ -18,6 +18,7 @@ from autotune.report.frames import (
     get_trials_frame,
     get_unit_frame,
 )
+from autotune.report.gpu_step import GPU_FIGURES, get_gpu_step_section
 from autotune.report.hta import HTA_FIGURES, get_hta_section
 from autotune.report.model import Report, ReportTable
 from autotune.report.study import OPTUNA_FIGURES, get_study_section
@@ -153,7 +154,7 @@ def get_search_sections(report: Report) -> list[FigureSection]:
     return [get_compare_section(report, compared), get_study_section(report), trials, get_hta_section(compared)]
 
 
-_DESCRIPTIONS = {**COMPARE_FIGURES, **OPTUNA_FIGURES, **HTA_FIGURES}
+_DESCRIPTIONS = {**COMPARE_FIGURES, **OPTUNA_FIGURES, **HTA_FIGURES, **GPU_FIGURES}
 
 
 class _Page:
@@ -179,6 +180,7 @@ class _Page:
             self.parts.append(
                 f"<p class='absent' data-absent='{name}'>No {html.escape(what)} figure: {html.escape(reason)}</p>"
             )
+        self.parts += [_table_html(table) for table in section.tables]
 
 
 def write_html(report: Report, path: Path) -> Path:
@@ -196,6 +198,9 @@ def write_html(report: Report, path: Path) -> Path:
     else:
         for name, fig in get_figures(report).items():
             page.add_figure(name, fig)
+        gpu = get_gpu_step_section(report)  # GPU trials only: a CPU trial's page is as it was
+        if gpu is not None:
+            page.add_section(gpu)
     if report.timeline_error:
         page.parts.append(f"<p>Timeline unavailable: {html.escape(report.timeline_error)}</p>")
     if report.kind == "trial" and report.trace_paths:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from autotune.analysis import FsdpTraceAnalysis, TraceError
 from autotune.artifacts import ArtifactError
+from autotune.report.attribution import get_step_attribution
 from autotune.report.model import TRACE_GLOB, Comparison, Report, ReportError, TrialSummary, TrialTraces
 from autotune.search import SearchRecord, TrialRow, pick_best, read_results
 from autotune.trials import INCOMPLETE_MARKER, TrialMetrics
@@ -95,6 +96,7 @@ def load_trial(trial_dir: Path, *, analyze_traces: bool = True, feasible: bool =
             metrics.trace_metrics,
             metrics.analysis_error,
         )
+        trial.shard_size = get_shard_size(metrics)
     traces = find_traces(trial_dir)
     if trial.trace_metrics is None and traces and analyze_traces:
         try:
@@ -102,6 +104,12 @@ def load_trial(trial_dir: Path, *, analyze_traces: bool = True, feasible: bool =
         except TraceError as e:
             trial.analysis_error = str(e)
     return trial
+
+
+def get_shard_size(metrics: TrialMetrics) -> int:
+    """Ranks per shard group of a trial: its mesh's ``shard``, else its world size over ``replicate``."""
+    mesh = metrics.mesh or {}
+    return int(mesh.get("shard") or max(metrics.world_size // max(int(mesh.get("replicate") or 1), 1), 1))
 
 
 def _read_search(root: Path) -> SearchRecord | None:
@@ -197,13 +205,19 @@ def get_comparison(
 
 
 def load_trial_traces(trial: TrialSummary) -> TrialTraces:
-    """A trial's traces read once: their timeline and device, or the one-line reason they cannot be."""
+    """A trial's traces read once: their timeline, device and (GPU) step attribution, or the one-line
+    reason they cannot be read."""
     paths = find_traces(trial.path)
     if not paths:
         return TrialTraces(error=f"no traces in {trial.path}")
     try:
         analysis = FsdpTraceAnalysis(paths)
-        return TrialTraces(paths=paths, device=analysis.device, timeline=analysis.get_timeline())
+        return TrialTraces(
+            paths=paths,
+            device=analysis.device,
+            timeline=analysis.get_timeline(),
+            attribution=get_step_attribution(analysis, shard_size=trial.shard_size),
+        )
     except TraceError as e:
         return TrialTraces(paths=paths, error=str(e))
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import pandas as pd
 
 from autotune.analysis import FsdpTraceAnalysis, TraceError
+from autotune.report.attribution import StepAttribution, get_step_attribution
 from autotune.search import SearchRecord, TrialRow
 from autotune.trials import TrialFigures
 from fsdp_runtime.errors import AutotuneError
@@ -51,6 +52,8 @@ class TrialSummary(TrialFigures):
     trace_metrics: dict[str, Any] | None = None
     """``autotune.analysis.summarize_traces`` output (from metrics.json, else from the traces)."""
     analysis_error: str | None = None
+    shard_size: int | None = None
+    """Ranks per shard group (``metrics.json``'s mesh and world size); None without ``metrics.json``."""
 
     @property
     def trace_scale(self) -> dict[int, float] | None:
@@ -218,6 +221,8 @@ class TrialTraces:
     paths: list[Path] = field(default_factory=list)
     device: str | None = None
     timeline: pd.DataFrame | None = None
+    attribution: StepAttribution | None = None
+    """GPU traces: where the step's device time goes ([Note: GPU step attribution]); None on CPU."""
     error: str | None = None
 
 
@@ -241,17 +246,38 @@ class Report:
     """The study in :attr:`storage` (None: the only study there)."""
     timeline_error: str | None = None
     """Why the timeline could not be built (an unusable trace), once :attr:`timeline` was asked for."""
+    _analysis: FsdpTraceAnalysis | None = field(default=None, repr=False)
     _timeline: pd.DataFrame | None = field(default=None, repr=False)
+    _attribution: StepAttribution | None = field(default=None, repr=False)
+
+    @property
+    def analysis(self) -> FsdpTraceAnalysis | None:
+        """A trial report's traces, parsed once on first use (the timeline and the attribution read
+        them); None without traces or when they are unusable (:attr:`timeline_error` says why)."""
+        if self._analysis is None and self.trace_paths and self.timeline_error is None:
+            try:
+                self._analysis = FsdpTraceAnalysis(self.trace_paths)
+            except TraceError as e:
+                self.timeline_error = str(e)
+        return self._analysis
 
     @property
     def timeline(self) -> pd.DataFrame | None:
         """``FsdpTraceAnalysis.get_timeline()`` of a trial's traces (read on first use), else None."""
-        if self._timeline is None and self.trace_paths and self.timeline_error is None:
+        if self._timeline is None and self.timeline_error is None and self.analysis is not None:
             try:
-                self._timeline = FsdpTraceAnalysis(self.trace_paths).get_timeline()
+                self._timeline = self.analysis.get_timeline()
             except TraceError as e:
                 self.timeline_error = str(e)
         return self._timeline
+
+    @property
+    def attribution(self) -> StepAttribution | None:
+        """A GPU trial's device time per step by kernel class and part ([Note: GPU step attribution]),
+        computed on first use; None for a search report, a CPU trial or unusable traces."""
+        if self._attribution is None and self.kind == "trial" and self.analysis is not None:
+            self._attribution = get_step_attribution(self.analysis, shard_size=self.trials[0].shard_size)
+        return self._attribution
 
     def to_json(self) -> dict[str, Any]:
         """The report's summary as JSON-able data (what ``autotune report --json`` prints)."""

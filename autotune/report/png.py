@@ -5,7 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotune.report.frames import LANE_COLORS, get_lanes, get_step_frame, get_trials_frame, get_unit_frame
+from autotune.report.frames import (
+    CLASS_COLORS,
+    LANE_COLORS,
+    get_attribution_frame,
+    get_lanes,
+    get_step_frame,
+    get_trials_frame,
+    get_unit_frame,
+)
 from autotune.report.model import Report
 
 if TYPE_CHECKING:
@@ -95,12 +103,36 @@ def plot_trials(report: Report) -> Figure | None:
     return fig
 
 
+def plot_gpu_step(report: Report) -> Figure | None:
+    """A GPU trial's device ms per step: a bar per part of the step, stacked by kernel class."""
+    attribution = report.attribution if report.kind == "trial" else None
+    if attribution is None or attribution.error:
+        return None
+    frame = get_attribution_frame(attribution)
+    parts = list(dict.fromkeys(frame["part_title"]))
+    fig = _new_figure(9, 4)
+    ax = fig.subplots()
+    bottom = dict.fromkeys(parts, 0.0)
+    for cls in [c for c in CLASS_COLORS if c in set(frame["cls"])]:
+        rows = frame[frame["cls"] == cls]
+        heights = dict(zip(rows["part_title"], rows["ms"]))
+        values = [heights.get(p, 0.0) for p in parts]
+        ax.bar(
+            parts, values, bottom=[bottom[p] for p in parts], color=CLASS_COLORS[cls], label=rows["class_title"].iloc[0]
+        )
+        bottom = {p: bottom[p] + v for p, v in zip(parts, values)}
+    ax.set(title="GPU step: device time by part and kernel class", ylabel="ms per step")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
 def write_pngs(report: Report, out_dir: Path) -> list[Path]:
-    """One PNG per plot (``timeline``/``units``/``steps``, or ``trials`` for a search)."""
+    """One PNG per plot (``timeline``/``units``/``steps`` and on GPU ``gpu_step``, or ``trials`` for a search)."""
     plots = (
         {"trials": plot_trials}
         if report.kind == "search"
-        else {"timeline": plot_timeline, "units": plot_units, "steps": plot_steps}
+        else {"timeline": plot_timeline, "units": plot_units, "steps": plot_steps, "gpu_step": plot_gpu_step}
     )
     written = []
     for name, plot in plots.items():

@@ -420,7 +420,15 @@ def test_gpu_traces_get_hta_analyses(tmp_path):
     assert (
         "compare_units" in compare.absent and "compare_timelines" in compare.figures
     )  # HTA's traces have no FSDP units
-    assert list(hta.figures) == ["hta_temporal", "hta_kernels", "hta_idle"] and CPU_TRACES_LINE not in hta.lines
+    assert list(hta.figures) == ["hta_temporal", "hta_kernels", "hta_idle", "gpu_attribution"]
+    assert CPU_TRACES_LINE not in hta.lines and hta.title.startswith("HTA analyses and the GPU step attribution")
+    # beside HTA's figures, each trial's GPU step attribution: no FSDP2 labels in HTA's traces, so every
+    # kernel is "other"; NCCL kernels run under compute, so the classes add up to more than the busy time
+    assert [t.title.split(":")[0] for t in hta.tables] == ["best", "best", "best", "defaults", "defaults", "defaults"]
+    by_part = hta.tables[1]
+    assert {row[0]: row[1] for row in by_part.rows}["model forward"] == "0.00"
+    assert any(row[0].startswith("kernels running at once") for row in hta.tables[0].rows)
+    assert any(line.startswith("best: trial 2 (emitted): GPU step attribution") for line in hta.lines)
     temporal = hta.figures["hta_temporal"]
     bars = {(t.name, who, rank): y for t in temporal.data for who, rank, y in zip(t.x[0], t.x[1], t.y)}
     for who in ("best: trial 2 (emitted)", "defaults: trial 0"):
