@@ -56,8 +56,54 @@ WORKLOADS = {
         "batch_size": 1,
     },
 }
+# Added for issue 30 (the simulator far from its calibration points): ``wide4``, the kind of workload
+# that issue saw mispriced (wide, shallow, batch 1; run it with --microbatches 4 --grouping --ladder),
+# and ``deep``, held out: never run while the pricing was changed, only to check it afterwards.
+WORKLOADS["wide4"] = {**WORKLOADS["wide"], "num_layers": 4}
+WORKLOADS["deep"] = {
+    "name": "small",
+    "dim": 256,
+    "num_layers": 8,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "ffn_hidden_dim": 768,
+    "seq_len": 48,
+    "batch_size": 2,
+}
 SETTINGS = {"raw": (2, None), "emulated": (2, "cpu-emulated-ib"), "2x2": (4, "cpu-emulated-ib")}
 NUM_MICROBATCHES = 2
+
+
+def get_ladder(space: SearchSpace) -> list[dict]:
+    """The defaults, then one knob at a time towards a config far from the calibration points
+    (replicated, no gradient sync on any block, every block in one unit) and their combinations:
+    which part of the pricing breaks away shows as the rung where predicted and measured part."""
+    world = space.world_size
+    replicate = {"mesh": f"hsdp:{world}x1"}
+    nosync = {"nosync_blocks": "all", "nosync_level": "last", "keep_unsharded": False, "defer_concat": True}
+    group = {"blocks_per_unit": max(b for b in (1, 2, 4) if b <= len(space.block_names))}
+    defaults = space.get_default_params()
+
+    def rung(*changes: dict) -> dict:
+        params = dict(defaults)
+        for change in changes:
+            params.update(change)
+        if "hsdp" in params["mesh"]:  # a shard group of one: reshard choices of shard 1, the fsdp-suffixed sync level
+            params.pop("reshard_after_forward", None)
+            params[space._get_reshard_key(1)] = "true"
+        return params
+
+    return [
+        defaults,
+        rung(replicate),
+        rung(nosync),
+        rung(group),
+        rung(nosync, {"keep_unsharded": True}),
+        rung(replicate, nosync),
+        rung(nosync, group),
+        rung(replicate, group),
+        rung(replicate, nosync, group),
+    ]
 
 
 def _spec(model, config, world, out, *, cluster, steps, warmup, profile, reference=None):
@@ -105,7 +151,11 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
     source = load_model_source(model)
     work = get_model_work(source, "float32")
     space = SearchSpace(
-        block_names=work.block_names, world_size=world, num_microbatches=NUM_MICROBATCHES, device_type="cpu"
+        block_names=work.block_names,
+        world_size=world,
+        num_microbatches=args.microbatches,
+        device_type="cpu",
+        grouping=args.grouping,
     )
     defaults = space.get_default_params()
     started = time.monotonic()
@@ -174,8 +224,13 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         hardware = Hardware(load_cluster_profile(cluster or "cpu-gloo"), num_ranks=world, measured=profile)
         simulator = Simulator(work, hardware)
         points = list(iter_space_params(space))
-        sample = [defaults] + random.Random(args.seed).sample(
-            [p for p in points if p != defaults], min(args.configs - 1, len(points) - 1)
+        sample = (
+            get_ladder(space)
+            if args.ladder
+            else [defaults]
+            + random.Random(args.seed).sample(
+                [p for p in points if p != defaults], min(args.configs - 1, len(points) - 1)
+            )
         )
         ranked = rank_space(space, simulator, world_size=world, device="cpu") if setting == "2x2" else []
         if ranked and ranked[0].params not in sample:
@@ -444,6 +499,13 @@ def main() -> None:
         help="measured pairs of the calibration trials paired with the defaults",
     )
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, default=NUM_MICROBATCHES)
+    parser.add_argument("--grouping", action="store_true", help="search blocks per unit too (schema-2 grouping)")
+    parser.add_argument(
+        "--ladder",
+        action="store_true",
+        help="measure get_ladder's configs (one knob at a time towards replicated + no sync + grouped) instead of a sample",
+    )
     parser.add_argument(
         "--fit-sync",
         action="store_true",
