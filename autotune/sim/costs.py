@@ -64,6 +64,10 @@ class MeshCosts:
     optimizer_s: float
     microbatch_s: float = 0.0
     """Host work per microbatch outside the model and FSDP2's hooks (measured profiles)."""
+    accumulate_s: list[float] = field(default_factory=list)
+    """Autograd adding a microbatch's unsharded grad into the one a non-sync microbatch left on the
+    parameter (same dtypes, deferred concat: ``AccumulateGrad``'s in-place add reads both, writes one);
+    the anchor of a calibration, which reduces every microbatch, never shows it. Empty: free."""
     pre_hook_s: list[float] | None = None
     """A pre-forward/backward hook that finds its unit unsharded (measured profiles; None: free)."""
     post_hook_s: list[float] | None = None
@@ -227,6 +231,7 @@ def _get_copy_and_hook_costs(
         # cat (read + write) and flat += (2 reads + write)
         "concat_s": optional("concat", [mem(5 * p * rb) for p in padded]),
         "restore_s": optional("restore", [mem(3 * p * rb) for p in padded]),
+        "accumulate_s": [mem(3 * p * pb) for p in padded],
         "pre_hook_s": hooks("pre_hook", None),
         "post_hook_s": hooks("post_hook", None),
     }

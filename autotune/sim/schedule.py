@@ -308,10 +308,12 @@ class StepSchedule:
         """A unit's backward; ``share`` of its parameters get their gradients here (the root's
         tail first, its head at the end)."""
         self.t.compute(self.c.backward_s[u])
-        if self.grad_bytes[u] < share * self.unsharded_bytes[u]:  # else autograd accumulates in place
+        if self.grad_bytes[u] < share * self.unsharded_bytes[u]:
             grown = share * self.unsharded_bytes[u] - self.grad_bytes[u]
             self.grad_bytes[u] += grown
             self.mem.live[GRADS] += grown
+        elif self.c.accumulate_s:  # autograd accumulates into the grad a non-sync microbatch left
+            self.t.compute(share * self.c.accumulate_s[u])
         self.mem.checkpoint(activations)
 
     def _drop_grad(self, u: int) -> None:

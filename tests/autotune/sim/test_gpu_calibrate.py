@@ -149,3 +149,17 @@ def test_only_a_finished_one_gpu_trial_calibrates(tmp_path):
             read_gpu_trial(trial)
     with pytest.raises(CalibrationError, match="not a trial dir"):
         read_gpu_trial(tmp_path)
+
+
+def test_the_v1_profile_file_still_reads_and_prices():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "data" / "artifacts" / "device_profile_v1.toml"
+    profile = DeviceProfile.read(path)
+    assert profile.device == "NVIDIA H200" and profile.measured_on["param_dtype"] == "bfloat16"
+    hardware = Hardware(H200, num_ranks=1, device=profile)
+    assert hardware.get_gemm_flops_per_s("bfloat16") == pytest.approx(profile.gemm_tflops * 1e12)
+    assert hardware.get_optimizer_seconds(1e9) == pytest.approx(profile.optimizer_ps_per_element * 1e-3)
+    assert hardware.get_host_floor_s("step") == pytest.approx(profile.host_floor_us["step"] * 1e-6)
+    assert hardware.get_memory_seconds(1e9) == pytest.approx(1 / profile.copy_gbps)
+    assert any(line.startswith("prices measured on NVIDIA H200") for line in hardware.describe_prices())
