@@ -2,7 +2,8 @@
 
 Modules in data-flow order: :mod:`~autotune.sim.model_work` (the model's FLOPs, bytes and
 activation memory per microbatch, traced on fake tensors) -> :mod:`~autotune.sim.hardware`
-(a cluster profile's prices: [Note: collective cost model]) -> :mod:`~autotune.sim.costs`
+(a cluster profile's prices: [Note: collective cost model]; :mod:`~autotune.sim.margin`, how far
+below its usable memory a predicted peak is safe: [Note: memory margin]) -> :mod:`~autotune.sim.costs`
 (per-unit durations and sizes under one mesh) -> :mod:`~autotune.sim.knobs` (a runtime
 config indexed by unit) -> :mod:`~autotune.sim.timeline` (streams, links, host, memory
 ledger) -> :mod:`~autotune.sim.schedule` ([Note: FSDP2 step schedule]) ->
@@ -10,18 +11,32 @@ ledger) -> :mod:`~autotune.sim.schedule` ([Note: FSDP2 step schedule]) ->
 :mod:`~autotune.sim.calibrate` fits a :class:`MeasuredProfile` (:mod:`~autotune.sim.measured`)
 from trials' traces ([Note: calibration]) that prices the same schedule in place of a GPU
 profile's datasheet figures. The simulator itself imports only ``fsdp_runtime``, ``profiles``
-and torch; calibration reads trial dirs through ``autotune.trials`` and ``autotune.analysis``
+and torch; calibration (and ``compare_trial_peak``, the margin's check against a GPU trial) reads trial dirs through ``autotune.trials`` and ``autotune.analysis``
 (upstream stages). The search stage may import this one, never the reverse.
 """
 
 from autotune.sim.calibrate import CalibrationError, CalibrationTrial, calibrate, read_calibration_trial
 from autotune.sim.hardware import Hardware, SimError
 from autotune.sim.knobs import Knobs, resolve_knobs
+from autotune.sim.margin import (
+    ALLOCATOR_FRAGMENTATION,
+    SIMULATOR_MEMORY_ERROR,
+    MarginPart,
+    MemoryMargin,
+    PeakComparison,
+    compare_trial_peak,
+)
 from autotune.sim.measured import CollectiveFit, MeasuredProfile
 from autotune.sim.model_work import ModelWork, get_model_work
 from autotune.sim.predict import Simulator, StepPrediction, UnitPrediction, simulate
 
 __all__ = [
+    "ALLOCATOR_FRAGMENTATION",
+    "SIMULATOR_MEMORY_ERROR",
+    "MarginPart",
+    "MemoryMargin",
+    "PeakComparison",
+    "compare_trial_peak",
     "CalibrationError",
     "CalibrationTrial",
     "CollectiveFit",
