@@ -95,7 +95,9 @@ Times are interval unions: overlapping events are counted once.
 - ``profiler_peak_allocated_bytes``: the largest ``Total Allocated`` of the profiler's ``[memory]``
   events in the step (device events when there are any, else CPU). On CPU the profiler
   counts only what it saw allocated while it recorded: treat it as a profiled-window
-  figure, not the process peak.
+  figure, not the process peak. ``FsdpTraceAnalysis.get_allocator_peaks`` reads ``Total Reserved``
+  beside it at the allocation peak (the caching allocator's fragmentation), where the trace was
+  recorded with ``profile_memory=True`` (trials record without: their traces have no such events).
 - Per FSDP unit: a collective belongs to the unit of the innermost ``FSDP::`` label
   around its issue point on the training thread. Labels name the unit's module FQN
   (``FSDP::pre_forward (layers.0)``, ``FSDP::backward_prefetch for layers.1``); the

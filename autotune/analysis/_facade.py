@@ -11,7 +11,7 @@ from autotune.analysis._errors import TraceError
 from autotune.analysis._events import RankEvents, classify_events
 from autotune.analysis._hta_overlap import HtaOverlapAnalyzer
 from autotune.analysis._load import RankTrace, load_trace
-from autotune.analysis._step_analysis import WINDOW_COLUMNS, StepAnalyzer
+from autotune.analysis._step_analysis import ALLOCATOR_COLUMNS, WINDOW_COLUMNS, StepAnalyzer, get_allocator_peak
 from autotune.analysis._summary import build_summary
 from autotune.analysis._timeline_analysis import TimelineAnalyzer
 from autotune.analysis._unit_analysis import UnitAnalyzer
@@ -78,6 +78,14 @@ class FsdpTraceAnalysis:
         ``comm_ms`` and ``exposed_comm_ms`` of the union of every step's collectives, and
         ``overlap_ratio_time_weighted`` (HTA's ``comp_comm_overlap_ratio``)."""
         return pd.DataFrame([StepAnalyzer.get_window_metrics(e) for e in self.events.values()], columns=WINDOW_COLUMNS)
+
+    def get_allocator_peaks(self) -> pd.DataFrame:
+        """One row per rank whose trace has ``[memory]`` events with ``Total Reserved`` (recorded with
+        ``profile_memory=True``); columns ``_step_analysis.ALLOCATOR_COLUMNS``: at the largest ``Total
+        Allocated``, what the caching allocator reserved, and ``fragmentation`` = reserved / allocated - 1."""
+        peaks = {rank: get_allocator_peak(e.memory) for rank, e in self.events.items()}
+        rows = [(rank, a, r, r / a - 1 if a else None) for rank, peak in peaks.items() if peak for a, r in (peak,)]
+        return pd.DataFrame(rows, columns=ALLOCATOR_COLUMNS)
 
     def get_timeline(self) -> pd.DataFrame:
         """Merged compute / per-kind comm / exposed intervals per (rank, step), ms from each rank's first step."""

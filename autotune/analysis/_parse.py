@@ -37,7 +37,8 @@ import pandas as pd
 from autotune.analysis._errors import TraceError
 
 EVENT_COLUMNS = ["name", "cat", "pid", "tid", "ts", "dur", "end", "correlation"]
-MEMORY_COLUMNS = ["ts", "total_allocated", "device_type"]
+MEMORY_COLUMNS = ["ts", "total_allocated", "total_reserved", "device_type"]
+"""``total_reserved`` (what the caching allocator held, ``Total Reserved``) is NaN where an event lacks it."""
 CHUNK_BYTES = 1 << 20
 """Size of the JSON slice parsed at once (its events take ~10x that as Python objects)."""
 _READ_BYTES = 4 << 20
@@ -246,7 +247,7 @@ class EventColumns:
         self.path = path
         self._lookups: dict[str, defaultdict[Any, int]] = {c: defaultdict(count().__next__) for c in _CODED}
         self._parts: dict[str, list[np.ndarray]] = {c: [] for c in (*_CODED, "ts", "dur", "correlation")}
-        self._memory: list[tuple[float, float, int]] = []
+        self._memory: list[tuple[float, float, float, int]] = []
         self.thread_names: dict[tuple[Any, Any], str] = {}
 
     def add(self, events: list[Any]) -> None:
@@ -276,7 +277,10 @@ class EventColumns:
                 continue
             args = e.get("args") or _EMPTY
             if e["ph"] == "i" and e.get("name") == "[memory]" and "Total Allocated" in args:
-                self._memory.append((float(e["ts"]), float(args["Total Allocated"]), int(args.get("Device Type", 0))))
+                reserved = float(args.get("Total Reserved", "nan"))
+                self._memory.append(
+                    (float(e["ts"]), float(args["Total Allocated"]), reserved, int(args.get("Device Type", 0)))
+                )
             elif e["ph"] == "M" and e.get("name") == "thread_name":
                 self.thread_names[(e.get("pid"), e.get("tid"))] = str(args.get("name", ""))
 

@@ -26,6 +26,7 @@ STEP_COLUMNS = [
     "profiler_peak_allocated_bytes",
 ]
 WINDOW_COLUMNS = ["rank", "comm_ms", "exposed_comm_ms", "overlap_ratio_time_weighted"]
+ALLOCATOR_COLUMNS = ["rank", "allocated_bytes", "reserved_bytes", "fragmentation"]
 
 
 def _device_memory(memory: pd.DataFrame) -> pd.DataFrame:
@@ -41,6 +42,19 @@ def get_profiler_peak(memory: pd.DataFrame, start: float | None = None, end: flo
     if start is not None:
         device = device[(device["ts"] >= start) & (device["ts"] < end)]
     return int(device["total_allocated"].max()) if not device.empty else None
+
+
+def get_allocator_peak(memory: pd.DataFrame) -> tuple[int, int] | None:
+    """``(Total Allocated, Total Reserved)`` of the memory event with the largest ``Total Allocated``
+    among those that carry both (accelerator ones if any), or None: the caching allocator's
+    reservation at the allocation peak."""
+    if memory.empty:
+        return None
+    device = _device_memory(memory).dropna(subset=["total_reserved"])
+    if device.empty:
+        return None
+    row = device.loc[device["total_allocated"].idxmax()]
+    return int(row["total_allocated"]), int(row["total_reserved"])
 
 
 def _step_peaks(memory: pd.DataFrame, slices: list[StepSlice]) -> list[int | None]:

@@ -190,6 +190,7 @@ def extrapolate(
         mfu=num_microbatches * full.flops_per_microbatch / (step * full.peak_flops) if full.peak_flops else 0.0,
         peak_memory_bytes=max(phase_peaks.values(), default=line(shallow.peak_memory_bytes, deep.peak_memory_bytes)),
         memory_capacity_bytes=deep.memory_capacity_bytes,
+        memory_edge_bytes=deep.memory_edge_bytes,
         memory_breakdown={
             k: line(shallow.memory_breakdown.get(k, 0.0), deep.memory_breakdown.get(k, 0.0)) for k in keys
         },

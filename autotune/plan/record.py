@@ -10,13 +10,28 @@ from typing import Any, ClassVar
 from autotune.artifacts import build_dataclass, read_artifact, write_artifact
 
 
+def _add_edge_flags(data: dict[str, Any]) -> dict[str, Any]:
+    """v1 -> v2: v2 flags each prediction ``at_edge`` of memory and records the margin ([Note: memory
+    margin]); a v1 plan had no margin, so its flags are null (unknown), not false."""
+
+    def flag(row: Any) -> Any:
+        return {**row, "at_edge": None} if isinstance(row, dict) else row
+
+    rows = {key: flag(data[key]) for key in ("default", "best") if key in data}
+    if isinstance(data.get("top"), list):
+        rows["top"] = [flag(row) for row in data["top"]]
+    return {**data, **rows}
+
+
 @dataclass(kw_only=True)
 class PlanRecord:
-    """``plan.json`` (written by :func:`autotune.plan.run_plan` into ``--out``)."""
+    """``plan.json`` (written by :func:`autotune.plan.run_plan` into ``--out``).
+
+    v2: ``memory_margin``, ``num_at_edge`` and each prediction's ``at_edge`` (``default``, ``best``, ``top``)."""
 
     KIND: ClassVar[str] = "plan_summary"
-    SCHEMA_VERSION: ClassVar[int] = 1
-    MIGRATIONS: ClassVar[dict] = {}
+    SCHEMA_VERSION: ClassVar[int] = 2
+    MIGRATIONS: ClassVar[dict] = {1: _add_edge_flags}
 
     model: str
     cluster: str
@@ -35,9 +50,15 @@ class PlanRecord:
     default: dict[str, Any]
     """FSDP2's defaults: ``config`` (described) and their prediction (``StepPrediction.to_dict``)."""
     best: dict[str, Any]
-    """The emitted config: ``config``, ``params`` and its prediction (per unit too)."""
+    """The emitted config: ``config``, ``params`` and its prediction (per unit too): the fastest that
+    fits outside the memory margin, else (``at_edge`` true) the fastest that fits."""
     top: list[dict[str, Any]] = field(default_factory=list)
-    """The top distinct predictions: ``config``, ``params``, ``num_alike`` and the predicted figures."""
+    """The top distinct predictions: ``config``, ``params``, ``num_alike``, the predicted figures and ``at_edge``."""
+    memory_margin: dict[str, Any] | None = None
+    """``autotune.sim.MemoryMargin.to_dict``: capacity, what is outside the allocator, usable memory, the
+    margin, its parts (share of the peak, GiB, source) and the edge; None for a v1 plan."""
+    num_at_edge: int | None = None
+    """Configs that fit the usable memory but not with the margin (None for a v1 plan)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": self.SCHEMA_VERSION, "kind": self.KIND, **dataclasses.asdict(self)}

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from autotune.plan.evaluate import REDUCED_DEPTHS, PlanReporter, Pricer, StagedEvaluator, make_pricer
 from autotune.plan.record import PlanRecord
 from autotune.search import KnobFactory, RankedPoint, SearchSpace, check_mesh, rank_staged
-from autotune.sim import DeviceProfile, Hardware, ModelWork, Simulator, StepPrediction, get_model_work
+from autotune.sim import DeviceProfile, Hardware, MemoryMargin, ModelWork, Simulator, StepPrediction, get_model_work
 from autotune.trials import check_dtype, resolve_precision
 from fsdp_runtime import AutotuneError, MixedPrecisionConfig, Provenance, RuntimeConfig, save_config
 from profiles import load_cluster_profile, load_model_source
@@ -22,9 +22,6 @@ ActivationCheckpointing = Literal["auto", "none", "full"]
 PLAN_STAGED_TOP = 8
 """Configs (the fastest, and the fastest that fit) whose memory-knob variants are simulated at full depth:
 ``num_top`` of :func:`autotune.search.rank_staged`, which says why it is smaller than the presearch's."""
-AUTO_AC_HEADROOM = 0.05
-"""``--ac auto`` plans without checkpointing only if FSDP2's defaults leave this share of memory free:
-the memory model is within a few percent of FSDPMemTracker, and the allocator fragments."""
 
 
 class PlanError(AutotuneError):
@@ -41,8 +38,8 @@ class PlanSettings:
     activation_checkpointing: ActivationCheckpointing = "auto"
     """The training script's activation checkpointing, per block: ``none``, ``full``, or ``auto``:
     with ``memory_knobs``, searched per unit and set in the emitted config (the script checkpoints
-    nothing itself); without, none if FSDP2's defaults fit in memory without it with
-    ``AUTO_AC_HEADROOM`` to spare, else full."""
+    nothing itself); without, none if FSDP2's defaults fit in memory without it and outside the
+    memory margin ([Note: memory margin] in :mod:`autotune.sim.margin`), else full."""
     fixed_mesh: str | None = None
     param_dtype: str | None = None
     """Unsharded parameters' dtype; None: the cluster device's default (bfloat16 on CUDA), as
@@ -103,7 +100,7 @@ class PlanResult:
     ac_in_config: bool = False
     """Checkpointing was searched per unit: the emitted config sets it."""
     ranked: list[RankedPoint]
-    """Configs that fit, fastest first."""
+    """Configs that fit, fastest first (those at the edge of memory among them, flagged by their prediction)."""
     dropped: list[RankedPoint]
     """Configs over memory, least over first."""
     num_evaluated: int
@@ -118,6 +115,10 @@ class PlanResult:
     default: RankedPoint
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     """The precision every config was simulated in (:func:`get_plan_precision`)."""
+    memory_margin: MemoryMargin | None = None
+    """How far below the usable memory a peak is safe ([Note: memory margin])."""
+    best: RankedPoint | None = None
+    """The emitted config: the fastest that fits outside the memory margin, else the fastest that fits (at the edge)."""
     best_config: RuntimeConfig | None = None
     best_detail: StepPrediction | None = None
     out_files: list[Path] = field(default_factory=list)
@@ -125,15 +126,51 @@ class PlanResult:
     def get_distinct_top(self) -> list[tuple[RankedPoint, int]]:
         """The best configs with distinct predictions (step to the microsecond, peak memory to the
         MiB), each the simplest of its kind (the ranking's tie-break), with how many configs
-        predict the same."""
+        predict the same; the emitted config's kind among them even where configs at the edge of
+        memory take the first ``num_top`` places."""
         distinct: dict[tuple[int, int], list[Any]] = {}
+        best_key = _get_distinct_key(self.best) if self.best is not None else None
         for row in self.ranked:
-            key = (round(row.prediction.step_s * 1e6), round(row.prediction.peak_memory_bytes / 2**20))
+            key = _get_distinct_key(row)
             if key in distinct:
                 distinct[key][1] += 1
-            elif len(distinct) < self.settings.num_top:
+            elif len(distinct) < self.settings.num_top or key == best_key:
                 distinct[key] = [row, 1]
         return [(row, count) for row, count in distinct.values()]
+
+    def is_emitted(self, row: RankedPoint) -> bool:
+        """``row`` is of the emitted config's kind (:meth:`get_distinct_top`'s: predicted alike)."""
+        return self.best is not None and _get_distinct_key(row) == _get_distinct_key(self.best)
+
+    @property
+    def num_at_edge(self) -> int:
+        """Configs that fit the usable memory but not with the margin."""
+        return sum(1 for row in self.ranked if row.prediction.at_edge)
+
+    @property
+    def faster_at_edge(self) -> list[RankedPoint]:
+        """Configs ranked before the emitted one: all at the edge of memory."""
+        return self.ranked[: self.ranked.index(self.best)] if self.best is not None else []
+
+    def get_edge_note(self) -> str | None:
+        """Why the emitted config is not the fastest that fits, or that it is at the edge of memory itself; None if neither."""
+        if self.best is None or self.memory_margin is None:
+            return None
+        margin, peak = self.memory_margin, self.best.prediction.peak_memory_bytes / 2**30
+        if self.best.prediction.at_edge:
+            return (
+                f"at the edge of memory: every config that fits predicts a peak within the memory margin; this one, "
+                f"the fastest, predicts {peak:.1f} GiB ({margin.describe()}): it may run out of memory, "
+                "so measure its peak (autotune trial) before training with it"
+            )
+        faster = self.faster_at_edge
+        if not faster:
+            return None
+        ratio = faster[0].prediction.step_s / self.best.prediction.step_s
+        return (
+            f"{len(faster)} faster configs fit but are at the edge of memory and were not emitted ({margin.describe()}); "
+            f"the fastest of them predicts {ratio:.3f}x this one's step time at a {faster[0].prediction.peak_memory_bytes / 2**30:.1f} GiB peak"
+        )
 
     @property
     def ac_label(self) -> str:
@@ -142,6 +179,11 @@ class PlanResult:
     @property
     def configs_per_s(self) -> float:
         return self.num_evaluated / self.evaluate_s if self.evaluate_s > 0 else float("inf")
+
+
+def _get_distinct_key(row: RankedPoint) -> tuple[int, int]:
+    """Step to the microsecond, peak memory to the MiB: configs predicted alike."""
+    return round(row.prediction.step_s * 1e6), round(row.prediction.peak_memory_bytes / 2**20)
 
 
 def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) -> PlanResult:
@@ -197,9 +239,11 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
         num_exact=evaluator.num_exact,
         ac_in_config=searched_ac,
         mixed_precision=mp,
+        memory_margin=hardware.memory_margin,
     )
     if result.ranked:
-        result.best_config = factory.build_config(result.ranked[0].params)
+        result.best = next((row for row in result.ranked if not row.prediction.at_edge), result.ranked[0])
+        result.best_config = factory.build_config(result.best.params)
         result.best_detail = full.simulator.simulate(result.best_config)
         result.out_files = _emit(result, profile.name, hardware)
     return result
@@ -329,11 +373,12 @@ def _choose_checkpointing(
         return settings.activation_checkpointing == "full", f"--ac {settings.activation_checkpointing}"
     knobs = factory.get_knobs(space.get_default_params())
     prediction = Simulator(work, hardware).simulate_knobs([knobs])[0]
-    if prediction.memory_headroom_bytes >= AUTO_AC_HEADROOM * prediction.memory_capacity_bytes:
-        return False, f"FSDP2's defaults fit without it with {AUTO_AC_HEADROOM:.0%} to spare"
+    if prediction.is_safe:
+        return False, "FSDP2's defaults fit without it, outside the memory margin"
     return (
         True,
-        f"without it FSDP2's defaults have less than {AUTO_AC_HEADROOM:.0%} to spare: {prediction.describe_memory()}; --ac none ranks without it",
+        f"without it FSDP2's defaults {'are at the edge of memory' if prediction.fits else 'do not fit'}: "
+        f"{prediction.describe_memory()}; --ac none ranks without it",
     )
 
 
@@ -363,8 +408,8 @@ def _emit(result: PlanResult, model_name: str, hardware: Hardware) -> list[Path]
 
 def _get_notes(result: PlanResult, hardware: Hardware, speedup: float | None) -> list[str]:
     """The emitted config's provenance notes: simulated on what, the checkpointing assumption, the choice."""
-    best, detail, settings = result.ranked[0], result.best_detail, result.settings
-    assert detail is not None
+    best, detail, settings = result.best, result.best_detail, result.settings
+    assert best is not None and detail is not None
     notes = [
         f"simulated, not measured: autotune plan ranked {result.num_evaluated} configs on {settings.num_nodes} x {hardware.cluster.name} "
         f"({result.world_size} ranks of {hardware.accelerator.name}) with the FSDP2 step simulator (autotune.sim)",
@@ -380,12 +425,13 @@ def _get_notes(result: PlanResult, hardware: Hardware, speedup: float | None) ->
         notes.append(
             f"predicted {speedup:.3f}x FSDP2's defaults ({1e3 * result.default.prediction.step_s:.0f} ms -> {1e3 * detail.step_s:.0f} ms per step)"
         )
-    return notes
+    edge = result.get_edge_note()
+    return [*notes, edge] if edge else notes
 
 
 def _get_record(result: PlanResult, model_name: str, hardware: Hardware) -> PlanRecord:
-    best, detail, settings = result.ranked[0], result.best_detail, result.settings
-    assert detail is not None
+    best, detail, settings = result.best, result.best_detail, result.settings
+    assert best is not None and detail is not None
     return PlanRecord(
         model=model_name,
         cluster=hardware.cluster.name,
@@ -405,7 +451,15 @@ def _get_record(result: PlanResult, model_name: str, hardware: Hardware) -> Plan
         default={"config": result.default.description, **result.default.prediction.to_dict()},
         best={"config": best.description, "params": best.params, **detail.to_dict()},
         top=[
-            {"config": r.description, "params": r.params, "num_alike": n, **r.prediction.to_metrics()}
+            {
+                "config": r.description,
+                "params": r.params,
+                "num_alike": n,
+                **r.prediction.to_metrics(),
+                "at_edge": r.prediction.at_edge,
+            }
             for r, n in result.get_distinct_top()
         ],
+        memory_margin=result.memory_margin.to_dict() if result.memory_margin else None,
+        num_at_edge=result.num_at_edge,
     )

@@ -22,6 +22,7 @@ def _row(rank: str, row: RankedPoint, default_step_s: float | None) -> list[str]
         fmt(1e3 * p.exposed_comm_s),
         f"{p.peak_memory_bytes / _GIB:.1f}",
         f"{p.memory_headroom_bytes / _GIB:+.1f}",
+        "edge" if p.at_edge else "",
     ]
 
 
@@ -32,9 +33,10 @@ def get_plan_table(result: PlanResult) -> ReportTable:
     title = (
         f"{s.model} on {s.num_nodes} x {s.cluster} ({result.world_size} ranks), {s.num_microbatches} microbatches, "
         f"activation checkpointing {result.ac_label}: of {len(result.ranked)} configs that fit, "
-        f"the top distinct predictions (simulated; tokens/s per device; peak and free memory in GiB; speedup over the defaults 'def'; 'same': configs predicted alike)"
+        f"the top distinct predictions (simulated; tokens/s per device; peak and free memory in GiB; 'edge': at the edge "
+        f"of memory, peak within the memory margin, not emitted while a safe config fits; speedup over the defaults 'def'; 'same': configs predicted alike)"
     )
-    columns = ["#", "step ms", "speedup", "tok/s", "MFU", "exp ms", "peak", "free", "same"]
+    columns = ["#", "step ms", "speedup", "tok/s", "MFU", "exp ms", "peak", "free", "mem", "same"]
     rows = [
         [*_row(str(i + 1), row, default_step), str(count)] for i, (row, count) in enumerate(result.get_distinct_top())
     ]
@@ -44,7 +46,10 @@ def get_plan_table(result: PlanResult) -> ReportTable:
 
 def get_config_lines(result: PlanResult) -> list[str]:
     """The configs of :func:`get_plan_table`'s rows, by rank (kept out of the table to fit 80 columns)."""
-    lines = [f"{i + 1:>3}  {row.description}" for i, (row, _) in enumerate(result.get_distinct_top())]
+    lines = [
+        f"{i + 1:>3}  {row.description}{'  [emitted]' if result.is_emitted(row) else ''}{'  [at the edge]' if row.prediction.at_edge else ''}"
+        for i, (row, _) in enumerate(result.get_distinct_top())
+    ]
     return [*lines, f"def  {result.default.description}"]
 
 
@@ -81,13 +86,22 @@ def get_plan_lines(result: PlanResult) -> list[str]:
         lines.append(
             f"dropped {len(result.dropped)} configs over memory; the closest to fitting: {least.description}: {least.prediction.describe_memory()}"
         )
+    if result.memory_margin is not None:
+        lines.append(
+            f"memory: {result.memory_margin.describe()}; {result.num_at_edge} of the configs that fit are at the edge"
+        )
     if not result.ranked:
         lines.append("no config fits in memory")
-    if result.best_detail is not None:
+    if result.best_detail is not None and result.best is not None:
         best = result.best_detail
         lines.append(
-            f"best: {result.ranked[0].description}: {1e3 * best.step_s:.1f} ms/step, {best.tokens_per_s_per_device:,.0f} tokens/s/device, "
+            f"best: {result.best.description}: {1e3 * best.step_s:.1f} ms/step, {best.tokens_per_s_per_device:,.0f} tokens/s/device, "
             f"MFU {100 * best.mfu:.1f}%, exposed communication {1e3 * best.exposed_comm_s:.1f} ms, {best.describe_memory()}"
+        )
+    edge = result.get_edge_note()
+    if edge:
+        lines.append(
+            f"{'WARNING: best is ' if result.best is not None and result.best.prediction.at_edge else ''}{edge}"
         )
     lines.extend(f"wrote {path}" for path in result.out_files)
     return lines

@@ -290,7 +290,9 @@ def rank_staged(
       simulations in ~8 s); ``autotune plan`` takes 8, since its variants are simulated at the full
       depth of a GPU-sized model (~8 ms per simulation of 81 units, [Note: plan speed]).
     - ``top_fitting``: ``autotune plan`` also takes the variants of the ``num_top`` fastest that fit
-      in memory (a fast config over memory may fit once it checkpoints or groups differently); the
+      in memory outside its margin (``StepPrediction.is_safe``, [Note: memory margin]: what the plan
+      may emit; a fast config over memory or at its edge may become safe once it checkpoints or
+      groups differently, and is among the ``num_top`` fastest seeds anyway); the
       presearch does not, since its trials measure the peak (process RSS), which the simulator's
       tensor memory does not predict.
     - ``key``: the presearch ranks by step time; ``autotune plan`` puts the configs that fit first,
@@ -301,7 +303,7 @@ def rank_staged(
     variants = {mesh: list(iter_memory_variants(space, mesh)) for mesh in space.get_mesh_choices()}
     core = evaluate([{**p, **variants[p["mesh"]][0]} for p in iter_space_params(get_core_space(space))], False)
     exact = sorted((p for p in core if p.exact), key=lambda p: p.prediction.step_s)
-    fitting = [p for p in exact if p.prediction.fits][:num_top] if top_fitting else []
+    fitting = [p for p in exact if p.prediction.is_safe][:num_top] if top_fitting else []
     seeds = {id(p): p for p in [*exact[:num_top], *fitting]}
     varied = [{**p.params, **variant} for p in seeds.values() for variant in variants[p.params["mesh"]][1:]]
     return sorted(core + evaluate(varied, True), key=key)

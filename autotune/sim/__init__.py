@@ -2,7 +2,8 @@
 
 Modules in data-flow order: :mod:`~autotune.sim.model_work` (the model's FLOPs, bytes and
 activation memory per microbatch, traced on fake tensors) -> :mod:`~autotune.sim.hardware`
-(a cluster profile's prices: [Note: collective cost model]) -> :mod:`~autotune.sim.costs`
+(a cluster profile's prices: [Note: collective cost model]; :mod:`~autotune.sim.margin`, how far
+below its usable memory a predicted peak is safe: [Note: memory margin]) -> :mod:`~autotune.sim.costs`
 (per-unit durations and sizes under one mesh) -> :mod:`~autotune.sim.knobs` (a runtime
 config indexed by unit) -> :mod:`~autotune.sim.timeline` (streams, links, host, memory
 ledger) -> :mod:`~autotune.sim.schedule` ([Note: FSDP2 step schedule]) ->
@@ -11,8 +12,10 @@ ledger) -> :mod:`~autotune.sim.schedule` ([Note: FSDP2 step schedule]) ->
 from trials' traces ([Note: calibration]) that prices the same schedule in place of a GPU
 profile's datasheet figures; on a GPU, :mod:`~autotune.sim.gpu_calibrate` fits a
 :class:`DeviceProfile` (:mod:`~autotune.sim.device_profile`) from one trial's kernels
-(:mod:`~autotune.sim.kernel_costs`), rates that price any model on that GPU. The simulator itself imports only ``fsdp_runtime``, ``profiles``
-and torch; calibration reads trial dirs through ``autotune.trials`` and ``autotune.analysis``
+(:mod:`~autotune.sim.kernel_costs`), rates that price any model on that GPU. The simulator
+itself imports only ``fsdp_runtime``, ``profiles`` and torch; calibration (and
+``compare_trial_peak``, the memory margin's check against a GPU trial) reads trial dirs through
+``autotune.trials`` and ``autotune.analysis``
 (upstream stages). The search stage may import this one, never the reverse.
 """
 
@@ -22,11 +25,25 @@ from autotune.sim.gpu_calibrate import GpuTrial, calibrate_device, calibrate_tri
 from autotune.sim.hardware import Hardware, SimError
 from autotune.sim.kernel_costs import KernelCosts, get_kernel_costs
 from autotune.sim.knobs import Knobs, resolve_knobs
+from autotune.sim.margin import (
+    ALLOCATOR_FRAGMENTATION,
+    SIMULATOR_MEMORY_ERROR,
+    MarginPart,
+    MemoryMargin,
+    PeakComparison,
+    compare_trial_peak,
+)
 from autotune.sim.measured import CollectiveFit, MeasuredProfile
 from autotune.sim.model_work import ModelWork, get_model_work
 from autotune.sim.predict import Simulator, StepPrediction, UnitPrediction, simulate
 
 __all__ = [
+    "ALLOCATOR_FRAGMENTATION",
+    "SIMULATOR_MEMORY_ERROR",
+    "MarginPart",
+    "MemoryMargin",
+    "PeakComparison",
+    "compare_trial_peak",
     "CalibrationError",
     "CalibrationTrial",
     "CollectiveFit",

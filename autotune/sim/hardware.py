@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autotune.sim.device_profile import DeviceProfile
+from autotune.sim.margin import MemoryMargin
 from autotune.sim.measured import MeasuredProfile
 from autotune.sim.model_work import PassWork, get_optimizer_bytes_per_element
 from fsdp_runtime.errors import AutotuneError
@@ -97,6 +98,17 @@ class Hardware:
     def usable_memory_bytes(self) -> float:
         reserved = self.accelerator.reserved_gib if self.cluster.accelerator else 0.0
         return (self.cluster.memory_per_rank_gib - reserved) * 2**30
+
+    @property
+    def memory_margin(self) -> MemoryMargin | None:
+        """How far below the usable memory a predicted peak is safe ([Note: memory margin]); None
+        without an accelerator table (a CPU box: no caching allocator to fragment)."""
+        if self.cluster.accelerator is None:
+            return None
+        return MemoryMargin(
+            capacity_bytes=self.cluster.memory_per_rank_gib * 2**30,
+            outside_allocator_bytes=self.cluster.accelerator.reserved_gib * 2**30,
+        )
 
     def get_peak_flops(self, dtype: str) -> float:
         peaks = self.accelerator.peak_tflops

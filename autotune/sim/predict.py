@@ -44,10 +44,21 @@ class StepPrediction:
     units: list[UnitPrediction] = field(default_factory=list)
     phase_peaks: dict[str, float] = field(default_factory=dict)
     """Peak memory in each phase (``forward``, ``backward``, ``optimizer``)."""
+    memory_edge_bytes: float | None = None
+    """The largest safe peak: ``memory_capacity_bytes`` less the margin ([Note: memory margin]); None: no margin (CPU)."""
 
     @property
     def fits(self) -> bool:
         return self.peak_memory_bytes <= self.memory_capacity_bytes
+
+    @property
+    def at_edge(self) -> bool:
+        """Fits the usable memory, but not with the margin: it may still run out of memory."""
+        return self.fits and self.memory_edge_bytes is not None and self.peak_memory_bytes > self.memory_edge_bytes
+
+    @property
+    def is_safe(self) -> bool:
+        return self.fits and not self.at_edge
 
     @property
     def memory_headroom_bytes(self) -> float:
@@ -60,7 +71,12 @@ class StepPrediction:
             for k, v in sorted(self.memory_breakdown.items(), key=lambda kv: -kv[1])[:4]
         )
         relation = "<=" if self.fits else ">"
-        return f"peak {self.peak_memory_bytes / 2**30:.1f} GiB {relation} {self.memory_capacity_bytes / 2**30:.1f} GiB usable ({parts})"
+        edge = (
+            f", at the edge (safe below {self.memory_edge_bytes / 2**30:.1f} GiB)"
+            if self.at_edge and self.memory_edge_bytes is not None
+            else ""
+        )
+        return f"peak {self.peak_memory_bytes / 2**30:.1f} GiB {relation} {self.memory_capacity_bytes / 2**30:.1f} GiB usable{edge} ({parts})"
 
     def to_metrics(self) -> dict[str, float]:
         return {
@@ -75,6 +91,7 @@ class StepPrediction:
         return {
             **self.to_metrics(),
             "fits": self.fits,
+            "at_edge": self.at_edge,
             "memory_breakdown_gib": {k: v / 2**30 for k, v in self.memory_breakdown.items()},
             "units": [{"name": u.name, "comm_ms": 1e3 * u.comm_s, "exposed_ms": 1e3 * u.exposed_s} for u in self.units],
         }
@@ -91,6 +108,8 @@ class Simulator:
             hardware.get_peak_flops(work.dtype) if hardware.measured is None or hardware.cluster.accelerator else 0.0
         )
         self._costs: dict[tuple[Any, ...], MeshCosts] = {}
+        margin = hardware.memory_margin
+        self.memory_edge_bytes = margin.edge_bytes if margin is not None else None
 
     def get_costs(self, knobs: Knobs) -> MeshCosts:
         if knobs.param_dtype != self.work.dtype:
@@ -191,6 +210,7 @@ class Simulator:
             mfu=num * self.flops_per_microbatch / (step_s * self.peak_flops) if self.peak_flops else 0.0,
             peak_memory_bytes=schedule.mem.peak,
             memory_capacity_bytes=self.hardware.usable_memory_bytes,
+            memory_edge_bytes=self.memory_edge_bytes,
             memory_breakdown=schedule.mem.get_peak_breakdown(),
             phase_peaks=dict(schedule.mem.phase_peaks),
             units=[UnitPrediction(name=name, comm_s=comm[i], exposed_s=exposed[i]) for i, name in enumerate(names)]

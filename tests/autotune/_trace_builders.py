@@ -40,7 +40,12 @@ def gloo(name: str, start: float, end: float) -> dict[str, Any]:
     return span(name, start, end, tid=WORKER)
 
 
-def memory(at: float, total_allocated: int, *, device_type: int = 0) -> dict[str, Any]:
+def memory(
+    at: float, total_allocated: int, *, device_type: int = 0, total_reserved: int | None = None
+) -> dict[str, Any]:
+    args = {"Total Allocated": total_allocated, "Bytes": 0, "Device Type": device_type, "Device Id": -1}
+    if total_reserved is not None:  # torch.profiler writes it with profile_memory=True
+        args["Total Reserved"] = total_reserved
     return {
         "ph": "i",
         "cat": "cpu_instant_event",
@@ -49,7 +54,7 @@ def memory(at: float, total_allocated: int, *, device_type: int = 0) -> dict[str
         "pid": HOST,
         "tid": MAIN,
         "ts": T0 + at,
-        "args": {"Total Allocated": total_allocated, "Bytes": 0, "Device Type": device_type, "Device Id": -1},
+        "args": args,
     }
 
 

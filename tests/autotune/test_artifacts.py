@@ -58,12 +58,14 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         ("metrics_v5.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
         ("search_v8.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v2.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
-        ("plan_v1.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
+        ("plan_v2.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
     ]:
         data = load_fixture(name)
         assert (data["kind"], data["schema_version"]) == (kind, version), name
         assert "peak_memory_bytes" not in (ARTIFACTS / name).read_text(encoding="utf-8"), name
     assert load_fixture("metrics_v5.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
+    plan_v1 = load_fixture("plan_v1.json")
+    assert plan_v1["schema_version"] == 1 and "at_edge" not in (ARTIFACTS / "plan_v1.json").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize(
@@ -221,7 +223,34 @@ def test_plan_summary_v1_reads_and_round_trips(tmp_path):
     assert record.best["params"]["ac_units"] == "all_but_last" and len(record.best["units"]) == 33
     assert record.best["predicted_step_ms"] == pytest.approx(979.6146)
     assert [t["num_alike"] for t in record.top] == [8, 8, 8] and record.top[0]["config"] == record.best["config"]
-    assert record.to_dict() == load_fixture("plan_v1.json")
+    # v2 flags predictions at the edge of memory: unknown (null) for a v1 plan, which had no margin.
+    assert record.memory_margin is None and record.num_at_edge is None
+    assert (
+        record.default["at_edge"] is record.best["at_edge"] is None and [t["at_edge"] for t in record.top] == [None] * 3
+    )
+    original = load_fixture("plan_v1.json")
+    flagged = {**original, "schema_version": 2, "memory_margin": None, "num_at_edge": None}
+    flagged |= {k: {**original[k], "at_edge": None} for k in ("default", "best")}
+    flagged["top"] = [{**row, "at_edge": None} for row in original["top"]]
+    assert record.to_dict() == flagged
+    assert PlanRecord.read(record.write(tmp_path / "plan.json")) == record
+
+
+def test_plan_summary_v2_reads_and_round_trips(tmp_path):
+    """The same command as v1's, with the memory margin ([Note: memory margin]): the two fastest
+    configs are at the edge of memory, the emitted one is the third."""
+    record = PlanRecord.read(ARTIFACTS / "plan_v2.json")
+
+    assert (record.model, record.cluster, record.world_size, record.num_evaluated) == ("llama8b", "h100-node", 8, 674)
+    margin = record.memory_margin
+    assert margin is not None and (margin["capacity_gib"], margin["usable_gib"]) == (79.6, pytest.approx(77.6))
+    assert [p["name"] for p in margin["parts"]] == ["simulator_error", "allocator_fragmentation"]
+    assert margin["edge_gib"] + margin["margin_gib"] == pytest.approx(margin["usable_gib"])
+    assert sum(p["gib"] for p in margin["parts"]) == pytest.approx(margin["margin_gib"])
+    assert record.num_at_edge == 128 and [t["at_edge"] for t in record.top] == [True, True, False]
+    assert record.best["at_edge"] is False and record.best["config"] == record.top[2]["config"]
+    assert record.best["predicted_peak_memory_gib"] <= margin["edge_gib"] < record.top[0]["predicted_peak_memory_gib"]
+    assert record.to_dict() == load_fixture("plan_v2.json")
     assert PlanRecord.read(record.write(tmp_path / "plan.json")) == record
 
 

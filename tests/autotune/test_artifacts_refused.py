@@ -69,7 +69,7 @@ READERS = [
         "plan_summary",
         PlanRecord.SCHEMA_VERSION,
         "plan.json",
-        "plan_v1.json",
+        "plan_v2.json",
         PlanRecord.read,
         "search_v6.json",
     ),
@@ -185,6 +185,13 @@ def _bad_body(
 BAD_BODIES = [
     _bad_body(
         "plan-missing-field",
+        "plan.json",
+        PlanRecord.read,
+        lambda: _without(load_fixture("plan_v2.json"), "best"),
+        "best",
+    ),
+    _bad_body(  # the v1 -> v2 migration leaves a missing row missing, for the reader to name
+        "plan-v1-missing-field",
         "plan.json",
         PlanRecord.read,
         lambda: _without(load_fixture("plan_v1.json"), "best"),
