@@ -224,13 +224,9 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         hardware = Hardware(load_cluster_profile(cluster or "cpu-gloo"), num_ranks=world, measured=profile)
         simulator = Simulator(work, hardware)
         points = list(iter_space_params(space))
-        sample = (
-            get_ladder(space)
-            if args.ladder
-            else [defaults]
-            + random.Random(args.seed).sample(
-                [p for p in points if p != defaults], min(args.configs - 1, len(points) - 1)
-            )
+        first = get_ladder(space) if args.ladder else [defaults]
+        sample = first + random.Random(args.seed).sample(
+            [p for p in points if p not in first], max(0, min(args.configs - len(first), len(points) - len(first)))
         )
         ranked = rank_space(space, simulator, world_size=world, device="cpu") if setting == "2x2" else []
         if ranked and ranked[0].params not in sample:
@@ -504,7 +500,7 @@ def main() -> None:
     parser.add_argument(
         "--ladder",
         action="store_true",
-        help="measure get_ladder's configs (one knob at a time towards replicated + no sync + grouped) instead of a sample",
+        help="measure get_ladder's configs (one knob at a time towards replicated + no sync + grouped) first, then a sample up to --configs",
     )
     parser.add_argument(
         "--fit-sync",
