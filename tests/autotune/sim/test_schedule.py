@@ -183,6 +183,28 @@ def test_eager_concat_costs_a_copy_per_non_sync_microbatch_and_a_restore():
     assert eager.t.end > deferred.t.end
 
 
+def test_autograd_accumulating_into_a_kept_grad_costs_a_read_modify_write_per_later_microbatch():
+    # Same dtypes (float32 params and reduction), deferred concat: on non-sync microbatches the unsharded
+    # grads stay on the parameters and autograd adds each later microbatch's into them (5 a block here).
+    same = dataclasses.replace(_costs(), param_bytes=4, reduce_bytes=4)
+    costs = dataclasses.replace(same, accumulate_s=[5.0, 5.0, 5.0])
+    fp32 = {"param_dtype": "float32", "reduce_dtype": "float32"}
+    free = _step(_knobs(num_microbatches=3, sync=("last", "last", "every"), **fp32), same)
+    paid = _step(_knobs(num_microbatches=3, sync=("last", "last", "every"), **fp32), costs)
+    # microbatches 1 and 2 find microbatch 0's grads on both blocks; the root (sync every) never keeps its own
+    assert paid.t.compute_busy - free.t.compute_busy == pytest.approx(2 * 2 * 5.0)
+    every = _step(_knobs(num_microbatches=3, **fp32), costs)
+    assert every.t.compute_busy == pytest.approx(_step(_knobs(num_microbatches=3, **fp32), same).t.compute_busy)
+    # mixed precision: FSDP2 up-casts into its own accumulator and drops the grad, autograd adds nothing
+    mixed = _step(
+        _knobs(num_microbatches=3, sync=("last", "last", "every")),
+        dataclasses.replace(_costs(), accumulate_s=[5.0] * 3),
+    )
+    assert mixed.t.compute_busy == pytest.approx(
+        _step(_knobs(num_microbatches=3, sync=("last", "last", "every"))).t.compute_busy
+    )
+
+
 def test_hsdp_all_reduce_follows_each_reduce_scatter_on_the_replicate_link():
     # RS b1 [44,50] then AR b1 [50,58] on its own stream and link; RS b0 [64,70], AR b0 [70,78]:
     # the final callback waits for the last all-reduce: 78 (b0 exposed 4 + 6 + 8; the root's own all-reduce,
