@@ -105,7 +105,9 @@ def run_presearch(ctx: SearchContext) -> None:
         return  # off, or done before this --resume
     if ctx.space.device_type != "cpu":
         raise SearchError(
-            "--presearch sim calibrates from CPU traces; on GPUs rank configs with `autotune plan`", field="presearch"
+            "--presearch sim calibrates from CPU traces; on GPUs measure the device with `autotune trial --nproc 1` and "
+            "`autotune calibrate`, then rank configs with `autotune plan --device-profile`",
+            field="presearch",
         )
     default = _measure_defaults(ctx)
     ctx.reporter.on_phase(

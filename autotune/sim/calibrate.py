@@ -86,6 +86,7 @@ from autotune.sim.hardware import Hardware, get_dtype_bytes
 from autotune.sim.measured import LOCAL_HOOK_KEYS, OPTIONAL_HOOK_KEYS, CollectiveFit, MeasuredProfile
 from autotune.sim.model_work import ModelWork
 from autotune.sim.predict import Simulator
+from autotune.sim.probes import measure_add_bytes_per_s, measure_page_fault_s
 from autotune.sim.trace_costs import CalibrationError, TraceCosts, get_trace_costs
 from fsdp_runtime import ROOT_UNIT, RuntimeConfig, load_config, validate_for_world
 from profiles import ClusterProfile, load_cluster_profile
@@ -275,6 +276,8 @@ def calibrate(
         for kind in ("all_gather", "reduce_scatter")
     }
     profile = _get_unscaled_profile(work, anchor, costs, hooks, fits, shard, sources=[anchor, *extra], name=name)
+    # this machine, as the trials ran on it ([Note: page faults of large buffers])
+    profile = profile.replace(page_fault_s=measure_page_fault_s(), add_bytes_per_s=measure_add_bytes_per_s())
     target = anchor_step_s or anchor.step_s
     profile = profile.replace(compute_scale=_solve_compute_scale(work, anchor, profile, target))
     sync_trial = _find_sync_trial(work, anchor, extra) if fit_sync else None
@@ -292,6 +295,9 @@ def calibrate(
     if share_trial is not None:
         profile, note = _fit_cpu_share(work, anchor, share_trial, profile)
         notes.append(note)
+    notes.append(
+        f"probes: page fault {1e6 * profile.page_fault_s:.2f} us, in-place add {profile.add_bytes_per_s / 1e9:.1f} GB/s"
+    )
     for kind, fit in fits.items():
         notes.append(
             f"{kind}: {1e6 * fit.latency_s:.0f} us + {1e9 * fit.seconds_per_byte:.3f} ns/B at {fit.group_size} ranks ({fit.num_points} collectives)"

@@ -16,6 +16,7 @@ from typing import Any
 from autotune.sim.hardware import Group, Hardware, get_dtype_bytes, get_group
 from autotune.sim.measured import LOCAL_HOOK_KEYS
 from autotune.sim.model_work import ModelWork
+from autotune.sim.probes import get_grouping_fault_seconds, get_mmap_threshold_bytes
 
 ORIG_BYTES = 4
 """The trials build float32 parameters; sharded params, grads and AdamW state are float32."""
@@ -224,17 +225,43 @@ def _get_copy_and_hook_costs(
         mem(p * (ORIG_BYTES + pb)) if local else mem(2 * p * pb + s * (ORIG_BYTES + pb))
         for p, s in zip(padded, sharded)
     ]
+    faults = _get_fault_costs(hardware, counts, padded, sharded, pb, rb, local=local)
     return {
-        "copy_out_s": hooks(f"unshard{suffix}", unshard),
-        "copy_in_s": hooks(f"reduce{suffix}", [mem(p * (pb + rb)) for p in padded]),
+        "copy_out_s": _add(hooks(f"unshard{suffix}", unshard), faults[0]),
+        "copy_in_s": _add(hooks(f"reduce{suffix}", [mem(p * (pb + rb)) for p in padded]), faults[1]),
         "upcast_s": [mem(p * (pb + 2 * rb)) if pb != rb else 0.0 for p in padded],
         # cat (read + write) and flat += (2 reads + write)
         "concat_s": optional("concat", [mem(5 * p * rb) for p in padded]),
         "restore_s": optional("restore", [mem(3 * p * rb) for p in padded]),
-        "accumulate_s": [mem(3 * p * pb) for p in padded],
+        "accumulate_s": [measured.get_add_seconds(3 * p * pb) if measured else mem(3 * p * pb) for p in padded],
         "pre_hook_s": hooks("pre_hook", None),
         "post_hook_s": hooks("post_hook", None),
     }
+
+
+def _add(a: list[float], b: list[float]) -> list[float]:
+    return [x + y for x, y in zip(a, b)]
+
+
+def _get_fault_costs(
+    hardware: Hardware, counts: list[int], padded: list[int], sharded: list[int], pb: int, rb: int, *, local: bool
+) -> tuple[list[float], list[float]]:
+    """Per unit, the page faults a grouped unit's per-call buffers cost beyond its blocks' own, at
+    unshard and at reduce ([Note: page faults of large buffers]; measured CPU profiles only)."""
+    measured = hardware.measured
+    zeros = [0.0] * len(padded)
+    if measured is None or measured.page_fault_s <= 0:
+        return zeros, zeros
+    threshold, fault = get_mmap_threshold_bytes(), measured.page_fault_s
+    unshard, reduce = list(zeros), list(zeros)
+    for u, c in enumerate(counts):
+        block, shard = padded[u] / c, sharded[u] / c  # one block's padded parameters, and its shard
+        # all-gather output + gloo's flat copy (none on a shard group of one); reduce input, gloo's copy, output
+        gathered = [] if local else [block * pb, block * pb]
+        reduced = [block * rb, block * rb, shard * rb]
+        unshard[u] = get_grouping_fault_seconds(gathered, c, fault, threshold)
+        reduce[u] = get_grouping_fault_seconds(reduced, c, fault, threshold)
+    return unshard, reduce
 
 
 def _get_optimizer_and_host_costs(hardware: Hardware, sharded: list[int]) -> dict[str, Any]:

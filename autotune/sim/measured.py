@@ -68,8 +68,10 @@ class CollectiveFit:
 class MeasuredProfile:
     """Measured prices of one workload on one machine (see [Note: calibration])."""
 
-    SCHEMA_VERSION: ClassVar[int] = 2
-    """2 added ``sync_s`` (a version-1 profile reads with 0: no wait beyond the traced transfers)."""
+    SCHEMA_VERSION: ClassVar[int] = 3
+    """2 added ``sync_s`` (a version-1 profile reads with 0: no wait beyond the traced transfers);
+    3 added ``page_fault_s`` and ``add_bytes_per_s`` (older profiles read with 0: large buffers cost
+    nothing extra, accumulation is priced at the hooks' memory speed)."""
 
     name: str
     world_size: int
@@ -95,6 +97,13 @@ class MeasuredProfile:
     ranks' wait for each other at the rendezvous, which the traces of a synchronous gloo
     collective do not show apart (fitted from a trial that skips gradient sync; see
     [Note: calibration]). Added to every collective; not scaled."""
+    page_fault_s: float = 0.0
+    """Seconds per page fault on this machine (measured by a probe at calibration): what a grouped
+    unit's buffers above glibc's mmap threshold cost per call ([Note: page faults of large buffers]
+    in ``autotune.sim.probes``). Not scaled."""
+    add_bytes_per_s: float = 0.0
+    """An in-place add's speed on this machine (a probe at calibration): autograd accumulating a
+    microbatch's grad into the one a non-sync microbatch left; 0: priced at ``memory_bytes_per_s``."""
     compute_scale: float = 1.0
     """Applied to every figure of work done on this machine's cores (compute, hooks, copies, the
     optimizer and the collectives' real transfers, not an emulated link's hold) so that the
@@ -120,6 +129,12 @@ class MeasuredProfile:
 
     def get_memory_seconds(self, num_bytes: float) -> float:
         return self.compute_scale * num_bytes / self.memory_bytes_per_s
+
+    def get_add_seconds(self, num_bytes: float) -> float:
+        """An in-place add moving ``num_bytes`` (the probe's speed where measured)."""
+        if self.add_bytes_per_s <= 0:
+            return self.get_memory_seconds(num_bytes)
+        return self.compute_scale * num_bytes / self.add_bytes_per_s
 
     def replace(self, **changes: Any) -> MeasuredProfile:
         return dataclasses.replace(self, **changes)
