@@ -39,13 +39,19 @@ ABS_MS, REL, RATIO = 10.0, 0.15, 0.15
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("truth")
-    run = run_ranks(
-        "_truth_programs:run_cases",
-        world_size=2,
-        kwargs={"out_dir": str(out), "cases": list(CASES)},
-        timeout_s=TIMEOUT_S,
-    )
+    # One retry, for a segfault only: CI once saw rank 0 die of SIGSEGV inside torch 2.13's CPU
+    # profiler around a gloo collective (the same programs pass on rerun, here and in that clone);
+    # these tests check the analysis of the traces, not that crash, and a second one still fails them.
+    for attempt in range(2):
+        out = tmp_path_factory.mktemp("truth")
+        run = run_ranks(
+            "_truth_programs:run_cases",
+            world_size=2,
+            kwargs={"out_dir": str(out), "cases": list(CASES)},
+            timeout_s=TIMEOUT_S,
+        )
+        if run.ok or "SIGSEGV" not in run.reason or attempt == 1:
+            break
     assert run.ok, f"{run.status}: {run.reason}\n" + "\n".join(run.stderr_tails)
     return out
 
