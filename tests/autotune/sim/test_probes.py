@@ -8,7 +8,7 @@ import pytest
 
 from autotune.sim.costs import get_mesh_costs
 from autotune.sim.hardware import Hardware
-from autotune.sim.measured import CollectiveFit, MeasuredProfile
+from autotune.sim.measured import HOOK_KEYS, SEGMENT_KEYS, CollectiveFit, MeasuredProfile
 from autotune.sim.model_work import get_model_work
 from autotune.sim.probes import (
     MMAP_THRESHOLD_MAX_BYTES,
@@ -43,22 +43,8 @@ def test_only_buffers_past_the_mmap_threshold_fault_and_grouping_pays_only_the_e
 
 
 def _measured(**changes) -> MeasuredProfile:
-    segments = dict.fromkeys(
-        ("head.forward", "block.forward", "tail.forward", "tail.backward", "block.backward", "head.backward"), 1e-3
-    )
-    hooks = dict.fromkeys(
-        (
-            "unshard.block",
-            "unshard.root",
-            "pre_hook.block",
-            "pre_hook.root",
-            "post_hook.block",
-            "post_hook.root",
-            "reduce.block",
-            "reduce.root",
-        ),
-        1e-4,
-    )
+    segments = dict.fromkeys(SEGMENT_KEYS, 1e-3)
+    hooks = dict.fromkeys(HOOK_KEYS, 1e-4)
     fit = CollectiveFit(latency_s=0.0, seconds_per_byte=1e-10, group_size=2)
     profile = MeasuredProfile(
         name="test",
