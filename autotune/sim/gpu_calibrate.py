@@ -36,6 +36,7 @@ from autotune.sim.device_profile import DeviceProfile
 from autotune.sim.hardware import get_dtype_bytes
 from autotune.sim.kernel_costs import KernelCosts, get_kernel_costs
 from autotune.sim.knobs import resolve_knobs
+from autotune.sim.margin import SIMULATOR_MEMORY_ERROR
 from autotune.sim.model_work import ModelWork
 from autotune.sim.trace_costs import CalibrationError
 from fsdp_runtime import ROOT_UNIT, RuntimeConfig, load_config
@@ -58,6 +59,8 @@ class GpuTrial:
     traces: list[Path]
     device: str
     torch: str
+    peak_bytes: float | None = None
+    """The trial's CUDA max allocated (``metrics.json`` ``process_peak_bytes``)."""
 
 
 def read_gpu_trial(path: str | Path) -> GpuTrial:
@@ -93,6 +96,9 @@ def read_gpu_trial(path: str | Path) -> GpuTrial:
         traces=[path / t for t in metrics.traces],
         device=str(env.get("cuda_device_name", "unknown GPU")),
         torch=str(env.get("torch_version", "unknown")),
+        peak_bytes=float(metrics.process_peak_bytes)
+        if metrics.memory_source == "cuda_max_allocated" and metrics.process_peak_bytes
+        else None,
     )
 
 
@@ -281,11 +287,18 @@ def calibrate_trials(
     profile_cluster = load_cluster_profile(get_cluster_for(profile.device, cluster))
     lines = []
     for trial, work in zip(trials, works):
-        predicted = (
-            Simulator(work, Hardware(profile_cluster, num_ranks=1, device=profile)).simulate(trial.config).step_s
-        )
+        prediction = Simulator(work, Hardware(profile_cluster, num_ranks=1, device=profile)).simulate(trial.config)
+        predicted = prediction.step_s
         lines.append(
             f"{trial.path}: predicted {1e3 * predicted:.1f} ms/step with this profile, measured {1e3 * trial.step_s:.1f} ms "
             f"({100 * (predicted / trial.step_s - 1):+.1f}%)"
         )
+        if trial.peak_bytes:  # the memory margin's simulator-error share, checked on this trial
+            error = prediction.peak_memory_bytes / trial.peak_bytes - 1
+            beyond = abs(error) > SIMULATOR_MEMORY_ERROR
+            lines.append(
+                f"{trial.path}: peak memory predicted {prediction.peak_memory_bytes / 2**30:.2f} GiB, CUDA max allocated "
+                f"{trial.peak_bytes / 2**30:.2f} GiB ({100 * error:+.2f}%: {'beyond' if beyond else 'within'} the plan's "
+                f"{100 * SIMULATOR_MEMORY_ERROR:.2f}% margin for the simulator's memory error)"
+            )
     return profile.replace(notes=[*profile.notes, *lines]), lines
