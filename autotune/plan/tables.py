@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotune.plan.run import PlanResult
+from autotune.plan.result import PlanResult
 from autotune.report import ReportTable, fmt
 from autotune.search import RankedPoint
 from autotune.trials import describe_precision

@@ -21,7 +21,14 @@ itself imports only ``fsdp_runtime``, ``profiles`` and torch; calibration (and
 
 from autotune.sim.calibrate import CalibrationError, CalibrationTrial, calibrate, read_calibration_trial
 from autotune.sim.device_profile import DeviceProfile, DeviceProfileError
-from autotune.sim.gpu_calibrate import GpuTrial, calibrate_device, calibrate_trials, load_kernel_costs, read_gpu_trial
+from autotune.sim.gpu_calibrate import (
+    GpuTrial,
+    calibrate_device,
+    calibrate_trials,
+    compare_trial_peak,
+    load_kernel_costs,
+    read_gpu_trial,
+)
 from autotune.sim.hardware import Hardware, SimError
 from autotune.sim.kernel_costs import KernelCosts, get_kernel_costs
 from autotune.sim.knobs import Knobs, resolve_knobs
@@ -31,7 +38,6 @@ from autotune.sim.margin import (
     MarginPart,
     MemoryMargin,
     PeakComparison,
-    compare_trial_peak,
 )
 from autotune.sim.measured import CollectiveFit, MeasuredProfile
 from autotune.sim.model_work import ModelWork, get_model_work

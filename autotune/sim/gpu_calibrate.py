@@ -36,7 +36,7 @@ from autotune.sim.device_profile import DeviceProfile
 from autotune.sim.hardware import get_dtype_bytes
 from autotune.sim.kernel_costs import KernelCosts, get_kernel_costs
 from autotune.sim.knobs import resolve_knobs
-from autotune.sim.margin import SIMULATOR_MEMORY_ERROR
+from autotune.sim.margin import SIMULATOR_MEMORY_ERROR, PeakComparison
 from autotune.sim.model_work import ModelWork
 from autotune.sim.trace_costs import CalibrationError
 from fsdp_runtime import ROOT_UNIT, RuntimeConfig, load_config
@@ -302,3 +302,27 @@ def calibrate_trials(
                 f"{100 * SIMULATOR_MEMORY_ERROR:.2f}% margin for the simulator's memory error)"
             )
     return profile.replace(notes=[*profile.notes, *lines]), lines
+
+
+def compare_trial_peak(trial_dir: str | Path, *, cluster: str = "h200-node") -> PeakComparison:
+    """Simulate a GPU trial's config on its model and world size and compare the predicted peak with
+    the trial's ``process_peak_bytes`` (``memory_source`` must be ``cuda_max_allocated``). The
+    model is ``metrics.json``'s, a file beside it when there is one; ``cluster`` only prices time."""
+    from autotune.sim.hardware import Hardware, SimError
+    from autotune.sim.model_work import get_model_work
+    from autotune.sim.predict import Simulator
+    from autotune.trials import TrialMetrics
+    from profiles import load_cluster_profile, load_model_source
+
+    path = Path(trial_dir)
+    metrics = TrialMetrics.read(path / "metrics.json")
+    if metrics.memory_source != "cuda_max_allocated" or not metrics.process_peak_bytes:
+        raise SimError(f"{path}: no CUDA peak to compare with (memory source {metrics.memory_source})")
+    model = str(path / metrics.model) if (path / metrics.model).is_file() else metrics.model
+    config = load_config(path / "config.toml")
+    work = get_model_work(load_model_source(model), config.mixed_precision.param_dtype)
+    hardware = Hardware(load_cluster_profile(cluster), 1, num_ranks=metrics.world_size)
+    prediction = Simulator(work, hardware).simulate(config)
+    return PeakComparison(
+        name=path.name, predicted_bytes=prediction.peak_memory_bytes, measured_bytes=float(metrics.process_peak_bytes)
+    )

@@ -12,7 +12,7 @@ model hold, as FSDPMemTracker counts them) does not see. Each part has its sourc
    ``nvidia-smi`` saw.
 2. *The simulator's memory error* (``SIMULATOR_MEMORY_ERROR``): the largest
    ``predicted / measured - 1`` of the peak over the trials that measured one on a GPU
-   (:func:`compare_trial_peak`).
+   (:func:`autotune.sim.gpu_calibrate.compare_trial_peak`).
 3. *Allocator fragmentation* (``ALLOCATOR_FRAGMENTATION``): the caching allocator reserves
    whole segments and keeps freed blocks cached, so at the allocation peak it holds more
    than the tensors do: reserved / allocated - 1 at the peak. Measurable from a trace that
@@ -30,7 +30,6 @@ flags configs at the edge and does not emit one while a safe config fits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 _GIB = 2**30
@@ -141,28 +140,3 @@ class PeakComparison:
     def error(self) -> float:
         """predicted / measured - 1."""
         return self.predicted_bytes / self.measured_bytes - 1.0
-
-
-def compare_trial_peak(trial_dir: str | Path, *, cluster: str = "h200-node") -> PeakComparison:
-    """Simulate a GPU trial's config on its model and world size and compare the predicted peak with
-    the trial's ``process_peak_bytes`` (``memory_source`` must be ``cuda_max_allocated``). The
-    model is ``metrics.json``'s, a file beside it when there is one; ``cluster`` only prices time."""
-    from autotune.sim.hardware import Hardware, SimError
-    from autotune.sim.model_work import get_model_work
-    from autotune.sim.predict import Simulator
-    from autotune.trials import TrialMetrics
-    from fsdp_runtime import load_config
-    from profiles import load_cluster_profile, load_model_source
-
-    path = Path(trial_dir)
-    metrics = TrialMetrics.read(path / "metrics.json")
-    if metrics.memory_source != "cuda_max_allocated" or not metrics.process_peak_bytes:
-        raise SimError(f"{path}: no CUDA peak to compare with (memory source {metrics.memory_source})")
-    model = str(path / metrics.model) if (path / metrics.model).is_file() else metrics.model
-    config = load_config(path / "config.toml")
-    work = get_model_work(load_model_source(model), config.mixed_precision.param_dtype)
-    hardware = Hardware(load_cluster_profile(cluster), 1, num_ranks=metrics.world_size)
-    prediction = Simulator(work, hardware).simulate(config)
-    return PeakComparison(
-        name=path.name, predicted_bytes=prediction.peak_memory_bytes, measured_bytes=float(metrics.process_peak_bytes)
-    )
