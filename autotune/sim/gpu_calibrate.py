@@ -144,9 +144,7 @@ def _add_trial(sums: _Sums, trial: GpuTrial, work: ModelWork, kc: KernelCosts) -
         sums.add(
             f"attention_{phase}",
             m * n * 0.5 * w["block", phase].attention_flops,
-            kc.get("", (f"attention_{phase}",))
-            if False
-            else sum(kc.get(k, (f"attention_{phase}",)) for k in model_keys),
+            sum(kc.get(k, (f"attention_{phase}",)) for k in model_keys),
         )
         sums.add(
             f"elementwise_block_{phase}",
