@@ -10,8 +10,10 @@ the world size or the model happen in :func:`validate_for_world` and in ``apply_
 Every error names the exact field path, e.g. ``units[3].forward_prefetch[0]``.
 
 Schema history: version 2 added ``units[].modules`` (several blocks in one unit) and
-``units[].activation_checkpointing``; a version-1 file reads as version 2 with both at
-their defaults (:mod:`fsdp_runtime.serialize` migrates it).
+``units[].activation_checkpointing``; version 3 added pipeline stages (``mesh.pp`` and the
+``pipeline`` table: a ``pp x replicate x shard`` mesh, FSDP2 inside each stage). An older
+file reads as the current version with the new fields at their defaults
+(:mod:`fsdp_runtime.serialize` migrates it).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Literal
 
 from fsdp_runtime.errors import ConfigError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 ROOT_UNIT = "root"
 """Name of the unit that is the model itself (``fully_shard(model)``)."""
 ConsolidationMethod = Literal["all_gather", "broadcast", "dcp"]
@@ -34,6 +36,12 @@ CheckpointingKind = Literal["none", "selective", "full"]
 CHECKPOINTING_KINDS: tuple[str, ...] = typing.get_args(CheckpointingKind)
 """Activation checkpointing of a unit's modules (see ``fsdp_runtime.checkpointing``)."""
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"]
+PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineScheduleName)
+"""Pipeline schedules (``torch.distributed.pipelining``): ``gpipe`` (all forwards, then all
+backwards), ``1f1b``, and the looped ``interleaved_1f1b`` / ``interleaved_zero_bubble``, which
+hold ``pipeline.virtual_stages`` >= 2 stages per pipeline rank."""
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,11 +53,36 @@ class MeshConfig:
     replicate: int = 1
     """Size of the replicate dimension (HSDP only; 1 for FSDP)."""
     shard: int | None = None
-    """Size of the shard dimension; ``None`` means ``world_size // replicate``."""
+    """Size of the shard dimension; ``None`` means ``world_size // (pp * replicate)``."""
+    pp: int = 1
+    """Pipeline-parallel degree: the outermost mesh dimension, ``pp x replicate x shard`` =
+    world size. Each pipeline rank holds ``pipeline.virtual_stages`` stages of the model,
+    each sharded with FSDP2 over its ``replicate x shard`` ranks. 1: no pipeline. (Schema 3.)"""
 
     def get_shape(self, world_size: int) -> tuple[int, int]:
-        shard = self.shard if self.shard is not None else world_size // self.replicate
+        """The data-parallel shape ``(replicate, shard)`` of each pipeline stage."""
+        dp_world = world_size // self.pp
+        shard = self.shard if self.shard is not None else dp_world // self.replicate
         return self.replicate, shard
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineConfig:
+    """Pipeline stages (with ``mesh.pp`` > 1): the schedule and how blocks split into stages."""
+
+    schedule: PipelineScheduleName = "1f1b"
+    """Order of the microbatches' forwards and backwards on each pipeline rank."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank: 1, or >= 2 for the interleaved schedules (stage ``s`` of
+    ``pp * virtual_stages`` is held by pipeline rank ``s % pp``, torch's looped placement)."""
+    blocks_per_stage: list[int] | None = None
+    """Blocks of each stage, in model order (``pp * virtual_stages`` entries summing to the
+    model's blocks). ``None``: an even split, refused where the blocks do not divide. The
+    first stage also runs what comes before the blocks (embeddings), the last what comes
+    after (final norm, output head)."""
+
+    def get_num_stages(self, pp: int) -> int:
+        return pp * self.virtual_stages
 
 
 @dataclass(kw_only=True, slots=True)
@@ -149,6 +182,8 @@ class RuntimeConfig:
     schema_version: int = SCHEMA_VERSION
     """Version of this schema; readers refuse newer versions."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline stages; only read with ``mesh.pp`` > 1 (see :mod:`fsdp_runtime.pipeline`). (Schema 3.)"""
     units: list[UnitConfig] = field(default_factory=list)
     """The ``fully_shard`` units. Empty: one per transformer block plus ``root``, all at
     FSDP2 defaults (resolved against the model by ``apply_fsdp``)."""
@@ -157,7 +192,8 @@ class RuntimeConfig:
     the config (it would silently shard that block with the root: another wrapping);
     ``root`` shards such blocks with the root on purpose. See [Note: unit names]."""
     num_microbatches: int = 1
-    """Gradient-accumulation microbatches per optimizer step."""
+    """Gradient-accumulation microbatches per optimizer step (with ``mesh.pp`` > 1: the
+    pipeline schedule's microbatches)."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     unshard_async: Literal["auto", "on", "off"] = "auto"
     """Issue all-gathers with ``async_op=True``. ``auto``: on for CPU devices, where it is
@@ -219,6 +255,7 @@ def validate_config(config: RuntimeConfig, *, source: str | None = None) -> Runt
         fail("mesh.replicate", "HSDP needs replicate >= 2", "use mesh.kind = 'fsdp' for a 1-D mesh")
     if config.num_microbatches < 1:
         fail("num_microbatches", f"must be >= 1, got {config.num_microbatches}")
+    _validate_pipeline(config, fail)
     if config.reduce_scatter_max_input_buffers is not None and config.reduce_scatter_max_input_buffers < 1:
         fail("reduce_scatter_max_input_buffers", "must be >= 1 or unset")
     for key in ("param_dtype", "reduce_dtype"):
@@ -237,6 +274,49 @@ def validate_config(config: RuntimeConfig, *, source: str | None = None) -> Runt
         _validate_unit(unit, f"units[{i}]", seen, config, fail)
     _validate_modules(config, fail)
     return config
+
+
+def _validate_pipeline(config: RuntimeConfig, fail) -> None:
+    """The pipeline table against ``mesh.pp`` (the split against the model: ``fsdp_runtime.pipeline``)."""
+    pp, pipeline = config.mesh.pp, config.pipeline
+    if pp < 1:
+        fail("mesh.pp", f"must be >= 1, got {pp}")
+    if pp == 1:
+        if pipeline != PipelineConfig():
+            fail("pipeline", "is set but mesh.pp is 1 (no pipeline)", "set mesh.pp > 1, or remove the pipeline table")
+        return
+    if pipeline.virtual_stages < 1:
+        fail("pipeline.virtual_stages", f"must be >= 1, got {pipeline.virtual_stages}")
+    interleaved = pipeline.schedule in INTERLEAVED_SCHEDULES
+    if interleaved and pipeline.virtual_stages < 2:
+        fail(
+            "pipeline.virtual_stages",
+            f"schedule {pipeline.schedule!r} needs >= 2 stages per pipeline rank, got {pipeline.virtual_stages}",
+            "set virtual_stages >= 2, or use schedule '1f1b'",
+        )
+    if not interleaved and pipeline.virtual_stages != 1:
+        fail(
+            "pipeline.virtual_stages",
+            f"schedule {pipeline.schedule!r} holds one stage per pipeline rank, got {pipeline.virtual_stages}",
+            "set virtual_stages = 1, or use schedule 'interleaved_1f1b'",
+        )
+    stages = pipeline.get_num_stages(pp)
+    if pipeline.blocks_per_stage is not None:
+        if len(pipeline.blocks_per_stage) != stages:
+            fail(
+                "pipeline.blocks_per_stage",
+                f"has {len(pipeline.blocks_per_stage)} entries for {stages} stages (mesh.pp x pipeline.virtual_stages)",
+                f"list {stages} block counts",
+            )
+        for i, count in enumerate(pipeline.blocks_per_stage):
+            if count < 1:
+                fail(f"pipeline.blocks_per_stage[{i}]", f"must be >= 1, got {count}")
+    if interleaved and config.num_microbatches % pp:
+        fail(
+            "num_microbatches",
+            f"{config.num_microbatches} is not a multiple of mesh.pp = {pp}, which {pipeline.schedule!r} needs",
+            f"use a multiple of {pp}",
+        )
 
 
 def _validate_modules(config: RuntimeConfig, fail) -> None:
@@ -330,19 +410,29 @@ def _summarize_names(names: list[str]) -> str:
 
 
 def validate_for_world(config: RuntimeConfig, world_size: int, *, source: str | None = None) -> tuple[int, int]:
-    """Checks that need the world size; returns the mesh shape ``(replicate, shard)``."""
+    """Checks that need the world size; returns each stage's data-parallel mesh shape ``(replicate, shard)``."""
+    if world_size % config.mesh.pp:
+        raise ConfigError(
+            "mesh.pp",
+            f"{config.mesh.pp} does not divide the world size {world_size}",
+            fix="choose pp x replicate x shard = world size",
+            source=source,
+        )
+    dp_world = world_size // config.mesh.pp
     replicate, shard = config.mesh.get_shape(world_size)
-    if config.mesh.kind == "fsdp" and config.mesh.shard not in (None, world_size):
+    if config.mesh.kind == "fsdp" and config.mesh.shard not in (None, dp_world):
         raise ConfigError(
             "mesh.shard",
-            f"is {config.mesh.shard} but the world size is {world_size}",
+            f"is {config.mesh.shard} but the data-parallel world size is {dp_world}",
             fix="leave mesh.shard unset for FSDP",
             source=source,
         )
-    if replicate * shard != world_size or world_size % config.mesh.replicate:
+    if replicate * shard != dp_world or dp_world % config.mesh.replicate:
+        pp = "pp x " if config.mesh.pp > 1 else ""
+        pp_n = f"{config.mesh.pp} x " if config.mesh.pp > 1 else ""
         raise ConfigError(
             "mesh",
-            f"replicate x shard = {config.mesh.replicate} x {config.mesh.shard if config.mesh.shard is not None else '?'} does not multiply to the world size {world_size}",
+            f"{pp}replicate x shard = {pp_n}{config.mesh.replicate} x {config.mesh.shard if config.mesh.shard is not None else '?'} does not multiply to the world size {world_size}",
             fix="choose factors whose product is the world size",
             source=source,
         )

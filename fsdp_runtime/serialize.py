@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fsdp_runtime._toml import dumps as dumps_toml
-from fsdp_runtime.config import SCHEMA_VERSION, RuntimeConfig, validate_config
+from fsdp_runtime.config import SCHEMA_VERSION, PipelineConfig, RuntimeConfig, validate_config
 from fsdp_runtime.errors import ConfigError
 from fsdp_runtime.files import write_atomic
 
@@ -35,13 +35,18 @@ _SCHEMA_2_UNIT_FIELDS = {"modules": None, "activation_checkpointing": "none"}
 def config_to_dict(config: RuntimeConfig) -> dict[str, Any]:
     """The config as plain data, in the oldest schema version that holds it: a config that
     uses no schema-2 field (``units[].modules``, ``units[].activation_checkpointing``) is
-    written as version 1, so configs (and the artifacts embedding them) that do not use the
-    new knobs stay byte-identical and readable by older releases; one that does is version
-    2, which a version-1 reader refuses with its "newer than this fsdp-autotune" error."""
+    written as version 1, and one without pipeline stages (``mesh.pp`` 1) as at most version
+    2, so configs (and the artifacts embedding them) that do not use the new knobs stay
+    byte-identical and readable by older releases; one that does carries the version that
+    holds it, which an older reader refuses with its "newer than this fsdp-autotune" error."""
     data = dataclasses.asdict(config)
     # Added to schema 1 with a default: written only when set, for the same reason.
     if data["unlisted_blocks"] == "error":
         del data["unlisted_blocks"]
+    if config.mesh.pp != 1 or config.pipeline != PipelineConfig():
+        return data
+    del data["pipeline"], data["mesh"]["pp"]
+    data["schema_version"] = 2
     if all(unit.get(k) == default for unit in data["units"] for k, default in _SCHEMA_2_UNIT_FIELDS.items()):
         data["schema_version"] = 1
         for unit in data["units"]:
@@ -83,7 +88,12 @@ def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-_MIGRATIONS = {1: _migrate_v1}
+def _migrate_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """v2 -> v3: v3 only added ``mesh.pp`` and the ``pipeline`` table, with defaults (no pipeline)."""
+    return data
+
+
+_MIGRATIONS = {1: _migrate_v1, 2: _migrate_v2}
 """``{version: upgrade of a dict of that version to the next}``: every released version stays readable."""
 
 

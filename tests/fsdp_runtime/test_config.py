@@ -12,6 +12,7 @@ from fsdp_runtime import (
     SCHEMA_VERSION,
     ConfigError,
     MeshConfig,
+    PipelineConfig,
     MixedPrecisionConfig,
     Provenance,
     RuntimeConfig,
@@ -22,6 +23,7 @@ from fsdp_runtime import (
     load_config,
     loads_config,
     save_config,
+    validate_config,
     validate_for_world,
 )
 
@@ -57,7 +59,8 @@ def _rich_config() -> RuntimeConfig:
     return dataclasses.replace(
         config,
         units=units,
-        mesh=MeshConfig(kind="hsdp", replicate=2, shard=4),
+        mesh=MeshConfig(kind="hsdp", replicate=2, shard=4, pp=2),
+        pipeline=PipelineConfig(schedule="interleaved_1f1b", virtual_stages=2, blocks_per_stage=[1, 2, 1, 1]),
         mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32"),
         unshard_async="on",
         reduce_scatter_max_input_buffers=2,
@@ -99,7 +102,7 @@ def test_version_1_fixtures_still_load():
     toml_v1 = load_config(DATA / "v1_example.toml")
     json_v1 = load_config(DATA / "v1_example.json")
     assert toml_v1 == json_v1
-    assert SCHEMA_VERSION == 2 and toml_v1.schema_version == SCHEMA_VERSION
+    assert SCHEMA_VERSION == 3 and toml_v1.schema_version == SCHEMA_VERSION
     assert toml_v1.get_unit("layers.0").forward_prefetch == ["layers.1"]
     assert toml_v1.get_unit("layers.1").sync == "last"
     assert all(u.modules is None and u.activation_checkpointing == "none" for u in toml_v1.units)
@@ -121,6 +124,85 @@ def test_configs_without_schema_2_fields_are_written_as_version_1(tmp_path):
         config = dataclasses.replace(plain, units=[unit, *plain.units[1:]])
         assert config_to_dict(config)["schema_version"] == 2
         assert load_config(save_config(config, tmp_path / "v2.json")) == config
+
+
+def test_configs_without_pipeline_stages_are_written_as_version_2_at_most(tmp_path):
+    """A config with mesh.pp = 1 stays readable by a version-2 reader; one with stages is version 3."""
+    plain = dataclasses.replace(
+        default_config(BLOCKS, num_microbatches=2),
+        units=[dataclasses.replace(UnitConfig(name="layers.0"), activation_checkpointing="full")]
+        + [UnitConfig(name=n) for n in BLOCKS[1:] + ["root"]],
+    )
+    data = config_to_dict(plain)
+    assert data["schema_version"] == 2 and "pipeline" not in data and "pp" not in data["mesh"]
+    staged = dataclasses.replace(plain, mesh=MeshConfig(pp=2), pipeline=PipelineConfig(schedule="gpipe"))
+    data = config_to_dict(staged)
+    assert data["schema_version"] == 3 and data["mesh"]["pp"] == 2 and data["pipeline"]["schedule"] == "gpipe"
+    assert load_config(save_config(staged, tmp_path / "v3.toml")) == staged
+
+
+def test_version_3_fixtures_load():
+    toml_v3 = load_config(DATA / "v3_example.toml")
+    assert toml_v3 == load_config(DATA / "v3_example.json")
+    assert toml_v3.mesh.pp == 2 and toml_v3.mesh.get_shape(8) == (2, 2)
+    assert toml_v3.pipeline == PipelineConfig(
+        schedule="interleaved_1f1b", virtual_stages=2, blocks_per_stage=[1, 1, 1, 1]
+    )
+
+
+@pytest.mark.parametrize(
+    ("mesh", "pipeline", "microbatches", "message"),
+    [
+        (MeshConfig(pp=0), PipelineConfig(), 1, r"mesh\.pp: must be >= 1, got 0"),
+        (MeshConfig(), PipelineConfig(schedule="gpipe"), 1, r"pipeline: is set but mesh\.pp is 1"),
+        (
+            MeshConfig(pp=2),
+            PipelineConfig(schedule="interleaved_1f1b"),
+            2,
+            r"pipeline\.virtual_stages: schedule 'interleaved_1f1b' needs >= 2",
+        ),
+        (
+            MeshConfig(pp=2),
+            PipelineConfig(virtual_stages=2),
+            2,
+            r"pipeline\.virtual_stages: schedule '1f1b' holds one stage",
+        ),
+        (
+            MeshConfig(pp=2),
+            PipelineConfig(blocks_per_stage=[4]),
+            2,
+            r"pipeline\.blocks_per_stage: has 1 entries for 2 stages",
+        ),
+        (
+            MeshConfig(pp=2),
+            PipelineConfig(blocks_per_stage=[4, 0]),
+            2,
+            r"pipeline\.blocks_per_stage\[1\]: must be >= 1, got 0",
+        ),
+        (
+            MeshConfig(pp=2),
+            PipelineConfig(schedule="interleaved_1f1b", virtual_stages=2),
+            3,
+            r"num_microbatches: 3 is not a multiple of mesh\.pp = 2",
+        ),
+    ],
+)
+def test_pipeline_fields_are_checked(mesh, pipeline, microbatches, message):
+    config = dataclasses.replace(default_config(BLOCKS), mesh=mesh, pipeline=pipeline, num_microbatches=microbatches)
+    with pytest.raises(ConfigError, match=message):
+        validate_config(config)
+
+
+def test_pipeline_degree_must_divide_the_world():
+    config = dataclasses.replace(default_config(BLOCKS), mesh=MeshConfig(pp=3))
+    with pytest.raises(ConfigError, match=r"mesh\.pp: 3 does not divide the world size 4"):
+        validate_for_world(config, 4)
+    staged = dataclasses.replace(config, mesh=MeshConfig(pp=2, kind="hsdp", replicate=2))
+    assert validate_for_world(staged, 8) == (2, 2)
+    with pytest.raises(
+        ConfigError, match=r"mesh: pp x replicate x shard = 2 x 2 x 3 does not multiply to the world size 8"
+    ):
+        validate_for_world(dataclasses.replace(staged, mesh=MeshConfig(pp=2, kind="hsdp", replicate=2, shard=3)), 8)
 
 
 def test_version_2_fixtures_load():
@@ -186,10 +268,10 @@ def test_version_2_fixtures_load():
         # What a v2 file gets from a v1 reader (the same check, one version up).
         (
             lambda d: d.update(schema_version=SCHEMA_VERSION + 1),
-            r"schema_version: 3 is newer than this fsdp-autotune understands \(2\) \(upgrade fsdp-autotune\)",
+            r"schema_version: 4 is newer than this fsdp-autotune understands \(3\) \(upgrade fsdp-autotune\)",
         ),
         (lambda d: d.update(schema_version=0), r"schema_version: 0 was never a schema version"),
-        (lambda d: d.pop("schema_version"), r"schema_version: is missing \(add schema_version = 2\)"),
+        (lambda d: d.pop("schema_version"), r"schema_version: is missing \(add schema_version = 3\)"),
         (
             lambda d: d["units"][2].update(activation_checkpointing="partial"),
             r"units\[2\]\.activation_checkpointing: 'partial' is not one of 'none', 'selective', 'full'",
