@@ -13,12 +13,12 @@ from fsdp_runtime.checkpointing import SAVED_OP_NAMES
 from fsdp_runtime.config import (
     CHECKPOINTING_KINDS,
     CONSOLIDATION_METHODS,
+    PIPELINE_SCHEDULES,
     ROOT_UNIT,
     SCHEMA_VERSION,
     CheckpointConfig,
     MeshConfig,
     MixedPrecisionConfig,
-    PIPELINE_SCHEDULES,
     PipelineConfig,
     Provenance,
     RuntimeConfig,
@@ -35,6 +35,7 @@ from fsdp_runtime.consolidate import (
 )
 from fsdp_runtime.errors import AutotuneError, ConfigError
 from fsdp_runtime.files import atomic_path, write_atomic, write_json_atomic
+from fsdp_runtime.pipeline import AppliedPipeline, apply_pipeline
 from fsdp_runtime.serialize import (
     config_from_dict,
     config_to_dict,
@@ -51,6 +52,7 @@ __all__ = [
     "SAVED_OP_NAMES",
     "SCHEMA_VERSION",
     "AppliedFsdp",
+    "AppliedPipeline",
     "AutotuneError",
     "CheckpointConfig",
     "CheckpointError",
@@ -64,6 +66,7 @@ __all__ = [
     "RuntimeConfig",
     "UnitConfig",
     "apply_fsdp",
+    "apply_pipeline",
     "atomic_path",
     "config_from_dict",
     "config_to_dict",

@@ -39,9 +39,10 @@ class GradAccumulator:
             raise ValueError(f"microbatch index {index} outside 0..{self.num_microbatches - 1}")
         is_last = index == self.num_microbatches - 1
         for unit in self.applied.config.units:
-            self._set_unit_state(unit, is_last)
+            self.set_unit_state(unit, is_last=is_last)
 
-    def _set_unit_state(self, unit: UnitConfig, is_last: bool) -> None:
+    def set_unit_state(self, unit: UnitConfig, *, is_last: bool) -> None:
+        """One unit's sync, replica all-reduce and reshard-after-backward for a (last or not) microbatch."""
         module = self.applied.units[unit.name]
         module.set_requires_gradient_sync(is_last or unit.sync != "last", recurse=False)
         if self.applied.config.mesh.kind == "hsdp":

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.trials.training import LEARNING_RATE, Training, build_training, make_microbatch, resolve_profile
 from profiles import build_model
@@ -161,5 +162,41 @@ def train_configs(
                 "refit_loss": refit,
             }
         )
+        del training
+    return results
+
+
+class _CollectiveCounter(TorchDispatchMode):
+    """Counts c10d ops by kind over a whole pipeline step (no module tracker: stages run each
+    module once per microbatch, which CommDebugMode's tracker does not survive)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds = _collective_kinds()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func.overloadpacket
+        if packet in self.kinds or str(packet).startswith(("c10d.", "_c10d_functional.")):
+            kind = self.kinds.get(packet, str(packet))
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def train_pipeline_configs(
+    rank: int, world_size: int, *, model: str, configs: list[dict[str, Any]], num_steps: int, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Rank program: each config (with pipeline stages or without) in turn; per config this
+    rank's losses (with stages: the last stage's, broadcast over its pipeline group), its
+    stage indices and the collectives of its training steps by kind. The same counter runs
+    with and without stages (a dispatch mode can change the last bits of a result)."""
+    results = []
+    for config in configs:
+        training = build_training(rank, world_size, model=model, config=config, seed=seed)
+        counter = _CollectiveCounter()
+        with counter:
+            losses = [training.step(s) for s in range(num_steps)]
+        stages = training.pipeline.stage_indices if training.pipeline is not None else None
+        results.append({"losses": losses, "stages": stages, "collectives": counter.counts})
         del training
     return results

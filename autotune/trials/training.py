@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from fsdp_runtime import AppliedFsdp, GradAccumulator, apply_fsdp, config_from_dict
-from profiles import BATCH_HOOK, ModelSourceError, compute_loss
+from fsdp_runtime import AppliedFsdp, AppliedPipeline, GradAccumulator, apply_fsdp, apply_pipeline, config_from_dict
+from fsdp_runtime.errors import ConfigError
+from profiles import BATCH_HOOK, LOSS_HOOK, ModelSourceError, compute_loss
 from profiles.sources import ModelSource, load_model_source
 
 LEARNING_RATE = 1e-3
@@ -63,6 +66,8 @@ class Training:
     seed: int
     dp_rank: int
     device: torch.device = torch.device("cpu")
+    pipeline: AppliedPipeline | None = None
+    """With ``mesh.pp`` > 1: this rank's stages and their schedule (``applied`` is its first stage's)."""
 
     @property
     def model(self) -> nn.Module:
@@ -76,6 +81,8 @@ class Training:
 
     def step(self, step: int) -> float:
         """One optimizer step over all microbatches; returns this rank's loss (sum of microbatch losses)."""
+        if self.pipeline is not None:
+            return self._step_pipeline(step)
         total = torch.zeros((), device=self.device)
         num = self.accumulator.num_microbatches
         for m in range(num):
@@ -86,6 +93,22 @@ class Training:
             total += loss.detach()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return total.item()
+
+    def _step_pipeline(self, step: int) -> float:
+        """The schedule over the whole batch (the microbatches along dim 0, as without stages);
+        the last stage's loss is broadcast over the pipeline group, so every rank of a
+        data-parallel column returns the same number a rank without stages would."""
+        pipeline = self.pipeline
+        assert pipeline is not None
+        batch = torch.cat([self.get_microbatch(step, m) for m in range(self.accumulator.num_microbatches)])
+        loss = pipeline.step(batch[:, :-1], target=batch[:, 1:])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = loss if loss is not None else torch.zeros((), device=self.device)
+        last = pipeline.split.num_stages - 1
+        src = (last % pipeline.config.mesh.pp) * (dist.get_world_size() // pipeline.config.mesh.pp) + self.dp_rank
+        dist.broadcast(total, src=src, group=pipeline.mesh.get_group("pp"))
         return total.item()
 
 
@@ -109,6 +132,8 @@ def build_training(
     runtime_config = config_from_dict(config)
     torch.manual_seed(seed)
     module = source.build(device=str(device), seed=seed)
+    if runtime_config.mesh.pp > 1:
+        return _build_pipeline_training(source, module, runtime_config, seed=seed, device=torch.device(device))
     applied = apply_fsdp(module, runtime_config)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
     return Training(
@@ -119,4 +144,33 @@ def build_training(
         seed=seed,
         dp_rank=rank,
         device=torch.device(device),
+    )
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The causal-LM default of :func:`profiles.compute_loss` on a stage's logits: fp32 cross-entropy."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _build_pipeline_training(
+    source: ModelSource, module: nn.Module, config: Any, *, seed: int, device: torch.device
+) -> Training:
+    """Stages of ``module`` on this rank, each sharded (:func:`fsdp_runtime.apply_pipeline`)."""
+    if callable(getattr(module, LOSS_HOOK, None)) or callable(getattr(module, BATCH_HOOK, None)):
+        raise ConfigError(
+            "mesh.pp",
+            f"{source.name} brings its own {LOSS_HOOK}/{BATCH_HOOK}: pipeline trials train token ids with the next-token loss only",
+            fix="set mesh.pp = 1 for this model",
+        )
+    pipeline = apply_pipeline(module, config, loss_fn=next_token_loss, device_type=device.type)
+    optimizer = torch.optim.AdamW(list(pipeline.parameters()), lr=LEARNING_RATE)
+    return Training(
+        profile=source,
+        applied=pipeline.applied[0],
+        optimizer=optimizer,
+        accumulator=GradAccumulator(pipeline.applied[0], num_microbatches=config.num_microbatches),
+        seed=seed,
+        dp_rank=pipeline.dp_rank,
+        device=device,
+        pipeline=pipeline,
     )
