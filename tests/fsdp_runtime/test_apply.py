@@ -247,6 +247,7 @@ _TORCH_MODULES = (
     "torch.distributed.checkpoint",
     "torch.distributed.tensor",
     "torch.distributed.device_mesh",
+    "torch.distributed.pipelining",  # what torch's pipelining loads is torch's, not ours
 )
 _IMPORT_THEN_LIST = """
 import importlib, json, pkgutil, sys
