@@ -42,6 +42,15 @@ time the link model says the transfer would end:
   ``linkemu::hold_<kind>`` span on the thread that waits (inside ``FSDP::all_gather_copy_out``
   for an async all-gather): communication time the gloo spans alone do not show.
 
+Pipeline stages' activations and gradients (``torch.distributed.pipelining``) are P2P
+sends: each direction ``src -> dst`` is a link of its own (``intra_node`` or ``inter_node``
+by the same rule), *bytes* the tensor, and both the send and the matching receive end at
+``max(send issued, receive issued, previous transfer's end) + modelled`` (the board slots
+are ``p2p.<src>.<dst>``, numbered per direction: sends between two ranks arrive in order).
+The schedules issue them through their module's ``_batch_p2p`` (a private function, hooked
+where this torch has it: with ``dist.isend`` replaced instead, ``P2POp`` would refuse the
+hook as an unknown op); without it, P2P is not emulated and ``summary()`` has no ``p2p``.
+
 The hooks replace the ``torch.distributed`` functions FSDP2 calls by attribute lookup
 at call time (``all_gather_single``, ``reduce_scatter_single``, ``all_reduce`` and their
 ``*_into_tensor``/``*_tensor`` aliases); a thread-local guard keeps an alias that calls
@@ -81,6 +90,18 @@ _HOOKED = {
     "reduce_scatter_tensor": ("reduce_scatter", "input"),
     "all_reduce": ("all_reduce", "tensor"),
 }
+
+
+_P2P_HOOK = "pipelining._batch_p2p"
+
+
+def _get_pipelining_schedules() -> Any:
+    """torch's pipelining schedules module where it has the ``_batch_p2p`` the P2P hook wraps, else None."""
+    try:
+        from torch.distributed.pipelining import schedules
+    except ImportError:
+        return None
+    return schedules if callable(getattr(schedules, "_batch_p2p", None)) else None
 
 
 @dataclass(kw_only=True)
@@ -222,7 +243,7 @@ class LinkEmulator:
     stats: dict[str, KindStats] = field(default_factory=dict)
     _originals: dict[str, Callable[..., Any]] = field(default_factory=dict, init=False, repr=False)
     _last: dict[str, _Transfer] = field(default_factory=dict, init=False, repr=False)
-    _groups: dict[int, _GroupLink] = field(default_factory=dict, init=False, repr=False)
+    _groups: dict[Any, _GroupLink] = field(default_factory=dict, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _local: threading.local = field(default_factory=threading.local, init=False, repr=False)
 
@@ -254,10 +275,18 @@ class LinkEmulator:
                 continue
             self._originals[name] = original
             setattr(dist, name, self._wrap(original, kind, arg_name))
+        schedules = _get_pipelining_schedules()
+        if schedules is not None:
+            self._originals[_P2P_HOOK] = schedules._batch_p2p
+            schedules._batch_p2p = self._wrap_p2p(schedules._batch_p2p)
 
     def uninstall(self) -> None:
+        schedules = _get_pipelining_schedules()
         for name, original in self._originals.items():
-            setattr(dist, name, original)
+            if name == _P2P_HOOK:
+                schedules._batch_p2p = original
+            else:
+                setattr(dist, name, original)
         self._originals.clear()
 
     def summary(self) -> dict[str, dict[str, Any]]:
@@ -291,6 +320,43 @@ class LinkEmulator:
 
         hooked.__wrapped__ = original  # type: ignore[attr-defined]
         return hooked
+
+    def _wrap_p2p(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``_batch_p2p(ops, desc)`` whose works end at the modelled end of each op's transfer."""
+
+        def hooked(p2p_ops: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+            me = dist.get_rank()
+            transfers = []
+            for op in p2p_ops:
+                sending = op.op is dist.isend
+                src, dst = (me, op.peer) if sending else (op.peer, me)
+                link = self._get_direction(src, dst, me)
+                num_bytes = op.tensor.numel() * op.tensor.element_size()
+                transfers.append((link, self._begin("p2p", link, num_bytes)) if link.link is not None else None)
+            works = original(p2p_ops, *args, **kwargs)
+            releases = [self._get_release("p2p", *t) if t is not None else None for t in transfers]
+            if all(r is None for r in releases):
+                return works
+            if len(works) == len(p2p_ops):  # one work per op (gloo, and homogeneous batches)
+                return [w if r is None else _HeldWork(w, r) for w, r in zip(works, releases, strict=True)]
+            held = [r for r in releases if r is not None]  # coalesced (NCCL): each work waits for all
+            return [_HeldWork(w, lambda: [r() for r in held]) for w in works]
+
+        return hooked
+
+    def _get_direction(self, src: int, dst: int, me: int) -> _GroupLink:
+        key = ("p2p", src, dst)
+        if key not in self._groups:
+            link_name = get_link_name([src, dst], self.ranks_per_node)
+            link = self.links.get(link_name)
+            self._groups[key] = _GroupLink(
+                name=f"p2p.{src}.{dst}",
+                size=2,
+                rank=0 if me == src else 1,
+                link_name=link_name,
+                link=link if link is not None and link.emulated else None,
+            )
+        return self._groups[key]
 
     def _get_group(self, group: Any) -> _GroupLink:
         """The group's name, size, this rank's place in it, its link class and model (None when not emulated)."""
