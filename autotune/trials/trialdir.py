@@ -48,12 +48,18 @@ _STEP_COST_KEYS = (
 
 
 def check_trial_spec(spec: TrialSpec) -> None:
-    """Checks that need no ranks: the profile exists, the mesh fits the world size, the cluster loads."""
+    """Checks that need no ranks: the profile exists, the mesh fits the world size, pipeline
+    stages split the model's blocks (on a meta-device build), the cluster loads."""
     from autotune.trials.training import resolve_profile
+    from fsdp_runtime.blocks import resolve_units
+    from fsdp_runtime.pipeline import split_stages
     from profiles import load_cluster_profile
 
-    resolve_profile(spec.model)
+    source = resolve_profile(spec.model)
     validate_for_world(spec.config, spec.world_size)
+    if spec.config.mesh.pp > 1:
+        model = source.build(device="meta", seed=spec.seed)
+        split_stages(model, resolve_units(model, spec.config))
     if spec.cluster is not None:
         load_cluster_profile(spec.cluster)
 

@@ -59,3 +59,27 @@ def get_survivors(pids: list[int]) -> list[int]:
         if state != "Z" and (pid in pids or pgrp in pids):
             survivors.append(pid)
     return survivors
+
+
+STAGE_DEATH_MESSAGE = "injected: pipeline stage 1 died in its third forward"
+
+
+def stage_dies_mid_step(rank: int, world_size: int, *, spec: dict) -> dict:
+    """The real trial rank program, but the ranks holding pipeline stage 1 raise inside that
+    stage's third microbatch forward (the first training step, mid-schedule): their peers wait
+    in a receive or a collective that never completes."""
+    from autotune.trials.program import run_trial_rank
+    from fsdp_runtime.pipeline import TunedStage
+
+    original = TunedStage.forward_one_chunk
+    calls = {"n": 0}
+
+    def forward_one_chunk(self, *args, **kwargs):
+        if self.stage_index == 1:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError(STAGE_DEATH_MESSAGE)
+        return original(self, *args, **kwargs)
+
+    TunedStage.forward_one_chunk = forward_one_chunk
+    return run_trial_rank(rank, world_size, spec=spec)

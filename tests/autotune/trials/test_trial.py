@@ -13,10 +13,10 @@ import subprocess
 import sys
 
 import pytest
-from _trial_programs import CRASH_MESSAGE, get_survivors
+from _trial_programs import CRASH_MESSAGE, STAGE_DEATH_MESSAGE, get_survivors
 
 from autotune.trials import TrialMetrics, TrialResult, TrialSpec, TrialSpecError, run_trial
-from fsdp_runtime import MeshConfig, default_config, load_config
+from fsdp_runtime import MeshConfig, PipelineConfig, default_config, load_config
 from profiles import load_model_profile
 
 UNITS = load_model_profile("tiny").unit_names
@@ -178,6 +178,34 @@ def test_crashing_trial_is_recorded_with_the_last_stderr_line(tmp_path):
     assert result.reason.startswith("rank 1 exited with 1:") and CRASH_MESSAGE in result.reason
     assert json.loads((tmp_path / "trial" / "metrics.json").read_text())["status"] == "crash"
     assert get_survivors(result.rank_pids) == []
+
+
+def test_a_pipeline_stage_that_dies_mid_step_fails_the_trial_with_its_reason(tmp_path):
+    """World 4 = 2 stages x 2 data-parallel ranks: stage 1's ranks raise in a forward; stage 0's
+    ranks, blocked on a receive that never comes, are killed with them, within the time limit."""
+    config = dataclasses.replace(
+        default_config(UNITS, num_microbatches=4), mesh=MeshConfig(pp=2), pipeline=PipelineConfig(schedule="1f1b")
+    )
+    spec = _spec(
+        tmp_path, config=config, world_size=4, rank_program="_trial_programs:stage_dies_mid_step", timeout_s=60
+    )
+    result = run_trial(spec)
+    assert result.status == "crash", result.reason
+    assert result.reason.startswith(("rank 2 exited with 1:", "rank 3 exited with 1:")), result.reason
+    assert STAGE_DEATH_MESSAGE in result.reason
+    assert get_survivors(result.rank_pids) == []
+    assert json.loads((tmp_path / "trial" / "metrics.json").read_text())["status"] == "crash"
+
+
+def test_a_pipeline_config_whose_stages_do_not_divide_the_blocks_is_refused_in_one_line(tmp_path):
+    config = dataclasses.replace(
+        default_config(UNITS), mesh=MeshConfig(pp=2), pipeline=PipelineConfig(blocks_per_stage=[1, 2])
+    )
+    result = run_trial(_spec(tmp_path, config=config, world_size=4))
+    assert result.status == "invalid_config" and result.rank_pids == []
+    assert result.reason == (
+        "pipeline.blocks_per_stage: sums to 3 blocks but the model has 4 (list 2 block counts summing to 4)"
+    ), result.reason
 
 
 def test_deadlocking_trial_times_out_and_kills_the_process_tree(tmp_path):
