@@ -261,6 +261,13 @@ def search(
         typer.Option("--cluster", help="Cluster profile whose links are emulated (e.g. cpu-emulated-ib)."),
     ] = None,
     mesh: Annotated[str | None, typer.Option("--mesh", help="Fix the mesh: fsdp or hsdp:RxS.")] = None,
+    pp: Annotated[
+        str,
+        typer.Option(
+            "--pp",
+            help="Pipeline degrees to search with FSDP2 inside each stage, e.g. 1,2 (those dividing the world size and the blocks; 1: no stages).",
+        ),
+    ] = "1",
     patience: Annotated[
         int, typer.Option("--patience", help="Stop after this many trials without a 1% improvement (0: never).")
     ] = 10,
@@ -331,6 +338,7 @@ def search(
         checkpointing=checkpointing,
         cluster=cluster,
         fixed_mesh=mesh,
+        pipeline_degrees=pp,
         patience=patience or None,
         num_refine=refine,
         num_confirm_pairs=confirm_pairs,
@@ -514,6 +522,7 @@ _FLAGS = {
     "storage": "--storage",
     "out_dir": "--out",
     "fixed_mesh": "--mesh",
+    "pipeline_degrees": "--pp",
     "storage_timeout_s": "--storage-timeout",
     "heartbeat_s": "--heartbeat",
     "presearch": "--presearch",

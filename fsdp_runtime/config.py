@@ -314,6 +314,12 @@ def _validate_pipeline(config: RuntimeConfig, fail) -> None:
         for i, count in enumerate(pipeline.blocks_per_stage):
             if count < 1:
                 fail(f"pipeline.blocks_per_stage[{i}]", f"must be >= 1, got {count}")
+    if pipeline.schedule == "1f1b" and config.num_microbatches < pp:
+        fail(
+            "num_microbatches",
+            f"{config.num_microbatches} is fewer than the {pp} stages, which schedule '1f1b' needs at least",
+            f"use >= {pp} microbatches, or schedule 'gpipe'",
+        )
     if interleaved and config.num_microbatches % pp:
         fail(
             "num_microbatches",

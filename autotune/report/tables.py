@@ -173,6 +173,8 @@ def get_search_summary_table(summary: SearchRecord, comparison: Comparison | Non
                 f"{', '.join(parts)} (emitted config uses {cons.get('chosen', cons.get('method'))})",
             ]
         )
+    elif cons.get("skipped"):
+        table.rows.append(["checkpoint consolidation", f"not timed: {cons['skipped']}"])
     elif cons.get("error"):
         table.rows.append(["checkpoint consolidation", f"failed: {cons['error']}"])
     return table

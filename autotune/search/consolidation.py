@@ -167,6 +167,10 @@ def time_consolidation(ctx: SearchContext, config: RuntimeConfig) -> dict[str, A
     failure is recorded, never raised.
     """
     own = config.checkpoint.consolidation
+    if config.mesh.pp > 1:
+        # fsdp_runtime.consolidate gathers one FSDP2 model onto rank 0; a pipeline's stages
+        # live on other ranks (each a model of Passthroughs around its own blocks).
+        return {"method": own, "skipped": "pipeline stages (it gathers one sharded model onto rank 0, not stages)"}
     methods = [own, *(m for m in TIMED_METHODS if m != own)]
     kwargs = {
         "model": ctx.plan.trial_model,

@@ -61,17 +61,32 @@ def check_storage_url(url: str) -> None:
         ) from None
 
 
-def check_model(model: str) -> None:
-    """The model loads and builds on the meta device with repeated blocks (else one line naming ``model``)."""
+def check_model(model: str) -> int:
+    """The model loads and builds on the meta device with repeated blocks (else one line naming
+    ``model``); returns its number of blocks."""
     from profiles.sources import load_model_source
 
-    load_model_source(model).block_names  # noqa: B018 (the meta-device build is the check)
+    return len(load_model_source(model).block_names)
+
+
+def check_pipeline_degrees(degrees: tuple[int, ...], world_size: int, num_blocks: int) -> None:
+    """Each degree asked for splits the world size and the blocks (else one line naming ``--pp``)."""
+    for pp in degrees:
+        if world_size % pp or num_blocks % pp:
+            what = f"the world size {world_size}" if world_size % pp else f"the model's {num_blocks} blocks"
+            raise SearchError(f"pipeline degree {pp} does not divide {what}", field="pipeline_degrees")
 
 
 def preflight(settings: SearchSettings) -> None:
     """Everything that can be checked before the run dir and the study exist."""
-    check_model(settings.model)
+    num_blocks = check_model(settings.model)
     check_mesh(settings.fixed_mesh, settings.world_size)
+    check_pipeline_degrees(settings.pipeline_degrees, settings.world_size, num_blocks)
+    if settings.fixed_mesh is not None and settings.pipeline_degrees != (1,):
+        raise SearchError(
+            "--mesh fixes the data-parallel mesh of the whole world; drop it to search pipeline degrees (--pp)",
+            field="fixed_mesh",
+        )
     if settings.storage is not None:
         check_storage_url(settings.storage)
     if settings.cluster is not None:

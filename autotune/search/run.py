@@ -146,6 +146,7 @@ def make_space(
         num_microbatches=settings.num_microbatches,
         device_type=device_type,
         fixed_mesh=settings.fixed_mesh,
+        pipeline_degrees=settings.pipeline_degrees,
         grouping=settings.grouping,
         checkpointing=settings.get_checkpointing(),
         root_knobs=settings.root_knobs,

@@ -64,6 +64,9 @@ class SearchSettings:
     cluster: str | None = None
     """Cluster profile for link emulation (e.g. ``cpu-emulated-ib``); None: real links."""
     fixed_mesh: str | None = None
+    pipeline_degrees: tuple[int, ...] | str = (1,)
+    """Pipeline degrees searched (``pp``, with FSDP2 inside each stage: [Note: pipeline stages]);
+    a string ``"1,2"`` is read as the tuple. ``(1,)``: no pipeline stages."""
     num_warmup: int = 2
     num_measured: int = 4
     """Pairs (candidate and reference step, see [Note: paired measurement]) per trial."""
@@ -107,6 +110,7 @@ class SearchSettings:
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
+        self.pipeline_degrees = parse_degrees(self.pipeline_degrees)
         checks = [
             ("world_size", self.world_size >= 1, f"world size must be >= 1, got {self.world_size}"),
             ("num_trials", self.num_trials >= 1, f"number of trials must be >= 1, got {self.num_trials}"),
@@ -186,6 +190,19 @@ class SearchSettings:
 
     def get_study_name(self, model_name: str) -> str:
         return self.study_name or f"{model_name}-w{self.world_size}-mb{self.num_microbatches}"
+
+
+def parse_degrees(value: tuple[int, ...] | str) -> tuple[int, ...]:
+    """``"1,2,4"`` (or a tuple) as sorted distinct degrees >= 1; a one-line error naming ``--pp`` otherwise."""
+    try:
+        degrees = tuple(int(x) for x in value.split(",")) if isinstance(value, str) else tuple(value)
+    except ValueError:
+        raise SearchError(
+            f"pipeline degrees must be integers like 1,2,4, got {value!r}", field="pipeline_degrees"
+        ) from None
+    if not degrees or any(d < 1 for d in degrees):
+        raise SearchError(f"pipeline degrees must be >= 1, got {value!r}", field="pipeline_degrees")
+    return tuple(sorted(set(degrees)))
 
 
 class SearchReporter(Protocol):

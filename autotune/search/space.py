@@ -60,6 +60,16 @@ default: ``autotune plan``'s simulator does not model them yet):
   torchtitan does (the head keeps its parameters after forward: its backward runs first);
   they take the root's sync level and keep-unsharded.
 
+Pipeline stages (``pipeline_degrees`` beyond ``(1,)``; [Note: pipeline stages] in
+``fsdp_runtime.pipeline``): ``pp``, the pipeline degree, from the degrees that divide both
+the world size and the blocks; then the data-parallel mesh over ``world / pp`` ranks
+(``mesh_pp{pp}``: its own choice list per degree) and the schedule (``pp{pp}_schedule``:
+``gpipe``; ``1f1b`` with at least ``pp`` microbatches; ``interleaved_1f1b``, two stages per
+pipeline rank, where ``2 pp`` divides the blocks and ``pp`` the microbatches). Every block
+pattern then runs within each stage: grouping, prefetch lists (a stage's units in its own
+execution order: the first stage's embeddings, the last stage's head) and
+``last_block_false`` (each stage's last block: its backward runs first there).
+
 A trial whose process peak exceeds ``--memory-budget-gib`` is infeasible
 (``autotune.search.loop``: ``memory_over_budget`` is an Optuna constraint, and the best
 trial is feasible), which is what makes checkpointing and grouping a trade-off.
@@ -76,7 +86,19 @@ from typing import Any
 
 import optuna
 
-from fsdp_runtime import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, RuntimeConfig, UnitConfig
+from autotune.search.patterns import (
+    describe_params,
+    get_mesh_key,
+    get_prefetch_lists,
+    get_reshard_value,
+    group_blocks,
+    group_unit,
+    select_blocks,
+    split_even,
+)
+from fsdp_runtime import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, PipelineConfig, RuntimeConfig, UnitConfig
+
+__all__ = ["SearchSpace", "describe_params"]
 
 PREFETCH_CHOICES = ("implicit", "depth1", "depth2", "depth3", "paired")
 NOSYNC_PATTERNS = ("none", "all", "every_2nd", "first_half", "second_half")
@@ -111,6 +133,8 @@ class SearchSpace:
     """The precision every config of the space runs (``autotune.trials.resolve_precision``)."""
     search_reduce_dtype: bool = False
     """Search ``reduce_dtype`` (``REDUCE_DTYPES``); the defaults keep :attr:`mixed_precision`'s."""
+    pipeline_degrees: tuple[int, ...] = (1,)
+    """Pipeline degrees to search (``pp``); those dividing the world size and the blocks are offered."""
     unsupported_knobs: tuple[tuple[str, str], ...] = ()
     """``(config field, why)`` for each knob the installed torch cannot set (``fsdp_runtime.get_unsupported_knobs``):
     its parameter is never asked, so the config keeps FSDP2's default for it."""
@@ -135,24 +159,50 @@ class SearchSpace:
         unsupported = {name for name, _ in self.unsupported_knobs}
         return _FIELD_OF_PARAM.get(param) not in unsupported
 
-    def get_mesh_choices(self) -> list[str]:
+    def get_pp_choices(self) -> list[int]:
+        """Pipeline degrees offered: dividing the world size and the blocks (1 always divides)."""
+        blocks = len(self.block_names)
+        return [p for p in self.pipeline_degrees if self.world_size % p == 0 and blocks % p == 0 and blocks >= p]
+
+    def get_schedule_choices(self, pp: int) -> list[str]:
+        """Schedules for ``pp`` stages (see [Note: search-space parametrization])."""
+        choices = ["gpipe"]
+        if self.num_microbatches >= pp:
+            choices.append("1f1b")
+        if len(self.block_names) % (2 * pp) == 0 and self.num_microbatches % pp == 0:
+            choices.append("interleaved_1f1b")
+        return choices
+
+    def get_mesh_choices(self, pp: int = 1) -> list[str]:
         if self.fixed_mesh is not None:
             return [self.fixed_mesh]
+        dp = self.world_size // pp
         choices = ["fsdp"]
-        for replicate in range(2, self.world_size + 1):
-            if self.world_size % replicate == 0:
-                choices.append(f"hsdp:{replicate}x{self.world_size // replicate}")
+        for replicate in range(2, dp + 1):
+            if dp % replicate == 0:
+                choices.append(f"hsdp:{replicate}x{dp // replicate}")
         return choices
 
     def get_default_params(self) -> dict[str, Any]:
-        """Parameters of the defaults trial (FSDP2 defaults as torchtitan uses them)."""
+        """Parameters of the defaults trial (FSDP2 defaults as torchtitan uses them; with stages
+        forced, the least pipeline degree offered under torchtitan's default schedule, 1F1B)."""
+        pp = min(self.get_pp_choices())
+        pp_params: dict[str, Any] = {}
+        if len(self.get_pp_choices()) > 1 or pp > 1:
+            pp_params["pp"] = pp
+        if pp > 1:
+            schedules = self.get_schedule_choices(pp)
+            pp_params[f"pp{pp}_schedule"] = "1f1b" if "1f1b" in schedules else schedules[0]
+        meshes = self.get_mesh_choices(pp)
         params: dict[str, Any] = {
-            "mesh": "fsdp" if "fsdp" in self.get_mesh_choices() else self.get_mesh_choices()[0],
+            **pp_params,
+            get_mesh_key(pp): "fsdp" if "fsdp" in meshes else meshes[0],
             "forward_prefetch": "implicit",
             "backward_prefetch": "implicit",
             **({"reduce_scatter_buffers": 1} if self._asks("reduce_scatter_buffers") else {}),
         }
-        params[self._get_reshard_key(self._get_shard_size(params["mesh"]))] = "true"
+        mesh = params[get_mesh_key(pp)]
+        params[self._get_reshard_key(self._get_shard_size(mesh, pp))] = "true"
         if self.search_reduce_dtype:
             params["reduce_dtype"] = self._get_default_reduce_dtype()
         if self.device_type == "cpu" and self._asks("unshard_async"):
@@ -166,15 +216,15 @@ class SearchSpace:
         if self.root_knobs:
             params["root_reshard_after_forward"] = "false"
             if self.num_microbatches > 1:
-                params[f"root_sync_{self.get_sync_suffix(params['mesh'])}"] = "every"
+                params[f"root_sync_{self.get_sync_suffix(mesh, pp)}"] = "every"
             if self.can_split:
                 params["root_split"] = "none"
         return params
 
-    def get_sync_suffix(self, mesh: str) -> str:
+    def get_sync_suffix(self, mesh: str, pp: int = 1) -> str:
         """``hsdp`` where ``mesh`` offers ``replica_last`` (the ``*_hsdp`` sync parameters), else
         ``fsdp`` ([Note: search-space parametrization]: not on a shard group of one)."""
-        replica_level = mesh.startswith("hsdp") and (self._get_shard_size(mesh) > 1 or self.reduce_dtype_differs)
+        replica_level = mesh.startswith("hsdp") and (self._get_shard_size(mesh, pp) > 1 or self.reduce_dtype_differs)
         return "hsdp" if replica_level else "fsdp"
 
     @property
@@ -183,10 +233,13 @@ class SearchSpace:
 
     def suggest(self, trial: optuna.Trial) -> RuntimeConfig:
         """Sample one config (define-by-run: conditional knobs only when they matter)."""
-        mesh = trial.suggest_categorical("mesh", self.get_mesh_choices())
-        shard = self._get_shard_size(mesh)
+        pp_choices = self.get_pp_choices()
+        pp = trial.suggest_categorical("pp", pp_choices) if len(pp_choices) > 1 else pp_choices[0]
+        mesh = trial.suggest_categorical(get_mesh_key(pp), self.get_mesh_choices(pp))
+        shard = self._get_shard_size(mesh, pp)
         params: dict[str, Any] = {
-            "mesh": mesh,
+            "pp": pp,
+            get_mesh_key(pp): mesh,
             "forward_prefetch": trial.suggest_categorical("forward_prefetch", PREFETCH_CHOICES),
             "backward_prefetch": trial.suggest_categorical("backward_prefetch", PREFETCH_CHOICES),
             self._get_reshard_key(shard): trial.suggest_categorical(
@@ -199,20 +252,22 @@ class SearchSpace:
             params["reduce_dtype"] = trial.suggest_categorical("reduce_dtype", REDUCE_DTYPES)
         if self.device_type == "cpu" and self._asks("unshard_async"):
             params["unshard_async"] = trial.suggest_categorical("unshard_async", ["off", "on"])
+        if pp > 1:
+            params[f"pp{pp}_schedule"] = trial.suggest_categorical(f"pp{pp}_schedule", self.get_schedule_choices(pp))
         if self.num_microbatches > 1:
             params["nosync_blocks"] = trial.suggest_categorical("nosync_blocks", NOSYNC_PATTERNS)
             if params["nosync_blocks"] != "none":
-                suffix = self.get_sync_suffix(mesh)
+                suffix = self.get_sync_suffix(mesh, pp)
                 levels = ["last", "replica_last"] if suffix == "hsdp" else ["last"]
                 level_key = f"nosync_level_{suffix}"
                 params["nosync_level"] = trial.suggest_categorical(level_key, levels)
                 params["keep_unsharded"] = trial.suggest_categorical("keep_unsharded", [False, True])
                 if params["nosync_level"] == "last":
                     params["defer_concat"] = trial.suggest_categorical("defer_concat", [True, False])
-        params.update(self._suggest_memory_knobs(trial, mesh))
+        params.update(self._suggest_memory_knobs(trial, mesh, pp))
         return self.build_config(params)
 
-    def _suggest_memory_knobs(self, trial: optuna.Trial, mesh: str) -> dict[str, Any]:
+    def _suggest_memory_knobs(self, trial: optuna.Trial, mesh: str, pp: int) -> dict[str, Any]:
         """Schema-2 knobs, asked after the others so that the questions above keep their order."""
         params: dict[str, Any] = {}
         if self.grouping:
@@ -226,7 +281,7 @@ class SearchSpace:
                 "root_reshard_after_forward", ["false", "true"]
             )
             if self.num_microbatches > 1:
-                suffix = self.get_sync_suffix(mesh)
+                suffix = self.get_sync_suffix(mesh, pp)
                 key = f"root_sync_{suffix}"
                 params[key] = trial.suggest_categorical(
                     key, ["every", "replica_last", "last"] if suffix == "hsdp" else ["every", "last"]
@@ -237,9 +292,9 @@ class SearchSpace:
                 params["root_split"] = trial.suggest_categorical("root_split", ["none", "split"])
         return params
 
-    def _get_shard_size(self, mesh: str) -> int:
+    def _get_shard_size(self, mesh: str, pp: int = 1) -> int:
         if mesh == "fsdp":
-            return self.world_size
+            return self.world_size // pp
         return int(mesh.split(":")[1].split("x")[1])
 
     @staticmethod
@@ -261,44 +316,59 @@ class SearchSpace:
         for key in ("nosync_level_fsdp", "nosync_level_hsdp"):
             if key in params:
                 params["nosync_level"] = params.pop(key)
-        mesh = params["mesh"]
+        pp = params.get("pp", min(self.get_pp_choices()))  # not asked where one degree is offered
+        mesh = params[get_mesh_key(pp)] if get_mesh_key(pp) in params else params["mesh"]
         if mesh == "fsdp":
-            mesh_config = MeshConfig()
+            mesh_config = MeshConfig(pp=pp)
         else:
             replicate, shard = (int(x) for x in mesh.split(":")[1].split("x"))
-            mesh_config = MeshConfig(kind="hsdp", replicate=replicate, shard=shard)
-        shard = self._get_shard_size(mesh)
+            mesh_config = MeshConfig(kind="hsdp", replicate=replicate, shard=shard, pp=pp)
+        schedule = params.get(f"pp{pp}_schedule", "1f1b") if pp > 1 else "1f1b"
+        virtual = 2 if schedule == "interleaved_1f1b" else 1
+        shard = self._get_shard_size(mesh, pp)
         reshard = params.get(self._get_reshard_key(shard), "true")
-        groups = _group_blocks(list(self.block_names), params.get("blocks_per_unit", 1))
+        per_unit = params.get("blocks_per_unit", 1)
+        stages = split_even(list(self.block_names), pp * virtual)
+        stage_groups = [group_blocks(blocks, per_unit) for blocks in stages]
+        groups = [g for stage in stage_groups for g in stage]
         names = [name for name, _ in groups]
         edges = self._get_edge_units() if params.get("root_split", "none") == "split" else []
-        order = [*(u.name for u in edges[:1]), *names, *(u.name for u in edges[1:])]
-        fwd = _prefetch_lists(order, params["forward_prefetch"])
-        bwd = _prefetch_lists(list(reversed(order)), params["backward_prefetch"])
-        nosync = _select_blocks(names, params.get("nosync_blocks", "none"))
-        checkpointed = _select_blocks(names, params.get("ac_units", "none"))
+        fwd: dict[str, list[str]] = {}
+        bwd: dict[str, list[str]] = {}
+        for k, stage in enumerate(stage_groups):  # prefetch within each stage, in its execution order
+            order = [
+                *(u.name for u in edges[:1] if k == 0),
+                *(name for name, _ in stage),
+                *(u.name for u in edges[1:] if k == len(stage_groups) - 1),
+            ]
+            fwd.update(get_prefetch_lists(order, params["forward_prefetch"]))
+            bwd.update(get_prefetch_lists(list(reversed(order)), params["backward_prefetch"]))
+        nosync = select_blocks(names, params.get("nosync_blocks", "none"))
+        checkpointed = select_blocks(names, params.get("ac_units", "none"))
         units = []
-        for i, (name, modules) in enumerate(groups):
-            unit = UnitConfig(
-                name=name,
-                modules=modules,
-                reshard_after_forward=_reshard_value(reshard, i, len(groups), shard),
-                forward_prefetch=fwd.get(name),
-                backward_prefetch=bwd.get(name),
-                activation_checkpointing=params["ac_kind"] if name in checkpointed else "none",
-            )
-            if name in nosync:
-                unit = dataclasses.replace(
-                    unit,
-                    sync=params["nosync_level"],
-                    reshard_after_backward=not params.get("keep_unsharded", False),
-                    defer_concat=params.get("defer_concat", True),
+        for stage in stage_groups:
+            for i, (name, modules) in enumerate(stage):
+                unit = UnitConfig(
+                    name=name,
+                    modules=modules,
+                    reshard_after_forward=get_reshard_value(reshard, i, len(stage), shard),
+                    forward_prefetch=fwd.get(name),
+                    backward_prefetch=bwd.get(name),
+                    activation_checkpointing=params["ac_kind"] if name in checkpointed else "none",
                 )
-            units.append(unit)
+                if name in nosync:
+                    unit = dataclasses.replace(
+                        unit,
+                        sync=params["nosync_level"],
+                        reshard_after_backward=not params.get("keep_unsharded", False),
+                        defer_concat=params.get("defer_concat", True),
+                    )
+                units.append(unit)
         units += self._build_root_units(params, edges, fwd, bwd)
         buffers = params.get("reduce_scatter_buffers", 1)
         return RuntimeConfig(
             mesh=mesh_config,
+            pipeline=PipelineConfig(schedule=schedule, virtual_stages=virtual) if pp > 1 else PipelineConfig(),
             units=units,
             num_microbatches=self.num_microbatches,
             unshard_async=params.get("unshard_async", "auto"),
@@ -310,8 +380,8 @@ class SearchSpace:
 
     def _get_edge_units(self) -> list[UnitConfig]:
         """The embeddings unit and the head unit (kept after forward: its backward runs first)."""
-        embeddings = _group_unit(list(self.embedding_names))
-        head = _group_unit(list(self.head_names))
+        embeddings = group_unit(list(self.embedding_names))
+        head = group_unit(list(self.head_names))
         return [embeddings, dataclasses.replace(head, reshard_after_forward=False)]
 
     def _build_root_units(
@@ -332,95 +402,5 @@ class SearchSpace:
         return out
 
 
-def _group_unit(modules: list[str]) -> UnitConfig:
-    """One unit for ``modules``: the module itself, or a labelled group (``layers.0-1``, ``norm+output``)."""
-    if len(modules) == 1:
-        return UnitConfig(name=modules[0])
-    split = [m.rpartition(".") for m in modules]
-    indices = [index for _, _, index in split]
-    if len({prefix for prefix, _, _ in split}) == 1 and split[0][0] and all(i.isdecimal() for i in indices):
-        return UnitConfig(name=f"{split[0][0]}.{indices[0]}-{indices[-1]}", modules=modules)
-    return UnitConfig(name="+".join(modules), modules=modules)
-
-
-def _group_blocks(blocks: list[str], per_unit: int) -> list[tuple[str, list[str] | None]]:
-    """``(unit name, modules)`` for consecutive groups of ``per_unit`` blocks (the last may be smaller)."""
-    units = [_group_unit(blocks[i : i + per_unit]) for i in range(0, len(blocks), per_unit)]
-    return [(u.name, u.modules) for u in units]
-
-
-def _prefetch_lists(order: list[str], choice: str) -> dict[str, list[str]]:
-    """Per unit, the units it prefetches, following ``order`` (execution order)."""
-    if choice == "implicit":
-        return {}
-    if choice == "paired":
-        return {name: (order[i + 1 : i + 3] if i % 2 == 0 else []) for i, name in enumerate(order)}
-    depth = int(choice.removeprefix("depth"))
-    return {name: order[i + 1 : i + 1 + depth] for i, name in enumerate(order)}
-
-
-def _select_blocks(blocks: list[str], pattern: str) -> set[str]:
-    half = len(blocks) // 2
-    match pattern:
-        case "none":
-            return set()
-        case "all":
-            return set(blocks)
-        case "all_but_last":
-            return set(blocks[:-1])
-        case "every_2nd":
-            return set(blocks[::2])
-        case "first_half":
-            return set(blocks[:half])
-        case "second_half":
-            return set(blocks[half:])
-    raise ValueError(f"unknown block pattern {pattern!r}")
-
-
-def _reshard_value(choice: str, index: int, num_blocks: int, shard: int) -> bool | int | None:
-    if choice == "true":
-        return None  # FSDP2's default for inner units (True); keeps the defaults trial exact
-    if choice == "false":
-        return False
-    if choice == "last_block_false":
-        return False if index == num_blocks - 1 else None
-    divisor = int(choice.removeprefix("int:"))
-    if not (1 < divisor < shard and shard % divisor == 0):
-        raise ValueError(f"reshard_after_forward {choice!r} needs a proper divisor of the shard size {shard}")
-    return divisor
-
-
 _FIELD_OF_PARAM = {"reduce_scatter_buffers": "reduce_scatter_max_input_buffers", "unshard_async": "unshard_async"}
 """The config field each torch-dependent parameter sets (``fsdp_runtime.get_unsupported_knobs`` names fields)."""
-
-_SHORT = {
-    "forward_prefetch": "fwd",
-    "backward_prefetch": "bwd",
-    "reshard_after_forward": "raf",
-    "reduce_scatter_buffers": "rsbuf",
-    "unshard_async": "async",
-    "nosync_blocks": "nosync",
-    "nosync_level_fsdp": "level",
-    "nosync_level_hsdp": "level",
-    "keep_unsharded": "keep",
-    "defer_concat": "defer",
-    "blocks_per_unit": "group",
-    "ac_units": "ac",
-    "ac_kind": "ackind",
-    "root_reshard_after_forward": "rootraf",
-    "root_sync_fsdp": "rootsync",
-    "root_sync_hsdp": "rootsync",
-    "root_keep_unsharded": "rootkeep",
-    "root_split": "split",
-    "reduce_dtype": "reduce",
-}
-
-
-def describe_params(params: dict[str, Any]) -> str:
-    """A compact one-line description of a trial's knobs, for tables."""
-    parts = [str(params.get("mesh", "?"))]
-    for key, value in params.items():
-        if key != "mesh":
-            short = "raf" if key.startswith("reshard_after_forward") else _SHORT.get(key, key)
-            parts.append(f"{short}={str(value).lower() if isinstance(value, bool) else value}")
-    return " ".join(parts)

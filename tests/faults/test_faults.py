@@ -267,6 +267,10 @@ def _refused(result: subprocess.CompletedProcess, *needles: str) -> None:
         (["--storage", "nope://"], ["--storage:", "nope://"]),
         (["--nproc", "0"], ["--nproc:", "world size must be >= 1"]),
         (["--cluster", "nowhere"], ["nowhere"]),
+        (["--pp", "1,3"], ["--pp:", "pipeline degree 3 does not divide the world size 2"]),
+        (["--nproc", "3", "--pp", "3"], ["--pp:", "pipeline degree 3 does not divide the model's 4 blocks"]),
+        (["--pp", "1,x"], ["--pp:", "must be integers"]),
+        (["--pp", "2", "--mesh", "fsdp"], ["--mesh:", "drop it to search pipeline degrees"]),
     ],
 )
 def test_bad_flags_are_refused_before_anything_is_created(tmp_path, cli_main, args, needles):

@@ -180,6 +180,12 @@ def test_version_3_fixtures_load():
             r"pipeline\.blocks_per_stage\[1\]: must be >= 1, got 0",
         ),
         (
+            MeshConfig(pp=4),
+            PipelineConfig(),
+            2,
+            r"num_microbatches: 2 is fewer than the 4 stages, which schedule '1f1b' needs",
+        ),
+        (
             MeshConfig(pp=2),
             PipelineConfig(schedule="interleaved_1f1b", virtual_stages=2),
             3,
