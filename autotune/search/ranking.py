@@ -87,8 +87,8 @@ class _Questions(SearchSpace):
         return None
 
     @functools.cache  # noqa: B019 (one _Questions per walk, short-lived: the cache holding it is intended)
-    def get_mesh_choices(self) -> list[str]:
-        return SearchSpace.get_mesh_choices(self)
+    def get_mesh_choices(self, pp: int = 1) -> list[str]:
+        return SearchSpace.get_mesh_choices(self, pp)
 
     @staticmethod
     @functools.cache

@@ -267,7 +267,7 @@ class SearchSpace:
         params.update(self._suggest_memory_knobs(trial, mesh, pp))
         return self.build_config(params)
 
-    def _suggest_memory_knobs(self, trial: optuna.Trial, mesh: str, pp: int) -> dict[str, Any]:
+    def _suggest_memory_knobs(self, trial: optuna.Trial, mesh: str, pp: int = 1) -> dict[str, Any]:
         """Schema-2 knobs, asked after the others so that the questions above keep their order."""
         params: dict[str, Any] = {}
         if self.grouping:
