@@ -225,3 +225,56 @@ def test_a_transfer_starts_when_the_last_rank_issues_it():
     assert early["sums"] == late["sums"] == [[2.0] * 4] * 2  # the data moved through gloo unchanged
     assert early["stats"]["all_reduce"]["late_peer_s"] >= 2 * (LATE_S - 0.1)
     assert late["stats"]["all_reduce"]["late_peer_s"] == 0.0  # the last to arrive waits for nobody
+
+
+P2P_LATENCY_S, P2P_LATE_S = 0.3, 0.2
+
+
+def late_receiver_rank(rank: int, world_size: int) -> dict:
+    """Rank 0 sends a tensor to rank 1 through the pipeline schedules' P2P batch, rank 1 posts
+    its receive P2P_LATE_S later, across a node boundary (one rank per node) whose link takes
+    P2P_LATENCY_S; returns when each side's wait returned, on the host's clock."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    from autotune.trials import LinkEmulator
+    from autotune.trials.linkemu import BOARD_ENV, ArrivalBoard
+    from profiles import LinkClass
+
+    emulator = LinkEmulator(
+        links={"inter_node": LinkClass(latency_us=P2P_LATENCY_S * 1e6)},
+        ranks_per_node=1,
+        board=ArrivalBoard(os.environ[BOARD_ENV]),
+    )
+    tensor = torch.arange(256, dtype=torch.float32) if rank == 0 else torch.zeros(256)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(P2P_LATE_S)
+    with emulator:
+        start = time.monotonic()
+        op = dist.P2POp(dist.isend if rank == 0 else dist.irecv, tensor, 1 - rank)
+        for work in schedules._batch_p2p([op]):
+            work.wait()
+        end = time.monotonic()
+    return {"start": start, "end": end, "data": tensor.tolist(), "stats": emulator.summary()}
+
+
+@pytest.mark.multirank
+def test_a_pipeline_send_and_its_receive_are_held_to_the_link_between_them():
+    from autotune.trials import run_ranks
+
+    run = run_ranks("test_linkemu:late_receiver_rank", world_size=2, timeout_s=60)
+    assert run.ok, (run.status, run.reason)
+    sender, receiver = run.results
+    # Both leave at the later post + the link's time: the sender waits for the late receiver too.
+    assert sender["end"] >= receiver["start"] + P2P_LATENCY_S
+    assert receiver["end"] >= receiver["start"] + P2P_LATENCY_S
+    assert receiver["data"] == [float(i) for i in range(256)]  # the data moved through gloo unchanged
+    for side in (sender, receiver):
+        p2p = side["stats"]["p2p"]
+        assert p2p["count"] == 1 and p2p["num_bytes"] == 1024 and p2p["count_by_link"] == {"inter_node": 1}
+    assert sender["stats"]["p2p"]["late_peer_s"] >= P2P_LATE_S - 0.05
