@@ -130,13 +130,8 @@ def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
         columns=[*stage, "unit", *(t for t, _, _, _ in UNIT_TABLE)],
     )
     for unit in aggregate["per_unit"]:
-        units.rows.append(
-            [
-                *(fmt(unit.get(c), "n") for c in stage),
-                unit["unit"],
-                *(fmt(unit[k], kind) for _, _, k, kind in UNIT_TABLE),
-            ]
-        )
+        label = [str(unit.get("stage"))] * len(stage) + [unit["unit"]]
+        units.rows.append([*label, *(fmt(unit[k], kind) for _, _, k, kind in UNIT_TABLE)])
     return [summary, steps, units]
 
 
