@@ -37,7 +37,11 @@ Times are interval unions: overlapping events are counted once.
   the c10d op or NCCL kernel. ``send_recv`` is point-to-point traffic
   (``ncclDevKernel_SendRecv``, ``ncclKernel_SendRecv``, ``c10d::send``/``recv_``,
   ``gloo:send``/``recv``): communication like the rest (in ``comm_ms``, exposed and
-  overlap figures), in a column of its own (``send_recv_ms``), not in ``other``. gloo runs ``reduce_scatter`` as an all-reduce, so its spans are named
+  overlap figures), in a column of its own (``send_recv_ms``), not in ``other``, unless
+  the analysis is given the trial's pipeline layout: then it is pipeline P2P, out of every
+  collective figure ([Note: pipeline bubble]). gloo runs send/recv on the thread that posts
+  them: a ``gloo:send``/``gloo:recv`` span on the training thread is one transfer, issued at
+  its start, and lasts until the wait on it returns. gloo runs ``reduce_scatter`` as an all-reduce, so its spans are named
   ``gloo:all_reduce`` either way: each gloo span is paired with the c10d op that
   enqueued it, first in first out among the c10d ops that gloo runs as that span's
   name (reduce-scatter and all-reduce ops both queue for ``gloo:all_reduce``), and
@@ -55,7 +59,8 @@ Times are interval unions: overlapping events are counted once.
   the FSDP unit of the label around the hold, else the transfer that ended within 1 ms
   before it (the thread was blocked on it), else the oldest still unpaired (waits come
   in issue order); a hold whose collective was issued before the profiled window counts
-  on its own, where it starts. A collective waited for after its modelled end leaves no
+  on its own, where it starts. ``linkemu::hold_p2p`` holds a pipeline send or receive: it
+  pairs with the ``send_recv`` transfers by the same rules. A collective waited for after its modelled end leaves no
   hold and counts its real transfer only, so under emulation ``comm_ms`` is a lower bound
   of the modelled communication time.
 - Barriers (``c10d::barrier`` / ``gloo:barrier``) move no data: they are kept out of the
@@ -107,18 +112,63 @@ Times are interval unions: overlapping events are counted once.
   own ``FSDP::`` labels (its hooks, including the waits inside them). Collectives
   issued outside any FSDP label (a user's loss all-reduce) count for the step, not
   for a unit.
+
+[Note: pipeline bubble]
+Given a pipeline layout (``PipelineLayout.from_config``: ``mesh.pp`` > 1; the trial passes
+its config's), the ranks are placed as [Note: pipeline stages] (``fsdp_runtime/pipeline.py``)
+says: rank r is pipeline rank r // dp (dp = ranks / pp) and holds stages
+``r // dp + k * pp``, k < ``virtual_stages``. On a rank holding one stage everything it
+does is that stage's. On a rank holding several, torch's schedules label each action
+``PP:<stage><action><microbatch>`` (``PP:2F0``, ``PP:0RECV_B1``), and the label around an
+event names its stage: a unit's stage is that around its collectives' issue points (else
+around its FSDP labels; else the config's split of the blocks the ranks' labels name, in
+model order); the root, whose hooks run in every stage of the rank, has collectives only
+in the stage holding parameters (embeddings or head).
+
+- ``p2p_ms``: the union of the step's P2P transfers (send_recv spans, each extended to the
+  end of its ``linkemu::hold_p2p``), issued in the step. On gloo a span lasts from the post
+  to the return of the wait on it, so this is the time transfers were outstanding (a send
+  that a schedule waits for only at the end of the step is outstanding until then), an
+  upper bound of the transfer time. The collectives' figures (``comm_ms``, per kind,
+  exposed, overlap, ``num_collectives``) leave P2P out: ``send_recv_ms`` is 0.
+- ``bubble_ms``: the time in the step the rank waits on P2P. *Idle* is the part of the
+  step in which the rank (CPU: its training thread; GPU: its device) neither computes nor
+  runs a collective (compute and collectives of every step, FSDP's and any other, as
+  exposed communication counts them; a collective's emulated hold included). Each maximal
+  idle gap [a, b) in which a P2P transfer completes (its end c, a < c <= b, the latest
+  such) is a wait: [a, c), counted where a transfer is pending (the union of the spans).
+  So the bubble holds the wait for the previous stage's activations (forward receive), the
+  next stage's gradients (backward receive) and the completion of the rank's own sends,
+  link emulation's P2P holds, and the schedule's Python in the same gap before the wait
+  (posting the receive): the trace does not separate them. It does not hold idle time that
+  no completion ends (Python between ops and after a wait returns, the optimizer's gaps),
+  a wait on an FSDP collective (exposed communication, even while a receive is pending),
+  or barriers (``barrier_ms``, kept apart, are idle to this definition but rarely meet P2P).
+- Per stage, per (rank, step): ``compute_ms`` is the rank's compute inside the stage's
+  action labels (all of it on a rank holding one stage; on a rank holding several, compute
+  outside every action label, the optimizer step, belongs to no stage); ``fsdp_comm_ms``,
+  ``exposed_fsdp_comm_ms``, ``overlap_ratio``, ``num_collectives``: the communication
+  figures above over the collectives of the stage's units, hidden by the rank's compute of
+  every stage and step (not only the stage's own: on a rank holding two stages, an all-gather
+  of one under the other's compute is hidden, on the same cores); collectives outside every
+  unit (the trial's own broadcast) count for the rank, not a stage. ``p2p_ms``: the union
+  of the stage's transfers (the action label around the post names the stage);
+  ``bubble_ms``: the waits whose completing transfer is the stage's, so the stages' bubbles
+  of a rank add up to its bubble.
 """
 
 from autotune.analysis._errors import TraceError
 from autotune.analysis._facade import FsdpTraceAnalysis
 from autotune.analysis._hta_overlap import open_hta_analysis
 from autotune.analysis._kernels import KERNEL_CLASSES, get_kernel_class
+from autotune.analysis._pipeline import PipelineLayout
 from autotune.analysis._summary import SUMMARY_SCHEMA_VERSION, check_summary
 
 __all__ = [
     "KERNEL_CLASSES",
     "SUMMARY_SCHEMA_VERSION",
     "FsdpTraceAnalysis",
+    "PipelineLayout",
     "TraceError",
     "check_summary",
     "get_kernel_class",
@@ -127,10 +177,11 @@ __all__ = [
 ]
 
 
-def summarize_traces(trace_paths: list) -> dict:
+def summarize_traces(trace_paths: list, *, pipeline: PipelineLayout | None = None) -> dict:
     """The JSON-able trace metrics of one trial (schema in ``autotune/analysis/_summary.py``).
 
-    ``trace_paths``: one chrome trace per rank (``.json`` or ``.json.gz``). Raises
-    :class:`TraceError` (an ``AutotuneError``, one line) for a missing or unusable file.
+    ``trace_paths``: one chrome trace per rank (``.json`` or ``.json.gz``); ``pipeline``: the
+    trial's pipeline layout, if any ([Note: pipeline bubble]). Raises :class:`TraceError` (an
+    ``AutotuneError``, one line) for a missing or unusable file.
     """
-    return FsdpTraceAnalysis(trace_paths).summarize()
+    return FsdpTraceAnalysis(trace_paths, pipeline=pipeline).summarize()

@@ -32,6 +32,11 @@ _LABEL = re.compile(r"^FSDP::(?P<phase>\w+)(?: \((?P<unit>[^)]*)\))?$")
 _NOT_COMPUTE_OP = re.compile(r"^(?:c10d::|_?c10d_functional::|gloo:|nccl:|record_param_comms)|wait", re.IGNORECASE)
 _LINKEMU_HOLD = "linkemu::hold_"
 """Prefix of the spans link emulation records while it holds a collective (autotune/trials/linkemu.py)."""
+_HOLD_KINDS = {"p2p": "send_recv"}
+"""Hold kinds that are not collective kinds: link emulation's ``p2p`` holds a pipeline send or receive."""
+_STAGE_LABEL = re.compile(r"^PP:(\d+)")
+"""torch's pipelining schedules with several stages per rank label each action ``PP:<stage><action><microbatch>``
+(``PP:2F0``, ``PP:0RECV_B3``, ``PP:0UNSHARD``)."""
 _HOLD_FOLLOWS_US = 1000.0
 """A hold starting this soon after a transfer's end follows it: the waiting thread was blocked on that transfer."""
 _MEMORY_KERNEL = re.compile(r"^(hip)?(Memcpy|Memset)")
@@ -40,6 +45,8 @@ _FSDP_LABEL = re.compile(r"^FSDP::")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _NO_DEVICE_OPS = pd.DataFrame({"start": [], "end": [], "issue_ts": [], "cls": []})
+_NO_STAGE_LABELS = pd.DataFrame({"start": [], "end": [], "stage": pd.Series([], dtype=int)})
+_NO_P2P = pd.DataFrame({"start": [], "end": [], "issue_ts": [], "stage": pd.Series([], dtype=object)})
 # What gloo runs for each c10d collective kind (it runs reduce-scatter as an all-reduce).
 _GLOO_RUNS_AS = {
     "all_gather": "all_gather",
@@ -91,6 +98,8 @@ class RankEvents:
     """``start, end, issue_ts``: barriers, split off ``comm`` (CPU: ``gloo:barrier`` spans)."""
     labels: pd.DataFrame
     """``start, end, phase, unit``: the FSDP:: labels of the training thread."""
+    stage_labels: pd.DataFrame = field(default_factory=lambda: _NO_STAGE_LABELS)
+    """``start, end, stage``: the pipeline schedule's action labels (``PP:<stage>...``) of the training thread."""
     memory: pd.DataFrame
     units: list[str] = field(default_factory=list)
     """FSDP units in order of first appearance."""
@@ -100,6 +109,13 @@ class RankEvents:
     device_ops: pd.DataFrame = field(default_factory=lambda: _NO_DEVICE_OPS)
     """GPU: ``start, end, issue_ts, cls``, every launched kernel, memcpy and memset with its class
     (``autotune.analysis._kernels``, [Note: kernel classes]); CPU: empty."""
+    p2p: pd.DataFrame = field(default_factory=lambda: _NO_P2P)
+    """``start, end, issue_ts, stage``: pipeline P2P transfers, split off ``comm`` by a pipeline
+    layout (``_pipeline.assign_stages``, [Note: pipeline bubble]); empty without one."""
+    stages: list[int] = field(default_factory=list)
+    """The pipeline stages the rank holds (empty without a pipeline layout)."""
+    unit_stages: dict[str, int | None] = field(default_factory=dict)
+    """The stage of each of the rank's FSDP units (empty without a pipeline layout)."""
     cache: dict = field(default_factory=dict, repr=False, compare=False)
     """Per-step slices, computed once (``_steps.get_step_slices``)."""
 
@@ -139,6 +155,15 @@ def _get_labels(main: pd.DataFrame) -> pd.DataFrame:
             "phase": pd.Series([p[0] for p in kept], dtype=object),
             "unit": pd.Series([p[1] for p in kept], dtype=object),
         }
+    )
+    return frame.sort_values("start", kind="stable").reset_index(drop=True)
+
+
+def _get_stage_labels(main: pd.DataFrame) -> pd.DataFrame:
+    spans = main.loc[get_name_mask(main["name"], _STAGE_LABEL), ["name", "ts", "end"]]
+    stages = [int(_STAGE_LABEL.match(str(n)).group(1)) for n in spans["name"]]
+    frame = pd.DataFrame(
+        {"start": spans["ts"].to_numpy(), "end": spans["end"].to_numpy(), "stage": np.array(stages, dtype=int)}
     )
     return frame.sort_values("start", kind="stable").reset_index(drop=True)
 
@@ -213,14 +238,27 @@ def _match_gloo_to_enqueue(spans: pd.DataFrame, enqueues: pd.DataFrame) -> tuple
     return kinds, np.array(issue, dtype=float)
 
 
+def _cpu_p2p(main_gloo: pd.DataFrame) -> pd.DataFrame:
+    """gloo's send/recv spans on the training thread: gloo runs point-to-point there, each span from the
+    ``c10d::send``/``recv_`` op that posts it to the transfer's completion (its own start is its issue)."""
+    is_p2p = np.array([get_collective_kind(str(n)) == "send_recv" for n in main_gloo["name"]], dtype=bool)
+    spans = main_gloo[is_p2p]
+    start = spans["ts"].to_numpy()
+    return pd.DataFrame({"start": start, "end": spans["end"].to_numpy(), "issue_ts": start, "kind": "send_recv"})
+
+
 def _cpu_comm(events: pd.DataFrame, main_mask: pd.Series) -> pd.DataFrame:
-    spans = events[events["name"].str.startswith("gloo:") & ~main_mask].sort_values("ts", kind="stable")
+    is_gloo = events["name"].str.startswith("gloo:")
+    spans = events[is_gloo & ~main_mask].sort_values("ts", kind="stable")
     is_enqueue = events["name"].str.startswith("c10d::") & ~events["name"].str.contains("wait", case=False)
     enqueues = events[is_enqueue & main_mask].sort_values("ts", kind="stable")
     kinds, issue = _match_gloo_to_enqueue(spans, enqueues)
     gloo = pd.DataFrame(
         {"start": spans["ts"].to_numpy(), "end": spans["end"].to_numpy(), "issue_ts": issue, "kind": kinds}
     )
+    p2p = _cpu_p2p(events[is_gloo & main_mask])
+    if len(p2p):
+        gloo = pd.concat([gloo, p2p], ignore_index=True).sort_values("start", kind="stable").reset_index(drop=True)
     holds = events[events["name"].str.startswith(_LINKEMU_HOLD) & main_mask].sort_values("ts", kind="stable")
     if holds.empty:
         return gloo
@@ -248,7 +286,7 @@ def _attach_holds(gloo: pd.DataFrame, holds: pd.DataFrame, labels: pd.DataFrame)
         holds[["name", "ts", "end"]].itertuples(index=False), hold_units
     ):
         kind = name.removeprefix(_LINKEMU_HOLD)
-        kind = kind if kind in COMM_KINDS else "other"
+        kind = _HOLD_KINDS.get(kind, kind if kind in COMM_KINDS else "other")
         candidates = np.flatnonzero(
             waiting & (kinds == kind) & (issue <= hold_start) & (transfer_end <= hold_start + _HOLD_FOLLOWS_US)
         )
@@ -349,6 +387,7 @@ def classify_events(trace: RankTrace) -> RankEvents:
         comm=comm[["start", "end", "issue_ts", "kind", "unit"]],
         barriers=barriers,
         labels=labels,
+        stage_labels=_get_stage_labels(events[main_mask]),
         memory=trace.memory,
         units=list(dict.fromkeys(labels["unit"])),
         num_unlaunched_kernels=num_unlaunched,

@@ -11,6 +11,8 @@ from autotune.analysis._errors import TraceError
 from autotune.analysis._events import RankEvents, classify_events
 from autotune.analysis._hta_overlap import HtaOverlapAnalyzer
 from autotune.analysis._load import RankTrace, load_trace
+from autotune.analysis._pipeline import PipelineLayout, assign_stages
+from autotune.analysis._pipeline_analysis import STAGE_COLUMNS, PipelineAnalyzer
 from autotune.analysis._step_analysis import ALLOCATOR_COLUMNS, WINDOW_COLUMNS, StepAnalyzer, get_allocator_peak
 from autotune.analysis._summary import build_summary
 from autotune.analysis._timeline_analysis import TimelineAnalyzer
@@ -29,13 +31,17 @@ class FsdpTraceAnalysis:
             names; the rank comes from the trace's ``distributedInfo``, else ``rank<N>`` in
             the file name; traces that say neither take the smallest ranks no other trace
             claims, in list order).
+        pipeline: the trial's pipeline layout (:meth:`PipelineLayout.from_config`), None when
+            it has none: then P2P transfers are ``send_recv`` collectives and no stage figures
+            are computed; with one, see [Note: pipeline bubble].
 
     Raises:
         TraceError: a file is missing, empty, truncated, not a chrome trace, has no
-            ``ProfilerStep#N`` spans, or two files claim the same rank.
+            ``ProfilerStep#N`` spans, two files claim the same rank, or the ranks do not
+            split into the layout's pipeline ranks.
     """
 
-    def __init__(self, trace_paths: Sequence[str | Path]):
+    def __init__(self, trace_paths: Sequence[str | Path], *, pipeline: PipelineLayout | None = None):
         if not trace_paths:
             raise TraceError("<trace list>", "no trace files given (expected one trace_rank<N>.json[.gz] per rank)")
         self.traces: dict[int, RankTrace] = {}
@@ -54,6 +60,9 @@ class FsdpTraceAnalysis:
             self.traces[rank] = trace
         self.traces = dict(sorted(self.traces.items()))
         self.events: dict[int, RankEvents] = {rank: classify_events(t) for rank, t in self.traces.items()}
+        self.pipeline = pipeline if pipeline is not None and pipeline.pp > 1 else None
+        if self.pipeline is not None:
+            assign_stages(self.events, self.pipeline)
 
     @property
     def device(self) -> str:
@@ -72,6 +81,13 @@ class FsdpTraceAnalysis:
     def get_unit_metrics(self) -> pd.DataFrame:
         """One row per (rank, profiled step, FSDP unit); columns ``_unit_analysis.UNIT_COLUMNS``."""
         return pd.concat([UnitAnalyzer.get_unit_metrics(e) for e in self.events.values()], ignore_index=True)
+
+    def get_stage_metrics(self) -> pd.DataFrame:
+        """One row per (rank, profiled step, pipeline stage the rank holds); columns
+        ``_pipeline_analysis.STAGE_COLUMNS``; empty without a pipeline layout."""
+        frames = [PipelineAnalyzer.get_stage_metrics(e) for e in self.events.values()]
+        frames = [f for f in frames if len(f)]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=STAGE_COLUMNS)
 
     def get_window_metrics(self) -> pd.DataFrame:
         """One row per rank over all its profiled steps; columns ``_step_analysis.WINDOW_COLUMNS``:
@@ -98,5 +114,11 @@ class FsdpTraceAnalysis:
     def summarize(self) -> dict:
         """The JSON-able summary documented in ``autotune.analysis._summary``."""
         return build_summary(
-            self.events, self.get_step_metrics(), self.get_unit_metrics(), self.get_window_metrics(), device=self.device
+            self.events,
+            self.get_step_metrics(),
+            self.get_unit_metrics(),
+            self.get_window_metrics(),
+            self.get_stage_metrics(),
+            device=self.device,
+            pipeline=self.pipeline,
         )

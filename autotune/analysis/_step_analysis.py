@@ -8,6 +8,7 @@ import pandas as pd
 from autotune.analysis import _intervals as iv
 from autotune.analysis._comm_metrics import KIND_COLUMNS, US_PER_MS, get_comm_figures, get_overlap_ratio
 from autotune.analysis._events import RankEvents
+from autotune.analysis._pipeline_analysis import get_step_pipeline_figures
 from autotune.analysis._steps import StepSlice, get_step_slices, get_window_compute
 
 STEP_COLUMNS = [
@@ -23,6 +24,8 @@ STEP_COLUMNS = [
     "bound_ratio",
     "num_collectives",
     "barrier_ms",
+    "p2p_ms",
+    "bubble_ms",
     "profiler_peak_allocated_bytes",
 ]
 WINDOW_COLUMNS = ["rank", "comm_ms", "exposed_comm_ms", "overlap_ratio_time_weighted"]
@@ -77,17 +80,17 @@ class StepAnalyzer:
     def get_step_metrics(cls, events: RankEvents) -> pd.DataFrame:
         slices, hiding = get_step_slices(events), get_window_compute(events)
         peaks = _step_peaks(events.memory, slices)
-        rows = [cls._get_step_row(events.rank, s, hiding, peak) for s, peak in zip(slices, peaks)]
+        rows = [cls._get_step_row(events, s, hiding, peak) for s, peak in zip(slices, peaks)]
         return pd.DataFrame(rows, columns=STEP_COLUMNS)
 
     @staticmethod
-    def _get_step_row(rank: int, s: StepSlice, hiding: np.ndarray, peak: int | None) -> dict[str, object]:
+    def _get_step_row(events: RankEvents, s: StepSlice, hiding: np.ndarray, peak: int | None) -> dict[str, object]:
         figures = get_comm_figures(s.comm, s.kinds, hiding)
         step_ms = (s.end - s.start) / US_PER_MS
         compute_ms = iv.total(s.compute) / US_PER_MS
         bound_ms = max(compute_ms, figures["comm_ms"])
         return {
-            "rank": rank,
+            "rank": events.rank,
             "step": s.step,
             "step_ms": step_ms,
             "compute_ms": compute_ms,
@@ -95,6 +98,7 @@ class StepAnalyzer:
             "bound_ms": bound_ms,
             "bound_ratio": step_ms / bound_ms if bound_ms > 0 else None,
             "barrier_ms": iv.total(iv.union(s.barriers)) / US_PER_MS,
+            **get_step_pipeline_figures(events, s),
             "profiler_peak_allocated_bytes": peak,
         }
 

@@ -33,6 +33,10 @@ class StepSlice:
     """FSDP unit of each collective (None outside any label)."""
     barriers: np.ndarray
     """``(n, 2)`` spans of the barriers issued in the step (not merged)."""
+    p2p: np.ndarray
+    """``(n, 2)`` spans of the pipeline P2P transfers issued in the step (not merged; none without a layout)."""
+    p2p_stages: np.ndarray
+    """Stage of each P2P transfer (None where no action label says)."""
 
 
 def _step_of(times: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -73,8 +77,13 @@ def get_step_slices(events: RankEvents) -> list[StepSlice]:
         )
         units = comm["unit"].to_numpy(dtype=object)
         barrier_spans = barriers[["start", "end"]].to_numpy(dtype=float).reshape(-1, 2)
+        p2p_spans, p2p_stages = (
+            events.p2p[["start", "end"]].to_numpy(dtype=float).reshape(-1, 2),
+            events.p2p["stage"].to_numpy(dtype=object),
+        )
         computes = _step_computes(events, starts, ends)
         comm_rows, barrier_rows = _split(comm, len(steps), starts, ends), _split(barriers, len(steps), starts, ends)
+        p2p_rows = _split(events.p2p, len(steps), starts, ends)
         events.cache["steps"] = [
             StepSlice(
                 step=int(n),
@@ -85,6 +94,8 @@ def get_step_slices(events: RankEvents) -> list[StepSlice]:
                 kinds=kinds[comm_rows[i]],
                 units=units[comm_rows[i]],
                 barriers=barrier_spans[barrier_rows[i]],
+                p2p=p2p_spans[p2p_rows[i]],
+                p2p_stages=p2p_stages[p2p_rows[i]],
             )
             for i, (n, s, e) in enumerate(zip(steps["step"], starts, ends))
         ]

@@ -12,7 +12,8 @@ from autotune.analysis._steps import get_step_slices, get_window_compute
 
 TIMELINE_COLUMNS = ["rank", "step", "lane", "start_ms", "end_ms"]
 LANES = ("compute", *COMM_KINDS, "exposed")
-"""``compute``, one lane per collective kind, and ``exposed`` (communication while not computing)."""
+"""``compute``, one lane per collective kind (``send_recv`` also holds a pipeline's P2P transfers), and
+``exposed`` (collectives while not computing: not the P2P, whose wait is the bubble)."""
 
 
 class TimelineAnalyzer:
@@ -27,6 +28,7 @@ class TimelineAnalyzer:
             lanes = {"compute": s.compute}
             for kind in COMM_KINDS:
                 lanes[kind] = iv.union(s.comm[s.kinds == kind])
+            lanes["send_recv"] = iv.union(np.concatenate([s.comm[s.kinds == "send_recv"], s.p2p]))  # with pipeline P2P
             lanes["exposed"] = iv.subtract(iv.union(s.comm), hiding)
             for lane, spans in lanes.items():
                 if len(spans) == 0:

@@ -1,4 +1,5 @@
-"""UnitAnalyzer: per rank, step and FSDP unit, the communication metrics of [Note: trace metrics]."""
+"""UnitAnalyzer: per rank, step and FSDP unit, the communication metrics of [Note: trace metrics]
+(``stage``: the unit's pipeline stage, None without a pipeline layout)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ UNIT_COLUMNS = [
     "rank",
     "step",
     "unit",
+    "stage",
     "comm_ms",
     *KIND_COLUMNS,
     "exposed_comm_ms",
@@ -38,5 +40,8 @@ class UnitAnalyzer:
                 hook_ms = iv.total(iv.clip(hooks[unit], s.start, s.end)) / US_PER_MS
                 mine = s.units == unit
                 figures = get_comm_figures(s.comm[mine], s.kinds[mine], hiding)
-                rows.append({"rank": events.rank, "step": s.step, "unit": unit, **figures, "hook_ms": hook_ms})
-        return pd.DataFrame(rows, columns=UNIT_COLUMNS)
+                stage = events.unit_stages.get(unit)
+                rows.append(
+                    {"rank": events.rank, "step": s.step, "unit": unit, "stage": stage, **figures, "hook_ms": hook_ms}
+                )
+        return pd.DataFrame(rows, columns=UNIT_COLUMNS).astype({"stage": object})

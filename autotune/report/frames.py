@@ -67,10 +67,13 @@ def get_step_frame(trial: TrialSummary) -> pd.DataFrame:
 
 
 def get_unit_frame(trial: TrialSummary) -> pd.DataFrame:
-    """The shown aggregate per-unit rows, with ``hidden_comm_ms`` = comm - exposed."""
+    """The shown aggregate per-unit rows, with ``hidden_comm_ms`` = comm - exposed; a pipeline trial's
+    units named with their stage (``root (stage 1)``: each stage has its own root)."""
     frame = pd.DataFrame(((trial.shown_trace_metrics or {}).get("aggregate") or {}).get("per_unit", []))
     if not frame.empty:
         frame["hidden_comm_ms"] = frame["comm_ms"] - frame["exposed_comm_ms"]
+    if not frame.empty and frame.get("stage", pd.Series(dtype=object)).notna().any():
+        frame["unit"] = [u if pd.isna(s) else f"{u} (stage {int(s)})" for u, s in zip(frame["unit"], frame["stage"])]
     return frame
 
 

@@ -16,12 +16,13 @@ import re
 import zlib
 from pathlib import Path
 
-from autotune.analysis import FsdpTraceAnalysis, TraceError
+from autotune.analysis import FsdpTraceAnalysis, PipelineLayout, TraceError
 from autotune.artifacts import ArtifactError
 from autotune.report.attribution import get_step_attribution
 from autotune.report.model import TRACE_GLOB, Comparison, Report, ReportError, TrialSummary, TrialTraces
 from autotune.search import SearchRecord, TrialRow, pick_best, read_results
 from autotune.trials import INCOMPLETE_MARKER, TrialMetrics
+from fsdp_runtime import AutotuneError, load_config
 
 ARTIFACT_NAMES = frozenset({"metrics.json", "env.json", "search.json", "results.json", "best.json"})
 """The JSON files fsdp-autotune itself writes into trial and search dirs: never traces."""
@@ -69,8 +70,18 @@ def find_traces(folder: Path) -> list[Path]:
     return found
 
 
+def read_pipeline_layout(trial_dir: Path) -> PipelineLayout | None:
+    """The pipeline layout of the trial dir's ``config.toml``; None without stages, or without a readable config."""
+    try:
+        return PipelineLayout.from_config(load_config(trial_dir / "config.toml"))
+    except AutotuneError:
+        return None
+
+
 def load_trial(trial_dir: Path, *, analyze_traces: bool = True, feasible: bool = True) -> TrialSummary:
-    """A trial dir's summary; traces are analysed when metrics.json has no trace summary.
+    """A trial dir's summary; traces are analysed when metrics.json has no trace summary, or when a
+    pipeline trial's summary has no pipeline figures (written before trace summary v4), with the
+    pipeline layout of the dir's ``config.toml``.
 
     An unusable trace (e.g. a trial killed while writing it) becomes ``analysis_error``.
     """
@@ -98,9 +109,11 @@ def load_trial(trial_dir: Path, *, analyze_traces: bool = True, feasible: bool =
         )
         trial.shard_size = get_shard_size(metrics)
     traces = find_traces(trial_dir)
-    if trial.trace_metrics is None and traces and analyze_traces:
+    pipeline = read_pipeline_layout(trial_dir)
+    stale = pipeline is not None and trial.trace_metrics is not None and trial.trace_metrics.get("pipeline") is None
+    if (trial.trace_metrics is None or stale) and traces and analyze_traces:
         try:
-            trial.trace_metrics = FsdpTraceAnalysis(traces).summarize()
+            trial.trace_metrics = FsdpTraceAnalysis(traces, pipeline=pipeline).summarize()
         except TraceError as e:
             trial.analysis_error = str(e)
     return trial
@@ -273,7 +286,9 @@ def load_report(
     traces = find_traces(root)
     if (root / "metrics.json").exists() or traces:
         trial = load_trial(root)
-        return Report(kind="trial", root=root, trials=[trial], best=trial, trace_paths=traces)
+        return Report(
+            kind="trial", root=root, trials=[trial], best=trial, trace_paths=traces, pipeline=read_pipeline_layout(root)
+        )
     if any(root.glob("trials/*/metrics.json")):
         return load_search(root, search=search, rows=rows, storage=storage, study_name=study_name)
     raise ReportError(

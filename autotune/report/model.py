@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from autotune.analysis import FsdpTraceAnalysis, TraceError
+from autotune.analysis import FsdpTraceAnalysis, PipelineLayout, TraceError
 from autotune.report.attribution import StepAttribution, get_step_attribution
 from autotune.search import SearchRecord, TrialRow
 from autotune.trials import TrialFigures
@@ -154,7 +154,8 @@ def scale_trace_metrics(summary: dict[str, Any], scale: dict[int, float]) -> dic
     s = 9.4, which describes the load, not the profiler; such a trace is shown as measured
     and the report says why. The cross-rank aggregate's
     step figures are the medians of the scaled rows (as the analysis defines them); its
-    per-unit figures (the summary keeps no per-step unit rows) are scaled by the median s_r.
+    per-unit figures (the summary keeps no per-step unit rows) are scaled by the median s_r,
+    and a pipeline stage's figures by the median s_r of the ranks holding it.
     Uniform scaling assumes the profiler's cost is spread over the step in proportion to
     time (its per-op recording and page faults are: both follow the ops); comm on gloo's own
     threads is scaled too. ``metrics.json`` keeps the raw summary: scaling is presentation
@@ -173,6 +174,8 @@ def scale_trace_metrics(summary: dict[str, Any], scale: dict[int, float]) -> dic
             values = [row[key] for row in rows if isinstance(row.get(key), (int, float))]
             aggregate[key] = statistics.median(values) if values else _scale_row({key: aggregate[key]}, middle)[key]
         aggregate["per_unit"] = [_scale_row(unit, middle) for unit in aggregate.get("per_unit", [])]
+    for stage in (scaled.get("pipeline") or {}).get("stages", []):
+        stage.update(_scale_row(stage, statistics.median([scale.get(r, middle) for r in stage["ranks"]] or [middle])))
     return scaled
 
 
@@ -246,6 +249,8 @@ class Report:
     """The study in :attr:`storage` (None: the only study there)."""
     timeline_error: str | None = None
     """Why the timeline could not be built (an unusable trace), once :attr:`timeline` was asked for."""
+    pipeline: PipelineLayout | None = None
+    """A pipeline trial's layout (its ``config.toml``): the traces are read with it."""
     _analysis: FsdpTraceAnalysis | None = field(default=None, repr=False)
     _timeline: pd.DataFrame | None = field(default=None, repr=False)
     _attribution: StepAttribution | None = field(default=None, repr=False)
@@ -256,7 +261,7 @@ class Report:
         them); None without traces or when they are unusable (:attr:`timeline_error` says why)."""
         if self._analysis is None and self.trace_paths and self.timeline_error is None:
             try:
-                self._analysis = FsdpTraceAnalysis(self.trace_paths)
+                self._analysis = FsdpTraceAnalysis(self.trace_paths, pipeline=self.pipeline)
             except TraceError as e:
                 self.timeline_error = str(e)
         return self._analysis

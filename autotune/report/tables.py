@@ -124,12 +124,14 @@ def get_trial_tables(trial: TrialSummary) -> list[ReportTable]:
             steps.rows.append(
                 [str(rank["rank"]), str(step["step"]), *(fmt(step[k], kind) for _, _, k, kind in columns)]
             )
+    stage = ["stage"] if metrics.get("pipeline") else []  # each pipeline stage has its own units, root included
     units = ReportTable(
         title=f"Per FSDP unit, median over ranks and steps ({_LEGEND}{note})",
-        columns=["unit", *(t for t, _, _, _ in UNIT_TABLE)],
+        columns=[*stage, "unit", *(t for t, _, _, _ in UNIT_TABLE)],
     )
     for unit in aggregate["per_unit"]:
-        units.rows.append([unit["unit"], *(fmt(unit[k], kind) for _, _, k, kind in UNIT_TABLE)])
+        label = [str(unit.get("stage"))] * len(stage) + [unit["unit"]]
+        units.rows.append([*label, *(fmt(unit[k], kind) for _, _, k, kind in UNIT_TABLE)])
     return [summary, steps, units]
 
 

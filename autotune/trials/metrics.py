@@ -160,10 +160,11 @@ class TrialMetrics:
     """The body of ``metrics.json``."""
 
     KIND: ClassVar[str] = "trial_metrics"
-    SCHEMA_VERSION: ClassVar[int] = 5
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4)}
+    SCHEMA_VERSION: ClassVar[int] = 6
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5)}
     # v3, v4 added fields, all with defaults; v5 the settle steps (their ``paired`` figures
-    # stay as measured: before v5 a ratio is the median pair, without ``estimator``)
+    # stay as measured: before v5 a ratio is the median pair, without ``estimator``); v6 embeds
+    # trace summary v4 (pipeline figures; ``check_summary`` upgrades an older one)
 
     status: TrialStatus
     reason: str = ""

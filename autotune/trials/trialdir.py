@@ -27,7 +27,7 @@ from autotune.artifacts import write_artifact
 from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, TrialStatus
 from autotune.trials.precision import get_overlap_env
 from autotune.trials.spec import TrialSpec
-from fsdp_runtime import config_to_dict, save_config, validate_for_world
+from fsdp_runtime import RuntimeConfig, config_to_dict, save_config, validate_for_world
 
 INCOMPLETE_MARKER = "INCOMPLETE"
 """Present in a trial dir from the start of a trial until its ``metrics.json`` is written: a
@@ -116,7 +116,9 @@ def write_trial_dir(
         wall_s=wall_s,
     )
     if metrics.traces and status == "ok":
-        metrics.trace_metrics, metrics.analysis_error = _analyze([spec.out_dir / t for t in metrics.traces])
+        metrics.trace_metrics, metrics.analysis_error = _analyze(
+            [spec.out_dir / t for t in metrics.traces], spec.config
+        )
     spec.out_dir.mkdir(parents=True, exist_ok=True)
     write_artifact(spec.out_dir / "env.json", _get_env(spec, rank_results))
     metrics.write(spec.out_dir / "metrics.json")
@@ -124,12 +126,13 @@ def write_trial_dir(
     return TrialResult(status=status, reason=reason, out_dir=spec.out_dir, metrics=metrics, wall_s=wall_s)
 
 
-def _analyze(traces: list[Path]) -> tuple[dict[str, Any] | None, str | None]:
-    """``autotune.analysis.summarize_traces`` over the traces; a failure becomes an error string."""
-    from autotune.analysis import summarize_traces
+def _analyze(traces: list[Path], config: RuntimeConfig) -> tuple[dict[str, Any] | None, str | None]:
+    """``autotune.analysis.summarize_traces`` over the traces (with the config's pipeline layout);
+    a failure becomes an error string."""
+    from autotune.analysis import PipelineLayout, summarize_traces
 
     try:
-        summary = summarize_traces([str(p) for p in traces])
+        summary = summarize_traces([str(p) for p in traces], pipeline=PipelineLayout.from_config(config))
         json.dumps(summary)
     except Exception as e:  # a bad trace or analysis bug is recorded; the trial's timings stand
         return None, f"{type(e).__name__}: {e}"[:500]

@@ -21,7 +21,7 @@ from _trace_builders import (
     write,
 )
 
-from autotune.analysis import FsdpTraceAnalysis, summarize_traces
+from autotune.analysis import SUMMARY_SCHEMA_VERSION, FsdpTraceAnalysis, summarize_traces
 from autotune.analysis._events import get_collective_kind
 
 
@@ -124,7 +124,7 @@ def test_time_weighted_overlap_beside_the_median(tmp_path):
         ),
     )
     summary = summarize_traces([path])
-    assert summary["schema_version"] == 3
+    assert summary["schema_version"] == SUMMARY_SCHEMA_VERSION
     assert summary["aggregate"]["overlap_ratio"] == pytest.approx(1.0, abs=EXACT)  # median of 1, 1, 0
     assert summary["aggregate"]["overlap_ratio_time_weighted"] == pytest.approx(0.2 / 0.8, abs=EXACT)
     assert summary["per_rank"][0]["overlap_ratio_time_weighted"] == pytest.approx(0.25, abs=EXACT)
