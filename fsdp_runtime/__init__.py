@@ -35,7 +35,7 @@ from fsdp_runtime.consolidate import (
 )
 from fsdp_runtime.errors import AutotuneError, ConfigError
 from fsdp_runtime.files import atomic_path, write_atomic, write_json_atomic
-from fsdp_runtime.pipeline import AppliedPipeline, apply_pipeline
+from fsdp_runtime.pipeline import AppliedPipeline, StageSplit, apply_pipeline, split_stages
 from fsdp_runtime.serialize import (
     config_from_dict,
     config_to_dict,
@@ -51,6 +51,7 @@ __all__ = [
     "ROOT_UNIT",
     "SAVED_OP_NAMES",
     "SCHEMA_VERSION",
+    "StageSplit",
     "AppliedFsdp",
     "AppliedPipeline",
     "AutotuneError",
@@ -83,6 +84,7 @@ __all__ = [
     "resolve_units",
     "save_config",
     "save_consolidated_checkpoint",
+    "split_stages",
     "validate_config",
     "validate_for_world",
     "write_atomic",

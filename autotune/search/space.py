@@ -343,27 +343,7 @@ class SearchSpace:
             ]
             fwd.update(get_prefetch_lists(order, params["forward_prefetch"]))
             bwd.update(get_prefetch_lists(list(reversed(order)), params["backward_prefetch"]))
-        nosync = select_blocks(names, params.get("nosync_blocks", "none"))
-        checkpointed = select_blocks(names, params.get("ac_units", "none"))
-        units = []
-        for stage in stage_groups:
-            for i, (name, modules) in enumerate(stage):
-                unit = UnitConfig(
-                    name=name,
-                    modules=modules,
-                    reshard_after_forward=get_reshard_value(reshard, i, len(stage), shard),
-                    forward_prefetch=fwd.get(name),
-                    backward_prefetch=bwd.get(name),
-                    activation_checkpointing=params["ac_kind"] if name in checkpointed else "none",
-                )
-                if name in nosync:
-                    unit = dataclasses.replace(
-                        unit,
-                        sync=params["nosync_level"],
-                        reshard_after_backward=not params.get("keep_unsharded", False),
-                        defer_concat=params.get("defer_concat", True),
-                    )
-                units.append(unit)
+        units = _build_block_units(params, stage_groups, names, fwd, bwd, reshard, shard)
         units += self._build_root_units(params, edges, fwd, bwd)
         buffers = params.get("reduce_scatter_buffers", 1)
         return RuntimeConfig(
@@ -404,3 +384,37 @@ class SearchSpace:
 
 _FIELD_OF_PARAM = {"reduce_scatter_buffers": "reduce_scatter_max_input_buffers", "unshard_async": "unshard_async"}
 """The config field each torch-dependent parameter sets (``fsdp_runtime.get_unsupported_knobs`` names fields)."""
+
+
+def _build_block_units(
+    params: dict[str, Any],
+    stage_groups: list[list[tuple[str, list[str] | None]]],
+    names: list[str],
+    fwd: dict[str, list[str]],
+    bwd: dict[str, list[str]],
+    reshard: str,
+    shard: int,
+) -> list[UnitConfig]:
+    """The block units of each stage (one stage without a pipeline), every pattern expanded."""
+    nosync = select_blocks(names, params.get("nosync_blocks", "none"))
+    checkpointed = select_blocks(names, params.get("ac_units", "none"))
+    units = []
+    for stage in stage_groups:
+        for i, (name, modules) in enumerate(stage):
+            unit = UnitConfig(
+                name=name,
+                modules=modules,
+                reshard_after_forward=get_reshard_value(reshard, i, len(stage), shard),
+                forward_prefetch=fwd.get(name),
+                backward_prefetch=bwd.get(name),
+                activation_checkpointing=params["ac_kind"] if name in checkpointed else "none",
+            )
+            if name in nosync:
+                unit = dataclasses.replace(
+                    unit,
+                    sync=params["nosync_level"],
+                    reshard_after_backward=not params.get("keep_unsharded", False),
+                    defer_concat=params.get("defer_concat", True),
+                )
+            units.append(unit)
+    return units

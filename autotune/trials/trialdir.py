@@ -51,8 +51,7 @@ def check_trial_spec(spec: TrialSpec) -> None:
     """Checks that need no ranks: the profile exists, the mesh fits the world size, pipeline
     stages split the model's blocks (on a meta-device build), the cluster loads."""
     from autotune.trials.training import resolve_profile
-    from fsdp_runtime.blocks import resolve_units
-    from fsdp_runtime.pipeline import split_stages
+    from fsdp_runtime import resolve_units, split_stages
     from profiles import load_cluster_profile
 
     source = resolve_profile(spec.model)
