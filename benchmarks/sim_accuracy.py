@@ -70,6 +70,9 @@ WORKLOADS["deep"] = {
     "seq_len": 48,
     "batch_size": 2,
 }
+# Issue 31's workload: 4 blocks for 2 pipeline stages x 2 data-parallel ranks on 2x2 (run it with
+# --pp 1,2 --sample-pp 2 --microbatches 4: calibrated on the FSDP2 defaults, predicting pipeline configs).
+WORKLOADS["pipe"] = str(Path(__file__).resolve().parent / "models" / "pipe.toml")
 SETTINGS = {"raw": (2, None), "emulated": (2, "cpu-emulated-ib"), "2x2": (4, "cpu-emulated-ib")}
 NUM_MICROBATCHES = 2
 
@@ -156,6 +159,7 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         num_microbatches=args.microbatches,
         device_type="cpu",
         grouping=args.grouping,
+        pipeline_degrees=tuple(int(p) for p in args.pp.split(",")),
     )
     defaults = space.get_default_params()
     started = time.monotonic()
@@ -223,7 +227,7 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         calibrate_s = time.monotonic() - started
         hardware = Hardware(load_cluster_profile(cluster or "cpu-gloo"), num_ranks=world, measured=profile)
         simulator = Simulator(work, hardware)
-        points = list(iter_space_params(space))
+        points = [p for p in iter_space_params(space) if args.sample_pp is None or p.get("pp", 1) == args.sample_pp]
         first = get_ladder(space) if args.ladder else [defaults]
         sample = first + random.Random(args.seed).sample(
             [p for p in points if p not in first], max(0, min(args.configs - len(first), len(points) - len(first)))
@@ -518,6 +522,14 @@ def main() -> None:
         dest="fit_concat",
         action="store_false",
         help="calibrate without the eager-concat trial: FSDP1-style concat priced as memory traffic",
+    )
+    parser.add_argument(
+        "--pp",
+        default="1",
+        help="pipeline degrees in the space, e.g. 1,2 (the calibration runs the defaults: the least)",
+    )
+    parser.add_argument(
+        "--sample-pp", type=int, default=None, help="sample only configs of this pipeline degree (the defaults aside)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
