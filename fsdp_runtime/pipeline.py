@@ -246,6 +246,8 @@ class TunedStage(PipelineStage):
     backward but the last and reduces afterwards; here each unit gets
     :class:`~fsdp_runtime.GradAccumulator`'s state instead (the last microbatch syncs and
     reshards every unit during its backward, so the reduction after it finds nothing left).
+    Like torch's stage, only the last backward is FSDP2's "last backward" (the one whose
+    end waits for the reduce-scatters).
     """
 
     def __init__(self, *args: Any, accumulator: GradAccumulator, **kwargs: Any) -> None:
@@ -259,6 +261,10 @@ class TunedStage(PipelineStage):
 
         for unit in self.accumulator.applied.config.units:
             self.accumulator.set_unit_state(unit, is_last=last_backward)
+        # Not the last backward: FSDP2's end-of-backward callback then does not make the
+        # compute stream wait for this backward's reduce-scatters, so their tail runs under the
+        # next action (another microbatch's forward), as torch's own stage allows.
+        self.submod.set_is_last_backward(last_backward)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
 

@@ -193,10 +193,17 @@ def train_pipeline_configs(
     results = []
     for config in configs:
         training = build_training(rank, world_size, model=model, config=config, seed=seed)
+        last_backward: list[bool] = []  # what each backward of the first stage told FSDP2
+        if training.pipeline is not None:
+            stage = training.pipeline.stages[0]
+            original = stage.submod.set_is_last_backward
+            stage.submod.set_is_last_backward = lambda flag: (last_backward.append(flag), original(flag))[1]
         counter = _CollectiveCounter()
         with counter:
             losses = [training.step(s) for s in range(num_steps)]
         stages = training.pipeline.stage_indices if training.pipeline is not None else None
-        results.append({"losses": losses, "stages": stages, "collectives": counter.counts})
+        results.append(
+            {"losses": losses, "stages": stages, "collectives": counter.counts, "last_backward": last_backward}
+        )
         del training
     return results

@@ -115,3 +115,13 @@ def test_each_units_sync_level_holds_per_microbatch_inside_a_stage(staged):
     assert per_step == {"1f1b": NUM_MICROBATCHES * units_per_stage, "1f1b_last": units_per_stage}
     sends = staged["1f1b"][0]["collectives"]
     assert any("send" in kind for kind in sends), sends
+
+
+@pytest.mark.multirank
+def test_only_the_last_backward_of_a_step_waits_for_its_reduce_scatters(staged):
+    """FSDP2's "last backward" ends with the compute stream waiting for the reduce-scatters;
+    earlier microbatches' backwards must not, so their reductions run under the next forward.
+    Per step: False for each of the first three backwards, True for the fourth, then True
+    again from torch's reduction after the schedule."""
+    per_step = [False] * (NUM_MICROBATCHES - 1) + [True, True]
+    assert staged["1f1b"][0]["last_backward"] == per_step * NUM_STEPS
