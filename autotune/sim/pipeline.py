@@ -24,19 +24,27 @@ What one step costs is found by running the schedule, not by a formula:
 3. *Each action runs FSDP2's own schedule* ([Note: FSDP2 step schedule]) for that stage and
    microbatch, on the pp rank's streams and links (one :class:`Timeline` per rank, shared by its
    virtual stages): all-gathers, prefetch, reshard, reduce-scatters by each unit's sync
-   level. What differs from a step without PP is *when FSDP2 waits for its reductions*. A
-   pipeline stage's backward is not the last backward of the step (torch's stage sets
+   level, as ``fsdp_runtime.apply_pipeline``'s stages set them per microbatch. What differs
+   from a step without PP is *when FSDP2 waits for its reductions*. A pipeline stage's
+   backward is not the step's last (torch's ``PipelineStage`` says so to FSDP2 with
    ``set_is_last_backward(False)``), so FSDP2's final callback does not make the compute
    stream wait: a ``sync = "every"`` unit's reduce-scatter of microbatch i runs while the
    stage computes *other* microbatches' forwards and backwards (the overlap Paddle #57446
    built by hand for 1F1B), and is waited for only when the reduce-scatter buffers run out
-   or after the stage's last backward. A ``sync = "last"`` unit reduces only in the stage's
-   last backward, where only that backward's remaining units can hide it.
-   (torch's pipelining on its own turns sync off for every unit and reduces all of them
-   after the last backward; the runtime config sets each unit's level instead.) With zero
-   bubble, I runs the backward without the weights' gradients (all of it but half the block
-   GEMMs and the embeddings' backward) and W the rest, followed by each unit's post-backward
-   (its reshard and reduction): the weights' gradients exist only then.
+   or after the stage's last backward. A ``sync = "last"`` unit reduces once, in the stage's
+   last backward, where that backward's remaining units hide all but its tail; it holds the
+   stage's unsharded gradients across microbatches instead. (torch's stage on its own turns
+   sync off for every unit and reduces all of them after the last backward; the runtime
+   config sets each unit's level instead.) Note: ``fsdp_runtime``'s ``TunedStage`` (main at
+   ea1a0d3) sets each unit's sync but not ``set_is_last_backward(False)``, so there FSDP2
+   still waits for the reductions after every backward, as without PP; that wait is what
+   ``test_sync_every_reduce_scatters_hide_behind_other_microbatches`` prices against.
+   With zero bubble, I runs the backward without the weights' gradients (all of it but half
+   the block GEMMs and the embeddings' backward) and W the rest, followed by each unit's
+   post-backward (its reshard and reduction): the weights' gradients exist only then. (The
+   runtime config does not offer zero bubble: with FSDP2 stages it did not keep the math on
+   torch 2.13, [Note: pipeline stages] in ``fsdp_runtime/pipeline.py``; it is priced here
+   for comparison, and ``autotune plan`` does not rank it.)
 4. *Memory.* A rank holds, besides its stages' shards and optimizer state, the saved
    activations of every microbatch whose forward ran and whose backward (W, for zero
    bubble) has not: GPipe all ``m``, 1F1B ``pp - r`` on rank ``r``, interleaved what torch's
@@ -108,7 +116,8 @@ class PipelineSpec:
 
 
 def get_pipeline_spec(config: RuntimeConfig) -> PipelineSpec:
-    """The pipeline a config asks for; a config without schema 3's fields has none (pp 1)."""
+    """The pipeline a config asks for (schema 3's ``mesh.pp`` and ``[pipeline]``; read with defaults, so
+    that a config object without them is one without a pipeline)."""
     pipeline = getattr(config, "pipeline", None)
     blocks = getattr(pipeline, "blocks_per_stage", None)
     return PipelineSpec(
@@ -152,13 +161,13 @@ def check_pipeline(spec: PipelineSpec, num_blocks: int) -> list[range]:
 
 def _get_stage_ranges(spec: PipelineSpec, num_blocks: int) -> list[range]:
     stages = spec.num_stages
-    if spec.blocks_per_stage is None:
+    if spec.blocks_per_stage is None:  # the field and words of fsdp_runtime.pipeline's own check
         if num_blocks % stages:
             raise ConfigError(
-                "pipeline.blocks_per_stage",
+                "mesh.pp",
                 f"{num_blocks} blocks do not split evenly into {stages} stages (mesh.pp {spec.pp} x "
                 f"pipeline.virtual_stages {spec.virtual_stages})",
-                fix="choose a pp degree and virtual stages that divide the blocks, or list blocks_per_stage",
+                fix=f"choose stages dividing {num_blocks}, or list pipeline.blocks_per_stage",
             )
         sizes: tuple[int, ...] = (num_blocks // stages,) * stages
     else:
@@ -469,11 +478,22 @@ class PipelineSimulator:
         return dataclasses.replace(self.hardware, num_ranks=world // pp)
 
     def simulate(self, config: RuntimeConfig) -> PipelinePrediction:
+        """One step of a schema-3 config with ``mesh.pp`` > 1 (its knobs resolved over the whole world:
+        ``validate_for_world`` gives each stage's data-parallel mesh)."""
         spec = get_pipeline_spec(config)
-        dp = self.get_dp_hardware(spec.pp)
-        if getattr(config.mesh, "pp", 1) != 1:  # the data-parallel mesh alone: what each stage shards over
-            config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, pp=1))
-        knobs = resolve_knobs(config, self.work.block_names, world_size=dp.world_size, device=dp.cluster.device)
+        knobs = resolve_knobs(
+            config, self.work.block_names, world_size=self.hardware.world_size, device=self.hardware.cluster.device
+        )
+        stage_of = {b: s for s, blocks in enumerate(check_pipeline(spec, len(self.work.block_names))) for b in blocks}
+        index = {name: b for b, name in enumerate(self.work.block_names)}
+        for i, unit in enumerate(config.units):  # as fsdp_runtime.pipeline refuses it, naming the unit
+            stages = {stage_of[index[m]] for m in unit.get_modules() if m in index}
+            if len(stages) > 1:
+                raise ConfigError(
+                    f"units[{i}].modules",
+                    f"spans pipeline stages {sorted(stages)}",
+                    fix="group only blocks of one stage",
+                )
         return self.simulate_knobs(knobs, spec)
 
     def simulate_knobs(self, knobs: Knobs, spec: PipelineSpec) -> PipelinePrediction:

@@ -22,7 +22,7 @@ from autotune.sim import (
 )
 from autotune.sim.model_work import PassWork
 from autotune.sim.pipeline import _StageSchedule, check_pipeline
-from fsdp_runtime import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, RuntimeConfig, UnitConfig
+from fsdp_runtime import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, PipelineConfig, RuntimeConfig, UnitConfig
 from fsdp_runtime.errors import ConfigError
 from profiles import load_cluster_profile, load_model_profile
 
@@ -292,7 +292,7 @@ def test_sync_last_holds_the_stage_s_unsharded_gradients_across_microbatches():
 def test_stages_must_divide_the_blocks_with_one_line_naming_the_field():
     with pytest.raises(ConfigError) as info:
         check_pipeline(PipelineSpec(pp=3, num_microbatches=3), 8)
-    assert info.value.field == "pipeline.blocks_per_stage" and "\n" not in str(info.value)
+    assert info.value.field == "mesh.pp" and "\n" not in str(info.value)  # the field fsdp_runtime.pipeline names
     assert "8 blocks do not split evenly into 3 stages" in str(info.value)
     with pytest.raises(ConfigError, match=r"pipeline.blocks_per_stage: \[3, 3\]") as info:
         check_pipeline(PipelineSpec(pp=2, blocks_per_stage=(3, 3), num_microbatches=2), 8)
@@ -317,6 +317,11 @@ def test_a_unit_across_two_stages_is_refused():
     with pytest.raises(ConfigError) as info:
         PipelineSimulator(work, hardware).simulate_knobs(knobs, PipelineSpec(pp=2, num_microbatches=2))
     assert info.value.field == "units" and "layers.3..layers.5" in str(info.value)
+    # a schema-3 config names the unit, as fsdp_runtime.pipeline does
+    piped = dataclasses.replace(config, mesh=MeshConfig(pp=2))
+    with pytest.raises(ConfigError) as info:
+        Simulator(work, _hardware(1)).simulate(piped)
+    assert info.value.field == "units[1].modules" and "spans pipeline stages [0, 1]" in str(info.value)
 
 
 def test_every_schedule_prices_a_step_whose_flops_are_the_model_s():
@@ -335,22 +340,28 @@ def test_every_schedule_prices_a_step_whose_flops_are_the_model_s():
         assert 0.0 < p.bubble_fraction < 1.0 and p.to_dict()["pipeline"]["schedule"] == schedule
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Schema3Mesh(MeshConfig):
-    """A stand-in for schema 3's mesh (``mesh.pp``) until ``fsdp_runtime`` has it."""
-
-    pp: int = 1
-
-
-def test_simulate_prices_a_config_with_mesh_pp_as_a_pipeline():
+def test_simulate_prices_a_schema_3_config_with_mesh_pp_as_a_pipeline():
     work = _tiny_work(8)
     hardware = _hardware(2)
     config = RuntimeConfig(num_microbatches=4, units=[], mixed_precision=BF16)
-    piped = dataclasses.replace(config, mesh=_Schema3Mesh(pp=2))
+    piped = dataclasses.replace(
+        config, mesh=MeshConfig(pp=2), pipeline=PipelineConfig(schedule="interleaved_1f1b", virtual_stages=2)
+    )
     plain = Simulator(work, hardware).simulate(config)
     prediction = Simulator(work, hardware).simulate(piped)
     assert not isinstance(plain, PipelinePrediction)
     assert isinstance(prediction, PipelinePrediction) and prediction.pipeline.pp == 2
-    assert prediction.pipeline.schedule == "1f1b" and len(prediction.units) == 2
-    # each stage's FSDP2 shards over half the ranks: half of each all-gather's ring is left to each rank
-    assert prediction.stages[0].rank == 0 and prediction.stages[1].rank == 1
+    assert prediction.pipeline.schedule == "interleaved_1f1b" and len(prediction.units) == 4
+    assert [s.rank for s in prediction.stages] == [0, 1, 0, 1]
+    # each stage shards over the 8 ranks of its pp rank's data-parallel mesh (world 16 = pp 2 x 8)
+    knobs = resolve_knobs(piped, work.block_names, world_size=16, device="cuda")
+    assert (knobs.replicate, knobs.shard) == (1, 8)
+
+
+def test_a_schema_3_config_whose_stages_do_not_divide_the_blocks_is_refused_in_one_line():
+    work = _tiny_work(8)
+    config = RuntimeConfig(num_microbatches=3, units=[], mixed_precision=BF16, mesh=MeshConfig(pp=3))
+    with pytest.raises(ConfigError) as info:
+        Simulator(work, _hardware(num_ranks=3)).simulate(config)
+    assert info.value.field == "mesh.pp" and "\n" not in str(info.value)
+    assert str(info.value).startswith("mesh.pp: 8 blocks do not split evenly into 3 stages")
