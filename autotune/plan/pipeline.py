@@ -101,7 +101,7 @@ class PipelinePricer:
         )
 
     def get_knobs(self, params: dict[str, Any]) -> Knobs:
-        knobs = self.factory.get_knobs(params)
+        knobs = self.factory.get_knobs(_get_stage_params(params))
         if not params.get("every_keep_unsharded"):
             return knobs
         root = len(knobs.sync) - 1
@@ -117,7 +117,7 @@ class PipelinePricer:
     def build_config(self, params: dict[str, Any]) -> tuple[RuntimeConfig, bool]:
         """The point's runtime config, and whether it could carry the pipeline (schema 3's ``mesh.pp`` and
         ``[pipeline]``; a config without them holds the data-parallel mesh and every stage's units)."""
-        config = self.factory.build_config(params)
+        config = self.factory.build_config(_get_stage_params(params))
         if params.get("every_keep_unsharded"):
             units = [
                 dataclasses.replace(u, reshard_after_backward=False) if u.name != ROOT_UNIT and u.sync == "every" else u
@@ -131,6 +131,12 @@ class PipelinePricer:
             config.pipeline, schedule=spec.schedule, virtual_stages=spec.virtual_stages, blocks_per_stage=None
         )
         return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, pp=spec.pp), pipeline=pipeline), True
+
+
+def _get_stage_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A point's FSDP2 parameters, which the space over one stage's data-parallel world expands (its own
+    ``pp`` would be a pipeline of that world)."""
+    return {k: v for k, v in params.items() if k not in PP_KEYS}
 
 
 def make_pipeline_pricer(
