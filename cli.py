@@ -580,6 +580,13 @@ def plan(
             help="Also rank blocks per unit, the root's knobs and (with --ac auto) checkpointing per unit, for the fastest configs.",
         ),
     ] = True,
+    pp: Annotated[
+        str | None,
+        typer.Option(
+            "--pp",
+            help="Pipeline-parallel degrees to rank beside FSDP alone, e.g. 1,2,4,8 (default: 1 and those up to 8 dividing the world size and the blocks).",
+        ),
+    ] = None,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtype = None,
     device_profile: Annotated[
@@ -607,6 +614,7 @@ def plan(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         device_profile=device_profile,
+        pp_degrees=pp,
         **({"num_workers": workers} if workers is not None else {}),
     )
     reporter = _RichPlanReporter()
@@ -651,12 +659,12 @@ class _RichPlanReporter:
 
 
 def _print_plan(result) -> None:
-    from autotune.plan import get_config_lines, get_plan_lines, get_plan_table, get_unit_table
+    from autotune.plan import get_config_lines, get_pipeline_table, get_plan_lines, get_plan_table, get_unit_table
 
     _print_tables([get_plan_table(result)])
     for line in get_config_lines(result):
         console.print(line, highlight=False, soft_wrap=True)
-    _print_tables([t for t in (get_unit_table(result),) if t is not None])
+    _print_tables([t for t in (get_pipeline_table(result), get_unit_table(result)) if t is not None])
     for line in get_plan_lines(result):
         console.print(line, highlight=False, soft_wrap=True)
 
@@ -668,6 +676,7 @@ _FLAGS.update(
     activation_checkpointing="--ac",
     cluster="--cluster",
     device_profile="--device-profile",
+    pp_degrees="--pp",
 )
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from pathlib import Path
+from typing import Any
 
+from autotune.plan.pipeline import get_pipeline_summary
 from autotune.plan.record import PlanRecord
 from autotune.plan.result import PlanResult
-from autotune.sim import Hardware
+from autotune.search import RankedPoint
+from autotune.sim import Hardware, PipelinePrediction
 from fsdp_runtime import Provenance, save_config
 
 
@@ -49,6 +52,7 @@ def _get_notes(result: PlanResult, hardware: Hardware, speedup: float | None) ->
             else f"assumes activation checkpointing {'full (every block)' if result.activation_checkpointing else 'none'} in the training script ({result.ac_reason}); this config does not set it"
         ),
         f"chosen: {best.description}",
+        *_get_pipeline_notes(result),
         *hardware.describe_prices(),
     ]
     if speedup is not None:
@@ -62,6 +66,7 @@ def _get_notes(result: PlanResult, hardware: Hardware, speedup: float | None) ->
 def _get_record(result: PlanResult, model_name: str, hardware: Hardware) -> PlanRecord:
     best, detail, settings = result.best, result.best_detail, result.settings
     assert best is not None and detail is not None
+    m = settings.num_microbatches
     return PlanRecord(
         model=model_name,
         cluster=hardware.cluster.name,
@@ -78,18 +83,51 @@ def _get_record(result: PlanResult, model_name: str, hardware: Hardware) -> Plan
         num_fit=len(result.ranked),
         num_dropped=len(result.dropped),
         configs_per_s=result.configs_per_s,
-        default={"config": result.default.description, **result.default.prediction.to_dict()},
-        best={"config": best.description, "params": best.params, **detail.to_dict()},
-        top=[
-            {
-                "config": r.description,
-                "params": r.params,
-                "num_alike": n,
-                **r.prediction.to_metrics(),
-                "at_edge": r.prediction.at_edge,
-            }
-            for r, n in result.get_distinct_top()
-        ],
+        default={
+            "config": result.default.description,
+            **result.default.prediction.to_dict(),
+            "pipeline": get_pipeline_summary(result.default, m),
+        },
+        best={
+            "config": best.description,
+            "params": best.params,
+            **detail.to_dict(),
+            "pipeline": get_pipeline_summary(best, m),
+        },
+        top=[{**_get_row(r, m), "num_alike": n} for r, n in result.get_distinct_top()],
         memory_margin=result.memory_margin.to_dict() if result.memory_margin else None,
         num_at_edge=result.num_at_edge,
+        pp_degrees=list(result.pp_degrees),
+        best_per_pp=[_get_row(r, m) for r in result.best_per_pp],
     )
+
+
+def _get_row(row: RankedPoint, num_microbatches: int) -> dict[str, Any]:
+    return {
+        "config": row.description,
+        "params": row.params,
+        **row.prediction.to_metrics(),
+        "at_edge": row.prediction.at_edge,
+        "pipeline": get_pipeline_summary(row, num_microbatches),
+    }
+
+
+def _get_pipeline_notes(result: PlanResult) -> list[str]:
+    """What the emitted config's pipeline is, and whether the config carries it."""
+    detail = result.best_detail
+    if not isinstance(detail, PipelinePrediction):
+        return []
+    spec, dp = detail.pipeline, result.world_size // detail.pipeline.pp
+    notes = [
+        f"pipeline: {spec.pp} stages deep x {dp} data-parallel ranks, schedule {spec.schedule} with {spec.virtual_stages} "
+        f"stage(s) per pp rank, {spec.num_microbatches} microbatches per step ({result.settings.num_microbatches} per "
+        f"data-parallel rank without PP: the same tokens per step); bubble {detail.bubble_fraction:.1%} of the step "
+        "([Note: pipeline schedules] in autotune/sim/pipeline.py)"
+    ]
+    if not result.pipeline_in_config:
+        notes.append(
+            f"this fsdp_runtime has no pipeline schema (schema 3): the config holds the data-parallel mesh and every stage's "
+            f"units; set mesh.pp = {spec.pp}, pipeline.schedule = {spec.schedule!r}, pipeline.virtual_stages = "
+            f"{spec.virtual_stages} when it does"
+        )
+    return notes

@@ -73,6 +73,21 @@ class Pricer:
     factory: KnobFactory
     simulator: Simulator
 
+    def simulate_group(self, points: list[dict[str, Any]]) -> tuple[list[StepPrediction], int]:
+        """Predictions for points sharing a first forward; points with equal knobs share one simulation."""
+        knobs = [self.factory.get_knobs(p) for p in points]
+        distinct: dict[Knobs, int] = {}
+        index = [distinct.setdefault(get_identity(k), len(distinct)) for k in knobs]
+        first = {i: k for k, i in reversed(list(zip(knobs, index)))}
+        predictions = self.simulator.simulate_knobs([first[i] for i in range(len(distinct))])
+        return [predictions[i] for i in index], len(distinct)
+
+
+class GroupPricer(Protocol):
+    """What :func:`run_groups` prices groups of points with (a :class:`Pricer`, or a pipeline's)."""
+
+    def simulate_group(self, points: list[dict[str, Any]]) -> tuple[list[StepPrediction], int]: ...
+
 
 def make_pricer(
     work: ModelWork,
@@ -115,28 +130,22 @@ def is_dominated(params: dict[str, Any]) -> bool:
     return params.get("defer_concat") is False
 
 
-_PRICERS: list[Pricer] = []  # set before forking the pool
+_PRICERS: list[GroupPricer] = []  # set before forking the pool
 
 
-def _simulate_group(task: tuple[int, list[dict[str, Any]]]) -> tuple[list[StepPrediction], int]:
-    """Predictions for points sharing a first forward; points with equal knobs share one simulation."""
-    pricer = _PRICERS[task[0]]
-    knobs = [pricer.factory.get_knobs(p) for p in task[1]]
-    distinct: dict[Knobs, int] = {}
-    index = [distinct.setdefault(get_identity(k), len(distinct)) for k in knobs]
-    first = {i: k for k, i in reversed(list(zip(knobs, index)))}
-    predictions = pricer.simulator.simulate_knobs([first[i] for i in range(len(distinct))])
-    return [predictions[i] for i in index], len(distinct)
+def _simulate_task(task: tuple[int, list[dict[str, Any]]]) -> tuple[list[StepPrediction], int]:
+    return _PRICERS[task[0]].simulate_group(task[1])
 
 
-def _run(
-    pricers: list[Pricer],
+def run_groups(
+    pricers: list[GroupPricer],
     tasks: list[tuple[int, list[dict[str, Any]]]],
     num_workers: int,
     reporter: PlanReporter,
     weight: float,
 ) -> tuple[list[list[StepPrediction]], int]:
-    """Each task's predictions, in order, and the number of distinct simulations; advances the reporter by ``weight`` per point."""
+    """Each task's predictions (``(pricer index, points)``), in order, and the number of distinct simulations;
+    advances the reporter by ``weight`` per point."""
     global _PRICERS
     _PRICERS = pricers
     out: list[list[StepPrediction]] = []
@@ -144,10 +153,10 @@ def _run(
     pool = None
     try:
         if num_workers <= 1 or len(tasks) < 2:
-            results: Any = map(_simulate_group, tasks)
+            results: Any = map(_simulate_task, tasks)
         else:  # pure-Python simulation: forked workers need nothing but the parent's objects
             pool = concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("fork"))
-            results = pool.map(_simulate_group, tasks, chunksize=max(1, len(tasks) // (8 * num_workers)))
+            results = pool.map(_simulate_task, tasks, chunksize=max(1, len(tasks) // (8 * num_workers)))
         for (_, group), (predictions, distinct) in zip(tasks, results):
             out.append(predictions)
             count += distinct
@@ -213,13 +222,13 @@ def evaluate_space(
     groups = _group(kept)
     if reduced is None:
         reporter.on_start(len(kept))
-        results, count = _run([full], [(0, g) for g in groups], num_workers, reporter, 1.0)
+        results, count = run_groups([full], [(0, g) for g in groups], num_workers, reporter, 1.0)
         rows = [
             RankedPoint(params=p, prediction=pred) for g, preds in zip(groups, results) for p, pred in zip(g, preds)
         ]
         return Evaluation(rows=rows, num_simulated=count, num_pruned=len(points) - len(kept), num_exact=len(rows))
     reporter.on_start(len(kept) + NUM_EXACT + NUM_EXACT_DROPPED + 1)
-    results, count = _run(list(reduced), [(i, g) for g in groups for i in (0, 1)], num_workers, reporter, 0.5)
+    results, count = run_groups(list(reduced), [(i, g) for g in groups for i in (0, 1)], num_workers, reporter, 0.5)
     d1, d2 = (len(p.simulator.work.block_names) for p in reduced)
     factor = (len(full.simulator.work.block_names) - d2) / (d2 - d1)
     m = full.factory.space.num_microbatches
@@ -241,7 +250,7 @@ def evaluate_space(
         for r in [*candidates[:NUM_EXACT], *over[:NUM_EXACT_DROPPED], *(r for r in rows if r.params == default)]
     }
     exact_groups = _group([r.params for r in chosen.values()])
-    exact, exact_count = _run([full], [(0, g) for g in exact_groups], num_workers, reporter, 1.0)
+    exact, exact_count = run_groups([full], [(0, g) for g in exact_groups], num_workers, reporter, 1.0)
     by_params = {
         tuple(sorted(p.items(), key=str)): pred for g, preds in zip(exact_groups, exact) for p, pred in zip(g, preds)
     }

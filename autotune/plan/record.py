@@ -23,15 +23,31 @@ def _add_edge_flags(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, **rows}
 
 
+def _add_pipelines(data: dict[str, Any]) -> dict[str, Any]:
+    """v2 -> v3: v3 ranks PP degrees beside FSDP2 alone ([Note: the plan's pipeline axis]) and records each
+    ranked config's pipeline; a v2 plan ranked PP 1 only, every config with the plan's microbatches."""
+    pipeline = {"pp": 1, "schedule": None, "virtual_stages": 1, "num_microbatches": data.get("num_microbatches")}
+
+    def add(row: Any) -> Any:
+        return {**row, "pipeline": dict(pipeline)} if isinstance(row, dict) else row
+
+    rows = {key: add(data[key]) for key in ("default", "best") if key in data}
+    if isinstance(data.get("top"), list):
+        rows["top"] = [add(row) for row in data["top"]]
+    return {**data, **rows, "pp_degrees": [1], "best_per_pp": []}
+
+
 @dataclass(kw_only=True)
 class PlanRecord:
     """``plan.json`` (written by :func:`autotune.plan.run_plan` into ``--out``).
 
-    v2: ``memory_margin``, ``num_at_edge`` and each prediction's ``at_edge`` (``default``, ``best``, ``top``)."""
+    v2: ``memory_margin``, ``num_at_edge`` and each prediction's ``at_edge`` (``default``, ``best``, ``top``).
+    v3: ``pp_degrees``, ``best_per_pp`` and each ranked config's ``pipeline`` (``pp``, ``schedule``,
+    ``virtual_stages``, ``num_microbatches``)."""
 
     KIND: ClassVar[str] = "plan_summary"
-    SCHEMA_VERSION: ClassVar[int] = 2
-    MIGRATIONS: ClassVar[dict] = {1: _add_edge_flags}
+    SCHEMA_VERSION: ClassVar[int] = 3
+    MIGRATIONS: ClassVar[dict] = {1: _add_edge_flags, 2: _add_pipelines}
 
     model: str
     cluster: str
@@ -59,6 +75,11 @@ class PlanRecord:
     margin, its parts (share of the peak, GiB, source) and the edge; None for a v1 plan."""
     num_at_edge: int | None = None
     """Configs that fit the usable memory but not with the margin (None for a v1 plan)."""
+    pp_degrees: list[int] = field(default_factory=lambda: [1])
+    """The PP degrees ranked (``[1]``: FSDP2 alone, as every plan before v3)."""
+    best_per_pp: list[dict[str, Any]] = field(default_factory=list)
+    """Each PP degree's best config that fits: ``config``, ``params``, ``pipeline`` and the predicted figures
+    (with ``predicted_bubble_fraction`` for a pipeline); empty for a plan before v3."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": self.SCHEMA_VERSION, "kind": self.KIND, **dataclasses.asdict(self)}

@@ -46,6 +46,10 @@ class PlanSettings:
     """Processes simulating in parallel."""
     exact: bool = False
     """Simulate every point at the model's depth, never extrapolated from shallower ones ([Note: plan speed])."""
+    pp_degrees: tuple[int, ...] | str | None = None
+    """PP degrees to rank ([Note: the plan's pipeline axis] in :mod:`autotune.plan.pipeline`), or their
+    comma-separated list (``1,2,4,8``); None: 1 and the degrees up to 8 that divide the world size and the
+    model's blocks."""
     memory_knobs: bool = True
     """Also rank blocks per unit, the root's knobs and (with ``activation_checkpointing = "auto"``)
     per-unit checkpointing in the config, staged ([Note: staged ranking]; ``PLAN_STAGED_TOP`` fastest)."""
@@ -67,8 +71,22 @@ class PlanSettings:
                 raise PlanError(problem, field=name)
         check_dtype(self.param_dtype, field="param_dtype")
         check_dtype(self.reduce_dtype, field="reduce_dtype")
+        if isinstance(self.pp_degrees, str):
+            self.pp_degrees = _parse_degrees(self.pp_degrees)
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise PlanError(f"{self.out_dir} exists and is not a directory", field="out_dir")
+
+
+def _parse_degrees(text: str) -> tuple[int, ...]:
+    try:
+        degrees = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise PlanError(
+            f"PP degrees must be integers separated by commas (1,2,4), got {text!r}", field="pp_degrees"
+        ) from None
+    if min(degrees) < 1:
+        raise PlanError(f"PP degrees must be >= 1, got {text!r}", field="pp_degrees")
+    return degrees
 
 
 class SilentPlanReporter:
@@ -109,6 +127,13 @@ class PlanResult:
     """The precision every config was simulated in (:func:`get_plan_precision`)."""
     memory_margin: MemoryMargin | None = None
     """How far below the usable memory a peak is safe ([Note: memory margin])."""
+    pp_degrees: list[int] = field(default_factory=lambda: [1])
+    """The PP degrees ranked (1: FSDP2 alone)."""
+    best_per_pp: list[RankedPoint] = field(default_factory=list)
+    """Each PP degree's best config that fits (the fastest safe one, else the fastest), in degree order."""
+    pipeline_in_config: bool = False
+    """The emitted config carries its pipeline (schema 3's ``mesh.pp`` and ``[pipeline]``); False for PP 1,
+    or where this ``fsdp_runtime`` has no pipeline schema."""
     best: RankedPoint | None = None
     """The emitted config: the fastest that fits outside the memory margin, else the fastest that fits (at the edge)."""
     best_config: RuntimeConfig | None = None

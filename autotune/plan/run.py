@@ -7,12 +7,13 @@ from typing import Any
 
 from autotune.plan.emit import emit_plan
 from autotune.plan.evaluate import REDUCED_DEPTHS, PlanReporter, Pricer, StagedEvaluator, make_pricer
+from autotune.plan.pipeline import PipelinePricer, get_pp_degrees, make_pipeline_pricer, rank_pipelines
 from autotune.plan.result import PlanError, PlanResult, PlanSettings, SilentPlanReporter
-from autotune.search import KnobFactory, RankedPoint, SearchSpace, check_mesh, rank_staged
+from autotune.search import KnobFactory, RankedPoint, SearchError, SearchSpace, check_mesh, rank_staged
 from autotune.sim import DeviceProfile, Hardware, ModelWork, Simulator, get_model_work
 from autotune.trials import resolve_precision
-from fsdp_runtime import MixedPrecisionConfig
-from profiles import load_cluster_profile, load_model_source
+from fsdp_runtime import MixedPrecisionConfig, find_block_names
+from profiles import ModelSource, load_cluster_profile, load_model_source
 
 PLAN_STAGED_TOP = 8
 """Configs (the fastest, and the fastest that fit) whose memory-knob variants are simulated at full depth:
@@ -22,18 +23,12 @@ PLAN_STAGED_TOP = 8
 def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) -> PlanResult:
     """Simulate every point of the search space on the cluster, rank, and emit the best config."""
     reporter = reporter or SilentPlanReporter()
-    profile = load_model_source(settings.model)
-    hardware = Hardware(load_cluster_profile(settings.cluster), settings.num_nodes, device=_read_device(settings))
-    _ = hardware.accelerator  # a profile without one fails here, in one line
-    check_mesh(settings.fixed_mesh, hardware.world_size)
-    mp = get_plan_precision(settings, hardware)
-    _check_device(settings, hardware, mp)
-    for line in hardware.describe_prices():
-        reporter.on_phase(line)
+    profile, hardware, mp, degrees = _prepare(settings, reporter)
     reporter.on_phase(f"tracing {profile.name} on fake tensors (FLOPs, bytes, activation memory per unit)")
     work = get_model_work(profile, mp.param_dtype)
     searched_ac = settings.memory_knobs and settings.activation_checkpointing == "auto"
-    space = _get_space(settings, work, hardware, searched_ac=searched_ac, mp=mp)
+    # without PP 1 ranked, a fixed mesh is the pipelines' data-parallel one: FSDP2's defaults stay the reference
+    space = _get_space(settings, work, hardware, searched_ac=searched_ac, mp=mp, fixed=1 in degrees)
     factory = KnobFactory(space, world_size=hardware.world_size, device=hardware.cluster.device, mixed_precision=mp)
     ac, ac_reason = _choose_checkpointing(settings, factory, work, hardware, space, searched=searched_ac)
     full, reduced = _get_pricers(settings, work, hardware, space, factory=factory, mp=mp, ac=ac)
@@ -56,7 +51,14 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
         ),
     )
     order = functools.partial(_get_order_key, default_params=default_params)
-    rows = rank_staged(space, evaluator, num_top=PLAN_STAGED_TOP, top_fitting=True, key=order)
+    rows, default = _rank_fsdp(space, evaluator, full, ranked=1 in degrees, key=order)
+    pricers = {
+        pp: make_pipeline_pricer(pp, space, work, hardware, mp=mp, ac=ac, fixed_mesh=settings.fixed_mesh)
+        for pp in degrees
+        if pp > 1
+    }
+    pipelines = rank_pipelines(pricers, searched_ac=searched_ac, reporter=reporter, num_workers=settings.num_workers)
+    rows = sorted(rows + pipelines.rows, key=order)
     result = PlanResult(
         settings=settings,
         world_size=hardware.world_size,
@@ -65,21 +67,89 @@ def run_plan(settings: PlanSettings, *, reporter: PlanReporter | None = None) ->
         ranked=[r for r in rows if r.prediction.fits],
         dropped=[r for r in rows if not r.prediction.fits],
         num_evaluated=len(rows),
-        evaluate_s=evaluator.evaluate_s,
-        default=next(row for row in rows if row.params == default_params),
-        num_simulated=evaluator.num_simulated,
+        evaluate_s=evaluator.evaluate_s + pipelines.evaluate_s,
+        default=default,
+        num_simulated=evaluator.num_simulated + pipelines.num_simulated,
         num_pruned=evaluator.num_pruned,
-        num_exact=evaluator.num_exact,
+        num_exact=evaluator.num_exact + pipelines.num_simulated,
         ac_in_config=searched_ac,
         mixed_precision=mp,
         memory_margin=hardware.memory_margin,
+        pp_degrees=degrees,
     )
     if result.ranked:
-        result.best = next((row for row in result.ranked if not row.prediction.at_edge), result.ranked[0])
-        result.best_config = factory.build_config(result.best.params)
-        result.best_detail = full.simulator.simulate(result.best_config)
+        _choose_best(result, factory, full.simulator, pricers)
         result.out_files = emit_plan(result, profile.name, hardware)
     return result
+
+
+def _rank_fsdp(
+    space: SearchSpace, evaluator: StagedEvaluator, full: Pricer, *, ranked: bool, key: Any
+) -> tuple[list[RankedPoint], RankedPoint]:
+    """FSDP2 alone (PP 1) ranked, and its defaults: the reference speedups are over, ranked or not."""
+    default_params = space.get_default_params()
+    if ranked:
+        rows = rank_staged(space, evaluator, num_top=PLAN_STAGED_TOP, top_fitting=True, key=key)
+        return rows, next(row for row in rows if row.params == default_params)
+    return [], RankedPoint(params=default_params, prediction=full.simulate_group([default_params])[0][0])
+
+
+def _prepare(
+    settings: PlanSettings, reporter: PlanReporter
+) -> tuple[ModelSource, Hardware, MixedPrecisionConfig, list[int]]:
+    """The model, the cluster and the plan's precision, and the PP degrees to rank: every setting checked
+    (one line each) before anything is printed; then where the prices come from."""
+    profile = load_model_source(settings.model)
+    hardware = Hardware(load_cluster_profile(settings.cluster), settings.num_nodes, device=_read_device(settings))
+    _ = hardware.accelerator  # a profile without one fails here, in one line
+    mp = get_plan_precision(settings, hardware)
+    _check_device(settings, hardware, mp)
+    degrees = _get_degrees(settings, hardware, len(find_block_names(profile.build(device="meta"))), reporter)
+    for line in hardware.describe_prices():
+        reporter.on_phase(line)
+    return profile, hardware, mp, degrees
+
+
+def _choose_best(
+    result: PlanResult, factory: KnobFactory, simulator: Simulator, pricers: dict[int, PipelinePricer]
+) -> None:
+    """The emitted config (the fastest safe one, else the fastest), its full prediction, and each PP degree's best."""
+    best = next((row for row in result.ranked if not row.prediction.at_edge), result.ranked[0])
+    result.best = best
+    pp = best.params.get("pp", 1)
+    if pp == 1:
+        result.best_config = factory.build_config(best.params)
+        result.best_detail = simulator.simulate(result.best_config)
+    else:
+        result.best_config, result.pipeline_in_config = pricers[pp].build_config(best.params)
+        result.best_detail = pricers[pp].simulate_group([best.params])[0][0]
+    for degree in result.pp_degrees:
+        rows = [r for r in result.ranked if r.params.get("pp", 1) == degree]
+        if rows:
+            result.best_per_pp.append(next((r for r in rows if not r.prediction.at_edge), rows[0]))
+
+
+def _get_degrees(settings: PlanSettings, hardware: Hardware, num_blocks: int, reporter: PlanReporter) -> list[int]:
+    """The PP degrees to rank ([Note: the plan's pipeline axis]); with a fixed mesh, those whose data-parallel
+    world it covers."""
+    degrees = get_pp_degrees(settings.pp_degrees, hardware.world_size, num_blocks)
+    if 1 in degrees:
+        check_mesh(settings.fixed_mesh, hardware.world_size)
+    kept = []
+    for pp in degrees:
+        try:
+            check_mesh(settings.fixed_mesh, hardware.world_size // pp)
+            kept.append(pp)
+        except SearchError:
+            reporter.on_phase(
+                f"PP {pp} left out: --mesh {settings.fixed_mesh} does not cover its {hardware.world_size // pp} data-parallel ranks"
+            )
+    if not kept:
+        raise PlanError(
+            f"no PP degree of {', '.join(map(str, degrees))} leaves --mesh {settings.fixed_mesh} its ranks",
+            field="pp_degrees",
+        )
+    return kept
 
 
 def get_plan_precision(settings: PlanSettings, hardware: Hardware) -> MixedPrecisionConfig:
@@ -90,14 +160,20 @@ def get_plan_precision(settings: PlanSettings, hardware: Hardware) -> MixedPreci
 
 
 def _get_space(
-    settings: PlanSettings, work: ModelWork, hardware: Hardware, *, searched_ac: bool, mp: MixedPrecisionConfig
+    settings: PlanSettings,
+    work: ModelWork,
+    hardware: Hardware,
+    *,
+    searched_ac: bool,
+    mp: MixedPrecisionConfig,
+    fixed: bool = True,
 ) -> SearchSpace:
     return SearchSpace(
         block_names=work.block_names,
         world_size=hardware.world_size,
         num_microbatches=settings.num_microbatches,
         device_type=hardware.cluster.device,
-        fixed_mesh=settings.fixed_mesh,
+        fixed_mesh=settings.fixed_mesh if fixed else None,
         grouping=settings.memory_knobs,
         root_knobs=settings.memory_knobs,
         checkpointing=searched_ac,

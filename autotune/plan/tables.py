@@ -5,6 +5,7 @@ from __future__ import annotations
 from autotune.plan.result import PlanResult
 from autotune.report import ReportTable, fmt
 from autotune.search import RankedPoint
+from autotune.sim import PipelinePrediction
 from autotune.trials import describe_precision
 
 _GIB = 2**30
@@ -44,6 +45,38 @@ def get_plan_table(result: PlanResult) -> ReportTable:
     return ReportTable(title=title, columns=columns, rows=rows)
 
 
+def get_pipeline_table(result: PlanResult) -> ReportTable | None:
+    """The best config that fits of each PP degree ranked (PP 1: FSDP2 alone); None when only PP 1 was."""
+    if result.pp_degrees == [1]:
+        return None
+    rows = []
+    for row in result.best_per_pp:
+        p = row.prediction
+        pipeline = p.pipeline if isinstance(p, PipelinePrediction) else None
+        rows.append(
+            [
+                str(pipeline.pp if pipeline else 1),
+                pipeline.schedule if pipeline else "-",
+                str(pipeline.virtual_stages if pipeline else 1),
+                str(pipeline.num_microbatches if pipeline else result.settings.num_microbatches),
+                fmt(1e3 * p.step_s),
+                fmt(p.mfu, "pct"),
+                f"{p.peak_memory_bytes / _GIB:.1f}",
+                fmt(p.bubble_fraction, "pct") if isinstance(p, PipelinePrediction) else "-",
+                fmt(1e3 * p.exposed_comm_s),
+                "emitted" if result.is_emitted(row) else "",
+            ]
+        )
+    missing = [str(d) for d in result.pp_degrees if d not in {r.params.get("pp", 1) for r in result.best_per_pp}]
+    return ReportTable(
+        title="the best config that fits of each PP degree (simulated; the same tokens per step; m: microbatches per step, "
+        "v: stages per pp rank, bubble: the share of the step a pp rank idles, mean over ranks; exp ms: exposed FSDP2 "
+        "communication of the worst rank)" + (f"; nothing fits with PP {', '.join(missing)}" if missing else ""),
+        columns=["pp", "schedule", "v", "m", "step ms", "MFU", "peak", "bubble", "exp ms", ""],
+        rows=rows,
+    )
+
+
 def get_config_lines(result: PlanResult) -> list[str]:
     """The configs of :func:`get_plan_table`'s rows, by rank (kept out of the table to fit 80 columns)."""
     lines = [
@@ -75,7 +108,9 @@ def get_plan_lines(result: PlanResult) -> list[str]:
         if extrapolated
         else ""
     )
+    degrees = ", ".join(map(str, result.pp_degrees))
     lines = [
+        f"PP degrees ranked: {degrees} ([Note: the plan's pipeline axis] in autotune/plan/pipeline.py)",
         f"evaluated {result.num_evaluated} configs in {result.evaluate_s:.1f} s ({result.configs_per_s:,.0f} configs/s; {how}{result.num_simulated} distinct "
         f"simulations, the other configs' knobs equal one of them; {result.num_pruned} not simulated: defer_concat=false, dominated by its deferred twin)",
         f"activation checkpointing: {result.ac_label} ({result.ac_reason})",

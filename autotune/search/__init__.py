@@ -13,7 +13,7 @@ space through the step simulator and ranks it (``--presearch sim`` and ``autotun
 
 from autotune.search.preflight import check_mesh
 from autotune.search.proxy import ModelPlan, get_plan_hint, plan_for_this_machine, plan_model
-from autotune.search.ranking import KnobFactory, RankedPoint, get_forward_key, rank_staged
+from autotune.search.ranking import KnobFactory, RankedPoint, get_forward_key, iter_memory_variants, rank_staged
 from autotune.search.results import SearchRecord, TrialRow, pick_best, read_results
 from autotune.search.run import SearchSummary, describe_interrupted, run_search
 from autotune.search.settings import SAMPLERS, SearchError, SearchReporter, SearchSettings, SilentReporter
@@ -37,6 +37,7 @@ __all__ = [
     "describe_params",
     "get_forward_key",
     "get_plan_hint",
+    "iter_memory_variants",
     "pick_best",
     "plan_for_this_machine",
     "plan_model",

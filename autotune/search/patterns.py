@@ -98,6 +98,9 @@ _SHORT = {
     "root_split": "split",
     "reduce_dtype": "reduce",
     "pp": "pp",
+    "pp_schedule": "sched",
+    "pp_virtual": "v",
+    "every_keep_unsharded": "everykeep",
 }
 
 

@@ -7,7 +7,8 @@ below its usable memory a predicted peak is safe: [Note: memory margin]) -> :mod
 (per-unit durations and sizes under one mesh) -> :mod:`~autotune.sim.knobs` (a runtime
 config indexed by unit) -> :mod:`~autotune.sim.timeline` (streams, links, host, memory
 ledger) -> :mod:`~autotune.sim.schedule` ([Note: FSDP2 step schedule]) ->
-:mod:`~autotune.sim.predict` (:func:`simulate`). On a machine at hand,
+:mod:`~autotune.sim.predict` (:func:`simulate`) -> :mod:`~autotune.sim.pipeline` (pipeline stages with FSDP2
+inside each: [Note: pipeline schedules]). On a machine at hand,
 :mod:`~autotune.sim.calibrate` fits a :class:`MeasuredProfile` (:mod:`~autotune.sim.measured`)
 from trials' traces ([Note: calibration]) that prices the same schedule in place of a GPU
 profile's datasheet figures; on a GPU, :mod:`~autotune.sim.gpu_calibrate` fits a
@@ -41,9 +42,27 @@ from autotune.sim.margin import (
 )
 from autotune.sim.measured import CollectiveFit, MeasuredProfile
 from autotune.sim.model_work import ModelWork, get_model_work
+from autotune.sim.pipeline import (
+    SCHEDULES,
+    PipelinePrediction,
+    PipelineSimulator,
+    PipelineSpec,
+    StagePrediction,
+    get_pipeline_order,
+    get_pipeline_spec,
+    time_order,
+)
 from autotune.sim.predict import Simulator, StepPrediction, UnitPrediction, simulate
 
 __all__ = [
+    "SCHEDULES",
+    "PipelinePrediction",
+    "PipelineSimulator",
+    "PipelineSpec",
+    "StagePrediction",
+    "get_pipeline_order",
+    "get_pipeline_spec",
+    "time_order",
     "ALLOCATOR_FRAGMENTATION",
     "SIMULATOR_MEMORY_ERROR",
     "MarginPart",

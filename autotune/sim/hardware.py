@@ -231,6 +231,13 @@ class Hardware:
             return max(self.get_real_collective_seconds(kind, num_bytes, group), modelled) + self.measured.sync_s
         return _get_seconds(self.cluster, kind, num_bytes, group)
 
+    def get_p2p_seconds(self, num_bytes: float, *, inter_node: bool) -> float:
+        """One point-to-point transfer (a pipeline stage's activations or their gradients): latency +
+        bytes over one rank's link (its NVLink port, or its NIC across nodes) at the link's efficiency."""
+        link = _get_link(self.cluster, "inter_node" if inter_node else "intra_node")
+        bandwidth = link.bandwidth_gbps * link.efficiency * 1e9
+        return link.latency_us * 1e-6 + (num_bytes / bandwidth if bandwidth > 0 else 0.0)
+
     def get_real_collective_seconds(self, kind: str, num_bytes: float, group: Group) -> float:
         """The part of a collective that moves data through this machine's cores (measured profiles only; else 0)."""
         if self.measured is None or group.size <= 1:

@@ -140,6 +140,10 @@ class Simulator:
         return self._costs[key]
 
     def simulate(self, config: RuntimeConfig) -> StepPrediction:
+        if getattr(config.mesh, "pp", 1) > 1:  # schema 3's pipeline: [Note: pipeline schedules]
+            from autotune.sim.pipeline import PipelineSimulator  # it builds on this module
+
+            return PipelineSimulator(self.work, self.hardware, activation_checkpointing=self.ac).simulate(config)
         knobs = resolve_knobs(
             config, self.work.block_names, world_size=self.hardware.world_size, device=self.hardware.cluster.device
         )

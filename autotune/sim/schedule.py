@@ -34,7 +34,8 @@ Backward
      accumulate into an up-cast unsharded grad if one exists
      (``accumulate_unsharded_grad_if_needed``); with ``reduce_grads`` off (sync = last on a
      non-final microbatch) reshard if ``reshard_after_backward``, up-cast the grad to the
-     reduce dtype (``to_accumulated_grad_if_needed``) and stop. Otherwise reshard, then while
+     reduce dtype (``to_accumulated_grad_if_needed``) and stop. Otherwise reshard if
+     ``reshard_after_backward`` (always on the final microbatch: ``GradAccumulator``), then while
      ``reduce_scatter_states`` holds ``reduce_scatter_max_input_buffers`` buffers the compute
      stream waits for the oldest reduce-scatter; wait for this unit's previous post-reduce
      (``_wait_for_post_backward``); ``foreach_reduce``: ``chunk_cat`` copy-in on the compute
@@ -151,6 +152,7 @@ class StepSchedule:
         # The output head's and norm's backward come after the loss's peak: the live activations then
         # are every block's plus a backward's transients, as in the last block's backward.
         self.act_root_backward = a.block_backward_peak + (below[n] - saved[n - 1] if n else 0.0)
+        self.act_saved = below[n]  # what one microbatch's blocks keep from its forward to its backward
 
     def _set_knobs(self, knobs: Knobs) -> None:
         self.k = knobs
@@ -223,8 +225,8 @@ class StepSchedule:
     # -- unshard -------------------------------------------------------------------------
 
     def _unshard(self, u: int) -> None:
-        if self.pending[u] is not None or self.state[u] == UNSHARDED_STATE:
-            return
+        if self.pending[u] is not None or self.state[u] == UNSHARDED_STATE or not self.c.padded[u]:
+            return  # a unit without parameters (a middle pipeline stage's root) has no param group
         c, t = self.c, self.t
         seconds = c.all_gather_s[u]
         if self.state[u] == POST_FORWARD_STATE:
@@ -271,8 +273,11 @@ class StepSchedule:
 
     # -- backward ------------------------------------------------------------------------
 
-    def run_backward(self, is_last: bool) -> None:
-        c, t, root = self.c, self.t, self.n
+    def run_backward(self, is_last: bool, *, finalize: bool = True) -> None:
+        """One microbatch's backward; ``finalize``: then wait for its reductions (``finalize_backward``;
+        a pipeline stage skips it but on its last backward: [Note: pipeline schedules] in
+        :mod:`autotune.sim.pipeline`)."""
+        c, root = self.c, self.n
         self.mem.phase = "backward"
         self.mem.checkpoint(self.act_tail)  # the loss's backward, before the root's pre-backward hook
         self._pre_backward(root)
@@ -287,7 +292,12 @@ class StepSchedule:
             self.grad_bytes[root] = self.unsharded_bytes[root]
         self.mem.checkpoint(self.act_head)
         self._post_backward(root, is_last)  # from _root_post_backward_final_callback
-        t.compute(0.0, (*self.last_post.values(), *self.rs_states))  # finalize_backward
+        if finalize:
+            self.finalize_backward()
+
+    def finalize_backward(self) -> None:
+        """The compute stream waits for the last post-reduce of each stream and every retained reduce-scatter."""
+        self.t.compute(0.0, (*self.last_post.values(), *self.rs_states))
         for _, v, _ in self.rs_states:
             self.mem.live[RS_BUFFERS] -= self.rs_bytes[v]
         self.rs_states = []
@@ -322,6 +332,8 @@ class StepSchedule:
 
     def _post_backward(self, u: int, is_last: bool) -> None:
         c, t, live = self.c, self.t, self.mem.live
+        if not c.padded[u]:
+            return
         if self.post_hook_s[u]:  # post_backward_accumulate and _reshard
             t.compute(self.post_hook_s[u])
         if not is_last and self.skip_sync[u]:  # reduce_grads off: accumulate unsharded
@@ -329,8 +341,8 @@ class StepSchedule:
                 self._free_unsharded(u)
             self._accumulate(u)
             return
-        if self.state[u] == UNSHARDED_STATE:
-            self._free_unsharded(u)
+        if self.state[u] == UNSHARDED_STATE and (is_last or self.k.reshard_after_backward[u]):
+            self._free_unsharded(u)  # FSDP2 honours reshard_after_backward when it reduces too
         rs_states = self.rs_states
         waits: tuple[Event, ...] = ()
         if len(rs_states) >= self.k.max_rs_buffers:  # the reduce-scatter input buffer limit

@@ -58,7 +58,7 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         ("metrics_v6.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
         ("search_v8.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v2.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
-        ("plan_v2.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
+        ("plan_v3.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
     ]:
         data = load_fixture(name)
         assert (data["kind"], data["schema_version"]) == (kind, version), name
@@ -246,9 +246,10 @@ def test_plan_summary_v1_reads_and_round_trips(tmp_path):
         record.default["at_edge"] is record.best["at_edge"] is None and [t["at_edge"] for t in record.top] == [None] * 3
     )
     original = load_fixture("plan_v1.json")
-    flagged = {**original, "schema_version": 2, "memory_margin": None, "num_at_edge": None}
-    flagged |= {k: {**original[k], "at_edge": None} for k in ("default", "best")}
-    flagged["top"] = [{**row, "at_edge": None} for row in original["top"]]
+    flagged = {**original, "schema_version": 3, "memory_margin": None, "num_at_edge": None}
+    flagged |= {"pp_degrees": [1], "best_per_pp": []}
+    flagged |= {k: {**original[k], "at_edge": None, "pipeline": _NO_PIPELINE} for k in ("default", "best")}
+    flagged["top"] = [{**row, "at_edge": None, "pipeline": _NO_PIPELINE} for row in original["top"]]
     assert record.to_dict() == flagged
     assert PlanRecord.read(record.write(tmp_path / "plan.json")) == record
 
@@ -267,7 +268,31 @@ def test_plan_summary_v2_reads_and_round_trips(tmp_path):
     assert record.num_at_edge == 128 and [t["at_edge"] for t in record.top] == [True, True, False]
     assert record.best["at_edge"] is False and record.best["config"] == record.top[2]["config"]
     assert record.best["predicted_peak_memory_gib"] <= margin["edge_gib"] < record.top[0]["predicted_peak_memory_gib"]
-    assert record.to_dict() == load_fixture("plan_v2.json")
+    # v3 ranks PP degrees: a v2 plan ranked FSDP2 alone, every config with the plan's one microbatch
+    original = load_fixture("plan_v2.json")
+    upgraded = {**original, "schema_version": 3, "pp_degrees": [1], "best_per_pp": []}
+    upgraded |= {k: {**original[k], "pipeline": _NO_PIPELINE} for k in ("default", "best")}
+    upgraded["top"] = [{**row, "pipeline": _NO_PIPELINE} for row in original["top"]]
+    assert record.to_dict() == upgraded
+    assert PlanRecord.read(record.write(tmp_path / "plan.json")) == record
+
+
+_NO_PIPELINE = {"pp": 1, "schedule": None, "virtual_stages": 1, "num_microbatches": 1}
+
+
+def test_plan_summary_v3_reads_and_round_trips(tmp_path):
+    """The same command with ``--pp 1,2``: PP 2's best (interleaved 1F1B, 4 stages per rank, 2 microbatches
+    per step: the same tokens as 1 microbatch on each of 8 data-parallel ranks) beside FSDP2 alone's, which is emitted."""
+    record = PlanRecord.read(ARTIFACTS / "plan_v3.json")
+
+    assert record.pp_degrees == [1, 2] and record.num_microbatches == 1
+    assert [row["pipeline"]["pp"] for row in record.best_per_pp] == [1, 2]
+    piped = record.best_per_pp[1]
+    assert piped["pipeline"] == {"pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 4, "num_microbatches": 2}
+    assert piped["params"]["pp"] == 2 and 0 < piped["predicted_bubble_fraction"] < 1
+    assert piped["predicted_step_ms"] > record.best["predicted_step_ms"] == record.best_per_pp[0]["predicted_step_ms"]
+    assert record.best["pipeline"] == record.default["pipeline"] == _NO_PIPELINE
+    assert record.to_dict() == load_fixture("plan_v3.json")
     assert PlanRecord.read(record.write(tmp_path / "plan.json")) == record
 
 

@@ -193,6 +193,8 @@ def test_cli_plan_emits_a_config_for_llama8b_units(tmp_path):
         (("--cluster", "cpu-gloo"), "error: --cluster: cluster profile 'cpu-gloo' has no accelerator table"),
         (("--mesh", "hsdp:3x3"), "error: --mesh: mesh 'hsdp:3x3' spans 9 ranks but the world size is 8"),
         (("--ac", "some"), "error: --ac: activation checkpointing must be auto, none or full, got 'some'"),
+        (("--pp", "1,x"), "error: --pp: PP degrees must be integers separated by commas (1,2,4), got '1,x'"),
+        (("--pp", "3"), "error: --pp: PP degree 3 does not divide the world size 8 and the model's 32 blocks"),
     ],
 )
 def test_cli_plan_bad_input_is_one_line(args, message, tmp_path):

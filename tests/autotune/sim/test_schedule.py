@@ -173,6 +173,19 @@ def test_no_sync_skips_reduce_scatters_on_non_final_microbatches():
     assert last.mem.peak > every.mem.peak  # unsharded gradients accumulate across microbatches
 
 
+def test_a_unit_that_reduces_every_microbatch_keeps_its_parameters_without_reshard_after_backward():
+    # FSDP2 honours reshard_after_backward on the reduce path too (FSDPParamGroup.post_backward). raf=False, 2
+    # microbatches. Microbatch 0: AG b0 [0,4] exposed 4, AG b1 [4,8], b0 [4,14], b1 [14,24]; backward b1 [24,44],
+    # RS b1 [44,50], b0 [44,64], RS b0 [64,70] exposed 6: 70. Resharded after backward, microbatch 1 gathers again
+    # (AG b0 [70,74] exposed 4, ...): 140; kept, it does not: b0 [70,80], b1 [80,90], b1 [90,110], b0 [110,130],
+    # RS b0 [130,136] exposed 6: 136.
+    no_raf = (False, False, False)
+    resharded = _step(_knobs(num_microbatches=2, reshard_after_forward=no_raf))
+    kept = _step(_knobs(num_microbatches=2, reshard_after_forward=no_raf, reshard_after_backward=(False, False, True)))
+    assert resharded.t.end == pytest.approx(140.0) and kept.t.end == pytest.approx(136.0)
+    assert resharded.t.comm[0] == pytest.approx(2 * A + 2 * R) and kept.t.comm[0] == pytest.approx(A + 2 * R)
+
+
 def test_eager_concat_costs_a_copy_per_non_sync_microbatch_and_a_restore():
     # defer_concat = False (FSDP1's eager cat): each block concatenates (3) on microbatch 0 and restores (1) on the last.
     costs = dataclasses.replace(_costs(), concat_s=[3.0, 3.0, 0.0], restore_s=[1.0, 1.0, 0.0])

@@ -1,0 +1,756 @@
+"""Pipeline parallelism with FSDP2 inside each stage: one training step of a PP schedule.
+
+[Note: pipeline schedules]
+The world is ``pp x replicate x shard``, pp outermost as torchtitan lays it out: pp rank ``r``
+holds the ranks ``r x dp .. r x dp + dp - 1`` (``dp = world / pp``), and each stage is an FSDP2
+root over that data-parallel mesh. The model's blocks are cut into ``pp x v`` stages (``v``
+virtual stages per pp rank; stage ``s`` on pp rank ``s % pp``, torch's looped placement); the
+first stage also holds the embeddings, the last the final norm, the output head and the loss.
+A stage's FSDP units are the config's units whose blocks it holds, its root the stage module.
+
+What one step costs is found by running the schedule, not by a formula:
+
+1. *Action order.* Per pp rank, the ordered list of ``(stage, microbatch, kind)`` actions,
+   ``kind`` F (forward), B (full backward) or, for zero bubble, I (input gradients) and W
+   (weight gradients): :func:`get_pipeline_order` writes them as torch 2.13's schedules do
+   (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+   ``ScheduleInterleavedZeroBubble``; ``tests/autotune/sim/test_pipeline.py`` compares them
+   with torch's own ``pipeline_order``).
+2. *Dependencies.* F(s, i) starts after F(s-1, i) ended and its activations arrived (a
+   point-to-point transfer: latency + bytes / one rank's link, intra- or inter-node by where
+   the two pp ranks sit); B or I(s, i) after B or I(s+1, i) and its gradient's transfer;
+   each rank runs its actions in order, one at a time. Sends do not hold the sender (NCCL's
+   send runs on its own stream), and do not share the links FSDP2's collectives use.
+3. *Each action runs FSDP2's own schedule* ([Note: FSDP2 step schedule]) for that stage and
+   microbatch, on the pp rank's streams and links (one :class:`Timeline` per rank, shared by its
+   virtual stages): all-gathers, prefetch, reshard, reduce-scatters by each unit's sync
+   level, as ``fsdp_runtime.apply_pipeline``'s stages set them per microbatch. What differs
+   from a step without PP is *when FSDP2 waits for its reductions*. A pipeline stage's
+   backward is not the step's last (torch's ``PipelineStage`` says so to FSDP2 with
+   ``set_is_last_backward(False)``), so FSDP2's final callback does not make the compute
+   stream wait: a ``sync = "every"`` unit's reduce-scatter of microbatch i runs while the
+   stage computes *other* microbatches' forwards and backwards (the overlap Paddle #57446
+   built by hand for 1F1B), and is waited for only when the reduce-scatter buffers run out
+   or after the stage's last backward. A ``sync = "last"`` unit reduces once, in the stage's
+   last backward, where that backward's remaining units hide all but its tail; it holds the
+   stage's unsharded gradients across microbatches instead. (torch's stage on its own turns
+   sync off for every unit and reduces all of them after the last backward; the runtime
+   config sets each unit's level instead.) Note: ``fsdp_runtime``'s ``TunedStage`` (main at
+   ea1a0d3) sets each unit's sync but not ``set_is_last_backward(False)``, so there FSDP2
+   still waits for the reductions after every backward, as without PP; that wait is what
+   ``test_sync_every_reduce_scatters_hide_behind_other_microbatches`` prices against.
+   With zero bubble, I runs the backward without the weights' gradients (all of it but half
+   the block GEMMs and the embeddings' backward) and W the rest, followed by each unit's
+   post-backward (its reshard and reduction): the weights' gradients exist only then. (The
+   runtime config does not offer zero bubble: with FSDP2 stages it did not keep the math on
+   torch 2.13, [Note: pipeline stages] in ``fsdp_runtime/pipeline.py``; it is priced here
+   for comparison, and ``autotune plan`` does not rank it.)
+4. *Memory.* A rank holds, besides its stages' shards and optimizer state, the saved
+   activations of every microbatch whose forward ran and whose backward (W, for zero
+   bubble) has not: GPipe all ``m``, 1F1B ``pp - r`` on rank ``r``, interleaved what torch's
+   order leaves in flight. A stage keeps each in-flight microbatch's input, its blocks'
+   saved activations and (the last stage) the loss's; the running action adds its own peak
+   as FSDP2's schedule prices it.
+5. *Result.* The step ends when the slowest rank ends its optimizer steps (one per virtual
+   stage). Per rank: busy compute, FSDP communication the compute stream waited for
+   (exposed), and the rest of the step it idled (the bubble: waiting for another stage,
+   including the end of the step). With zero communication and equal stages the bubble is
+   ``(pp - 1) / (v x m)`` of the ideal step for 1F1B and interleaved 1F1B (tested as a check,
+   not used as the model).
+
+Not modelled: torch's runtime for multi-stage schedules also unshards whole stages ahead of
+their actions (``_add_unshard_reshard``, up to 3 stages at once); here each unit's FSDP2
+knobs govern, as the runtime config asks. Point-to-point transfers never contend with
+collectives; a rank's virtual stages share one stream per kind of collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.sim.costs import ORIG_BYTES
+from autotune.sim.hardware import Hardware
+from autotune.sim.knobs import Knobs, resolve_knobs
+from autotune.sim.model_work import ModelWork, PassWork
+from autotune.sim.predict import Simulator, StepPrediction, UnitPrediction, _group_name
+from autotune.sim.schedule import GRADS, StepSchedule
+from autotune.sim.timeline import COMPUTE, MemoryLedger, Timeline
+from fsdp_runtime import ROOT_UNIT, RuntimeConfig
+from fsdp_runtime.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
+INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")
+
+Action = tuple[int, int, str]
+"""``(stage, microbatch, kind)``: kind ``F``, ``B``, ``I`` or ``W``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    """A config's pipeline (schema 3's ``mesh.pp`` and ``[pipeline]``, read by :func:`get_pipeline_spec`)."""
+
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    blocks_per_stage: tuple[int, ...] | None = None
+    """Blocks of each stage, in stage order; None: an even split."""
+    num_microbatches: int = 1
+    """The schedule's ``n_microbatches`` (the config's ``num_microbatches``)."""
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pp": self.pp,
+            "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
+            "blocks_per_stage": list(self.blocks_per_stage) if self.blocks_per_stage else None,
+            "num_microbatches": self.num_microbatches,
+        }
+
+
+def get_pipeline_spec(config: RuntimeConfig) -> PipelineSpec:
+    """The pipeline a config asks for (schema 3's ``mesh.pp`` and ``[pipeline]``; read with defaults, so
+    that a config object without them is one without a pipeline)."""
+    pipeline = getattr(config, "pipeline", None)
+    blocks = getattr(pipeline, "blocks_per_stage", None)
+    return PipelineSpec(
+        pp=getattr(config.mesh, "pp", 1),
+        schedule=getattr(pipeline, "schedule", "1f1b"),
+        virtual_stages=getattr(pipeline, "virtual_stages", 1),
+        blocks_per_stage=tuple(blocks) if blocks else None,
+        num_microbatches=config.num_microbatches,
+    )
+
+
+def check_pipeline(spec: PipelineSpec, num_blocks: int) -> list[range]:
+    """The blocks of each stage; a pipeline the schedule or the model cannot run is refused in one line."""
+    if spec.schedule not in SCHEDULES:
+        raise ConfigError(
+            "pipeline.schedule", f"unknown schedule {spec.schedule!r}", fix=f"one of {', '.join(SCHEDULES)}"
+        )
+    if spec.pp < 1:
+        raise ConfigError("mesh.pp", f"must be >= 1, got {spec.pp}")
+    interleaved = spec.schedule in INTERLEAVED
+    if interleaved != (spec.virtual_stages >= 2):
+        need = ">= 2" if interleaved else "1"
+        raise ConfigError(
+            "pipeline.virtual_stages",
+            f"is {spec.virtual_stages}, schedule {spec.schedule!r} needs {need}",
+            fix="interleaved schedules hold >= 2 stages per pp rank, gpipe and 1f1b one",
+        )
+    if spec.schedule == "1f1b" and spec.num_microbatches < spec.pp:
+        raise ConfigError(
+            "num_microbatches",
+            f"is {spec.num_microbatches}, 1f1b needs at least mesh.pp = {spec.pp} (torch refuses fewer)",
+        )
+    rounds = max(1, spec.num_microbatches // spec.pp)
+    if interleaved and spec.num_microbatches % rounds:
+        raise ConfigError(
+            "num_microbatches",
+            f"{spec.num_microbatches} is not a multiple of its {rounds} rounds of mesh.pp = {spec.pp} (torch's interleaved schedules)",
+        )
+    return _get_stage_ranges(spec, num_blocks)
+
+
+def _get_stage_ranges(spec: PipelineSpec, num_blocks: int) -> list[range]:
+    stages = spec.num_stages
+    if spec.blocks_per_stage is None:  # the field and words of fsdp_runtime.pipeline's own check
+        if num_blocks % stages:
+            raise ConfigError(
+                "mesh.pp",
+                f"{num_blocks} blocks do not split evenly into {stages} stages (mesh.pp {spec.pp} x "
+                f"pipeline.virtual_stages {spec.virtual_stages})",
+                fix=f"choose stages dividing {num_blocks}, or list pipeline.blocks_per_stage",
+            )
+        sizes: tuple[int, ...] = (num_blocks // stages,) * stages
+    else:
+        sizes = spec.blocks_per_stage
+        if len(sizes) != stages or sum(sizes) != num_blocks or min(sizes) < 1:
+            raise ConfigError(
+                "pipeline.blocks_per_stage",
+                f"{list(sizes)} does not give each of the {stages} stages >= 1 of the model's {num_blocks} blocks",
+                fix="one positive count per stage, summing to the blocks",
+            )
+    starts = [sum(sizes[:s]) for s in range(stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+# -- action orders --------------------------------------------------------------------------
+
+
+def get_pipeline_order(schedule: str, pp: int, virtual_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """Each pp rank's actions in the order it runs them (torch 2.13's schedules, without their no-ops)."""
+    m = num_microbatches
+    if schedule == "gpipe":
+        return [[(r, i, "F") for i in range(m)] + [(r, i, "B") for i in range(m)] for r in range(pp)]
+    if schedule == "1f1b":
+        return [_get_1f1b_order(r, pp, m) for r in range(pp)]
+    if schedule in INTERLEAVED:
+        return [_get_interleaved_order(r, pp, virtual_stages, m, schedule == INTERLEAVED[1]) for r in range(pp)]
+    raise ConfigError("pipeline.schedule", f"unknown schedule {schedule!r}", fix=f"one of {', '.join(SCHEDULES)}")
+
+
+def _get_1f1b_order(rank: int, pp: int, m: int) -> list[Action]:
+    """``pp - 1 - rank`` warm-up forwards, then one forward and one backward, then the remaining backwards."""
+    warmup = min(pp - 1 - rank, m)
+    order: list[Action] = [(rank, i, "F") for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [(rank, warmup + i, "F"), (rank, i, "B")]
+    return order + [(rank, i, "B") for i in range(m - warmup, m)]
+
+
+def _get_interleaved_order(rank: int, pp: int, v: int, m: int, zero_bubble: bool) -> list[Action]:
+    """torch's ``_get_1f1b_rank_ops``: rounds of ``m / rounds`` microbatches per local stage, depth first;
+    zero bubble splits each backward into I and W, W of the backward ``rank`` steps earlier."""
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (pp - 1 - rank), m * v)
+
+    def forward_stage(op: int) -> int:
+        return ((op // per_round) % v) * pp + rank
+
+    def backward_stage(op: int) -> int:
+        return (v - 1 - ((op - warmup) // per_round) % v) * pp + rank
+
+    count: dict[tuple[str, int], int] = defaultdict(int)
+
+    def take(kind: str, stage: int) -> Action:
+        count[kind, stage] += 1
+        return stage, count[kind, stage] - 1, kind
+
+    order: list[Action] = []
+    backward_ops: list[int] = []  # the op at which each backward ran: its W follows the same stage
+    num_weight = 0
+    for op in range(m * v + warmup):
+        if op < m * v:
+            order.append(take("F", forward_stage(op)))
+        if op >= warmup:
+            order.append(take("I" if zero_bubble else "B", backward_stage(op)))
+            backward_ops.append(op)
+            if zero_bubble and op - warmup >= rank:
+                order.append(take("W", backward_stage(backward_ops[num_weight])))
+                num_weight += 1
+    while zero_bubble and num_weight < len(backward_ops):
+        order.append(take("W", backward_stage(backward_ops[num_weight])))
+        num_weight += 1
+    return order
+
+
+# -- the event simulation -------------------------------------------------------------------
+
+RunAction = Callable[[int, Action, float], float]
+"""``(rank, action, ready)`` -> when its output is ready to send; ``ready``: when its input arrived."""
+
+
+def run_order(order: list[list[Action]], run: RunAction, *, num_stages: int, p2p_s: list[float]) -> None:
+    """Run every rank's actions in order, each once its input has arrived ([Note: pipeline schedules]);
+    ``p2p_s[s]``: the transfer between stage s and s + 1 (either way)."""
+    done: dict[tuple[str, int, int], float] = {}
+    position = [0] * len(order)
+    while True:
+        progressed = False
+        for rank, actions in enumerate(order):
+            while position[rank] < len(actions):
+                stage, mb, kind = actions[position[rank]]
+                ready = _get_ready(done, stage, mb, kind, num_stages, p2p_s)
+                if ready is None:
+                    break
+                end = run(rank, (stage, mb, kind), ready)
+                done["B" if kind == "I" else kind, stage, mb] = end
+                position[rank] += 1
+                progressed = True
+        if all(p == len(a) for p, a in zip(position, order)):
+            return
+        if not progressed:
+            stuck = [actions[p] for p, actions in zip(position, order) if p < len(actions)]
+            raise ValueError(f"pipeline order deadlocks: every rank waits ({stuck})")
+
+
+def _get_ready(
+    done: dict[tuple[str, int, int], float], stage: int, mb: int, kind: str, num_stages: int, p2p_s: list[float]
+) -> float | None:
+    """When an action's input is there (None: not yet produced)."""
+    if kind == "F":
+        if stage == 0:
+            return 0.0
+        end = done.get(("F", stage - 1, mb))
+        return None if end is None else end + p2p_s[stage - 1]
+    if kind == "W":
+        return done.get(("B", stage, mb))
+    if ("F", stage, mb) not in done:
+        return None
+    if stage == num_stages - 1:
+        return 0.0
+    end = done.get(("B", stage + 1, mb))
+    return None if end is None else end + p2p_s[stage]
+
+
+@dataclass(kw_only=True)
+class OrderTiming:
+    """An action order run with fixed durations (no FSDP2): the schedule alone."""
+
+    step_s: float
+    busy_s: list[float]
+    """Per rank, seconds computing."""
+
+    @property
+    def bubble_fractions(self) -> list[float]:
+        return [1.0 - busy / self.step_s for busy in self.busy_s]
+
+
+def time_order(
+    order: list[list[Action]], seconds: Callable[[int, str], float], *, num_stages: int, p2p_s: list[float]
+) -> OrderTiming:
+    """Run ``order`` with ``seconds(stage, kind)`` per action: the schedule's own bubble."""
+    clock = [0.0] * len(order)
+    busy = [0.0] * len(order)
+
+    def run(rank: int, action: Action, ready: float) -> float:
+        duration = seconds(action[0], action[2])
+        clock[rank] = max(clock[rank], ready) + duration
+        busy[rank] += duration
+        return clock[rank]
+
+    run_order(order, run, num_stages=num_stages, p2p_s=p2p_s)
+    return OrderTiming(step_s=max(clock), busy_s=busy)
+
+
+# -- FSDP2 inside each stage -----------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class StagePrediction:
+    """One pipeline stage over a step (its pp rank's figures where the rank's stages share them)."""
+
+    stage: int
+    rank: int
+    """The pp rank holding it."""
+    blocks: str
+    """Its blocks (``layers.0-9``)."""
+    compute_s: float
+    """Its forwards' and backwards' compute over the step."""
+    comm_s: float
+    """Its FSDP2 collectives over the step."""
+    exposed_comm_s: float
+    """What its compute waited for them."""
+    optimizer_s: float
+    max_in_flight: int
+    """The most microbatches whose activations it held at once."""
+    bubble_fraction: float
+    """Of its rank: the share of the step the rank's compute stream idled."""
+    peak_memory_bytes: float
+    """Of its rank."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "rank": self.rank,
+            "blocks": self.blocks,
+            "compute_ms": 1e3 * self.compute_s,
+            "comm_ms": 1e3 * self.comm_s,
+            "exposed_comm_ms": 1e3 * self.exposed_comm_s,
+            "optimizer_ms": 1e3 * self.optimizer_s,
+            "max_in_flight": self.max_in_flight,
+            "bubble_fraction": self.bubble_fraction,
+            "peak_memory_gib": self.peak_memory_bytes / 2**30,
+        }
+
+
+@dataclass(kw_only=True)
+class PipelinePrediction(StepPrediction):
+    """A step of a pipeline: the slowest rank's step, the largest rank's peak and exposed communication;
+    ``units`` are the stages."""
+
+    pipeline: PipelineSpec
+    bubble_fraction: float
+    """The mean over pp ranks of the share of the step a rank idled."""
+    p2p_s: float
+    """Seconds of one point-to-point transfer between two stages (the slowest boundary)."""
+    stages: list[StagePrediction] = field(default_factory=list)
+
+    def to_metrics(self) -> dict[str, float]:
+        return {**super().to_metrics(), "predicted_bubble_fraction": self.bubble_fraction}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **super().to_dict(),
+            "pipeline": self.pipeline.to_dict(),
+            "bubble_fraction": self.bubble_fraction,
+            "p2p_ms": 1e3 * self.p2p_s,
+            "stages": [s.to_dict() for s in self.stages],
+        }
+
+
+class _RankLedger(MemoryLedger):
+    """A pp rank's memory: its stages' FSDP2 state, plus ``held``, the activations of the microbatches in
+    flight other than the running action's."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, static: float) -> None:
+        super().__init__(static)
+        self.held = 0.0
+
+    def checkpoint(self, activations: float) -> None:
+        super().checkpoint(activations + self.held)
+
+
+class _StageSchedule(StepSchedule):
+    """FSDP2's schedule of one stage, with zero bubble's backward split in I and W."""
+
+    weight_s: list[float]
+    """Per unit, the weight-gradient compute of a backward (what W runs)."""
+    saved_per_microbatch: float
+    """What one microbatch in flight keeps on this stage."""
+
+    def run_input_backward(self) -> None:
+        """I: unshard and compute the input gradients; the weights' gradients and reductions wait for W."""
+        c, root = self.c, self.n
+        self.mem.phase = "backward"
+        self.mem.checkpoint(self.act_tail)
+        for u, activations in (
+            (root, self.act_root_backward),
+            *((u, self.act_backward[u]) for u in range(root - 1, -1, -1)),
+        ):
+            self._pre_backward(u)
+            self.t.compute(c.backward_s[u] - self.weight_s[u])
+            self.mem.checkpoint(activations)
+
+    def run_weight_backward(self, is_last: bool, *, finalize: bool) -> None:
+        """W: each unit's weight gradients, then its post-backward (reshard, reduction by its sync level)."""
+        for u in range(self.n - 1, -1, -1):
+            self._compute_weights(u, self.weight_s[u], self.act_backward[u])
+            self._post_backward(u, is_last)
+        root = self.n
+        self._compute_weights(root, self.weight_s[root] + self.c.head_backward_s, self.act_head)
+        self._post_backward(root, is_last)
+        if finalize:
+            self.finalize_backward()
+
+    def _compute_weights(self, u: int, seconds: float, activations: float) -> None:
+        self.t.compute(seconds)
+        grown = self.unsharded_bytes[u] - self.grad_bytes[u]
+        if grown > 0:
+            self.grad_bytes[u] += grown
+            self.mem.live[GRADS] += grown
+        elif self.c.accumulate_s:
+            self.t.compute(self.c.accumulate_s[u])
+        self.mem.checkpoint(activations)
+
+
+@dataclass(kw_only=True)
+class _Stage:
+    index: int
+    rank: int
+    blocks: range
+    schedule: _StageSchedule
+    optimizer_s: float
+    in_flight: int = 0
+    max_in_flight: int = 0
+    num_backward: int = 0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_s: float = 0.0
+
+
+class PipelineSimulator:
+    """Simulates pipeline configs of one model on one cluster ([Note: pipeline schedules])."""
+
+    def __init__(self, work: ModelWork, hardware: Hardware, *, activation_checkpointing: bool = False) -> None:
+        self.work, self.hardware, self.ac = work, hardware, activation_checkpointing
+        self.flops_per_microbatch = work.get_flops_per_microbatch()
+        self.peak_flops = (
+            hardware.get_peak_flops(work.dtype) if hardware.measured is None or hardware.cluster.accelerator else 0.0
+        )
+        self._simulators: dict[tuple[Any, ...], Simulator] = {}
+
+    def get_dp_hardware(self, pp: int) -> Hardware:
+        """The cluster as one stage's data-parallel mesh sees it: ``world / pp`` ranks, pp outermost."""
+        world = self.hardware.world_size
+        if pp < 1 or world % pp:
+            raise ConfigError("mesh.pp", f"{pp} does not divide the world size {world}")
+        return dataclasses.replace(self.hardware, num_ranks=world // pp)
+
+    def simulate(self, config: RuntimeConfig) -> PipelinePrediction:
+        """One step of a schema-3 config with ``mesh.pp`` > 1 (its knobs resolved over the whole world:
+        ``validate_for_world`` gives each stage's data-parallel mesh)."""
+        spec = get_pipeline_spec(config)
+        knobs = resolve_knobs(
+            config, self.work.block_names, world_size=self.hardware.world_size, device=self.hardware.cluster.device
+        )
+        stage_of = {b: s for s, blocks in enumerate(check_pipeline(spec, len(self.work.block_names))) for b in blocks}
+        index = {name: b for b, name in enumerate(self.work.block_names)}
+        for i, unit in enumerate(config.units):  # as fsdp_runtime.pipeline refuses it, naming the unit
+            stages = {stage_of[index[m]] for m in unit.get_modules() if m in index}
+            if len(stages) > 1:
+                raise ConfigError(
+                    f"units[{i}].modules",
+                    f"spans pipeline stages {sorted(stages)}",
+                    fix="group only blocks of one stage",
+                )
+        return self.simulate_knobs(knobs, spec)
+
+    def simulate_knobs(self, knobs: Knobs, spec: PipelineSpec) -> PipelinePrediction:
+        """One step of ``spec`` with every stage's FSDP2 knobs taken from ``knobs`` (the whole model's
+        units, resolved over the data-parallel mesh)."""
+        ranges = check_pipeline(spec, len(self.work.block_names))
+        hardware = self.get_dp_hardware(spec.pp)
+        stages = [
+            self._build_stage(s, units, ranges[s], spec, knobs, hardware)
+            for s, units in enumerate(_split_units(knobs, ranges, self.work.block_names))
+        ]
+        run = _PipelineRun(stages, spec)
+        order = get_pipeline_order(spec.schedule, spec.pp, spec.virtual_stages, spec.num_microbatches)
+        p2p = self._get_p2p_seconds(spec, hardware.world_size)
+        run_order(order, run.run, num_stages=spec.num_stages, p2p_s=p2p)
+        run.run_optimizers()
+        return self._predict(run, spec, max(p2p, default=0.0))
+
+    def _build_stage(
+        self, index: int, units: list[int], blocks: range, spec: PipelineSpec, knobs: Knobs, hardware: Hardware
+    ) -> _Stage:
+        first, last = index == 0, index == spec.num_stages - 1
+        key = (spec.pp, first, last, len(blocks))
+        if key not in self._simulators:
+            work = _get_stage_work(self.work, self.work.block_names[blocks.start : blocks.stop], first=first, last=last)
+            self._simulators[key] = Simulator(work, hardware, activation_checkpointing=self.ac)
+        simulator = self._simulators[key]
+        stage_knobs = _slice_knobs(knobs, units, blocks.start)
+        costs = simulator.get_costs(stage_knobs)
+        work = simulator.work
+        schedule = _StageSchedule(
+            stage_knobs,
+            costs,
+            work.activations,
+            hardware,
+            activation_checkpointing=self.ac,
+            root_head_fraction=work.root_head_fraction,
+        )
+        schedule.weight_s = _get_weight_seconds(work, hardware, costs.backward_s, costs.unit_num_blocks)
+        tail = work.activations.tail_peak - work.activations.block_saved - work.activations.head if last else 0.0
+        schedule.saved_per_microbatch = schedule.act_head + schedule.act_saved + max(tail, 0.0)
+        return _Stage(
+            index=index, rank=index % spec.pp, blocks=blocks, schedule=schedule, optimizer_s=costs.optimizer_s
+        )
+
+    def _get_p2p_seconds(self, spec: PipelineSpec, dp: int) -> list[float]:
+        """Per stage boundary, one microbatch's activations (or their gradient) between the two pp ranks."""
+        per_node = self.hardware.cluster.ranks_per_node
+        size = self.work.activations.block_input
+        seconds = []
+        for s in range(spec.num_stages - 1):
+            here, there = (s % spec.pp) * dp, ((s + 1) % spec.pp) * dp
+            seconds.append(self.hardware.get_p2p_seconds(size, inter_node=here // per_node != there // per_node))
+        return seconds
+
+    def _predict(self, run: _PipelineRun, spec: PipelineSpec, p2p_s: float) -> PipelinePrediction:
+        step = max(t.end for t in run.timelines)
+        busy = [t.compute_busy for t in run.timelines]
+        exposed = [sum(t.exposed) for t in run.timelines]
+        bubbles = [max(0.0, step - b - e) / step for b, e in zip(busy, exposed)]
+        peak = max(range(spec.pp), key=lambda r: run.ledgers[r].peak)
+        ledger = run.ledgers[peak]
+        m, names = spec.num_microbatches, self.work.block_names
+        stages = [
+            StagePrediction(
+                stage=s.index,
+                rank=s.rank,
+                blocks=_describe_blocks(names, s.blocks),
+                compute_s=s.compute_s,
+                comm_s=s.comm_s,
+                exposed_comm_s=s.exposed_s,
+                optimizer_s=s.optimizer_s,
+                max_in_flight=s.max_in_flight,
+                bubble_fraction=bubbles[s.rank],
+                peak_memory_bytes=run.ledgers[s.rank].peak,
+            )
+            for s in run.stages
+        ]
+        return PipelinePrediction(
+            step_s=step,
+            compute_s=max(busy),
+            comm_s=max(sum(t.comm) for t in run.timelines),
+            exposed_comm_s=max(exposed),
+            tokens_per_s_per_device=m * self.work.tokens / (step * spec.pp),
+            mfu=m * self.flops_per_microbatch / (spec.pp * step * self.peak_flops) if self.peak_flops else 0.0,
+            peak_memory_bytes=ledger.peak,
+            memory_capacity_bytes=self.hardware.usable_memory_bytes,
+            memory_edge_bytes=self.hardware.memory_margin.edge_bytes if self.hardware.memory_margin else None,
+            memory_breakdown=ledger.get_peak_breakdown(),
+            phase_peaks=dict(ledger.phase_peaks),
+            units=[
+                UnitPrediction(name=f"stage {s.stage} ({s.blocks})", comm_s=s.comm_s, exposed_s=s.exposed_comm_s)
+                for s in stages
+            ],
+            pipeline=spec,
+            bubble_fraction=sum(bubbles) / len(bubbles),
+            p2p_s=p2p_s,
+            stages=stages,
+        )
+
+
+class _PipelineRun:
+    """The state of one simulated step: per pp rank a timeline and a memory ledger its stages share."""
+
+    def __init__(self, stages: list[_Stage], spec: PipelineSpec) -> None:
+        self.stages, self.m = stages, spec.num_microbatches
+        self.local = [[s for s in stages if s.rank == r] for r in range(spec.pp)]
+        self.timelines, self.ledgers = [], []
+        for local in self.local:
+            schedules = [s.schedule for s in local]
+            timeline = Timeline(max(len(x.c.padded) for x in schedules), host_blocks=schedules[0].cpu)
+            ledger = _RankLedger(sum(3 * ORIG_BYTES * sum(x.c.sharded) for x in schedules))
+            for x in schedules:
+                x.t, x.mem = timeline, ledger
+            self.timelines.append(timeline)
+            self.ledgers.append(ledger)
+
+    def run(self, rank: int, action: Action, ready: float) -> float:
+        """One action on its rank, after its input arrived (an idle wait, not exposed communication)."""
+        index, _, kind = action
+        stage, t = self.stages[index], self.timelines[rank]
+        t.compute(0.0, ((ready, -1, None),))
+        before = (sum(t.exposed), sum(t.comm), t.compute_busy)
+        held = sum(s.in_flight * s.schedule.saved_per_microbatch for s in self.local[rank])
+        self.ledgers[rank].held = held - (stage.schedule.saved_per_microbatch if kind != "F" else 0.0)
+        if kind == "F":
+            stage.schedule.run_forward()
+            stage.in_flight += 1
+            stage.max_in_flight = max(stage.max_in_flight, stage.in_flight)
+        elif kind == "I":
+            stage.schedule.run_input_backward()
+        else:
+            stage.num_backward += 1
+            last = stage.num_backward == self.m
+            if kind == "B":
+                stage.schedule.run_backward(last, finalize=last)
+            else:
+                stage.schedule.run_weight_backward(last, finalize=last)
+            stage.in_flight -= 1
+        stage.exposed_s += sum(t.exposed) - before[0]
+        stage.comm_s += sum(t.comm) - before[1]
+        stage.compute_s += t.compute_busy - before[2]
+        return t.streams[COMPUTE]
+
+    def run_optimizers(self) -> None:
+        for rank, local in enumerate(self.local):
+            self.ledgers[rank].held = 0.0
+            for stage in local:
+                stage.schedule.run_optimizer()
+
+
+def _split_units(knobs: Knobs, ranges: list[range], block_names: tuple[str, ...]) -> list[list[int]]:
+    """The units (indices into ``knobs``' non-root units) each stage holds; a unit across two stages is refused."""
+    stage_of = {b: s for s, blocks in enumerate(ranges) for b in blocks}
+    groups = knobs.unit_blocks or tuple((b,) for b in range(len(block_names)))
+    units: list[list[int]] = [[] for _ in ranges]
+    for u, blocks in enumerate(groups):
+        first, last = stage_of[blocks[0]], stage_of[blocks[-1]]
+        if first != last:
+            raise ConfigError(
+                "units",
+                f"a unit holds {block_names[blocks[0]]}..{block_names[blocks[-1]]}, blocks of pipeline stages {first} and {last}",
+                fix="group only blocks of one stage (pipeline.blocks_per_stage)",
+            )
+        units[first].append(u)
+    return units
+
+
+def _slice_knobs(knobs: Knobs, units: list[int], first_block: int) -> Knobs:
+    """One stage's knobs: its units, then the root (the stage module); prefetch stays within the stage."""
+    root = len(knobs.sync) - 1
+    keep = [*units, root]
+    index = {u: i for i, u in enumerate(keep)}
+
+    def pick(values: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(values[u] for u in keep)
+
+    def targets(lists: tuple[tuple[int, ...] | None, ...]) -> tuple[tuple[int, ...] | None, ...]:
+        return tuple(None if t is None else tuple(index[v] for v in t if v in index) for t in pick(lists))
+
+    return dataclasses.replace(
+        knobs,
+        reshard_after_forward=pick(knobs.reshard_after_forward),
+        forward_prefetch=targets(knobs.forward_prefetch),
+        backward_prefetch=targets(knobs.backward_prefetch),
+        sync=pick(knobs.sync),
+        reshard_after_backward=pick(knobs.reshard_after_backward),
+        defer_concat=pick(knobs.defer_concat),
+        unit_blocks=None
+        if knobs.unit_blocks is None
+        else tuple(tuple(b - first_block for b in knobs.unit_blocks[u]) for u in units),
+        checkpointing=None if knobs.checkpointing is None else pick(knobs.checkpointing),
+    )
+
+
+def _get_stage_work(work: ModelWork, blocks: tuple[str, ...], *, first: bool, last: bool) -> ModelWork:
+    """The model as one stage holds it: its blocks; the embeddings on the first stage, the norm, output
+    head and loss on the last; a later stage's input is a block's input."""
+    head, tail = _split_root_shapes(work)
+    nothing = PassWork()
+    kept = {"block"} | ({"head"} if first else set()) | ({"tail"} if last else set())
+    a = work.activations
+    return dataclasses.replace(
+        work,
+        block_names=blocks,
+        param_shapes={
+            **{b: work.param_shapes[b] for b in blocks},
+            ROOT_UNIT: (head if first else ()) + (tail if last else ()),
+        },
+        root_head_fraction=work.root_head_fraction if first and last else float(first),
+        work={key: value if key[0] in kept else nothing for key, value in work.work.items()},
+        activations=dataclasses.replace(
+            a,
+            head=a.head if first else a.block_input,
+            # not the last stage: its output is kept for the backward and its gradient arrives
+            tail_peak=a.tail_peak if last else a.block_saved + a.block_input,
+        ),
+    )
+
+
+def _split_root_shapes(work: ModelWork) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """The root's parameters (registered in module order) cut where the head's share of elements ends:
+    (embeddings, norm + output head). Tied embeddings have no head share: all go to the last stage."""
+    shapes = work.param_shapes[ROOT_UNIT]
+    sizes = [_numel(s) for s in shapes]
+    target, total = work.root_head_fraction * sum(sizes), 0
+    for i, size in enumerate(sizes):
+        if total >= target * (1 - 1e-9):
+            return shapes[:i], shapes[i:]
+        total += size
+    return shapes, ()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _get_weight_seconds(
+    work: ModelWork, hardware: Hardware, backward_s: list[float], counts: list[int] | None
+) -> list[float]:
+    """Per unit, what zero bubble's W computes: the weight-gradient GEMMs, half of a backward's GEMM
+    FLOPs (dW beside dX) in each block and the output head (the embeddings' backward is added to the root's W)."""
+    block, tail = work.work["block", "backward"], work.work["tail", "backward"]
+    counts = counts or [1] * (len(backward_s) - 1)
+    if hardware.cluster.accelerator is not None:
+        rate = hardware.get_gemm_flops_per_s(work.dtype)
+        per_block, root = 0.5 * block.gemm_flops / rate, 0.5 * tail.gemm_flops / rate
+        return [min(c * per_block, s) for c, s in zip(counts, backward_s)] + [min(root, backward_s[-1])]
+    # a measured CPU profile has no GEMM rate: the GEMMs' share of the FLOPs
+    share = 0.5 * block.gemm_flops / block.flops if block.flops else 0.0
+    tail_share = 0.5 * tail.gemm_flops / tail.flops if tail.flops else 0.0
+    return [share * s for s in backward_s[:-1]] + [tail_share * backward_s[-1]]
+
+
+def _describe_blocks(names: tuple[str, ...], blocks: range) -> str:
+    first, last = names[blocks.start], names[blocks.stop - 1]
+    return first if first == last else _group_name(first, last)
