@@ -197,7 +197,10 @@ def train_pipeline_configs(
         if training.pipeline is not None:
             stage = training.pipeline.stages[0]
             original = stage.submod.set_is_last_backward
-            stage.submod.set_is_last_backward = lambda flag: (last_backward.append(flag), original(flag))[1]
+            stage.submod.set_is_last_backward = lambda flag, log=last_backward, call=original: (
+                log.append(flag),
+                call(flag),
+            )[1]
         counter = _CollectiveCounter()
         with counter:
             losses = [training.step(s) for s in range(num_steps)]
