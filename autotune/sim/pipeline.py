@@ -35,10 +35,10 @@ What one step costs is found by running the schedule, not by a formula:
    last backward, where that backward's remaining units hide all but its tail; it holds the
    stage's unsharded gradients across microbatches instead. (torch's stage on its own turns
    sync off for every unit and reduces all of them after the last backward; the runtime
-   config sets each unit's level instead.) Note: ``fsdp_runtime``'s ``TunedStage`` (main at
-   ea1a0d3) sets each unit's sync but not ``set_is_last_backward(False)``, so there FSDP2
-   still waits for the reductions after every backward, as without PP; that wait is what
-   ``test_sync_every_reduce_scatters_hide_behind_other_microbatches`` prices against.
+   config sets each unit's level instead, and ``fsdp_runtime``'s ``TunedStage`` tells FSDP2
+   which backward is the last as torch's stage does.) Waiting after every backward, as
+   without PP, is what ``test_sync_every_reduce_scatters_hide_behind_other_microbatches``
+   prices against.
    With zero bubble, I runs the backward without the weights' gradients (all of it but half
    the block GEMMs and the embeddings' backward) and W the rest, followed by each unit's
    post-backward (its reshard and reduction): the weights' gradients exist only then. (The
