@@ -198,6 +198,8 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         calibration += [(out / "cal_concat", concat, cluster, None)] if args.fit_concat else []
         calibration += [(raw_dir, defaults, None, None)] if cluster else []
         for path, params, links, reference in calibration:
+            if args.reuse_calibration and (path / "metrics.json").exists():
+                continue  # a previous run's calibration trial (same workload, setting and flags)
             steps = (
                 args.calibration_pairs if reference is not None else args.steps
             )  # a fitted ratio: as many pairs as the noise asks
@@ -232,7 +234,10 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         sample = first + random.Random(args.seed).sample(
             [p for p in points if p not in first], max(0, min(args.configs - len(first), len(points) - len(first)))
         )
-        ranked = rank_space(space, simulator, world_size=world, device="cpu") if setting == "2x2" else []
+        # The ranking walk prices FSDP2 alone (``autotune plan`` ranks pipeline degrees its own way).
+        ranked = (
+            rank_space(space, simulator, world_size=world, device="cpu") if setting == "2x2" and args.pp == "1" else []
+        )
         if ranked and ranked[0].params not in sample:
             sample.append(ranked[0].params)
         default_pred = simulator.simulate(default_config).step_s * 1e3
@@ -530,6 +535,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--sample-pp", type=int, default=None, help="sample only configs of this pipeline degree (the defaults aside)"
+    )
+    parser.add_argument(
+        "--reuse-calibration",
+        action="store_true",
+        help="keep calibration trials already in --out (a run that stopped after calibrating)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
