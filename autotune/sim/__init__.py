@@ -43,15 +43,13 @@ from autotune.sim.margin import (
 from autotune.sim.measured import CollectiveFit, MeasuredProfile
 from autotune.sim.model_work import ModelWork, get_model_work
 from autotune.sim.pipeline import (
-    SCHEDULES,
     PipelinePrediction,
     PipelineSimulator,
     PipelineSpec,
     StagePrediction,
-    get_pipeline_order,
     get_pipeline_spec,
-    time_order,
 )
+from autotune.sim.pipeline_order import SCHEDULES, get_pipeline_order, time_order
 from autotune.sim.predict import Simulator, StepPrediction, UnitPrediction, simulate
 
 __all__ = [
