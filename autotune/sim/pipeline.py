@@ -14,7 +14,7 @@ What one step costs is found by running the schedule, not by a formula:
    ``kind`` F (forward), B (full backward) or, for zero bubble, I (input gradients) and W
    (weight gradients): :func:`get_pipeline_order` writes them as torch 2.13's schedules do
    (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
-   ``ScheduleInterleavedZeroBubble``; ``tests/autotune/sim/test_pipeline.py`` compares them
+   ``ScheduleInterleavedZeroBubble``; ``tests/autotune/sim/test_sim_pipeline.py`` compares them
    with torch's own ``pipeline_order``).
 2. *Dependencies.* F(s, i) starts after F(s-1, i) ended and its activations arrived (a
    point-to-point transfer: latency + bytes / one rank's link, intra- or inter-node by where

@@ -1,7 +1,7 @@
 """``autotune report`` of a pipeline trial: the "Pipeline stages" table, units by stage; none for other trials.
 
 The pipeline trial is ``tests/data/cpu_pp2_1f1b`` (4 ranks, ``mesh.pp = 2``, 1F1B; its figures:
-``tests/autotune/analysis/test_pipeline.py``), the other one ``tests/data/cpu_tiny_2rank``.
+``tests/autotune/analysis/test_pipeline_analysis.py``), the other one ``tests/data/cpu_tiny_2rank``.
 """
 
 from __future__ import annotations
