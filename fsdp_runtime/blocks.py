@@ -81,7 +81,15 @@ def find_edge_modules(model: nn.Module) -> tuple[list[str], list[str]]:
     ``nn.Embedding`` modules; ``head``: the others (final norm, output projection), one unit
     together. Both empty when either is missing, when the two share a parameter (tied
     embeddings: one parameter cannot be sharded by two units) or a candidate holds another."""
-    blocks = _try_blocks(model)
+    embeddings, head, shared = split_edge_modules(model, _try_blocks(model))
+    candidates = embeddings + head
+    nested = any(b.startswith(a + ".") for a in candidates for b in candidates)
+    return ([], []) if shared or nested or not embeddings or not head else (embeddings, head)
+
+
+def split_edge_modules(model: nn.Module, blocks: list[str]) -> tuple[list[str], list[str], bool]:
+    """``(embeddings, others, tied)``: the modules outside ``blocks`` that hold trainable
+    parameters of their own, ``nn.Embedding`` or not, and whether the two share a parameter."""
     embeddings, head = [], []
     for path, module in model.named_modules():
         if not path or any(path == b or path.startswith(b + ".") for b in blocks):
@@ -92,9 +100,7 @@ def find_edge_modules(model: nn.Module) -> tuple[list[str], list[str]]:
     shared = {id(p) for n in embeddings for p in modules[n].parameters()} & {
         id(p) for n in head for p in modules[n].parameters()
     }
-    candidates = embeddings + head
-    nested = any(b.startswith(a + ".") for a in candidates for b in candidates)
-    return ([], []) if shared or nested or not embeddings or not head else (embeddings, head)
+    return embeddings, head, bool(shared)
 
 
 def _summarize(names: list[str]) -> str:

@@ -62,7 +62,7 @@ from torch.distributed.pipelining import (
 
 from fsdp_runtime.accumulation import GradAccumulator
 from fsdp_runtime.apply import AppliedFsdp, apply_fsdp
-from fsdp_runtime.blocks import find_block_names, resolve_units
+from fsdp_runtime.blocks import find_block_names, resolve_units, split_edge_modules
 from fsdp_runtime.config import (
     ROOT_UNIT,
     PipelineConfig,
@@ -149,17 +149,8 @@ def split_stages(model: nn.Module, config: RuntimeConfig) -> StageSplit:
     counts = get_blocks_per_stage(len(blocks), config)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     per_stage = tuple(tuple(blocks[s : s + n]) for s, n in zip(starts, counts, strict=True))
-    first, last = [], []
-    for path, module in model.named_modules():
-        if not path or any(path == b or path.startswith(b + ".") for b in blocks):
-            continue
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
-            (first if isinstance(module, nn.Embedding) else last).append(path)
-    modules = dict(model.named_modules())
-    shared = {id(p) for n in first for p in modules[n].parameters()} & {
-        id(p) for n in last for p in modules[n].parameters()
-    }
-    if shared:
+    first, last, tied = split_edge_modules(model, blocks)
+    if tied:
         raise ConfigError(
             "mesh.pp",
             f"{type(model).__name__} ties a parameter of {', '.join(first)} to {', '.join(last)}: the first and the last stage would each hold a copy",
