@@ -282,8 +282,12 @@ def search(
         int, typer.Option("--confirm-pairs", help="Alternating best/default re-measurements at the end.")
     ] = 3,
     trial_timeout: Annotated[
-        float, typer.Option("--trial-timeout", help="Seconds before a trial's ranks are killed.")
-    ] = 180.0,
+        float | None,
+        typer.Option(
+            "--trial-timeout",
+            help="Seconds before a trial's ranks are killed; default: 5x what this box measured per step times the trial's steps, at least 120.",
+        ),
+    ] = None,
     storage_timeout: Annotated[
         float, typer.Option("--storage-timeout", help="Seconds a write waits for a locked SQLite study.")
     ] = 120.0,

@@ -149,6 +149,8 @@ def get_search_summary_table(summary: SearchRecord, comparison: Comparison | Non
         searched = ", reduce dtype searched" if summary.searched_reduce_dtype else ""
         table.rows.append(["precision", f"{mp.get('param_dtype')} params, {mp.get('reduce_dtype')} reduce{searched}"])
     table.rows += [["environment", note] for note in summary.notes]
+    table.rows += [["not measured", line] for line in summary.shortfall]
+    table.rows += [["anchor", _describe_anchor(trial, a)] for trial, a in sorted(summary.anchors.items())]
     table.rows.append(["stopped", str(summary.stopped_because)])
     best, default = summary.best, summary.default
     if comparison is not None:
@@ -268,6 +270,7 @@ TRIALS_COLUMNS = [
     "/defaults",
     "IQR",
     "spread",
+    "paired with",
     "attempts",
     "made from",
     "step ms",
@@ -310,11 +313,33 @@ def _describe_attempts(row: TrialRow) -> str:
     return f"{row.attempts} (first: {first})" if first else str(row.attempts)
 
 
+def _describe_anchor(trial: str, anchor: dict[str, Any]) -> str:
+    """``trial 3 against the defaults again at trial 7 (its steps moved +30%): 0.500x -> 0.600x``."""
+    return (
+        f"trial {trial} against the defaults again at trial {anchor.get('at_trial')} (its steps moved "
+        f"{fmt(anchor.get('drift'), 'pct')}): {fmt(anchor.get('previous_ratio'), 'x')} -> {fmt(anchor.get('ratio'), 'x')}"
+    )
+
+
+def _describe_reference(row: TrialRow) -> str:
+    """What the trial was paired with and why it stopped ([Note: measured against the best],
+    [Note: sequential measurement]): ``defaults, faster`` or ``trial 3 at 0.812x, slower``."""
+    against = (
+        f"trial {row.reference_trial} at {fmt(row.ratio_to_reference, 'x')}"
+        if row.reference_trial is not None
+        else "defaults"
+    )
+    return f"{against}, {row.stopped}" if row.stopped else against
+
+
 def get_search_trials_table(rows: list[TrialRow], comparison: Comparison | None = None) -> ReportTable:
     """Every trial of a search as the search recorded it: its knobs (as ``autotune search`` prints them)
     and its noise: the paired ratio's median, interquartile range and spread, measurement attempts, and
     the refinement it was made from. Exposed and overlap as traced (not scaled)."""
-    title = f"{len(rows)} trials (ratio: median step time / the defaults' in alternating pairs; IQR and spread of those pairs)"
+    title = (
+        f"{len(rows)} trials (ratio: median step time / the defaults' in alternating pairs, chained through the "
+        "trial it was paired with; IQR and spread of those pairs)"
+    )
     table = ReportTable(title=title, columns=list(TRIALS_COLUMNS))
     for row in sorted(rows, key=lambda r: r.number):
         iqr = (
@@ -330,6 +355,7 @@ def get_search_trials_table(rows: list[TrialRow], comparison: Comparison | None 
                 fmt(row.ratio, "x"),
                 iqr,
                 fmt(row.ratio_spread, "pct"),
+                _describe_reference(row),
                 _describe_attempts(row),
                 made_from,
                 fmt(row.step_ms),
@@ -372,7 +398,11 @@ def get_search_rows_table(rows: list[TrialRow], best: TrialRow | None) -> Report
 
 def get_search_outcome_lines(summary: SearchSummary) -> list[str]:
     """What ``autotune search`` says after its table: why it stopped, the speedup, where the files are."""
-    lines = [*summary.record.notes, f"stopped: {summary.record.stopped_because}"]
+    lines = [
+        *summary.record.notes,
+        *(f"warning: {line}" for line in summary.record.shortfall),
+        f"stopped: {summary.record.stopped_because}",
+    ]
     conf = summary.confirmation
     if conf and conf["speedup_median"] is not None:
         lines.append(f"emitted config vs defaults: {_describe_speedup(conf)}")

@@ -77,7 +77,7 @@ def get_calibration_params(space: SearchSpace) -> dict[str, dict[str, Any]]:
 
 def run_calibration_trials(ctx: SearchContext) -> list[TrialRow]:
     """Measure the calibration points not measured yet (see [Note: presearch]); the finished rows of all of them."""
-    from autotune.search.loop import get_rows, run_one
+    from autotune.search.loop import count_measured, get_rows, run_one
 
     study, settings = ctx.study, ctx.settings
     points = get_calibration_params(ctx.space)
@@ -90,7 +90,7 @@ def run_calibration_trials(ctx: SearchContext) -> list[TrialRow]:
         study.enqueue_trial(
             {**params, "root_split": "none"} if ctx.space.can_split else params, user_attrs={CALIBRATION_ATTR: name}
         )
-        ctx.reporter.on_trial_start(len(get_rows(study)), settings.num_trials)
-        row = run_one(ctx, None)
+        ctx.reporter.on_trial_start(count_measured(get_rows(study)), settings.num_trials)
+        row = run_one(ctx, None, against_defaults=True)
         ctx.reporter.on_trial_end(row, None)
     return [r for r in get_rows(study) if r.calibration and r.state == "COMPLETE" and r.trial_dir]

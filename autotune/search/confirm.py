@@ -2,9 +2,11 @@
 
 A search ranks hundreds of configs from short trials; the emitted config is decided by a
 longer, second measurement of the ``num_finalists`` best distinct configs, each paired with
-the defaults on the same ranks ([Note: paired measurement]) with ``2 * num_confirm_pairs``
-pairs. The finalist with the lowest median ratio wins; if even it is not faster than the
-defaults (median ratio >= 1), the defaults are emitted, and the record says why.
+the defaults on the same ranks ([Note: paired measurement]) with at most ``2 * num_confirm_pairs``
+pairs: each stops once its ratio is settled ([Note: sequential measurement]), and a finalist
+clearly slower than the leader so far (its whole interval above the leader's ratio, from its
+second block on) is pruned there. The finalist with the lowest median ratio wins; if even it is
+not faster than the defaults (median ratio >= 1), the defaults are emitted, and the record says why.
 
 A contested final round is measured once more before it is decided: when the leader's pairs
 spread wider than ``max_ratio_spread``, or a runner-up's median lies inside the leader's
@@ -28,13 +30,14 @@ that fits): the defaults are not a config the user can run.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import Any
 
 from autotune.search.context import SearchContext
 from autotune.search.refine import pick_base
 from autotune.search.results import TrialRow, pick_best
-from autotune.trials import median_or_none, run_trial
+from autotune.trials import median_or_none
 from fsdp_runtime import RuntimeConfig
 
 
@@ -54,14 +57,20 @@ def get_finalists(rows: list[TrialRow], num_finalists: int) -> list[TrialRow]:
     return finalists
 
 
-def _measure_finalist(ctx: SearchContext, row: TrialRow, *, window: int = 0) -> dict[str, Any]:
+def _measure_finalist(
+    ctx: SearchContext, row: TrialRow, *, window: int = 0, slower_than: float | None = None
+) -> dict[str, Any]:
+    """``row``'s config against the defaults until its ratio is known ([Note: sequential
+    measurement]); pruned once it is clearly slower than ``slower_than`` (the leader's ratio)."""
     config = ctx.space.build_config(row.params)
     name = f"trial_{row.number:04d}" + (f"_window{window}" if window else "")
-    spec = ctx.trial_spec(
-        config, ctx.write_dir / "final" / name, profile=False, num_pairs=2 * ctx.settings.num_confirm_pairs
+    num_pairs = 2 * ctx.settings.num_confirm_pairs
+    rule = dataclasses.replace(
+        ctx.get_stopping_rule(prune=False, faster_below=None, num_pairs=num_pairs), prune_above=slower_than
     )
-    result = run_trial(spec, pool=ctx.pool)
-    paired = result.metrics.paired if result.metrics and result.ok else {}
+    spec = ctx.trial_spec(config, ctx.write_dir / "final" / name, profile=False, num_pairs=num_pairs, stopping=rule)
+    result = ctx.run(spec)
+    paired = result.metrics.paired if result.metrics and result.status in ("ok", "pruned") else {}
     reference_ms = median_or_none(result.metrics.reference_step_ms_per_step) if result.metrics else None
     budget, peak = ctx.settings.memory_budget_bytes, result.process_peak_bytes
     memory = (
@@ -74,6 +83,7 @@ def _measure_finalist(ctx: SearchContext, row: TrialRow, *, window: int = 0) -> 
         "search_ratio": row.ratio,
         "step_ms": result.step_ms,
         "reference_step_ms": reference_ms,
+        "stopped": result.metrics.stopped if result.metrics else None,
         **paired,
         **memory,
     }
@@ -87,7 +97,8 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
         return (ctx.space.build_config(best.params) if best else ctx.default_config), None
     measured, contested = _measure_finalists(ctx, finalists)
     ranked = sorted(
-        (m for m in measured if m.get("ratio") is not None and not m.get("over_budget")), key=lambda m: m["ratio"]
+        (m for m in measured if m["status"] == "ok" and m.get("ratio") is not None and not m.get("over_budget")),
+        key=lambda m: m["ratio"],
     )
     record: dict[str, Any] = {
         "estimator": "blocks",
@@ -135,8 +146,12 @@ def _measure_finalists(ctx: SearchContext, finalists: list[TrialRow]) -> tuple[l
     ctx.reporter.on_phase(
         f"final round: {len(finalists)} best configs vs the defaults, {2 * ctx.settings.num_confirm_pairs} pairs each"
     )
-    measured = [_measure_finalist(ctx, row) for row in finalists]
-    contested = get_contested(measured, ctx.settings.max_ratio_spread)
+    measured: list[dict[str, Any]] = []
+    for row in finalists:  # best first: a later finalist clearly slower than the leader so far is pruned
+        fits = [m for m in measured if m["status"] == "ok" and m.get("ratio") and not m.get("over_budget")]
+        leader = min((m["ratio"] for m in fits), default=None)
+        measured.append(_measure_finalist(ctx, row, slower_than=leader))
+    contested = get_contested([m for m in measured if m["status"] == "ok"], ctx.settings.max_ratio_spread)
     if contested:
         ctx.reporter.on_phase(
             f"final round contested (trials {', '.join(str(n) for n in contested)}): a second window each"

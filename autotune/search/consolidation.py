@@ -178,7 +178,8 @@ def time_consolidation(ctx: SearchContext, config: RuntimeConfig) -> dict[str, A
         "methods": methods,
         "seed": ctx.settings.seed,
     }
-    target, timeout_s = "autotune.search.consolidation:consolidation_timing", ctx.settings.trial_timeout_s
+    # A build and a few gathers per method: priced as a short trial's steps ([Note: trial timeouts]).
+    target, timeout_s = "autotune.search.consolidation:consolidation_timing", ctx.timeouts.get(4 * len(methods))
     if ctx.pool is not None:
         run = ctx.pool.run(target, kwargs, timeout_s=timeout_s)
     else:

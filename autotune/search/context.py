@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.trials import TrialSpec
+from autotune.search.timeouts import TrialTimeouts, count_steps
+from autotune.trials import StoppingRule, TrialResult, TrialSpec, run_trial
 from fsdp_runtime import RuntimeConfig
 
 if TYPE_CHECKING:
@@ -31,6 +32,11 @@ class SearchContext:
     own_dir: Path | None = None
     """Where this worker writes warm-up, confirmation, emitted config, tables and report
     (``settings.out_dir`` unless another worker holds it; see ``study.claim_out_dir``)."""
+    timeouts: TrialTimeouts = field(default_factory=TrialTimeouts)
+    """Trial time limits that follow this box ([Note: trial timeouts]); set from the settings in ``__post_init__``."""
+
+    def __post_init__(self) -> None:
+        self.timeouts.fixed_s = self.settings.trial_timeout_s
 
     @property
     def write_dir(self) -> Path:
@@ -50,11 +56,24 @@ class SearchContext:
         paired: bool = True,
         num_pairs: int | None = None,
         prune_if_ratio_above: float | None = None,
+        reference: RuntimeConfig | None = None,
+        stopping: StoppingRule | None = None,
+        profile_if_faster: bool = False,
     ) -> TrialSpec:
-        """A trial of ``config`` measured as every trial of this search is: against the defaults,
-        alternating on the same ranks (see [Note: paired measurement]), unless ``paired=False``."""
+        """A trial of ``config`` measured as every trial of this search is: against ``reference``
+        (default: the defaults), alternating on the same ranks (see [Note: paired measurement]),
+        unless ``paired=False``; with ``stopping``, until the rule says it is known
+        ([Note: sequential measurement])."""
         s = self.settings
         extra = {"rank_program": s.rank_program} if s.rank_program else {}
+        reference = (reference or self.default_config) if paired else None
+        num_steps = count_steps(
+            num_warmup=s.num_warmup,
+            num_pairs=num_pairs or s.num_measured,
+            paired=paired,
+            self_paired=reference == config,
+            profiled=s.num_profiled if profile else 0,
+        )
         return TrialSpec(
             model=self.plan.trial_model,
             config=config,
@@ -65,9 +84,39 @@ class SearchContext:
             num_profiled=s.num_profiled,
             profile=profile,
             seed=s.seed,
-            timeout_s=s.trial_timeout_s,
+            timeout_s=self.timeouts.get(num_steps),
             cluster=s.cluster,
-            reference=self.default_config if paired else None,
+            reference=reference,
             prune_if_ratio_above=prune_if_ratio_above,
+            stopping=stopping.to_dict() if stopping is not None and paired else None,
+            profile_if_faster=profile_if_faster,
             **extra,
+        )
+
+    def run(self, spec: TrialSpec) -> TrialResult:
+        """Run a trial on the search's ranks; its wall time teaches the next trials' limits ([Note: trial timeouts])."""
+        result = run_trial(spec, pool=self.pool)
+        self.timeouts.observe(result)
+        return result
+
+    def get_trial_timeout_s(self) -> float:
+        """The limit of a search trial of the standard length (every pair, profiled)."""
+        s = self.settings
+        steps = count_steps(
+            num_warmup=s.num_warmup, num_pairs=s.num_measured, paired=True, self_paired=False, profiled=s.num_profiled
+        )
+        return self.timeouts.get(steps)
+
+    def get_stopping_rule(
+        self, *, prune: bool, faster_below: float | None = 1.0, num_pairs: int | None = None
+    ) -> StoppingRule:
+        """The search's rule ([Note: sequential measurement]): at most ``num_pairs`` (default
+        ``num_measured``) pairs, settled at ``precision``; stopped as clearly faster below
+        ``faster_below``, pruned as clearly slower above ``prune_ratio`` when ``prune``."""
+        s = self.settings
+        return StoppingRule(
+            max_blocks=max(1, ((num_pairs or s.num_measured) + 1) // 2),
+            precision=s.precision,
+            faster_below=faster_below,
+            prune_above=s.prune_ratio if prune else None,
         )

@@ -7,18 +7,21 @@
 - ``--resume`` continues a study: finished trials are kept, the model plan (proxy shape)
   stored with the study is reused so old and new trials measure the same thing, and this
   host's trials left RUNNING by a dead worker are closed as FAIL ("interrupted").
-- Every trial is measured against the defaults on the same ranks ([Note: paired
-  measurement] in :mod:`autotune.trials.paired`); its objective is the median step-time
-  ratio of its pairs, so background load cancels instead of deciding.
-- A failed trial (timeout, crash, OOM, invalid config) is told as FAIL with its reason and
-  never stops the search. A trial is pruned only when *each* of its first pairs is slower
-  than the best trial's ratio times ``prune_ratio``, widened by the best trial's own
-  spread (:func:`get_prune_limit`), and only when a second window says so too: a trial
-  pruned in its first window, or whose pairs spread wider than ``max_ratio_spread``, is
-  measured again with twice the pairs before it is pruned or ranked (the second
-  measurement stands; still too wide: ``noisy``). One burst of load that hits the
-  candidate's steps and not the reference's cannot prune a config. A trial whose peak memory
-  exceeds the budget is infeasible (Optuna constraint > 0) and never best.
+- Every trial is measured against a reference on the same ranks ([Note: paired measurement]
+  in :mod:`autotune.trials.paired`): the best trial so far, or the defaults until one beats
+  them ([Note: measured against the best] in :mod:`autotune.search.reference`); its objective
+  is its median block ratio to the defaults (chained through the reference's), so background
+  load cancels instead of deciding.
+- A trial measures until its ratio is known ([Note: sequential measurement] in
+  :mod:`autotune.trials.sequential`): clearly faster than the best, clearly slower (pruned,
+  from its second block on, so one burst of load on a block's candidate steps cannot prune a
+  config), or settled; a tie runs to ``num_measured`` pairs, and a ratio still spread wider
+  than ``max_ratio_spread`` there is flagged ``noisy``. A failed trial (timeout, crash, OOM,
+  invalid config) is told as FAIL with its reason and never stops the search; its time limit
+  follows what this box measured ([Note: trial timeouts] in :mod:`autotune.search.timeouts`),
+  so a slow box makes trials slow, not failed. A trial whose peak memory exceeds the budget
+  is infeasible (Optuna constraint > 0) and never best.
+- The budget (``num_trials``) counts measured trials, not enqueued ones (:func:`count_measured`).
 - Two parameter sets that expand to the same effective config (``config_hash``) are
   measured once: the second is told the first one's result (``duplicate_of``).
 """
@@ -35,13 +38,15 @@ import optuna
 
 from autotune.search.context import SearchContext
 from autotune.search.outcome import Outcome, record
+from autotune.search.reference import DRIFT_LIMIT, Reference, chain, choose_reference, get_drift, measure_anchor
 from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour
 from autotune.search.results import TrialRow, pick_best
 from autotune.search.study import close_interrupted, get_worker_id, record_first_heartbeat
-from autotune.trials import RankPool, TrialResult, run_trial
+from autotune.trials import RankPool, TrialResult
 from fsdp_runtime import RuntimeConfig, dumps_config
 
 PLATEAU_MIN_GAIN = 0.01
+FINISHED_STATES = ("COMPLETE", "PRUNED", "FAIL")
 _COPIED_ATTRS = (
     "status",
     "reason",
@@ -58,6 +63,10 @@ _COPIED_ATTRS = (
     "overlap_ratio",
     "bound_ratio",
     "trial_dir",
+    "stopped",
+    "ratio_to_reference",
+    "reference_trial",
+    "reference_ratio",
 )
 
 
@@ -97,6 +106,11 @@ def to_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
         predicted_ratio=attrs.get("predicted_ratio"),
         presearch_rank=attrs.get("presearch_rank"),
         calibration=attrs.get("calibration"),
+        stopped=attrs.get("stopped"),
+        ratio_to_reference=attrs.get("ratio_to_reference"),
+        reference_trial=attrs.get("reference_trial"),
+        reference_ratio=attrs.get("reference_ratio"),
+        reference_drift=attrs.get("reference_drift"),
     )
 
 
@@ -110,8 +124,9 @@ def _headline(result: TrialResult) -> dict[str, Any]:
     return {k: aggregate.get(k) for k in ("exposed_comm_ms", "overlap_ratio", "bound_ratio")}
 
 
-def get_outcome(ctx: SearchContext, number: int, result: TrialResult) -> Outcome:
-    """What trial ``number`` tells the study about ``result``."""
+def get_outcome(ctx: SearchContext, number: int, result: TrialResult, reference: Reference | None = None) -> Outcome:
+    """What trial ``number`` tells the study about ``result``, measured against ``reference``
+    (None: the defaults; its ratio is chained to the defaults: [Note: measured against the best])."""
     attrs: dict[str, Any] = {"status": result.status, "reason": result.reason[:1000]}
     constraints = {}
     if result.step_ms is not None:
@@ -123,6 +138,9 @@ def get_outcome(ctx: SearchContext, number: int, result: TrialResult) -> Outcome
             attrs["memory_over_budget"] = constraints["memory_over_budget"] = over  # TPE learns feasibility from it
     attrs |= {k: v for k, v in _headline(result).items() if v is not None}
     paired = result.metrics.paired if result.metrics else {}
+    if reference is not None and not reference.is_defaults and paired.get("ratio") is not None:
+        attrs["ratio_to_reference"] = paired["ratio"]
+        paired = chain(paired, reference)
     attrs |= {k: paired[k] for k in ("ratio", "ratio_q25", "ratio_q75", "ratio_spread") if paired.get(k) is not None}
     if result.metrics and result.metrics.profiler_overhead is not None:
         attrs["profiler_overhead"] = result.metrics.profiler_overhead
@@ -173,8 +191,10 @@ def _interrupted_outcome(number: int) -> Outcome:
     )
 
 
-def run_one(ctx: SearchContext, best: TrialRow | None) -> TrialRow:
-    """Ask for a config, run (or recognise) it, tell the study; returns the trial's row."""
+def run_one(ctx: SearchContext, best: TrialRow | None, *, against_defaults: bool = False) -> TrialRow:
+    """Ask for a config, run (or recognise) it, tell the study; returns the trial's row. It is paired
+    with ``best`` ([Note: measured against the best]), or with the defaults when there is none,
+    when ``best`` has not beaten them, or with ``against_defaults`` (the presearch's calibration)."""
     trial = ctx.study.ask()
     trial.set_user_attr("worker", get_worker_id())
     record_first_heartbeat(ctx.study, trial)
@@ -187,8 +207,10 @@ def run_one(ctx: SearchContext, best: TrialRow | None) -> TrialRow:
     else:
         trial_dir = ctx.settings.out_dir / "trials" / f"trial_{trial.number:04d}"
         trial.set_user_attr("trial_dir", str(trial_dir.relative_to(ctx.settings.out_dir)))
+        rows = get_rows(ctx.study)
+        reference = choose_reference(ctx, rows, None if against_defaults else best)
         try:
-            result, attempts = _measure(ctx, config, trial_dir, get_prune_limit(best, ctx.settings.prune_ratio))
+            result, attrs = _measure(ctx, config, trial_dir, reference, trial.number, calibration=against_defaults)
         except KeyboardInterrupt:
             record(
                 ctx.study,
@@ -197,18 +219,10 @@ def run_one(ctx: SearchContext, best: TrialRow | None) -> TrialRow:
                 retry_wait_s=0.1,
             )
             raise
-        outcome = get_outcome(ctx, trial.number, result)
-        outcome.user_attrs |= attempts
+        outcome = get_outcome(ctx, trial.number, result, attrs.pop("reference"))
+        outcome.user_attrs |= attrs
     record(ctx.study, outcome, pending_dir=ctx.settings.out_dir / "pending")
     return to_row(next(t for t in ctx.study.get_trials(deepcopy=False) if t.number == trial.number))
-
-
-def get_prune_limit(best: TrialRow | None, prune_ratio: float) -> float | None:
-    """The ratio above which every first pair of a trial must lie for it to be pruned: the best
-    ratio times ``prune_ratio``, widened by three times the best trial's own relative spread."""
-    if best is None or best.ratio is None:
-        return None
-    return best.ratio * max(prune_ratio, 1.0 + 3.0 * (best.ratio_spread or 0.0))
 
 
 def _too_noisy(result: TrialResult, max_spread: float) -> bool:
@@ -217,39 +231,41 @@ def _too_noisy(result: TrialResult, max_spread: float) -> bool:
 
 
 def _measure(
-    ctx: SearchContext, config: RuntimeConfig, trial_dir: Path, prune_limit: float | None
+    ctx: SearchContext, config: RuntimeConfig, trial_dir: Path, reference: Reference, number: int, *, calibration: bool
 ) -> tuple[TrialResult, dict[str, Any]]:
-    """Run the trial; measure it again in a second window, with twice the pairs, when the first
-    one pruned it or spread too wide to rank: no trial is pruned or ranked on one window.
-
-    The second measurement stands. After a prune it keeps the prune limit (a config that is
-    slow in both windows is stopped after the second window's first pairs, not measured in
-    full); after a noisy window it runs every pair. Returns the result and what the attempts were.
-    """
-    result = run_trial(ctx.trial_spec(config, trial_dir, profile=True, prune_if_ratio_above=prune_limit), pool=ctx.pool)
-    pruned = result.status == "pruned"
-    if not pruned and not _too_noisy(result, ctx.settings.max_ratio_spread):
-        return result, {"attempts": 1}
-    first = (result.metrics.paired if result.metrics else None) or {}
-    limit = prune_limit if pruned else None
+    """Run the trial against ``reference`` until the stopping rule says its ratio is known
+    ([Note: sequential measurement]); measure an anchor when the reference drifted ([Note:
+    measured against the best]). Returns the result and the attributes that say how it was measured."""
+    is_defaults = config == reference.config
+    # The defaults against themselves measure the noise: nothing to decide but its precision.
+    # Calibration trials are never pruned: the presearch reads their traces.
+    rule = ctx.get_stopping_rule(prune=not (is_defaults or calibration), faster_below=None if is_defaults else 1.0)
+    # Traces are read from the defaults and the calibration trials (the presearch) and from a new
+    # best (the report): a trial slower than the best skips its profiled window.
+    profile_if_faster = not (is_defaults or calibration) and not reference.is_defaults
     spec = ctx.trial_spec(
-        config,
-        trial_dir / "remeasured",
-        profile=True,
-        num_pairs=2 * ctx.settings.num_measured,
-        prune_if_ratio_above=limit,
+        config, trial_dir, profile=True, reference=reference.config, stopping=rule, profile_if_faster=profile_if_faster
     )
-    again = run_trial(spec, pool=ctx.pool)
-    attempts = {
-        "attempts": 2,
-        "first_status": result.status,
-        "first_ratio": first.get("ratio"),
-        "first_ratio_spread": first.get("ratio_spread"),
-    }
-    if again.status not in ("ok", "pruned"):
-        return result, attempts | ({} if pruned else {"noisy": True}) | {"remeasure_failed": again.reason[:300]}
-    attempts["trial_dir"] = str(again.out_dir.relative_to(ctx.settings.out_dir))
-    return again, attempts | ({"noisy": True} if _too_noisy(again, ctx.settings.max_ratio_spread) else {})
+    result = ctx.run(spec)
+    attrs: dict[str, Any] = {"stopped": result.metrics.stopped if result.metrics else None}
+    if is_defaults:
+        return result, attrs | {"reference": None}
+    drift = get_drift(reference, result)
+    if drift is not None:
+        attrs["reference_drift"] = drift
+    if (
+        not reference.is_defaults
+        and drift is not None
+        and abs(drift) > DRIFT_LIMIT
+        and result.status in ("ok", "pruned")
+    ):
+        reference = measure_anchor(ctx, reference, at_trial=number, drift=drift)
+        attrs["anchored"] = True
+    if _too_noisy(result, ctx.settings.max_ratio_spread):
+        attrs["noisy"] = True
+    attrs["reference_trial"] = reference.trial
+    attrs["reference_ratio"] = reference.ratio
+    return result, attrs | {"reference": reference}
 
 
 def plateaued(rows: list[TrialRow], patience: int | None) -> bool:
@@ -285,15 +301,28 @@ def wait_for_other_workers(study: optuna.Study, *, timeout_s: float, poll_s: flo
         time.sleep(poll_s)
 
 
+def count_measured(rows: list[TrialRow]) -> int:
+    """Trials that used up the budget: finished (COMPLETE, PRUNED, FAIL; a duplicate was told a
+    result), except those closed as interrupted, which measured nothing. An enqueued (WAITING)
+    trial has not been measured: counting it stopped a search before the presearch's picks ran."""
+    return sum(r.state in FINISHED_STATES and r.status != "interrupted" for r in rows)
+
+
+def count_budget_used(rows: list[TrialRow]) -> int:
+    """Measured trials and those running now (another worker's: this worker runs none while it
+    asks), so that several workers together stop at ``num_trials``."""
+    return count_measured(rows) + sum(r.state == "RUNNING" for r in rows)
+
+
 def search_loop(ctx: SearchContext) -> str:
-    """Run trials until the study holds ``num_trials`` or the search plateaus and has no
-    refinement left to try ([Note: refinement]); returns why it stopped."""
+    """Run trials until the study holds ``num_trials`` measured ones or the search plateaus and
+    has no refinement left to try ([Note: refinement]); returns why it stopped."""
     settings = ctx.settings
     num_refine = settings.get_num_refine()
     while True:
         rows = get_rows(ctx.study)
-        if len(rows) >= settings.num_trials:
-            wait_for_other_workers(ctx.study, timeout_s=settings.trial_timeout_s + 60)
+        if count_budget_used(rows) >= settings.num_trials:
+            wait_for_other_workers(ctx.study, timeout_s=ctx.get_trial_timeout_s() + 60)
             return f"reached {settings.num_trials} trials"
         plateau = plateaued(rows, settings.patience)
         if plateau or len(rows) >= settings.num_trials - num_refine:
@@ -301,7 +330,7 @@ def search_loop(ctx: SearchContext) -> str:
             origin = enqueue_neighbour(ctx.study, ctx.space, rows, get_config_hash) if refined < num_refine else None
             if origin is None and plateau:
                 return f"plateau: no >=1% improvement in {settings.patience} trials"
-        ctx.reporter.on_trial_start(len(rows), settings.num_trials)
+        ctx.reporter.on_trial_start(count_measured(rows), settings.num_trials)
         row = run_one(ctx, pick_best(rows))
         ctx.reporter.on_trial_end(row, pick_best([*rows, row]))
 
@@ -311,7 +340,7 @@ def warm_up(ctx: SearchContext) -> None:
     page faults for fresh heap, gloo connections and autograd warm-up, which would otherwise
     be charged to trial 0 (the defaults) and make every ratio to it look better than it is."""
     ctx.reporter.on_phase("warming up the ranks (not recorded)")
-    run_trial(ctx.trial_spec(ctx.default_config, ctx.write_dir / "warmup", profile=False, paired=False), pool=ctx.pool)
+    ctx.run(ctx.trial_spec(ctx.default_config, ctx.write_dir / "warmup", profile=False, paired=False))
 
 
 def open_pool(settings: Any) -> contextlib.AbstractContextManager:

@@ -149,11 +149,11 @@ def run_presearch(ctx: SearchContext) -> None:
 
 def _measure_defaults(ctx: SearchContext) -> TrialRow:
     """The study's finished defaults trial, run now if it has none; refused unless it succeeded with traces."""
-    from autotune.search.loop import get_rows, run_one
+    from autotune.search.loop import count_measured, get_rows, run_one
 
     default = next((r for r in get_rows(ctx.study) if r.is_default and r.state == "COMPLETE"), None)
     if default is None:
-        ctx.reporter.on_trial_start(len(get_rows(ctx.study)), ctx.settings.num_trials)
+        ctx.reporter.on_trial_start(count_measured(get_rows(ctx.study)), ctx.settings.num_trials)
         default = run_one(ctx, None)
         ctx.reporter.on_trial_end(default, default if default.state == "COMPLETE" else None)
     if default.state != "COMPLETE" or default.trial_dir is None:

@@ -49,7 +49,7 @@ class TrialRow(TrialFigures):
     ratio_q25: float | None = None
     ratio_q75: float | None = None
     noisy: bool = False
-    """Its pairs still spread wider than ``max_ratio_spread`` after a re-measurement."""
+    """Its ratio still spread wider than ``max_ratio_spread`` after its most pairs (before v9: after a re-measurement)."""
     attempts: int = 1
     """Measurement windows: 2 when the first one pruned the trial or spread too wide to rank."""
     first_status: str | None = None
@@ -73,6 +73,18 @@ class TrialRow(TrialFigures):
     """Its rank among the simulated configs when ``--presearch`` enqueued it; None: sampled or refined."""
     calibration: str | None = None
     """Which of the presearch's calibration trials it was (``no_sync``, ...; [Note: presearch]); None: not one."""
+    stopped: str | None = None
+    """Why its pairs stopped ([Note: sequential measurement]: ``faster``, ``slower``, ``settled``,
+    ``max_blocks``); None: a fixed number of pairs (before v9) or not measured."""
+    ratio_to_reference: float | None = None
+    """Its median block ratio to the trial it was paired with ([Note: measured against the best]);
+    None: paired with the defaults, so :attr:`ratio` is the measured one."""
+    reference_trial: int | None = None
+    """The trial it was paired with; None: the defaults."""
+    reference_ratio: float | None = None
+    """That trial's ratio to the defaults it was chained through (an anchor's where one was measured)."""
+    reference_drift: float | None = None
+    """How far the reference's median step moved from where its ratio was measured (relative)."""
 
     @property
     def succeeded(self) -> bool:
@@ -116,16 +128,20 @@ class SearchRecord:
     """``search.json``: what a search found (read back by ``autotune report``)."""
 
     KIND: ClassVar[str] = "search_summary"
-    SCHEMA_VERSION: ClassVar[int] = 8
+    SCHEMA_VERSION: ClassVar[int] = 9
     # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin, v5 rows the
     # simulator's prediction and the record its presearch, v6 rows which presearch calibration trial they were:
     # all with defaults; v7 the final round's estimator (blocks after settle steps, was single pairs); v8 the
-    # trials' precision, whether the reduce dtype was searched, and notes on the environment (defaults: unknown, none).
+    # trials' precision, whether the reduce dtype was searched, and notes on the environment (defaults: unknown, none);
+    # v9 what the search was asked to measure and did not (``shortfall``; default: none said), the
+    # drift ``anchors`` (default: none), and rows
+    # why their pairs stopped and what they were paired with (``stopped``, ``ratio_to_reference``,
+    # ``reference_trial``, ``reference_ratio``, ``reference_drift``; defaults: the defaults, a fixed count).
     MIGRATIONS: ClassVar[dict] = {
         1: _migrate_summary_v1,
         **get_added_field_migrations(2, 3, 4, 5),
         6: _migrate_summary_v6,
-        **get_added_field_migrations(7),
+        **get_added_field_migrations(7, 8),
     }
 
     model: str
@@ -151,6 +167,12 @@ class SearchRecord:
     notes: list[str] = field(default_factory=list)
     """Lines about the environment that change what the trials measured, each with its fix
     (``CUDA_DEVICE_MAX_CONNECTIONS=1``: :func:`autotune.trials.get_overlap_warning`; v8)."""
+    shortfall: list[str] = field(default_factory=list)
+    """What the search was asked to measure and did not, one line each (fewer measured trials
+    than asked, failed trials, calibration trials missing: :mod:`autotune.search.shortfall`; v9)."""
+    anchors: dict[str, Any] = field(default_factory=dict)
+    """Per reference trial, its ratio to the defaults measured again after its steps drifted
+    ([Note: measured against the best] in :mod:`autotune.search.reference`; v9)."""
 
     def to_dict(self) -> dict[str, Any]:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

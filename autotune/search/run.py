@@ -37,8 +37,10 @@ from autotune.search.predictions import summarize_predictions
 from autotune.search.preflight import preflight
 from autotune.search.presearch import PRESEARCH_ATTR, add_predictions, run_presearch
 from autotune.search.proxy import ModelPlan
+from autotune.search.reference import get_anchors
 from autotune.search.results import SearchRecord, TrialRow, pick_best, write_results
 from autotune.search.settings import SearchError, SearchReporter, SearchSettings, SilentReporter
+from autotune.search.shortfall import get_shortfall
 from autotune.search.space import SearchSpace
 from autotune.search.study import claim_out_dir, close_interrupted, make_plan, open_study, resolve_plan
 from autotune.trials import check_cuda_devices, check_fits_gpu, get_overlap_warning, resolve_precision
@@ -201,6 +203,10 @@ def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
         notes=get_environment_notes(ctx.space.device_type),
     )
     record.presearch = summarize_predictions(rows, ctx.study.user_attrs.get(PRESEARCH_ATTR))
+    record.shortfall = get_shortfall(ctx, rows, stopped_because)
+    record.anchors = get_anchors(ctx)
+    for line in record.shortfall:
+        ctx.reporter.on_phase(f"warning: {line}")
     summary = SearchSummary(out_dir=ctx.write_dir, study_dir=ctx.settings.out_dir, plan=plan, rows=rows, record=record)
     if best is not None:
         config, record.confirmation = run_final_round(ctx, rows)

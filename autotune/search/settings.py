@@ -20,6 +20,8 @@ JOURNAL_PREFIX = "journal:"
 HEARTBEAT_GRACE_BEATS = 4
 """Heartbeat intervals without a heartbeat after which a running trial counts as dead: a
 worker's heartbeat thread may be held up a few seconds (a busy host, a slow server)."""
+DEFAULT_HEARTBEAT_BASIS_S = 180.0
+"""The trial time a default heartbeat interval is a twentieth of, where no ``--trial-timeout`` is fixed."""
 
 
 class SearchError(AutotuneError):
@@ -47,7 +49,7 @@ class SearchSettings:
     heartbeat_s: int | None = None
     """On a database server (PostgreSQL, MySQL): how often a worker records that its running
     trial is alive; any worker fails a trial whose last heartbeat is ``HEARTBEAT_GRACE_BEATS``
-    intervals old. None: a twentieth of ``trial_timeout_s``, 5 to 60 s."""
+    intervals old. None: a twentieth of ``trial_timeout_s`` (of 180 s where trial limits follow the box), 5 to 60 s."""
     study_name: str | None = None
     resume: bool = False
     sampler: SamplerName = "tpe"
@@ -68,16 +70,22 @@ class SearchSettings:
     """Pipeline degrees searched (``pp``, with FSDP2 inside each stage: [Note: pipeline stages]);
     a string ``"1,2"`` is read as the tuple. ``(1,)``: no pipeline stages."""
     num_warmup: int = 2
-    num_measured: int = 4
-    """Pairs (candidate and reference step, see [Note: paired measurement]) per trial."""
+    num_measured: int = 6
+    """Most pairs (candidate and reference step, see [Note: paired measurement]) per trial; a
+    trial stops earlier once its ratio is known ([Note: sequential measurement])."""
+    precision: float = 0.05
+    """A trial's ratio counts as known once its 90% interval is within this relative half-width
+    ([Note: sequential measurement] in :mod:`autotune.trials.sequential`)."""
     num_profiled: int = 2
-    trial_timeout_s: float = 180.0
-    prune_ratio: float = 1.3
-    """Prune a trial when each of its first pairs is this much slower, relative to the reference,
-    than the best trial so far (widened by the best trial's own spread)."""
+    trial_timeout_s: float | None = None
+    """Seconds before a trial's ranks are killed; None: follow what this box measured, so a slow
+    box makes trials slow, not failed ([Note: trial timeouts] in :mod:`autotune.search.timeouts`)."""
+    prune_ratio: float = 1.0
+    """Prune a trial once its ratio to the best trial so far (its reference: [Note: measured
+    against the best]) is surely above this: its whole 90% interval, from two blocks on."""
     max_ratio_spread: float = 0.10
-    """A trial whose pair ratios spread wider than this (interquartile range / median) is
-    measured again with twice the pairs before it is ranked."""
+    """A trial whose ratio still spreads wider than this (interquartile range / median) after its
+    most pairs is flagged ``noisy``; in the final round, a leader this noisy is contested."""
     num_finalists: int = 3
     """Configs re-measured against the defaults at the end; the fastest of them is emitted."""
     patience: int | None = 10
@@ -111,11 +119,25 @@ class SearchSettings:
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
         self.pipeline_degrees = parse_degrees(self.pipeline_degrees)
-        checks = [
+        for name, ok, problem in self._get_checks():
+            if not ok:
+                raise SearchError(problem, field=name)
+        check_dtype(self.param_dtype, field="param_dtype")
+        check_dtype(self.reduce_dtype, field="reduce_dtype")
+        if self.search_reduce_dtype and self.reduce_dtype is not None:
+            raise SearchError(
+                f"--search-reduce-dtype searches the reduce dtype, so it cannot also be fixed to {self.reduce_dtype}; drop one",
+                field="reduce_dtype",
+            )
+
+    def _get_checks(self) -> list[tuple[str, bool, str]]:
+        """Each field's check: (field, holds, the problem in one line)."""
+        return [
             ("world_size", self.world_size >= 1, f"world size must be >= 1, got {self.world_size}"),
             ("num_trials", self.num_trials >= 1, f"number of trials must be >= 1, got {self.num_trials}"),
             ("num_microbatches", self.num_microbatches >= 1, f"microbatches must be >= 1, got {self.num_microbatches}"),
-            ("prune_ratio", self.prune_ratio > 1.0, f"prune ratio must be > 1, got {self.prune_ratio}"),
+            ("prune_ratio", self.prune_ratio >= 1.0, f"prune ratio must be >= 1, got {self.prune_ratio}"),
+            ("precision", self.precision > 0, f"precision must be > 0, got {self.precision}"),
             (
                 "num_confirm_pairs",
                 self.num_confirm_pairs >= 0,
@@ -135,7 +157,11 @@ class SearchSettings:
             ),
             ("patience", self.patience is None or self.patience >= 1, f"patience must be >= 1, got {self.patience}"),
             ("sampler", self.sampler in SAMPLERS, f"unknown sampler {self.sampler!r} (use {', '.join(SAMPLERS)})"),
-            ("trial_timeout_s", self.trial_timeout_s > 0, f"trial timeout must be > 0 s, got {self.trial_timeout_s}"),
+            (
+                "trial_timeout_s",
+                self.trial_timeout_s is None or self.trial_timeout_s > 0,
+                f"trial timeout must be > 0 s, got {self.trial_timeout_s}",
+            ),
             (
                 "storage_timeout_s",
                 self.storage_timeout_s > 0,
@@ -158,16 +184,6 @@ class SearchSettings:
                 f"a journal storage needs a file: {JOURNAL_PREFIX}PATH, got {self.storage!r}",
             ),
         ]
-        for name, ok, problem in checks:
-            if not ok:
-                raise SearchError(problem, field=name)
-        check_dtype(self.param_dtype, field="param_dtype")
-        check_dtype(self.reduce_dtype, field="reduce_dtype")
-        if self.search_reduce_dtype and self.reduce_dtype is not None:
-            raise SearchError(
-                f"--search-reduce-dtype searches the reduce dtype, so it cannot also be fixed to {self.reduce_dtype}; drop one",
-                field="reduce_dtype",
-            )
 
     def get_checkpointing(self) -> bool:
         return self.memory_budget_bytes is not None if self.checkpointing is None else self.checkpointing
@@ -183,7 +199,7 @@ class SearchSettings:
         them after its last heartbeat, within about a fifth of a trial's time limit."""
         if self.heartbeat_s is not None:
             return self.heartbeat_s
-        return int(min(60.0, max(5.0, self.trial_timeout_s / 20)))
+        return int(min(60.0, max(5.0, (self.trial_timeout_s or DEFAULT_HEARTBEAT_BASIS_S) / 20)))
 
     def get_heartbeat_grace_s(self) -> int:
         return HEARTBEAT_GRACE_BEATS * self.get_heartbeat_s()

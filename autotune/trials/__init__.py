@@ -30,6 +30,7 @@ from autotune.trials.precision import (
     get_overlap_warning,
     resolve_precision,
 )
+from autotune.trials.sequential import StoppingRule
 from autotune.trials.spec import DEFAULT_RANK_PROGRAM, TrialSpec, TrialSpecError
 from autotune.trials.training import Training, build_training, resolve_profile
 from autotune.trials.trial import check_trial_machine, load_trial_config, resolve_trial_config, run_trial
@@ -58,6 +59,7 @@ __all__ = [
     "RankMetrics",
     "RankPool",
     "RankRun",
+    "StoppingRule",
     "Training",
     "TrialFigures",
     "TrialMetrics",

@@ -160,11 +160,12 @@ class TrialMetrics:
     """The body of ``metrics.json``."""
 
     KIND: ClassVar[str] = "trial_metrics"
-    SCHEMA_VERSION: ClassVar[int] = 6
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5)}
+    SCHEMA_VERSION: ClassVar[int] = 7
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6)}
     # v3, v4 added fields, all with defaults; v5 the settle steps (their ``paired`` figures
     # stay as measured: before v5 a ratio is the median pair, without ``estimator``); v6 embeds
-    # trace summary v4 (pipeline figures; ``check_summary`` upgrades an older one)
+    # trace summary v4 (pipeline figures; ``check_summary`` upgrades an older one); v7 adds the
+    # stopping rule and why the pairs stopped (defaults: none, every pair ran)
 
     status: TrialStatus
     reason: str = ""
@@ -195,6 +196,11 @@ class TrialMetrics:
     paired: dict[str, Any] = field(default_factory=dict)
     """A paired trial's comparison: ``ratio`` (median candidate/reference), quartiles, extremes,
     ``ratio_spread``, each side's noise (``autotune.trials.paired.summarize_pairs``); empty unpaired."""
+    stopping: dict[str, Any] | None = None
+    """The trial's stopping rule ([Note: sequential measurement]; None: a fixed number of pairs, v7)."""
+    stopped: str | None = None
+    """Why its pairs stopped before ``num_measured`` ran: ``faster``, ``slower``, ``settled``,
+    ``max_blocks`` (the rule's reasons) or ``pruned``; None: every pair ran (v7)."""
     profiled_step_ms: float | None = None
     """Median step time inside the profiled window (slowest rank per step)."""
     profiler_overhead: float | None = None

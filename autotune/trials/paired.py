@@ -70,6 +70,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from autotune.trials.sequential import StoppingRule, decide
+
 PRUNE_AFTER_PAIRS = 2
 """Pairs after which the ranks decide on pruning."""
 
@@ -148,22 +150,50 @@ def run_pairs(
     prune_if_ratio_above: float | None,
     last: str = "reference",
     settle: bool = True,
-) -> bool:
+    stopping: StoppingRule | None = None,
+) -> str | None:
     """Alternate the two sides for ``num_pairs`` pairs, a settle step first wherever the ranks
     switch from one model to the other (``last``: the side that stepped before the first pair;
     ``settle=False``: the measurement before [Note: switch cost], for tests and benchmarks that
-    compare the two); returns whether the trial was pruned."""
+    compare the two). With ``stopping``, after every ABBA block the rule decides whether the
+    trial has measured enough ([Note: sequential measurement]; ``num_pairs`` is then the most it
+    runs). Returns why it stopped early (``pruned``; with ``stopping``, the rule's reason; None:
+    it ran every pair)."""
     for i in range(num_pairs):
         for name in get_pair_order(i):
             if settle and sides[name] is not sides[last]:
                 step_side(sides[name], device, timed_step, settle=True)
             step_side(sides[name], device, timed_step)
             last = name
-        if prune_if_ratio_above is not None and i + 1 == PRUNE_AFTER_PAIRS:
-            ratios = get_ratios(sides["candidate"].step_ms, sides["reference"].step_ms)
-            if min(ratios) > prune_if_ratio_above:
-                return True
-    return False
+        ratios = get_ratios(*get_pair_steps(sides))
+        if stopping is not None:
+            if (i + 1) % 2 == 0 or i + 1 == num_pairs:
+                reason = decide(stopping, ratios)
+                if reason is not None:
+                    return reason
+        elif prune_if_ratio_above is not None and i + 1 == PRUNE_AFTER_PAIRS and min(ratios) > prune_if_ratio_above:
+            return "pruned"
+    return None
+
+
+def split_self_pairs(steps: list[Any]) -> tuple[list[Any], list[Any]]:
+    """Steps of a side paired with itself, in pair order (ref, cand | cand, ref ...): (candidate, reference)."""
+    candidate, reference = [], []
+    for i in range(0, len(steps) - 1, 2):
+        first, second = get_pair_order(i // 2)
+        by_name = {first: steps[i], second: steps[i + 1]}
+        candidate.append(by_name["candidate"])
+        reference.append(by_name["reference"])
+    return candidate, reference
+
+
+def get_pair_steps(sides: dict[str, Side]) -> tuple[list[float], list[float]]:
+    """The candidate's and the reference's measured steps, pair by pair (one model paired with
+    itself, the defaults trial: its steps split by pair order)."""
+    candidate, reference = sides["candidate"], sides["reference"]
+    if reference is candidate:
+        return split_self_pairs(candidate.step_ms)
+    return candidate.step_ms, reference.step_ms
 
 
 def get_ratios(candidate_ms: list[float], reference_ms: list[float]) -> list[float]:

@@ -70,6 +70,7 @@ import gc
 import os
 import resource
 import socket
+import statistics
 import threading
 import time
 from contextlib import nullcontext
@@ -80,8 +81,17 @@ import torch
 import torch.distributed as dist
 
 from autotune.trials.metrics import median_or_none
-from autotune.trials.paired import Side, StepTiming, get_pair_order, run_pairs, step_side
+from autotune.trials.paired import (
+    Side,
+    StepTiming,
+    get_block_ratios,
+    get_pair_steps,
+    run_pairs,
+    split_self_pairs,
+    step_side,
+)
 from autotune.trials.precision import get_overlap_env
+from autotune.trials.sequential import StoppingRule
 from fsdp_runtime.files import atomic_path
 
 PRUNE_AFTER = 2
@@ -267,23 +277,31 @@ def _build_sides(
     return sides, rss
 
 
-def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device) -> bool:
-    """The timed steps: paired with the reference when there is one; returns whether pruned."""
+def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device) -> str | None:
+    """The timed steps: paired with the reference when there is one; returns why they stopped
+    early (``pruned``, or a stopping rule's reason: [Note: sequential measurement]), None: every step ran."""
     if "reference" in sides:
-        ratio_limit = spec.get("prune_if_ratio_above")
+        stopping = spec.get("stopping")
         return run_pairs(
             sides,
             num_pairs=spec["num_measured"],
             device=device,
             timed_step=timed_step,
-            prune_if_ratio_above=ratio_limit,
+            prune_if_ratio_above=spec.get("prune_if_ratio_above"),
+            stopping=StoppingRule.from_dict(stopping) if stopping else None,
         )
     candidate, limit = sides["candidate"], spec["prune_if_slower_than_ms"]
     for i in range(spec["num_measured"]):
         step_side(candidate, device, timed_step)
         if limit is not None and i + 1 == PRUNE_AFTER and _vote_prune(candidate.step_ms, limit, device):
-            return True
-    return False
+            return "pruned"
+    return None
+
+
+def _is_faster(sides: dict[str, Side]) -> bool:
+    """The candidate's median ABBA block is faster than its reference's (same on every rank)."""
+    blocks = get_block_ratios(*get_pair_steps(sides)) if "reference" in sides else []
+    return bool(blocks) and statistics.median(blocks) < 1.0
 
 
 def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[str, Any]:
@@ -299,27 +317,18 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
         torch.cuda.reset_peak_memory_stats(device)
     libc = tune_heap(device)
     sides, rss = _build_sides(rank, world_size, spec, device, emulators)
-    pruned = _measure(sides, spec, device)
+    stopped = _measure(sides, spec, device)
+    pruned = stopped in ("pruned", "slower")
+    # A candidate slower than its reference (the search's best) is never the config whose traces
+    # a report or a calibration reads: its profiled window is skipped with ``profile_if_faster``.
+    profile = spec["profile"] and not (spec.get("profile_if_faster") and not _is_faster(sides))
     memory = _get_memory(device, rss)
     candidate = sides["candidate"]
-    reference_ms = list(sides["reference"].step_ms) if "reference" in sides else []
-    settle = {
-        "settle_step_ms": list(candidate.settle_ms),
-        "reference_settle_step_ms": list(sides["reference"].settle_ms) if "reference" in sides else [],
-    }
-    unprofiled = {
-        "step_ms": candidate.step_ms,
-        "own_step_ms": candidate.own_ms,
-        "step_cpu_ms": candidate.cpu_ms,
-        "step_page_faults": candidate.page_faults,
-    }
-    if sides.get("reference") is candidate:  # one model alternating: split its steps by pair order
-        reference_ms = _split_self_pairs(candidate.step_ms)[1]
-        unprofiled = {key: _split_self_pairs(steps)[0] for key, steps in unprofiled.items()}
+    steps = _get_steps(sides)
     losses = list(candidate.losses)
     profiled: list[StepTiming] = []
     trace = None
-    if spec["profile"] and not pruned:
+    if profile and not pruned:
         sides.pop("reference", None)
         trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
         if libc is not None:
@@ -334,14 +343,13 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     _release_free_memory()  # the prefaulted heap too
     return {
         "rank": rank,
-        **{key: list(steps) for key, steps in unprofiled.items()},
-        "reference_step_ms": reference_ms,
-        **settle,
+        **steps,
         "profiled_step_ms": [s.ms for s in profiled],
         "profiled_cpu_ms": [s.cpu_ms for s in profiled],
         "profiled_page_faults": [s.page_faults for s in profiled],
         "losses": losses,
         "pruned": pruned,
+        "stopped": stopped,
         "memory": memory,
         "trace": trace,
         "link_emulation": emulators[0].summary() if emulators[0] is not None else None,
@@ -349,15 +357,27 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     }
 
 
-def _split_self_pairs(steps: list[Any]) -> tuple[list[Any], list[Any]]:
-    """Steps of a side paired with itself, in pair order (ref, cand | cand, ref ...): (candidate, reference)."""
-    candidate, reference = [], []
-    for i in range(0, len(steps) - 1, 2):
-        first, second = get_pair_order(i // 2)
-        by_name = {first: steps[i], second: steps[i + 1]}
-        candidate.append(by_name["candidate"])
-        reference.append(by_name["reference"])
-    return candidate, reference
+def _get_steps(sides: dict[str, Side]) -> dict[str, list[Any]]:
+    """The measured steps of this rank's record: the candidate's (time, own time, CPU, faults),
+    the reference's and both sides' settle steps; a side paired with itself split by pair order."""
+    candidate = sides["candidate"]
+    reference = sides.get("reference")
+    unprofiled = {
+        "step_ms": candidate.step_ms,
+        "own_step_ms": candidate.own_ms,
+        "step_cpu_ms": candidate.cpu_ms,
+        "step_page_faults": candidate.page_faults,
+    }
+    reference_ms = list(reference.step_ms) if reference is not None else []
+    if reference is candidate:  # one model alternating: split its steps by pair order
+        reference_ms = split_self_pairs(candidate.step_ms)[1]
+        unprofiled = {key: split_self_pairs(steps)[0] for key, steps in unprofiled.items()}
+    return {
+        **{key: list(steps) for key, steps in unprofiled.items()},
+        "reference_step_ms": reference_ms,
+        "settle_step_ms": list(candidate.settle_ms),
+        "reference_settle_step_ms": list(reference.settle_ms) if reference is not None else [],
+    }
 
 
 def _get_rank_env(device: torch.device) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from autotune.artifacts import check_artifact, read_artifact, write_artifact
+from autotune.artifacts import check_artifact, get_added_field_migrations, read_artifact, write_artifact
 from fsdp_runtime import RuntimeConfig, config_from_dict, config_to_dict
 from fsdp_runtime.errors import AutotuneError
 
@@ -34,10 +34,11 @@ class TrialSpec:
     """What to run in one trial, and where to write it."""
 
     KIND: ClassVar[str] = "trial_spec"
-    SCHEMA_VERSION: ClassVar[int] = 2
+    SCHEMA_VERSION: ClassVar[int] = 3
     MIGRATIONS: ClassVar[dict] = {
-        1: lambda data: {"reference": None, "prune_if_ratio_above": None, **data}
-    }  # v2: paired measurement
+        1: lambda data: {"reference": None, "prune_if_ratio_above": None, **data},
+        **get_added_field_migrations(2),
+    }  # v2: paired measurement; v3: the stopping rule and profile_if_faster (defaults: off)
 
     model: str | dict[str, Any]
     """Model profile name/path, or ``{"name": ..., **shape/seq_len/batch_size overrides}``."""
@@ -68,6 +69,13 @@ class TrialSpec:
     measurement] in :mod:`autotune.trials.paired`); None: time the config alone."""
     prune_if_ratio_above: float | None = None
     """Paired trials: stop after the first pairs if every pair's candidate/reference ratio is above this."""
+    stopping: dict[str, Any] | None = None
+    """Paired trials: a :class:`~autotune.trials.sequential.StoppingRule` as a dict; the trial then
+    stops measuring as soon as its ratio is known ([Note: sequential measurement]) and
+    ``num_measured`` is the most pairs it runs. None: every pair runs."""
+    profile_if_faster: bool = False
+    """Paired trials: run the profiled window only when the candidate measured faster than its
+    reference (where the reference is the search's best, only a new best's traces are read)."""
     rank_program: str = DEFAULT_RANK_PROGRAM
     """``module:function`` each rank runs as ``fn(rank, world_size, spec=dict)``; replace it to
     trial a custom workload that returns the same measurements."""
@@ -94,6 +102,18 @@ class TrialSpec:
         for name, ok, problem in checks:
             if not ok:
                 raise TrialSpecError(f"trial spec: {problem}", field=name)
+        if self.stopping is not None:
+            from autotune.trials.sequential import StoppingRule
+
+            try:
+                rule = StoppingRule.from_dict(self.stopping)
+            except TypeError as e:
+                raise TrialSpecError(f"trial spec: stopping rule {self.stopping!r}: {e}", field="stopping") from None
+            if rule.max_blocks < 1 or rule.min_blocks < 1 or rule.precision <= 0:
+                raise TrialSpecError(
+                    f"trial spec: stopping rule needs max_blocks, min_blocks >= 1 and precision > 0, got {self.stopping}",
+                    field="stopping",
+                )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (what ranks receive, and ``--write-spec`` writes for torchrun)."""

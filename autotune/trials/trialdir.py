@@ -113,6 +113,8 @@ def write_trial_dir(
         num_profiled=spec.num_profiled if spec.profile else 0,
         memory_source=rank_results[0]["memory"]["source"] if rank_results else None,
         wall_s=wall_s,
+        stopping=spec.stopping,
+        stopped=rank_results[0].get("stopped") if rank_results else None,
     )
     if metrics.traces and status == "ok":
         metrics.trace_metrics, metrics.analysis_error = _analyze(

@@ -3,7 +3,7 @@
 The committed fixtures under ``tests/data/artifacts/`` are what released versions wrote
 (``*_v1.json``: the first release's writers' shape; ``*_v2.json``: the second's (typed
 artifacts); ``*_v3.json``: the third's, with the paired measurement's fields; ``metrics_v4.json``,
-``search_v3.json`` and ``trial_spec_v2.json``: today's writers, metrics with the profiler's cost
+``search_v3.json`` and ``trial_spec_v3.json``: today's writers, metrics with the profiler's cost
 (``trial_spec_v1.json``: the second release's spec)). All describe one search of ``tiny`` on 2 gloo
 ranks: 4 trials, trial 1 the best (its ``metrics.json`` is ``metrics_v*.json``, whose
 trace summary is that of ``tests/data/cpu_tiny_2rank``), trial 2 faster but over the
@@ -55,21 +55,21 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
             and "profiler_peak_allocated_bytes" not in text
         ), name
     for name, kind, version in [
-        ("metrics_v6.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
-        ("search_v8.json", "search_summary", SearchRecord.SCHEMA_VERSION),
-        ("trial_spec_v2.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
+        ("metrics_v7.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
+        ("search_v9.json", "search_summary", SearchRecord.SCHEMA_VERSION),
+        ("trial_spec_v3.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
         ("plan_v3.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
     ]:
         data = load_fixture(name)
         assert (data["kind"], data["schema_version"]) == (kind, version), name
         assert "peak_memory_bytes" not in (ARTIFACTS / name).read_text(encoding="utf-8"), name
-    assert load_fixture("metrics_v6.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
+    assert load_fixture("metrics_v7.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
     assert load_fixture("metrics_v5.json")["trace_metrics"]["schema_version"] == 3
     plan_v1 = load_fixture("plan_v1.json")
     assert plan_v1["schema_version"] == 1 and "at_edge" not in (ARTIFACTS / "plan_v1.json").read_text(encoding="utf-8")
 
 
-@pytest.mark.parametrize("name", [f"metrics_v{v}.json" for v in range(1, 7)])
+@pytest.mark.parametrize("name", [f"metrics_v{v}.json" for v in range(1, 8)])
 def test_metrics_of_every_released_version_read(name):
     metrics = TrialMetrics.read(ARTIFACTS / name)
 
@@ -113,7 +113,7 @@ def test_v1_metrics_migrate_to_exactly_what_today_writes():
         TrialMetrics.read(ARTIFACTS / "metrics_v3.json")
         == TrialMetrics.read(ARTIFACTS / "metrics_v4.json")
         == TrialMetrics.read(ARTIFACTS / "metrics_v5.json")
-        == TrialMetrics.read(ARTIFACTS / "metrics_v6.json")
+        == TrialMetrics.read(ARTIFACTS / "metrics_v7.json")
     )
 
 
@@ -148,7 +148,7 @@ def test_v2_trace_summaries_read_as_v3():
         summary["aggregate"]["send_recv_ms"] is None
         and summary["aggregate"]["overlap_ratio"] == stored["aggregate"]["overlap_ratio"]
     )
-    assert summary == load_fixture("metrics_v6.json")["trace_metrics"]  # what today's writer stores
+    assert summary == load_fixture("metrics_v7.json")["trace_metrics"]  # what today's writer stores
 
 
 def test_v3_trace_summaries_read_as_v4_without_pipeline_figures():
@@ -165,12 +165,12 @@ def test_v3_trace_summaries_read_as_v4_without_pipeline_figures():
         assert all(u == {**o, "stage": None} for u, o in zip(rank["per_unit"], old["per_unit"], strict=True))
         assert all(list(u)[:2] == ["unit", "stage"] for u in rank["per_unit"])
     assert summary["aggregate"]["bubble_ms"] is None and summary["aggregate"]["per_unit"][0]["stage"] is None
-    assert summary == load_fixture("metrics_v6.json")["trace_metrics"]
+    assert summary == load_fixture("metrics_v7.json")["trace_metrics"]
 
 
 def test_metrics_round_trip_is_lossless(tmp_path):
-    original = load_fixture("metrics_v6.json")
-    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v6.json")
+    original = load_fixture("metrics_v7.json")
+    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v7.json")
     assert metrics.to_dict() == original
 
     written = metrics.write(tmp_path / "metrics.json")
@@ -180,10 +180,10 @@ def test_metrics_round_trip_is_lossless(tmp_path):
 
 def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     written = TrialMetrics.read(ARTIFACTS / "metrics_v1.json").write(tmp_path / "metrics.json")
-    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v6.json")
+    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v7.json")
 
 
-@pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 9)])
+@pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 10)])
 def test_search_summary_of_every_released_version_reads(name):
     record = SearchRecord.read(ARTIFACTS / name)
 
@@ -204,14 +204,14 @@ def test_search_summary_of_every_released_version_reads(name):
 
 def test_v1_search_summary_migrates_to_what_today_writes():
     """Same search; only the report list differs (v1 wrote search.json before the report)."""
-    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v8.json")
+    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v9.json")
     assert v1.report == [] and v2.report
     assert dataclasses.replace(v1, report=v2.report) == v2
 
 
 def test_search_summary_round_trip_is_lossless(tmp_path):
-    original = load_fixture("search_v8.json")
-    record = SearchRecord.read(ARTIFACTS / "search_v8.json")
+    original = load_fixture("search_v9.json")
+    record = SearchRecord.read(ARTIFACTS / "search_v9.json")
     assert record.to_dict() == original
     assert SearchRecord.read(record.write(tmp_path / "search.json")).to_dict() == original
 
@@ -326,8 +326,8 @@ def test_results_csv_leads_with_number_and_state_then_every_row_field(tmp_path):
 
 
 def test_trial_spec_reads_and_round_trips(tmp_path):
-    original = load_fixture("trial_spec_v2.json")
-    spec = TrialSpec.read(ARTIFACTS / "trial_spec_v2.json")
+    original = load_fixture("trial_spec_v3.json")
+    spec = TrialSpec.read(ARTIFACTS / "trial_spec_v3.json")
 
     assert (spec.model, spec.world_size, spec.backend, spec.out_dir) == (
         "tiny",
@@ -383,7 +383,7 @@ def test_report_of_a_v1_search_dir_picks_the_best_without_search_json(tmp_path):
 def test_trial_spec_v1_reads_as_an_unpaired_trial():
     spec = TrialSpec.read(ARTIFACTS / "trial_spec_v1.json")
     assert spec.reference is None and spec.prune_if_ratio_above is None
-    assert spec == TrialSpec.read(ARTIFACTS / "trial_spec_v2.json")
+    assert spec == TrialSpec.read(ARTIFACTS / "trial_spec_v3.json")
 
 
 def test_the_readme_names_the_versions_the_code_writes():

@@ -42,7 +42,7 @@ READERS = [
         "trial_metrics",
         TrialMetrics.SCHEMA_VERSION,
         "metrics.json",
-        "metrics_v6.json",
+        "metrics_v7.json",
         TrialMetrics.read,
         "search_v3.json",
     ),
@@ -51,7 +51,7 @@ READERS = [
         "search_summary",
         SearchRecord.SCHEMA_VERSION,
         "search.json",
-        "search_v8.json",
+        "search_v9.json",
         SearchRecord.read,
         "metrics_v3.json",
     ),
@@ -78,7 +78,7 @@ READERS = [
         "trial_spec",
         TrialSpec.SCHEMA_VERSION,
         "trial_spec.json",
-        "trial_spec_v2.json",
+        "trial_spec_v3.json",
         TrialSpec.read,
         "metrics_v3.json",
     ),
@@ -134,7 +134,7 @@ def test_reader_refuses_a_missing_file(reader, tmp_path):
 
 @pytest.mark.parametrize("version", [0, -1, "2", None, 1.5])
 def test_reader_refuses_a_bad_schema_version(version, tmp_path):
-    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v6.json"), "schema_version": version})
+    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v7.json"), "schema_version": version})
     with pytest.raises(ArtifactError) as excinfo:
         TrialMetrics.read(path)
     assert_refused(excinfo, path, "schema_version must be a positive integer")
@@ -147,7 +147,7 @@ def test_reader_refuses_a_boolean_schema_version(tmp_path):
 
 
 def test_metrics_refuse_an_embedded_summary_from_a_newer_release(tmp_path):
-    data = load_fixture("metrics_v6.json")
+    data = load_fixture("metrics_v7.json")
     data["trace_metrics"]["schema_version"] = SUMMARY_SCHEMA_VERSION + 1
     path = write_json(tmp_path / "metrics.json", data)
     with pytest.raises(ArtifactError) as excinfo:
@@ -156,7 +156,7 @@ def test_metrics_refuse_an_embedded_summary_from_a_newer_release(tmp_path):
 
 
 def test_metrics_refuse_an_embedded_summary_of_another_kind(tmp_path):
-    data = load_fixture("metrics_v6.json")
+    data = load_fixture("metrics_v7.json")
     data["trace_metrics"] = {"schema_version": 1, "kind": "trial_env"}
     path = write_json(tmp_path / "metrics.json", data)
     with pytest.raises(ArtifactError) as excinfo:
@@ -201,21 +201,21 @@ BAD_BODIES = [
         "metrics-unknown-field",
         "metrics.json",
         TrialMetrics.read,
-        lambda: {**load_fixture("metrics_v6.json"), "gpu_util": 0.9},
+        lambda: {**load_fixture("metrics_v7.json"), "gpu_util": 0.9},
         "gpu_util",
     ),
     _bad_body(
         "metrics-missing-field",
         "metrics.json",
         TrialMetrics.read,
-        lambda: _without(load_fixture("metrics_v6.json"), "status"),
+        lambda: _without(load_fixture("metrics_v7.json"), "status"),
         "status",
     ),
     _bad_body(
         "metrics-rank-unknown-field",
         "metrics.json",
         TrialMetrics.read,
-        lambda: _metrics_with_rank_field(load_fixture("metrics_v6.json")),
+        lambda: _metrics_with_rank_field(load_fixture("metrics_v7.json")),
         "gpu_util",
     ),
     _bad_body(
@@ -271,7 +271,7 @@ def test_plan_json_of_before_it_was_versioned_is_refused_in_one_line(tmp_path):
 
 def test_old_trial_spec_without_kind_is_refused_clearly(tmp_path):
     """The previous release's spec (``TrialSpec.to_dict`` at HEAD~2) had no kind nor schema_version."""
-    old = {k: v for k, v in load_fixture("trial_spec_v2.json").items() if k not in ("kind", "schema_version")}
+    old = {k: v for k, v in load_fixture("trial_spec_v3.json").items() if k not in ("kind", "schema_version")}
     old["rank_program"] = "autotune.trial_rank:run_trial_rank"  # the old module path
     path = write_json(tmp_path / "trial_spec.json", old)
     with pytest.raises(ArtifactError) as excinfo:
@@ -280,7 +280,7 @@ def test_old_trial_spec_without_kind_is_refused_clearly(tmp_path):
 
 
 def test_trial_spec_refuses_an_unknown_field_by_name(tmp_path):
-    data = {**load_fixture("trial_spec_v2.json"), "torch_version": "2.5.1"}
+    data = {**load_fixture("trial_spec_v3.json"), "torch_version": "2.5.1"}
     with pytest.raises(TrialSpecError) as excinfo:
         TrialSpec.from_dict(data, source="spec.json")
     assert_refused(excinfo, Path("spec.json"), "unknown field 'torch_version'")
@@ -293,14 +293,14 @@ def test_trial_spec_refuses_an_unknown_field_by_name(tmp_path):
 
 @pytest.mark.parametrize("missing", ["world_size", "config", "out_dir", "model"])
 def test_trial_spec_refuses_a_missing_field_naming_the_file(missing, tmp_path):
-    path = write_json(tmp_path / "trial_spec.json", _without(load_fixture("trial_spec_v2.json"), missing))
+    path = write_json(tmp_path / "trial_spec.json", _without(load_fixture("trial_spec_v3.json"), missing))
     with pytest.raises(TrialSpecError) as excinfo:
         TrialSpec.read(path)
     assert_refused(excinfo, path, "incomplete trial spec", missing)
 
 
 def test_trial_spec_with_an_invalid_value_names_the_file(tmp_path):
-    path = write_json(tmp_path / "trial_spec.json", {**load_fixture("trial_spec_v2.json"), "world_size": 0})
+    path = write_json(tmp_path / "trial_spec.json", {**load_fixture("trial_spec_v3.json"), "world_size": 0})
     with pytest.raises(TrialSpecError) as excinfo:
         TrialSpec.read(path)
     assert_refused(excinfo, path, "world size must be >= 1")

@@ -503,3 +503,27 @@ def test_the_summary_shows_the_precision_and_the_environment_line():
     # An older search.json (no precision recorded, no notes): neither row.
     old = get_search_summary_table(SearchRecord(model="tiny")).rows
     assert not any(r[0] in ("precision", "environment") for r in old)
+
+
+def test_the_summary_says_what_was_not_measured_and_which_references_were_anchored():
+    """A search's shortfall (issue 39: a busy box stopped a search after half its trials, silently)
+    and its drift anchors are rows of the summary and lines of the terminal's outcome."""
+    from types import SimpleNamespace
+
+    from autotune.report import get_search_outcome_lines
+    from autotune.report.tables import get_search_summary_table
+
+    short = "measured 5 of the 8 trials asked for (stopped: reached 8 trials)"
+    anchor = {"ratio": 0.6, "previous_ratio": 0.5, "drift": 0.3, "at_trial": 7}
+    record = SearchRecord(model="tiny", stopped_because="x", shortfall=[short], anchors={"3": anchor})
+    rows = get_search_summary_table(record).rows
+    assert ["not measured", short] in rows
+    assert [
+        "anchor",
+        "trial 3 against the defaults again at trial 7 (its steps moved 30.0%): 0.500x -> 0.600x",
+    ] in rows
+    summary = SimpleNamespace(
+        record=record, confirmation=None, plan=SimpleNamespace(is_proxy=False), best_config_path=None
+    )
+    assert f"warning: {short}" in get_search_outcome_lines(summary)
+    assert not any(r[0] in ("not measured", "anchor") for r in get_search_summary_table(SearchRecord(model="t")).rows)

@@ -99,7 +99,7 @@ def test_a_finalist_over_the_memory_budget_in_the_final_round_is_not_emitted(mon
     peaks = {1: 110, 2: 90}  # trial 1 fit in the search but not now; trial 2 fits
     final_ratios = {1: [0.70, 0.71, 0.72, 0.70], 2: [0.80, 0.81, 0.82, 0.80]}
 
-    def measure(ctx, row, *, window=0):
+    def measure(ctx, row, *, window=0, slower_than=None):
         memory = {
             "process_peak_bytes": peaks[row.number],
             "over_budget": peaks[row.number] > ctx.settings.memory_budget_bytes,
@@ -138,7 +138,9 @@ def test_defaults_over_the_memory_budget_are_never_the_fallback(monkeypatch):
     ]
     final_ratios = {1: [1.16, 1.17, 1.18, 1.16], 2: [1.08, 1.09, 1.10, 1.08]}
     monkeypatch.setattr(
-        confirm, "_measure_finalist", lambda ctx, row, *, window=0: _finalist(row.number, final_ratios[row.number])
+        confirm,
+        "_measure_finalist",
+        lambda ctx, row, *, window=0, slower_than=None: _finalist(row.number, final_ratios[row.number]),
     )
     ctx = _final_round_ctx()
     config, record = confirm.run_final_round(ctx, rows)

@@ -1,0 +1,76 @@
+"""The sequential stopping rule's error rates and cost, by Monte Carlo ([Note: sequential measurement]).
+
+    .venv/bin/python benchmarks/stopping_rule.py [--trials 5000] [--seed 0]   (the Note quotes --trials 20000)
+
+Each simulated trial draws pair ratios ``true * exp(N(0, sigma))`` (sigma: the pairs' log-ratio
+spread; 2-5% on this box's paired trials, the README's search tables) and runs the search's rule
+(``SearchSettings`` defaults: at most 6 pairs, precision 5%, faster below 1.0, pruned above 1.0
+from the second block) through :func:`autotune.trials.sequential.decide`, as ``run_pairs`` does
+after every block. Printed per (sigma, true ratio): how often the trial ended ``faster``,
+``slower`` (pruned), ``settled`` or at ``max_blocks``, and the mean pairs it ran. A second
+table adds a burst: one block's two candidate steps slowed by 1.5x (a load spike on adjacent
+steps), for the false-prune rate under it. Pure Python; no ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from collections import Counter
+
+from autotune.search.settings import SearchSettings
+from autotune.trials.sequential import StoppingRule, decide
+
+REASONS = ("faster", "slower", "settled", "max_blocks")
+
+
+def simulate(
+    rule: StoppingRule, true: float, sigma: float, rng: random.Random, burst_block: int | None
+) -> tuple[str, int]:
+    ratios: list[float] = []
+    for i in range(2 * rule.max_blocks):
+        ratio = true * math.exp(rng.gauss(0.0, sigma))
+        if burst_block is not None and i // 2 == burst_block:
+            ratio *= 1.5
+        ratios.append(ratio)
+        if len(ratios) % 2 == 0:
+            reason = decide(rule, ratios)
+            if reason is not None:
+                return reason, len(ratios)
+    return "max_blocks", len(ratios)
+
+
+def table(rule: StoppingRule, trials: int, seed: int, burst_block: int | None) -> None:
+    rng = random.Random(seed)
+    print(f"{'sigma':>6} {'true':>5} " + " ".join(f"{r:>10}" for r in REASONS) + f" {'pairs':>6}")
+    for sigma in (0.02, 0.05, 0.10):
+        for true in (0.5, 0.9, 0.95, 1.0, 1.05, 1.1, 1.3):
+            counts: Counter[str] = Counter()
+            pairs = 0
+            for _ in range(trials):
+                reason, n = simulate(rule, true, sigma, rng, burst_block)
+                counts[reason] += 1
+                pairs += n
+            shares = " ".join(f"{100 * counts[r] / trials:>9.1f}%" for r in REASONS)
+            print(f"{sigma:>6.2f} {true:>5.2f} {shares} {pairs / trials:>6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    s = SearchSettings()
+    rule = StoppingRule(
+        max_blocks=(s.num_measured + 1) // 2, precision=s.precision, faster_below=1.0, prune_above=s.prune_ratio
+    )
+    print(f"rule: {rule}\n")
+    print("pair log-ratios ~ N(log true, sigma); share of trials by how they stopped, mean pairs run")
+    table(rule, args.trials, args.seed, None)
+    print("\nthe same with a 1.5x burst on the first block's candidate steps")
+    table(rule, args.trials, args.seed, 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Trials measured against the best so far ([Note: measured against the best]): which reference a
+trial gets, its ratio chained to the defaults, drift detected and anchored, kept across a resume.
+
+The ranks are stood in for: ``run_trial`` returns figures chosen per trial (a stand-in clock)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import optuna
+import pytest
+from _search_fixtures import FAST
+
+from autotune.search import SearchSettings, SearchSpace, SilentReporter
+from autotune.search.reference import ANCHORS_ATTR, DRIFT_LIMIT
+from autotune.trials.metrics import TrialMetrics, TrialResult
+from autotune.trials.paired import summarize_pairs
+
+SPACE = SearchSpace(block_names=("layers.0", "layers.1"), world_size=2, num_microbatches=1)
+DEFAULTS = SPACE.get_default_params()
+PARAMS = {
+    "a": {**DEFAULTS, "forward_prefetch": "depth1"},
+    "b": {**DEFAULTS, "unshard_async": "on"},
+    "c": {**DEFAULTS, "reshard_after_forward": "false"},
+}
+
+
+class StandIn:
+    """``run_trial`` for the tests: per trial dir name, the candidate's and the reference's step ms."""
+
+    def __init__(self, steps: dict[str, tuple[float, float]]) -> None:
+        self.steps, self.specs = steps, []
+
+    def __call__(self, spec, *, pool=None) -> TrialResult:
+        self.specs.append(spec)
+        candidate_ms, reference_ms = self.steps[spec.out_dir.name]
+        pairs = 4
+        jitter = [1.0, 1.01, 0.99, 1.0]
+        cand = [candidate_ms * j for j in jitter]
+        ref = [reference_ms] * pairs
+        metrics = TrialMetrics(
+            status="ok",
+            model="tiny",
+            world_size=2,
+            backend="gloo",
+            step_ms=candidate_ms,
+            step_ms_per_step=cand,
+            reference_step_ms_per_step=ref,
+            paired=summarize_pairs(cand, ref),
+            process_peak_bytes=1,
+            stopped="settled",
+        )
+        return TrialResult(status="ok", out_dir=spec.out_dir, metrics=metrics, wall_s=1.0)
+
+
+def _ctx(tmp_path, study):
+    from autotune.search.context import SearchContext
+
+    return SearchContext(
+        study=study,
+        space=SPACE,
+        settings=SearchSettings(out_dir=tmp_path, **FAST),
+        plan=SimpleNamespace(trial_model="tiny"),
+        reporter=SilentReporter(),
+    )
+
+
+def _run(ctx, key: str | None):
+    from autotune.search.loop import get_rows, pick_best, run_one
+
+    ctx.study.enqueue_trial(DEFAULTS if key is None else PARAMS[key])
+    return run_one(ctx, pick_best(get_rows(ctx.study)))
+
+
+def test_trials_pair_with_the_best_and_chain_their_ratio(tmp_path, monkeypatch):
+    from autotune.search import context
+
+    stand_in = StandIn(
+        {
+            "trial_0000": (100.0, 100.0),  # the defaults with themselves
+            "trial_0001": (50.0, 100.0),  # a: 0.5x the defaults, the new best
+            "trial_0002": (40.0, 50.0),  # b against a (whose step is still 50 ms): 0.8x a, 0.4x the defaults
+            "trial_0003": (45.0, 40.0),  # c against b: slower than the best
+        }
+    )
+    monkeypatch.setattr(context, "run_trial", stand_in)
+    ctx = _ctx(tmp_path, optuna.create_study())
+    rows = [_run(ctx, key) for key in (None, "a", "b", "c")]
+    references = [spec.reference for spec in stand_in.specs]
+    assert references == [SPACE.build_config(p) for p in (DEFAULTS, DEFAULTS, PARAMS["a"], PARAMS["b"])]
+    assert [r.reference_trial for r in rows] == [None, None, 1, 2]
+    assert rows[1].ratio == pytest.approx(0.5) and rows[1].ratio_to_reference is None
+    assert rows[2].ratio_to_reference == pytest.approx(0.8) and rows[2].ratio == pytest.approx(0.4)
+    assert rows[2].reference_ratio == pytest.approx(0.5) and rows[2].reference_drift == pytest.approx(0.0)
+    assert rows[3].ratio == pytest.approx(45 / 40 * 0.4)
+    # Every trial ran with the search's stopping rule; only one against the defaults' own self is not decided on 1.0.
+    rules = [spec.stopping for spec in stand_in.specs]
+    assert rules[0]["faster_below"] is None and rules[0]["prune_above"] is None
+    assert all(r["faster_below"] == 1.0 and r["prune_above"] == ctx.settings.prune_ratio for r in rules[1:])
+    # A trial against the best profiles only when it beats it; against the defaults (the presearch reads them) always.
+    assert [spec.profile_if_faster for spec in stand_in.specs] == [False, False, True, True]
+    assert ANCHORS_ATTR not in ctx.study.user_attrs
+
+
+def test_drift_of_the_reference_is_detected_and_anchored(tmp_path, monkeypatch):
+    from autotune.search import context
+
+    slowed = 50.0 * (1 + 2 * DRIFT_LIMIT)  # the box got slower: a's steps now take 30% longer
+    stand_in = StandIn(
+        {
+            "trial_0000": (100.0, 100.0),
+            "trial_0001": (50.0, 100.0),
+            "trial_0002": (0.9 * slowed, slowed),  # b against a, under the new load
+            "anchor_0002": (60.0, 100.0),  # a against the defaults now: 0.6x (was 0.5x)
+        }
+    )
+    monkeypatch.setattr(context, "run_trial", stand_in)
+    ctx = _ctx(tmp_path, optuna.create_study())
+    rows = [_run(ctx, key) for key in (None, "a", "b")]
+    anchor_spec = stand_in.specs[3]
+    assert anchor_spec.out_dir.name == "anchor_0002" and anchor_spec.reference == ctx.default_config
+    assert anchor_spec.config == SPACE.build_config(PARAMS["a"]) and not anchor_spec.profile
+    assert rows[2].reference_drift == pytest.approx(2 * DRIFT_LIMIT)
+    # b is chained through the anchor's ratio, measured under the same load as b itself.
+    assert rows[2].reference_ratio == pytest.approx(0.6) and rows[2].ratio == pytest.approx(0.9 * 0.6)
+    anchors = ctx.study.user_attrs[ANCHORS_ATTR]
+    assert anchors["1"]["ratio"] == pytest.approx(0.6) and anchors["1"]["previous_ratio"] == pytest.approx(0.5)
+    assert anchors["1"]["at_trial"] == 2 and anchors["1"]["dir"] == "anchors/anchor_0002"
+
+
+def test_a_resumed_study_keeps_its_measurements_and_anchors(tmp_path, monkeypatch):
+    """Stopped while trial 3 ran: the finished trials, their chain and the anchor stay; the
+    interrupted trial measured nothing and does not use the budget."""
+    from autotune.search import context
+    from autotune.search.loop import count_measured, get_rows, pick_best
+    from autotune.search.reference import choose_reference
+    from autotune.search.study import close_interrupted
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    steps = {"trial_0000": (100.0, 100.0), "trial_0001": (50.0, 100.0), "trial_0002": (40.0, 50.0)}
+    monkeypatch.setattr(context, "run_trial", StandIn(steps))
+    ctx = _ctx(tmp_path, optuna.create_study(study_name="s", storage=storage))
+    before = [_run(ctx, key) for key in (None, "a", "b")]
+    ctx.study.set_user_attr(ANCHORS_ATTR, {"2": {"ratio": 0.45, "step_ms": 42.0}})
+    running = ctx.study.ask()  # the trial the search was measuring when its worker died
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    running.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}")
+
+    resumed = _ctx(tmp_path, optuna.load_study(study_name="s", storage=storage))
+    close_interrupted(resumed.study)
+    rows = get_rows(resumed.study)
+    assert [(r.number, r.state, r.ratio) for r in rows[:3]] == [(r.number, r.state, r.ratio) for r in before]
+    assert (rows[3].state, rows[3].status) == ("FAIL", "interrupted") and count_measured(rows) == 3
+    reference = choose_reference(resumed, rows, pick_best(rows))
+    assert (reference.trial, reference.ratio, reference.step_ms) == (2, 0.45, 42.0)

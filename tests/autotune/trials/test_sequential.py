@@ -1,0 +1,145 @@
+"""The sequential stopping rule ([Note: sequential measurement]): pure decisions on ratios, and the
+real ``run_pairs`` stopping on a stand-in clock (a one-rank gloo group; exact times, no sleeping)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autotune.trials.paired import Side, StepTiming, run_pairs
+from autotune.trials.sequential import StoppingRule, decide, get_interval
+from autotune.trials.spec import TrialSpec, TrialSpecError
+
+SEARCH_RULE = StoppingRule(max_blocks=3, precision=0.05, faster_below=1.0, prune_above=1.0)
+"""The search's rule with its defaults: at most 6 pairs."""
+
+
+def test_the_interval_is_a_t_interval_of_the_mean_log_ratio():
+    interval = get_interval([0.5, 2.0])  # logs -0.693 and +0.693: mean 0, sd 0.980
+    assert interval.center == pytest.approx(1.0)
+    assert math.log(interval.high) == pytest.approx(6.314 * 0.98026 / math.sqrt(2), rel=1e-3)
+    assert interval.low == pytest.approx(1 / interval.high)
+    assert get_interval([0.9]) is None
+
+
+def test_a_clear_winner_stops_after_one_block():
+    assert decide(SEARCH_RULE, [0.50, 0.52]) == "faster"
+
+
+def test_a_tie_keeps_measuring_until_the_most_pairs():
+    tie = [1.10, 0.91, 1.08, 0.93, 1.09, 0.92]  # +-9% around 1.0
+    assert [decide(SEARCH_RULE, tie[:n]) for n in (2, 4)] == [None, None]
+    assert decide(SEARCH_RULE, tie) == "max_blocks"
+
+
+def test_a_slower_config_is_pruned_from_its_second_block_only():
+    slow = [1.50, 1.60, 1.55, 1.58]
+    assert decide(SEARCH_RULE, slow[:2]) is None  # one block cannot prune: a burst could fill it
+    assert decide(SEARCH_RULE, slow) == "slower"
+    # Without a prune threshold (the presearch's calibration trials) it settles instead, or runs on.
+    assert decide(StoppingRule(max_blocks=3, prune_above=None, faster_below=1.0), slow) == "settled"
+
+
+def test_one_burst_on_a_block_s_candidate_steps_does_not_prune():
+    # Both candidate steps of the first block slowed 1.5x by load; the config is as fast as the best.
+    burst = [1.5 * 1.01, 1.5 * 0.99, 1.00, 0.98]
+    assert decide(SEARCH_RULE, burst) is None
+
+
+def test_a_tight_tie_settles_without_running_every_pair():
+    assert decide(SEARCH_RULE, [1.00, 1.01, 0.99, 1.00]) == "settled"
+
+
+def test_a_spec_with_a_bad_rule_is_refused(tmp_path):
+    from fsdp_runtime import default_config
+
+    config = default_config(["layers.0"])
+    with pytest.raises(TrialSpecError, match="stopping rule needs max_blocks"):
+        TrialSpec(model="tiny", config=config, world_size=2, out_dir=tmp_path, stopping={"max_blocks": 0})
+    with pytest.raises(TrialSpecError, match="stopping rule .*unexpected keyword"):
+        TrialSpec(model="tiny", config=config, world_size=2, out_dir=tmp_path, stopping={"max_blocks": 2, "x": 1})
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _Clock:
+    """Stand-in step times: each training's ``ms`` times the next factor of its ``noise`` cycle."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def timed_step(self, training, step, device, emulator=None) -> StepTiming:
+        noise = training["noise"][training["i"] % len(training["noise"])]
+        training["i"] += 1
+        self.steps += 1
+        return StepTiming(ms=training["ms"] * noise, loss=0.0, cpu_ms=0.0, page_faults=0)
+
+
+def _run(candidate_ms: float, noise: list[float], rule: StoppingRule, num_pairs: int = 6):
+    clock = _Clock()
+    sides = {
+        "candidate": Side(training={"ms": candidate_ms, "noise": noise, "i": 0}),
+        "reference": Side(training={"ms": 60.0, "noise": [1.0], "i": 0}),
+    }
+    stopped = run_pairs(
+        sides,
+        num_pairs=num_pairs,
+        device=torch.device("cpu"),
+        timed_step=clock.timed_step,
+        prune_if_ratio_above=None,
+        stopping=rule,
+    )
+    return stopped, sides, clock
+
+
+def test_run_pairs_stops_a_clear_winner_after_one_block(one_rank_group):
+    stopped, sides, clock = _run(30.0, [1.0, 1.02, 0.99], SEARCH_RULE)
+    assert stopped == "faster" and len(sides["candidate"].step_ms) == 2 and len(sides["reference"].step_ms) == 2
+    assert clock.steps == 6  # two pairs, each with a settle step where the ranks switched
+
+
+def test_run_pairs_measures_a_tie_to_the_end(one_rank_group):
+    # The candidate's settle and measured steps share the noise cycle: pair ratios swing +-8% around 1.
+    stopped, sides, _ = _run(60.0, [1.0, 1.08, 0.92, 1.0, 0.92, 1.08], SEARCH_RULE)
+    assert stopped == "max_blocks" and len(sides["candidate"].step_ms) == 6
+
+
+def test_without_a_rule_every_pair_runs(one_rank_group):
+    clock = _Clock()
+    sides = {
+        "candidate": Side(training={"ms": 30.0, "noise": [1.0], "i": 0}),
+        "reference": Side(training={"ms": 60.0, "noise": [1.0], "i": 0}),
+    }
+    assert (
+        run_pairs(
+            sides, num_pairs=4, device=torch.device("cpu"), timed_step=clock.timed_step, prune_if_ratio_above=None
+        )
+        is None
+    )
+    assert len(sides["candidate"].step_ms) == 4
+
+
+def test_the_defaults_paired_with_themselves_decide_on_their_own_noise(one_rank_group):
+    """One model in alternate steps: its ratios are its steps split by pair order, not a list
+    divided by itself (all 1.0: a zero-width interval would settle after one block)."""
+    clock = _Clock()
+    side = Side(training={"ms": 60.0, "noise": [1.0, 1.08, 0.92, 1.0, 0.92, 1.08], "i": 0})
+    precision_only = StoppingRule(max_blocks=3, precision=0.05)
+    stopped = run_pairs(
+        {"candidate": side, "reference": side},
+        num_pairs=6,
+        device=torch.device("cpu"),
+        timed_step=clock.timed_step,
+        prune_if_ratio_above=None,
+        settle=False,
+        stopping=precision_only,
+    )
+    assert stopped == "max_blocks" and len(side.step_ms) == 12
