@@ -288,6 +288,20 @@ def search(
             help="Seconds before a trial's ranks are killed; default: 5x what this box measured per step times the trial's steps, at least 120.",
         ),
     ] = None,
+    reference: Annotated[
+        str,
+        typer.Option(
+            "--reference",
+            help="What each trial is paired with: defaults (FSDP2's, every trial) or best (the best trial so far, its ratio chained to the defaults').",
+        ),
+    ] = "defaults",
+    precision: Annotated[
+        float,
+        typer.Option(
+            "--precision",
+            help="A trial stops measuring once its ratio's 90% interval is within this relative half-width (or it is clearly faster or slower than the best).",
+        ),
+    ] = 0.05,
     storage_timeout: Annotated[
         float, typer.Option("--storage-timeout", help="Seconds a write waits for a locked SQLite study.")
     ] = 120.0,
@@ -347,6 +361,8 @@ def search(
         num_refine=refine,
         num_confirm_pairs=confirm_pairs,
         trial_timeout_s=trial_timeout,
+        reference=reference,
+        precision=precision,
         storage_timeout_s=storage_timeout,
         heartbeat_s=heartbeat,
         presearch=presearch,
@@ -518,6 +534,8 @@ _FLAGS = {
     "patience": "--patience",
     "sampler": "--sampler",
     "trial_timeout_s": "--trial-timeout",
+    "reference": "--reference",
+    "precision": "--precision",
     "num_warmup": "--warmup",
     "num_measured": "--steps",
     "num_profiled": "--profiled-steps",

@@ -222,7 +222,10 @@ def load_trial_traces(trial: TrialSummary) -> TrialTraces:
     reason they cannot be read."""
     paths = find_traces(trial.path)
     if not paths:
-        return TrialTraces(error=f"no traces in {trial.path}")
+        # A search trial slower than the best so far skips its profiled window ([Note: measured against the best]).
+        return TrialTraces(
+            error=f"no traces in {trial.path} (a search trial that did not beat the best so far is not profiled)"
+        )
     try:
         analysis = FsdpTraceAnalysis(paths)
         return TrialTraces(

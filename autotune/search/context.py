@@ -58,7 +58,7 @@ class SearchContext:
         prune_if_ratio_above: float | None = None,
         reference: RuntimeConfig | None = None,
         stopping: StoppingRule | None = None,
-        profile_if_faster: bool = False,
+        profile_below: float | None = None,
     ) -> TrialSpec:
         """A trial of ``config`` measured as every trial of this search is: against ``reference``
         (default: the defaults), alternating on the same ranks (see [Note: paired measurement]),
@@ -89,7 +89,7 @@ class SearchContext:
             reference=reference,
             prune_if_ratio_above=prune_if_ratio_above,
             stopping=stopping.to_dict() if stopping is not None and paired else None,
-            profile_if_faster=profile_if_faster,
+            profile_below=profile_below,
             **extra,
         )
 
@@ -112,11 +112,12 @@ class SearchContext:
     ) -> StoppingRule:
         """The search's rule ([Note: sequential measurement]): at most ``num_pairs`` (default
         ``num_measured``) pairs, settled at ``precision``; stopped as clearly faster below
-        ``faster_below``, pruned as clearly slower above ``prune_ratio`` when ``prune``."""
+        ``faster_below``, pruned as clearly slower above ``prune_ratio`` times it (times 1.0
+        without one) when ``prune``."""
         s = self.settings
         return StoppingRule(
             max_blocks=max(1, ((num_pairs or s.num_measured) + 1) // 2),
             precision=s.precision,
             faster_below=faster_below,
-            prune_above=s.prune_ratio if prune else None,
+            prune_above=s.prune_ratio * (faster_below or 1.0) if prune else None,
         )

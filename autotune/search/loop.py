@@ -8,10 +8,10 @@
   stored with the study is reused so old and new trials measure the same thing, and this
   host's trials left RUNNING by a dead worker are closed as FAIL ("interrupted").
 - Every trial is measured against a reference on the same ranks ([Note: paired measurement]
-  in :mod:`autotune.trials.paired`): the best trial so far, or the defaults until one beats
-  them ([Note: measured against the best] in :mod:`autotune.search.reference`); its objective
-  is its median block ratio to the defaults (chained through the reference's), so background
-  load cancels instead of deciding.
+  in :mod:`autotune.trials.paired`): the defaults, or with ``--reference best`` the best trial
+  so far ([Note: measured against the best] in :mod:`autotune.search.reference`); its objective
+  is its median block ratio to the defaults (chained through the reference's with ``best``), so
+  background load cancels instead of deciding.
 - A trial measures until its ratio is known ([Note: sequential measurement] in
   :mod:`autotune.trials.sequential`): clearly faster than the best, clearly slower (pruned,
   from its second block on, so one burst of load on a block's candidate steps cannot prune a
@@ -192,9 +192,10 @@ def _interrupted_outcome(number: int) -> Outcome:
 
 
 def run_one(ctx: SearchContext, best: TrialRow | None, *, against_defaults: bool = False) -> TrialRow:
-    """Ask for a config, run (or recognise) it, tell the study; returns the trial's row. It is paired
-    with ``best`` ([Note: measured against the best]), or with the defaults when there is none,
-    when ``best`` has not beaten them, or with ``against_defaults`` (the presearch's calibration)."""
+    """Ask for a config, run (or recognise) it, tell the study; returns the trial's row. It must beat
+    ``best`` ([Note: sequential measurement]); it is paired with the defaults, or with ``best`` under
+    ``--reference best`` ([Note: measured against the best]) unless ``against_defaults`` (the
+    presearch's calibration)."""
     trial = ctx.study.ask()
     trial.set_user_attr("worker", get_worker_id())
     record_first_heartbeat(ctx.study, trial)
@@ -209,8 +210,12 @@ def run_one(ctx: SearchContext, best: TrialRow | None, *, against_defaults: bool
         trial.set_user_attr("trial_dir", str(trial_dir.relative_to(ctx.settings.out_dir)))
         rows = get_rows(ctx.study)
         reference = choose_reference(ctx, rows, None if against_defaults else best)
+        # What the trial must beat, as a ratio to its reference: the best so far (the defaults' 1.0 before any).
+        beat = best.ratio / reference.ratio if best is not None and best.ratio and best.feasible else 1.0
         try:
-            result, attrs = _measure(ctx, config, trial_dir, reference, trial.number, calibration=against_defaults)
+            result, attrs = _measure(
+                ctx, config, trial_dir, reference, trial.number, beat=beat, calibration=against_defaults
+            )
         except KeyboardInterrupt:
             record(
                 ctx.study,
@@ -231,20 +236,29 @@ def _too_noisy(result: TrialResult, max_spread: float) -> bool:
 
 
 def _measure(
-    ctx: SearchContext, config: RuntimeConfig, trial_dir: Path, reference: Reference, number: int, *, calibration: bool
+    ctx: SearchContext,
+    config: RuntimeConfig,
+    trial_dir: Path,
+    reference: Reference,
+    number: int,
+    *,
+    beat: float,
+    calibration: bool,
 ) -> tuple[TrialResult, dict[str, Any]]:
     """Run the trial against ``reference`` until the stopping rule says its ratio is known
-    ([Note: sequential measurement]); measure an anchor when the reference drifted ([Note:
-    measured against the best]). Returns the result and the attributes that say how it was measured."""
+    ([Note: sequential measurement]): clearly below ``beat`` (the best so far, as a ratio to the
+    reference), clearly above it times ``prune_ratio`` (pruned), or settled; with ``--reference
+    best``, measure an anchor when the reference drifted ([Note: measured against the best]).
+    Returns the result and the attributes that say how it was measured."""
     is_defaults = config == reference.config
     # The defaults against themselves measure the noise: nothing to decide but its precision.
     # Calibration trials are never pruned: the presearch reads their traces.
-    rule = ctx.get_stopping_rule(prune=not (is_defaults or calibration), faster_below=None if is_defaults else 1.0)
+    rule = ctx.get_stopping_rule(prune=not (is_defaults or calibration), faster_below=None if is_defaults else beat)
     # Traces are read from the defaults and the calibration trials (the presearch) and from a new
-    # best (the report): a trial slower than the best skips its profiled window.
-    profile_if_faster = not (is_defaults or calibration) and not reference.is_defaults
+    # best (the report): a trial that did not beat the best skips its profiled window.
+    profile_below = None if (is_defaults or calibration) else beat
     spec = ctx.trial_spec(
-        config, trial_dir, profile=True, reference=reference.config, stopping=rule, profile_if_faster=profile_if_faster
+        config, trial_dir, profile=True, reference=reference.config, stopping=rule, profile_below=profile_below
     )
     result = ctx.run(spec)
     attrs: dict[str, Any] = {"stopped": result.metrics.stopped if result.metrics else None}

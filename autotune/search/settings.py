@@ -70,9 +70,13 @@ class SearchSettings:
     """Pipeline degrees searched (``pp``, with FSDP2 inside each stage: [Note: pipeline stages]);
     a string ``"1,2"`` is read as the tuple. ``(1,)``: no pipeline stages."""
     num_warmup: int = 2
-    num_measured: int = 6
+    num_measured: int = 4
     """Most pairs (candidate and reference step, see [Note: paired measurement]) per trial; a
     trial stops earlier once its ratio is known ([Note: sequential measurement])."""
+    reference: Literal["defaults", "best"] = "defaults"
+    """What a search trial is paired with: FSDP2's defaults, or the best trial so far with its ratio
+    chained to the defaults' ([Note: measured against the best] in :mod:`autotune.search.reference`:
+    fewer of the defaults' slow steps, but a chain of two measurements)."""
     precision: float = 0.05
     """A trial's ratio counts as known once its 90% interval is within this relative half-width
     ([Note: sequential measurement] in :mod:`autotune.trials.sequential`)."""
@@ -138,6 +142,11 @@ class SearchSettings:
             ("num_microbatches", self.num_microbatches >= 1, f"microbatches must be >= 1, got {self.num_microbatches}"),
             ("prune_ratio", self.prune_ratio >= 1.0, f"prune ratio must be >= 1, got {self.prune_ratio}"),
             ("precision", self.precision > 0, f"precision must be > 0, got {self.precision}"),
+            (
+                "reference",
+                self.reference in ("defaults", "best"),
+                f"unknown reference {self.reference!r} (use defaults or best)",
+            ),
             (
                 "num_confirm_pairs",
                 self.num_confirm_pairs >= 0,

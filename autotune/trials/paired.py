@@ -27,8 +27,9 @@ one rank job:
   absolute deviation / median of its steps), the median pair ratio of each order and each
   side's switch cost (its settle steps' median over its measured steps' median, minus one)
   are recorded beside it, so a report can show whether the order still matters;
-- pruning (``prune_if_ratio_above``) looks at the first ``PRUNE_AFTER_PAIRS`` pairs (one
-  block) and stops only if *every* one of them is above the limit: one noisy pair never prunes;
+- pruning: with a stopping rule ([Note: sequential measurement]) after every block, from the
+  second on; without one (``prune_if_ratio_above``, trials outside a search), after the first
+  ``PRUNE_AFTER_PAIRS`` pairs (one block), only if *every* one of them is above the limit;
 - the defaults trial pairs the defaults with themselves (one model, alternate steps, no
   switch and so no settle steps): its ratio is 1 up to the noise, which it measures.
 
@@ -56,9 +57,11 @@ between the modes. Real training never switches configs, so the settle step is t
 fix, not a correction: the cost is paid but not measured, and the block ratio cancels what
 order effect remains.
 
-The search's objective is the median ratio (lower is faster); it also reruns a trial whose
-spread is too wide to rank (``autotune.search.loop``) and re-measures its top configs
-against the defaults at the end (``autotune.search.confirm``).
+The search's objective is the median ratio (lower is faster), chained to the defaults where the
+reference is the search's best so far ([Note: measured against the best] in
+:mod:`autotune.search.reference`); a search trial stops its pairs as soon as its ratio is known
+([Note: sequential measurement] in :mod:`autotune.trials.sequential`), and the search
+re-measures its top configs against the defaults at the end (``autotune.search.confirm``).
 """
 
 from __future__ import annotations

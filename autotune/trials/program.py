@@ -298,10 +298,12 @@ def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device)
     return None
 
 
-def _is_faster(sides: dict[str, Side]) -> bool:
-    """The candidate's median ABBA block is faster than its reference's (same on every rank)."""
-    blocks = get_block_ratios(*get_pair_steps(sides)) if "reference" in sides else []
-    return bool(blocks) and statistics.median(blocks) < 1.0
+def _is_below(sides: dict[str, Side], limit: float | None) -> bool:
+    """The candidate's median ABBA block ratio is below ``limit`` (None: no limit; same on every rank)."""
+    if limit is None or "reference" not in sides:
+        return True
+    blocks = get_block_ratios(*get_pair_steps(sides))
+    return bool(blocks) and statistics.median(blocks) < limit
 
 
 def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[str, Any]:
@@ -319,9 +321,9 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     sides, rss = _build_sides(rank, world_size, spec, device, emulators)
     stopped = _measure(sides, spec, device)
     pruned = stopped in ("pruned", "slower")
-    # A candidate slower than its reference (the search's best) is never the config whose traces
-    # a report or a calibration reads: its profiled window is skipped with ``profile_if_faster``.
-    profile = spec["profile"] and not (spec.get("profile_if_faster") and not _is_faster(sides))
+    # A candidate slower than the search's best is never the config whose traces a report or a
+    # calibration reads: its profiled window is skipped with ``profile_below``.
+    profile = spec["profile"] and _is_below(sides, spec.get("profile_below"))
     memory = _get_memory(device, rss)
     candidate = sides["candidate"]
     steps = _get_steps(sides)

@@ -35,18 +35,19 @@ Every rank decides on the same numbers (each step's slowest-rank time is all-red
 it is recorded), so every rank stops after the same block without a vote.
 
 *Error rates*, from ``benchmarks/stopping_rule.py`` (a Monte Carlo of the search's rule: at
-most 6 pairs, precision 5%, faster below 1.0, pruned above 1.0; pair log-ratios drawn around
-the true ratio with spread sigma; 20,000 trials per case). Optional stopping (a look after every
-block) makes the real rates larger than the nominal 5% per side; these are the real ones:
+most 4 pairs, precision 5%, faster below the best, pruned above it; pair log-ratios drawn around
+the true ratio (to the best) with spread sigma; 20,000 trials per case). Optional stopping (a
+look after every block) makes the real rates larger than the nominal 5% per side; these are
+the real ones:
 
-- sigma 5% (a noisy trial here): a true tie (1.00) ends ``faster`` in 9.1% and pruned in 3.9%
-  of trials (72% settled, 15% at the maximum; 4.6 pairs on average); a config 10% slower than
-  the best is pruned in 81% and never called faster; 5% faster is called faster in 67% and
-  never pruned; 2x faster stops after one block (2 pairs) every time;
-- sigma 2% (a quiet box): a tie settles in 92% after 3.2 pairs on average (6.6% faster, 1.5%
-  pruned); a 5% difference is never called the wrong way round;
-- a 1.5x burst on the first block's two candidate steps: a tie at sigma 5% is pruned in 6.6%
-  (3.9% without the burst), a config 10% faster in 0.0%.
+- sigma 5% (a noisy trial here): a true tie with the best ends ``faster`` in 8.3% and pruned
+  in 3.2% of trials (41% settled, 48% at the maximum; 3.6 pairs on average); a config 10%
+  slower than the best is pruned in 71% and called faster in none; 10% faster is called faster
+  in 94% and pruned in none; 2x faster stops after one block (2 pairs) every time;
+- sigma 2% (a quiet box): a tie settles in 92% (6.6% faster, 1.5% pruned; 3.2 pairs on
+  average); a 5% difference is called the wrong way round in none;
+- a 1.5x burst on the first block's two candidate steps: a tie at sigma 5% is pruned in 2.8%
+  (3.2% without the burst), a config 10% faster in none.
 
 A wrong "faster" makes a config within the noise of the best the best too early (the next
 trials are compared with it, and the final round re-measures the finalists against the

@@ -38,7 +38,7 @@ class TrialSpec:
     MIGRATIONS: ClassVar[dict] = {
         1: lambda data: {"reference": None, "prune_if_ratio_above": None, **data},
         **get_added_field_migrations(2),
-    }  # v2: paired measurement; v3: the stopping rule and profile_if_faster (defaults: off)
+    }  # v2: paired measurement; v3: the stopping rule and profile_below (defaults: off)
 
     model: str | dict[str, Any]
     """Model profile name/path, or ``{"name": ..., **shape/seq_len/batch_size overrides}``."""
@@ -73,9 +73,9 @@ class TrialSpec:
     """Paired trials: a :class:`~autotune.trials.sequential.StoppingRule` as a dict; the trial then
     stops measuring as soon as its ratio is known ([Note: sequential measurement]) and
     ``num_measured`` is the most pairs it runs. None: every pair runs."""
-    profile_if_faster: bool = False
-    """Paired trials: run the profiled window only when the candidate measured faster than its
-    reference (where the reference is the search's best, only a new best's traces are read)."""
+    profile_below: float | None = None
+    """Paired trials: run the profiled window only when the candidate's median block ratio to its
+    reference is below this (a search's best so far: only a new best's traces are read); None: always."""
     rank_program: str = DEFAULT_RANK_PROGRAM
     """``module:function`` each rank runs as ``fn(rank, world_size, spec=dict)``; replace it to
     trial a custom workload that returns the same measurements."""

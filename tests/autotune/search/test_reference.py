@@ -56,13 +56,13 @@ class StandIn:
         return TrialResult(status="ok", out_dir=spec.out_dir, metrics=metrics, wall_s=1.0)
 
 
-def _ctx(tmp_path, study):
+def _ctx(tmp_path, study, reference="best"):
     from autotune.search.context import SearchContext
 
     return SearchContext(
         study=study,
         space=SPACE,
-        settings=SearchSettings(out_dir=tmp_path, **FAST),
+        settings=SearchSettings(out_dir=tmp_path, reference=reference, **FAST),
         plan=SimpleNamespace(trial_model="tiny"),
         reporter=SilentReporter(),
     )
@@ -71,7 +71,10 @@ def _ctx(tmp_path, study):
 def _run(ctx, key: str | None):
     from autotune.search.loop import get_rows, pick_best, run_one
 
-    ctx.study.enqueue_trial(DEFAULTS if key is None else PARAMS[key])
+    if key is None:  # the defaults trial, as run_search enqueues it
+        ctx.study.enqueue_trial(DEFAULTS, user_attrs={"is_default": True})
+    else:
+        ctx.study.enqueue_trial(PARAMS[key])
     return run_one(ctx, pick_best(get_rows(ctx.study)))
 
 
@@ -96,19 +99,50 @@ def test_trials_pair_with_the_best_and_chain_their_ratio(tmp_path, monkeypatch):
     assert rows[2].ratio_to_reference == pytest.approx(0.8) and rows[2].ratio == pytest.approx(0.4)
     assert rows[2].reference_ratio == pytest.approx(0.5) and rows[2].reference_drift == pytest.approx(0.0)
     assert rows[3].ratio == pytest.approx(45 / 40 * 0.4)
-    # Every trial ran with the search's stopping rule; only one against the defaults' own self is not decided on 1.0.
+    # Every trial ran with the search's stopping rule, deciding against the best so far (the
+    # defaults' measured noise first); the defaults against themselves decide on precision alone.
     rules = [spec.stopping for spec in stand_in.specs]
     assert rules[0]["faster_below"] is None and rules[0]["prune_above"] is None
-    assert all(r["faster_below"] == 1.0 and r["prune_above"] == ctx.settings.prune_ratio for r in rules[1:])
-    # A trial against the best profiles only when it beats it; against the defaults (the presearch reads them) always.
-    assert [spec.profile_if_faster for spec in stand_in.specs] == [False, False, True, True]
+    assert rules[1]["faster_below"] == pytest.approx(rows[0].ratio)
+    assert [r["faster_below"] for r in rules[2:]] == pytest.approx([1.0, 1.0])  # the best is the reference
+    assert all(r["prune_above"] == pytest.approx(ctx.settings.prune_ratio * r["faster_below"]) for r in rules[1:])
+    # A trial profiles only when it beats the best; the defaults trial (the presearch reads it) always.
+    assert [spec.profile_below for spec in stand_in.specs][0] is None
+    assert [spec.profile_below for spec in stand_in.specs][1:] == pytest.approx([rows[0].ratio, 1.0, 1.0])
     assert ANCHORS_ATTR not in ctx.study.user_attrs
+
+
+def test_by_default_every_trial_pairs_with_the_defaults_and_must_beat_the_best(tmp_path, monkeypatch):
+    """``--reference defaults``: no chain; the rule's thresholds and the profiled window follow the best's ratio."""
+    from autotune.search import context
+
+    stand_in = StandIn(
+        {
+            "trial_0000": (100.0, 100.0),
+            "trial_0001": (50.0, 100.0),
+            "trial_0002": (40.0, 100.0),
+            "trial_0003": (45.0, 100.0),
+        }
+    )
+    monkeypatch.setattr(context, "run_trial", stand_in)
+    ctx = _ctx(tmp_path, optuna.create_study(), reference="defaults")
+    rows = [_run(ctx, key) for key in (None, "a", "b", "c")]
+    assert all(spec.reference == ctx.default_config for spec in stand_in.specs)
+    assert [r.reference_trial for r in rows] == [None] * 4 and rows[3].ratio_to_reference is None
+    assert [r.ratio for r in rows[1:]] == pytest.approx([0.5, 0.4, 0.45])
+    beat = [spec.stopping["faster_below"] for spec in stand_in.specs[1:]]
+    assert beat == pytest.approx([rows[0].ratio, 0.5, 0.4])  # the best so far, each time
+    assert [spec.profile_below for spec in stand_in.specs[1:]] == pytest.approx(beat)
+    assert [spec.stopping["prune_above"] for spec in stand_in.specs[1:]] == pytest.approx(
+        [ctx.settings.prune_ratio * b for b in beat]
+    )
+    assert rows[2].reference_drift == pytest.approx(0.0)  # the defaults' steps, against the defaults trial's
 
 
 def test_drift_of_the_reference_is_detected_and_anchored(tmp_path, monkeypatch):
     from autotune.search import context
 
-    slowed = 50.0 * (1 + 2 * DRIFT_LIMIT)  # the box got slower: a's steps now take 30% longer
+    slowed = 50.0 * (1 + 2 * DRIFT_LIMIT)  # the box got slower: a's steps take twice the drift limit longer
     stand_in = StandIn(
         {
             "trial_0000": (100.0, 100.0),
