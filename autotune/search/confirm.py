@@ -8,9 +8,10 @@ clearly slower than the leader so far (its whole interval above the leader's rat
 second block on) is pruned there. The finalist with the lowest median ratio wins; if even it is
 not faster than the defaults (median ratio >= 1), the defaults are emitted, and the record says why.
 
-A contested final round is measured once more before it is decided: when the leader's pairs
-spread wider than ``max_ratio_spread``, or a runner-up's median lies inside the leader's
-interquartile range, the leader and those runners-up each get a second window of as many
+A contested final round is measured once more before it is decided: when the leader did not
+settle within the precision and either its pairs spread wider than ``max_ratio_spread`` or a
+runner-up's median lies inside its interquartile range, the leader and those runners-up each
+get a second window of as many
 pairs, and each is ranked on all its pairs pooled. Why: the lowest of a few noisy medians is
 biased low (the winner's curse). Measured in ``benchmarks/search_noise.py``: a final round
 whose reference slowed by a quarter under a package install emitted a winner at 1.42x with
@@ -166,9 +167,13 @@ def _measure_finalists(ctx: SearchContext, finalists: list[TrialRow]) -> tuple[l
 
 def get_contested(measured: list[dict[str, Any]], max_spread: float) -> list[int]:
     """The finalists to measure again: the leader and every runner-up whose median lies inside
-    the leader's interquartile range, when the leader is noisy or has such a runner-up; else none."""
+    the leader's interquartile range, when the leader is noisy or has such a runner-up; else none.
+    A leader whose ratio settled ([Note: sequential measurement]: its 90% interval within the
+    precision) is not contested: a runner-up that close is as fast within what a second window
+    could resolve (measured, ``benchmarks/search_time.py`` on ``wide1024``: a settled 0.628 and
+    a 0.636 each took a second window, 44 steps, to come out in the same order)."""
     ranked = sorted((m for m in measured if m.get("ratio") is not None), key=lambda m: m["ratio"])
-    if len(ranked) == 0:
+    if len(ranked) == 0 or ranked[0].get("stopped") == "settled":
         return []
     leader = ranked[0]
     close = [m["trial"] for m in ranked[1:] if m["ratio"] <= leader["ratio_q75"]]

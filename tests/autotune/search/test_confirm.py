@@ -41,6 +41,15 @@ def test_a_runner_up_inside_the_leader_s_interquartile_range_is_contested_with_i
     assert get_contested([tight, _finalist(2, [0.81, 0.815, 0.82, 0.825])], max_spread=0.10) == [1, 2]
 
 
+def test_a_settled_leader_is_not_contested_by_a_close_runner_up():
+    """A leader whose interval settled within the precision: a runner-up inside its range is as fast
+    as a second window could tell ([Note: sequential measurement]); not settled, it is contested."""
+    tight = _finalist(1, [0.800, 0.810, 0.820, 0.830])
+    close = _finalist(2, [0.81, 0.815, 0.82, 0.825])
+    assert get_contested([tight | {"stopped": "settled"}, close], max_spread=0.10) == []
+    assert get_contested([tight | {"stopped": "max_blocks"}, close], max_spread=0.10) == [1, 2]
+
+
 def test_failed_finalists_are_ignored():
     assert get_contested([{"trial": 4, "status": "timeout"}], max_spread=0.10) == []
 
