@@ -21,13 +21,13 @@ part: [Note: GPU step attribution]) <- :mod:`~autotune.report.model` (the data) 
 """
 
 from autotune.report.attribution import StepAttribution
+from autotune.report.formatting import fmt
 from autotune.report.gpu_tables import get_gpu_tables
 from autotune.report.load import load_report, load_trial
 from autotune.report.model import REPORT_SCHEMA_VERSION, TRACE_GLOB, Report, ReportError, ReportTable, TrialSummary
 from autotune.report.pipeline_tables import get_pipeline_tables
 from autotune.report.predictions import get_prediction_table
 from autotune.report.tables import (
-    fmt,
     get_final_round_table,
     get_rank_table,
     get_search_outcome_lines,

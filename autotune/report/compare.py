@@ -6,10 +6,10 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from autotune.report.formatting import fmt
 from autotune.report.frames import LANE_COLORS, FigureSection, get_lanes, get_unit_compare_frame
 from autotune.report.load import load_trial_traces
 from autotune.report.model import Comparison, Report, TrialSummary, TrialTraces
-from autotune.report.tables import fmt
 
 COMPARE_FIGURES = {
     "compare_units": "exposed communication per unit, best vs defaults",

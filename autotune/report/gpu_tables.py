@@ -6,8 +6,8 @@ per microbatch). ``cli.py`` renders them with rich after :func:`~autotune.report
 from __future__ import annotations
 
 from autotune.report.attribution import CLASS_SHORT, CLASS_TITLES, PARTS, StepAttribution
+from autotune.report.formatting import fmt
 from autotune.report.model import Report, ReportTable
-from autotune.report.tables import fmt
 
 OVERLAP_SHOWN = 0.005
 """Kernels running at once are shown as their own row when they exceed this share of the span."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
+from autotune.report.formatting import fmt
 from autotune.report.model import Report, ReportTable, TrialSummary
-from autotune.report.tables import fmt
 
 STAGE_TABLE = [  # (column, stage field of the trace summary's ``pipeline`` section, format)
     ("step", "step_ms", "ms"),

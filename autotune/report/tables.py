@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from autotune.report.formatting import fmt
 from autotune.report.model import OVERHEAD_TOLERANCE, Comparison, Report, ReportTable, TrialSummary
+from autotune.report.trials_table import describe_status, get_search_trials_table
 from autotune.search import SearchRecord, TrialRow, describe_params
 
 if TYPE_CHECKING:
@@ -31,26 +33,6 @@ UNIT_TABLE = [  # the step table's communication columns, then the unit's own
 ]
 _LEGEND = "ms; AG/RS/AR: all-gather/reduce-scatter/all-reduce"
 _SUMMARY_ONLY = ("AG", "RS", "AR", "barrier")  # kept out of the per-step table, to fit 80 columns
-
-
-def fmt(value: Any, kind: str = "ms") -> str:
-    """``ms``: 12.34; ``pct``: 56.7%; ``x``: 1.234x; ``mb``: bytes as MB; ``over``: a ratio as
-    +15% (1.15) or -6% (0.94); None: ``-``."""
-    if value is None:
-        return "-"
-    match kind:
-        case "over":
-            return f"{100 * (value - 1):+.0f}%"
-        case "ms":
-            return f"{value:.1f}" if abs(value) >= 100 else f"{value:.2f}"
-        case "pct":
-            return f"{100 * value:.1f}%"
-        case "x":
-            return f"{value:.3f}x"
-        case "mb":
-            return f"{value / 2**20:.1f} MB"
-        case _:
-            return str(value)
 
 
 def get_tables(report: Report) -> list[ReportTable]:
@@ -264,110 +246,12 @@ def get_final_round_table(conf: dict[str, Any] | None) -> ReportTable | None:
     return table
 
 
-TRIALS_COLUMNS = [
-    "trial",
-    "status",
-    "/defaults",
-    "IQR",
-    "spread",
-    "paired with",
-    "attempts",
-    "made from",
-    "step ms",
-    "prof",
-    "overlap",
-    "exposed ms",
-    "peak",
-    "knobs",
-    "note",
-]
-
-
-def _mark(row: TrialRow, comparison: Comparison | None) -> str:
-    marks = []
-    if comparison and row.number == comparison.best_number:
-        marks.append("emitted" if comparison.emitted else "best")
-    if comparison and row.number == comparison.lowest_number and row.number != comparison.best_number:
-        marks.append("lowest ratio")
-    if row.is_default:
-        marks.append("defaults")
-    return f"{row.number} ({', '.join(marks)})" if marks else str(row.number)
-
-
-def _describe_status(row: TrialRow) -> str:
-    """``ok``, ``ok (noisy)``, ``ok (= 3)`` for a config measured as trial 3."""
-    return (
-        row.status
-        + (" (noisy)" if row.noisy else "")
-        + (f" (= {row.duplicate_of})" if row.duplicate_of is not None else "")
-    )
-
-
-def _describe_attempts(row: TrialRow) -> str:
-    """``1``, or ``2 (first: pruned 1.520x)`` for a trial measured again ([Note: paired measurement])."""
-    if row.attempts <= 1:
-        return str(row.attempts)
-    first = " ".join(
-        x for x in (row.first_status, fmt(row.first_ratio, "x") if row.first_ratio is not None else None) if x
-    )
-    return f"{row.attempts} (first: {first})" if first else str(row.attempts)
-
-
 def _describe_anchor(trial: str, anchor: dict[str, Any]) -> str:
     """``trial 3 against the defaults again at trial 7 (its steps moved +30%): 0.500x -> 0.600x``."""
     return (
         f"trial {trial} against the defaults again at trial {anchor.get('at_trial')} (its steps moved "
         f"{fmt(anchor.get('drift'), 'pct')}): {fmt(anchor.get('previous_ratio'), 'x')} -> {fmt(anchor.get('ratio'), 'x')}"
     )
-
-
-def _describe_reference(row: TrialRow) -> str:
-    """What the trial was paired with and why it stopped ([Note: measured against the best],
-    [Note: sequential measurement]): ``defaults, faster`` or ``trial 3 at 0.812x, slower``."""
-    against = (
-        f"trial {row.reference_trial} at {fmt(row.ratio_to_reference, 'x')}"
-        if row.reference_trial is not None
-        else "defaults"
-    )
-    return f"{against}, {row.stopped}" if row.stopped else against
-
-
-def get_search_trials_table(rows: list[TrialRow], comparison: Comparison | None = None) -> ReportTable:
-    """Every trial of a search as the search recorded it: its knobs (as ``autotune search`` prints them)
-    and its noise: the paired ratio's median, interquartile range and spread, measurement attempts, and
-    the refinement it was made from. Exposed and overlap as traced (not scaled)."""
-    title = (
-        f"{len(rows)} trials (ratio: median step time / the defaults' in alternating pairs, chained through the "
-        "trial it was paired with; IQR and spread of those pairs)"
-    )
-    table = ReportTable(title=title, columns=list(TRIALS_COLUMNS))
-    for row in sorted(rows, key=lambda r: r.number):
-        iqr = (
-            f"{row.ratio_q25:.3f}-{row.ratio_q75:.3f}"
-            if row.ratio_q25 is not None and row.ratio_q75 is not None
-            else "-"
-        )
-        made_from = row.refined_from or ("defaults" if row.is_default else "sampled")
-        table.rows.append(
-            [
-                _mark(row, comparison),
-                _describe_status(row),
-                fmt(row.ratio, "x"),
-                iqr,
-                fmt(row.ratio_spread, "pct"),
-                _describe_reference(row),
-                _describe_attempts(row),
-                made_from,
-                fmt(row.step_ms),
-                fmt(row.profiler_overhead, "over"),
-                fmt(row.overlap_ratio, "pct"),
-                fmt(row.exposed_comm_ms),
-                fmt(row.process_peak_bytes, "mb"),
-                describe_params(row.params),
-                row.reason[:80],
-            ]
-        )
-    return table
 
 
 def get_search_rows_table(rows: list[TrialRow], best: TrialRow | None) -> ReportTable:
@@ -382,7 +266,7 @@ def get_search_rows_table(rows: list[TrialRow], best: TrialRow | None) -> Report
         table.rows.append(
             [
                 f"{row.number}{mark}",
-                _describe_status(row),
+                describe_status(row),
                 fmt(row.ratio, "x"),
                 fmt(row.ratio_spread, "pct"),
                 fmt(row.step_ms),

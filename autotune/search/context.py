@@ -67,13 +67,7 @@ class SearchContext:
         s = self.settings
         extra = {"rank_program": s.rank_program} if s.rank_program else {}
         reference = (reference or self.default_config) if paired else None
-        num_steps = count_steps(
-            num_warmup=s.num_warmup,
-            num_pairs=num_pairs or s.num_measured,
-            paired=paired,
-            self_paired=reference == config,
-            profiled=s.num_profiled if profile else 0,
-        )
+        limit_s = self._get_timeout_s(num_pairs, paired=paired, self_paired=reference == config, profile=profile)
         return TrialSpec(
             model=self.plan.trial_model,
             config=config,
@@ -84,7 +78,7 @@ class SearchContext:
             num_profiled=s.num_profiled,
             profile=profile,
             seed=s.seed,
-            timeout_s=self.timeouts.get(num_steps),
+            timeout_s=limit_s,
             cluster=s.cluster,
             reference=reference,
             prune_if_ratio_above=prune_if_ratio_above,
@@ -101,9 +95,17 @@ class SearchContext:
 
     def get_trial_timeout_s(self) -> float:
         """The limit of a search trial of the standard length (every pair, profiled)."""
+        return self._get_timeout_s(None, paired=True, self_paired=False, profile=True)
+
+    def _get_timeout_s(self, num_pairs: int | None, *, paired: bool, self_paired: bool, profile: bool) -> float:
+        """The limit of a trial of this search that runs at most these steps ([Note: trial timeouts])."""
         s = self.settings
         steps = count_steps(
-            num_warmup=s.num_warmup, num_pairs=s.num_measured, paired=True, self_paired=False, profiled=s.num_profiled
+            num_warmup=s.num_warmup,
+            num_pairs=num_pairs or s.num_measured,
+            paired=paired,
+            self_paired=self_paired,
+            profiled=s.num_profiled if profile else 0,
         )
         return self.timeouts.get(steps)
 

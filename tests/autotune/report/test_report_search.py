@@ -22,7 +22,7 @@ from autotune.report.browser import check_page, find_chromium
 from autotune.report.hta import CPU_TRACES_LINE
 from autotune.report.html import FIGURES_META, get_search_sections
 from autotune.report.study import why_no_importances
-from autotune.report.tables import TRIALS_COLUMNS
+from autotune.report.trials_table import TRIALS_COLUMNS
 from autotune.search import SearchRecord, TrialRow
 from autotune.search.results import write_results
 from autotune.trials import TrialMetrics
