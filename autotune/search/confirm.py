@@ -11,8 +11,8 @@ not faster than the defaults (median ratio >= 1), the defaults are emitted, and 
 A contested final round is measured once more before it is decided: when the leader did not
 settle within the precision and either its pairs spread wider than ``max_ratio_spread`` or a
 runner-up's median lies inside its interquartile range, the leader and those runners-up each
-get a second window of as many
-pairs, and each is ranked on all its pairs pooled. Why: the lowest of a few noisy medians is
+get a second window of as many pairs, and each is ranked on all its pairs pooled. Why: the
+lowest of a few noisy medians is
 biased low (the winner's curse). Measured in ``benchmarks/search_noise.py``: a final round
 whose reference slowed by a quarter under a package install emitted a winner at 1.42x with
 pairs from 0.90x to 1.80x, while its runner-up measured a tight 1.22x; re-measured side by side
@@ -145,7 +145,7 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
 def _measure_finalists(ctx: SearchContext, finalists: list[TrialRow]) -> tuple[list[dict[str, Any]], list[int]]:
     """Each finalist against the defaults, a second window for each contested one; and the contested trials."""
     ctx.reporter.on_phase(
-        f"final round: {len(finalists)} best configs vs the defaults, {2 * ctx.settings.num_confirm_pairs} pairs each"
+        f"final round: {len(finalists)} best configs vs the defaults, at most {2 * ctx.settings.num_confirm_pairs} pairs each"
     )
     measured: list[dict[str, Any]] = []
     for row in finalists:  # best first: a later finalist clearly slower than the leader so far is pruned
