@@ -39,9 +39,11 @@ ABS_MS, REL, RATIO = 10.0, 0.15, 0.15
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory) -> Path:
-    # One retry, for a segfault only: CI once saw rank 0 die of SIGSEGV inside torch 2.13's CPU
-    # profiler around a gloo collective (the same programs pass on rerun, here and in that clone);
-    # these tests check the analysis of the traces, not that crash, and a second one still fails them.
+    # One retry, for a rank killed by a signal only: CI saw rank 0 die of SIGSEGV, then of SIGABRT
+    # ("corrupted double-linked list"), inside torch 2.13's CPU profiler when a case left a gloo
+    # collective in flight as the profiler stopped (1 launch in 6 of 20 crossing cases here; the
+    # programs now drain it first: 0 in 20, see _truth_programs._drain). These tests check the
+    # analysis of the traces, not that crash, and a second one still fails them.
     for attempt in range(2):
         out = tmp_path_factory.mktemp("truth")
         run = run_ranks(
@@ -50,7 +52,7 @@ def traces(tmp_path_factory) -> Path:
             kwargs={"out_dir": str(out), "cases": list(CASES)},
             timeout_s=TIMEOUT_S,
         )
-        if run.ok or "SIGSEGV" not in run.reason or attempt == 1:
+        if run.ok or "killed by SIG" not in run.reason or attempt == 1:
             break
     assert run.ok, f"{run.status}: {run.reason}\n" + "\n".join(run.stderr_tails)
     return out
