@@ -44,8 +44,13 @@ from fsdp_runtime.serialize import (
     loads_config,
     save_config,
 )
+from fsdp_runtime.switch import CONFIG_KNOBS_IN_PLACE, UNIT_KNOBS_IN_PLACE, get_structural_differences, switch_config
 
 __all__ = [
+    "CONFIG_KNOBS_IN_PLACE",
+    "UNIT_KNOBS_IN_PLACE",
+    "get_structural_differences",
+    "switch_config",
     "CHECKPOINTING_KINDS",
     "CONSOLIDATION_METHODS",
     "ROOT_UNIT",

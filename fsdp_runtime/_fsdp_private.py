@@ -84,8 +84,16 @@ class EagerConcat:
     def __init__(self, module: FSDPModule) -> None:
         self.flat: torch.Tensor | None = None
         self.num_eager_concats = 0
-        for group in get_param_groups(module):
+        self._groups = get_param_groups(module)
+        for group in self._groups:
             group.post_backward = functools.partial(self._post_backward, group, group.post_backward)
+
+    def remove(self) -> None:
+        """Give the unit FSDP2's own post-backward back (between steps: nothing accumulated)."""
+        if self.flat is not None:
+            raise RuntimeError("eager concat: removed with gradients accumulated; switch between optimizer steps")
+        for group in self._groups:
+            del group.post_backward  # the per-instance wrapper: the class's method shows again
 
     def _post_backward(self, group: Any, original: Callable[..., Any], *args: Any) -> Any:
         if group.reduce_grads:

@@ -126,13 +126,16 @@ def _check_torch_supports(config: RuntimeConfig) -> None:
             raise ConfigError(name, reason, fix="unset it, or upgrade torch")
 
 
+def use_unshard_async(config: RuntimeConfig, device_type: str) -> bool:
+    """Whether ``config`` issues all-gathers async on ``device_type``: "auto" asks for it on CPU
+    where this torch can (``_check_torch_supports`` refused an explicit "on" it cannot)."""
+    can_async = "unshard_async" not in get_unsupported_knobs()
+    return config.unshard_async == "on" or (config.unshard_async == "auto" and device_type == "cpu" and can_async)
+
+
 def _apply_runtime_knobs(applied: AppliedFsdp, device_type: str) -> None:
     config = applied.config
-    # "auto" on CPU asks for async where this torch can (_check_torch_supports refused an explicit "on" it cannot).
-    can_async = "unshard_async" not in get_unsupported_knobs()
-    unshard_async = config.unshard_async == "on" or (
-        config.unshard_async == "auto" and device_type == "cpu" and can_async
-    )
+    unshard_async = use_unshard_async(config, device_type)
     for unit in config.units:
         module = applied.units[unit.name]
         if unit.forward_prefetch is not None:

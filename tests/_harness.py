@@ -166,6 +166,32 @@ def train_configs(
     return results
 
 
+def train_switched(
+    rank: int, world_size: int, *, model: str, runs: list[dict[str, Any]], seed: int = 0
+) -> list[dict[str, Any]]:
+    """Rank program: per run, build one model as ``run["build"]`` (from the same init), then
+    before step ``s`` switch it in place to ``run["steps"][s]`` (:meth:`Training.use_config`)
+    where that differs from the config it has (a run whose steps are all its build config never
+    switches: a fresh build). Per run this rank's losses, and per step its collectives and
+    eager concats (proof that each switch took effect)."""
+    results = []
+    for run in runs:
+        training = build_training(rank, world_size, model=model, config=run["build"], seed=seed)
+        active, losses, collectives, eager = run["build"], [], [], []
+        for s, config in enumerate(run["steps"]):
+            if config != active:
+                training.use_config(config)
+                active = config
+            before = sum(e.num_eager_concats for e in training.applied.eager_concat.values())
+            with count_collectives(training) as counts:
+                losses.append(training.step(s))
+            collectives.append(dict(counts))
+            eager.append(sum(e.num_eager_concats for e in training.applied.eager_concat.values()) - before)
+        results.append({"losses": losses, "collectives": collectives, "eager_concats": eager})
+        del training
+    return results
+
+
 class _CollectiveCounter(TorchDispatchMode):
     """Counts c10d ops by kind over a whole pipeline step (no module tracker: stages run each
     module once per microbatch, which CommDebugMode's tracker does not survive)."""

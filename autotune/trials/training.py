@@ -18,7 +18,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_runtime import AppliedFsdp, AppliedPipeline, GradAccumulator, apply_fsdp, apply_pipeline, config_from_dict
+from fsdp_runtime import (
+    AppliedFsdp,
+    AppliedPipeline,
+    GradAccumulator,
+    apply_fsdp,
+    apply_pipeline,
+    config_from_dict,
+    switch_config,
+)
 from fsdp_runtime.errors import ConfigError
 from profiles import BATCH_HOOK, LOSS_HOOK, ModelSourceError, compute_loss
 from profiles.sources import ModelSource, load_model_source
@@ -72,6 +80,11 @@ class Training:
     @property
     def model(self) -> nn.Module:
         return self.applied.model
+
+    def use_config(self, config: dict[str, Any]) -> None:
+        """Switch this model's in-place knobs to ``config`` (a structural difference raises
+        ``ValueError``): [Note: knobs switched in place] in :mod:`fsdp_runtime.switch`."""
+        switch_config(self.applied, config_from_dict(config), device_type=self.device.type)
 
     def get_microbatch(self, step: int, microbatch: int) -> Any:
         batch = make_microbatch(
