@@ -6,12 +6,41 @@ absolute step time says as much about the neighbours as about the config. So eve
 trial of a search measures its candidate *against a reference* (FSDP2's defaults) inside
 one rank job:
 
-- both are built on the same ranks (each its own FSDP state and device mesh); the
-  candidate's process peak memory is sampled before the reference exists;
+- both run on the same ranks, on one model where they can ([Note: one model for both
+  sides]); the candidate's peak memory is sampled before the reference exists;
 - after warm-up, steps alternate in ABBA order (ref, cand | cand, ref | ref, cand ...),
   each started together on all ranks (a barrier), so the two sides of a pair run within a
   second of each other under the same load;
-- *a step that follows a step of the other config is not measured* ([Note: switch cost]):
+- *a step that follows a step of the other config is not measured* ([Note: one model for both sides]
+A trial that held the candidate's and the reference's models at once needed two models'
+memory: 71.8-73.4 GiB on one H200 against 50.3 GiB for one (shared/FINDINGS.md), so a job
+sized to its GPUs could not be searched. Where the two configs differ only in knobs FSDP2
+switches on a sharded model ([Note: knobs switched in place] in :mod:`fsdp_runtime.switch`:
+prefetch lists, reshard after forward as a bool, sync level, reshard after backward, concat
+deferral, async unshard, reduce-scatter buffers), the reference's side shares the
+candidate's training and each side switches the model to its own knobs before each of its
+steps, outside the timed step. What one model changes and what it keeps:
+
+- memory: one model, its parameters, gradients and optimizer state; a step's transient
+  memory is whichever config's step is running. What a switch keeps is what the allocator
+  caches for the other config's shapes: on CUDA reserved, not allocated, memory (the
+  counter ``trial_peak_bytes`` reads is the larger config's peak, not the sum); on CPU
+  heap pages glibc keeps mapped ([Note: what a trial measures]);
+- the measurement: unchanged. ABBA order, the settle step after every switch (the switch
+  costs a step of the other config's allocation pattern, exactly as between two models:
+  [Note: switch cost]), block ratios and their spread. The reference warms up with one
+  step of its knobs on the warm model (the candidate's warm-up built and warmed it);
+- the training: one trajectory. Both sides update the same parameters in turn, so the
+  candidate's losses are those of the steps it ran, not of a run of its own; none of the
+  in-place knobs changes the math (bitwise on CPU, ``tests/fsdp_runtime/test_switch.py``),
+  so the trajectory is the one either config alone would follow, up to ``sync = "last"``'s
+  reordered sums.
+
+A structural difference (mesh, grouping, checkpointing, precision, an int reshard, pipeline
+stages) still builds the reference a model of its own. ``AUTOTUNE_PAIRED_MODELS=two`` gives
+every reference its own model (benchmarks compare both).
+
+[Note: switch cost]):
   each side runs one unmeasured *settle* step first whenever the ranks switch to it (its
   loss is kept: it is a training step like any other), so every measured step follows a
   step of its own config, as every step of real training does. In ABBA order the ranks
@@ -107,6 +136,9 @@ class Side:
     page_faults: list[int] = field(default_factory=list)
     settle_ms: list[float] = field(default_factory=list)
     """Slowest-rank times of the settle steps: the steps right after a switch, not measured."""
+    config: dict[str, Any] | None = None
+    """With a training shared by both sides: this side's config, switched to in place before each
+    of its steps ([Note: one model for both sides]); None: the training is this side's own."""
 
     def clear(self) -> None:
         """Forget the steps so far (warm-up steps are not measurements; their losses stay)."""
@@ -125,6 +157,8 @@ def step_side(side: Side, device: torch.device, timed_step: Any, *, settle: bool
     """One timed step of ``side``; returns (and records) the slowest rank's milliseconds. A
     ``settle`` step (the first after a switch, [Note: switch cost]) keeps its loss and its time
     in ``settle_ms`` only."""
+    if side.config is not None:
+        side.training.use_config(side.config)  # outside the timed step; a no-op when it has it
     timing = timed_step(side.training, side.next_step, device, side.emulator)
     side.next_step += 1
     ms = _slowest_ms(timing.ms, device)

@@ -45,9 +45,12 @@ Local trials call it through :func:`autotune.trials.launch.run_ranks` or a
   thresholds; unprofiled CPU per step is the same within the noise, and peak RSS 2% higher
   (freed memory is not returned during build and warm-up). The README's profiler-overhead
   table has the figures.
-- *Peak memory*, over the build, warm-up and measured steps (not the profiled window,
-  whose buffers would count against configs that were profiled): on CUDA
-  ``torch.cuda.max_memory_allocated``. On CPU there is no allocator counter for all of
+- *Peak memory*: the candidate's (``peak_bytes``), over its build and warm-up steps, before
+  any reference exists; and the trial's (``trial_peak_bytes``, the rank result only), over
+  everything up to the end of the measured steps, the reference included: what the device
+  had to hold ([Note: one model for both sides] in :mod:`autotune.trials.paired`). Neither
+  covers the profiled window, whose buffers would count against configs that were
+  profiled. On CUDA ``torch.cuda.max_memory_allocated`` (reset at the trial's start). On CPU there is no allocator counter for all of
   torch's memory and ``ru_maxrss`` is a process-lifetime maximum (useless in a pool that
   ran a bigger trial before), so a thread samples the resident set size from
   ``/proc/self/statm`` every 5 ms, after ``gc.collect()`` and glibc ``malloc_trim`` have
@@ -143,6 +146,9 @@ _NO_TRIM = 2**31 - 1
 PREFAULT_BYTES = 512 * 2**20
 """Heap touched before the profiled window (at most a quarter of the free memory per rank):
 more than a ``small`` trial's window grows (28-50k pages per step, ranks summed)."""
+PAIRED_MODELS_ENV = "AUTOTUNE_PAIRED_MODELS"
+"""Set to ``two`` to give the reference a model of its own even where the knobs switch in place
+(benchmarks and tests compare both: [Note: one model for both sides])."""
 NO_HEAP_TUNING_ENV = "AUTOTUNE_GLIBC_MALLOC"
 """Set to ``default`` to leave glibc's allocator as it is (benchmarks compare both)."""
 
@@ -232,49 +238,74 @@ def _profiled_window(
     return steps
 
 
-def _get_memory(device: torch.device, rss: _RssSampler) -> dict[str, Any]:
+def _get_peak_bytes(device: torch.device, rss: _RssSampler) -> int:
+    """The process peak so far (the sampler's RSS on CPU, the allocator's counter on CUDA)."""
     if device.type == "cuda":
-        return {
-            "source": "cuda_max_allocated",
-            "peak_bytes": torch.cuda.max_memory_allocated(device),
-            "baseline_bytes": 0,
-        }
-    return {"source": "peak_rss", "peak_bytes": rss.peak_bytes, "baseline_bytes": rss.baseline_bytes}
+        return torch.cuda.max_memory_allocated(device)
+    return max(rss.peak_bytes, rss.read())
+
+
+def _get_memory(device: torch.device, rss: _RssSampler, candidate_peak: int) -> dict[str, Any]:
+    """The candidate's peak (its build and warm-up) and the whole trial's, with the reference."""
+    source = "cuda_max_allocated" if device.type == "cuda" else "peak_rss"
+    baseline = 0 if device.type == "cuda" else rss.baseline_bytes
+    trial_peak = max(candidate_peak, _get_peak_bytes(device, rss))
+    return {"source": source, "peak_bytes": candidate_peak, "baseline_bytes": baseline, "trial_peak_bytes": trial_peak}
 
 
 def _build_sides(
-    rank: int, world_size: int, spec: dict[str, Any], device: torch.device, emulators: tuple[Any, Any]
-) -> tuple[dict[str, Side], _RssSampler]:
-    """The candidate (process peak sampled from before its build through its warm-up) and,
-    with ``spec["reference"]``, the reference (built after: its memory is not the candidate's)."""
+    rank: int, world_size: int, spec: dict[str, Any], device: torch.device, emulators: tuple[Any, Any], rss: _RssSampler
+) -> tuple[dict[str, Side], int]:
+    """The candidate, warmed up, and with ``spec["reference"]`` the reference: on the candidate's
+    own model where the two differ only in knobs switched in place, else a model of its own
+    ([Note: one model for both sides] in :mod:`autotune.trials.paired`). Returns the sides and
+    the candidate's peak memory (its build and warm-up: no reference exists yet)."""
     from autotune.trials.training import build_training
 
-    with _RssSampler() as rss:
-        candidate = Side(
-            training=build_training(
-                rank, world_size, model=spec["model"], config=spec["config"], seed=spec["seed"], device=device
-            ),
-            emulator=emulators[0],
-        )
-        for _ in range(spec["num_warmup"]):
-            step_side(candidate, device, timed_step)
+    candidate = Side(
+        training=build_training(
+            rank, world_size, model=spec["model"], config=spec["config"], seed=spec["seed"], device=device
+        ),
+        emulator=emulators[0],
+    )
+    for _ in range(spec["num_warmup"]):
+        step_side(candidate, device, timed_step)
+    candidate_peak = _get_peak_bytes(device, rss)
     sides = {"candidate": candidate}
     reference = spec.get("reference")
     if reference is not None:
-        if reference == spec["config"]:  # the defaults trial: one model, alternate steps measure the noise
-            sides["reference"] = candidate
-        else:
-            sides["reference"] = Side(
-                training=build_training(
-                    rank, world_size, model=spec["model"], config=reference, seed=spec["seed"], device=device
-                ),
-                emulator=emulators[1],
-            )
-            for _ in range(spec["num_warmup"]):
-                step_side(sides["reference"], device, timed_step)
+        sides["reference"] = _get_reference(rank, world_size, spec, device, candidate, emulators[1])
     for side in sides.values():  # warm-up steps are not measurements (their losses stay: the run's record)
         side.clear()
-    return sides, rss
+    return sides, candidate_peak
+
+
+def _get_reference(
+    rank: int, world_size: int, spec: dict[str, Any], device: torch.device, candidate: Side, emulator: Any
+) -> Side:
+    """The reference side, warmed up: the candidate itself (the defaults trial: alternate steps
+    measure the noise), the candidate's model switched in place (one warm-up step with its
+    knobs), or its own model (``num_warmup`` steps)."""
+    from autotune.trials.training import build_training
+
+    reference = spec["reference"]
+    if reference == spec["config"]:
+        return candidate
+    one_model = os.environ.get(PAIRED_MODELS_ENV) != "two"
+    if one_model and not candidate.training.get_structural_differences(reference):
+        candidate.config = spec["config"]
+        side = Side(training=candidate.training, emulator=emulator, config=reference)
+        step_side(side, device, timed_step)
+        return side
+    side = Side(
+        training=build_training(
+            rank, world_size, model=spec["model"], config=reference, seed=spec["seed"], device=device
+        ),
+        emulator=emulator,
+    )
+    for _ in range(spec["num_warmup"]):
+        step_side(side, device, timed_step)
+    return side
 
 
 def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device) -> str | None:
@@ -318,13 +349,15 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     libc = tune_heap(device)
-    sides, rss = _build_sides(rank, world_size, spec, device, emulators)
-    stopped = _measure(sides, spec, device)
+    with _RssSampler() as rss:
+        sides, candidate_peak = _build_sides(rank, world_size, spec, device, emulators, rss)
+        stopped = _measure(sides, spec, device)
+    memory = _get_memory(device, rss, candidate_peak)
+    num_models = len({id(side.training) for side in sides.values()})
     pruned = stopped in ("pruned", "slower")
     # A candidate slower than the search's best is never the config whose traces a report or a
     # calibration reads: its profiled window is skipped with ``profile_below``.
     profile = spec["profile"] and _is_below(sides, spec.get("profile_below"))
-    memory = _get_memory(device, rss)
     candidate = sides["candidate"]
     steps = _get_steps(sides)
     losses = list(candidate.losses)
@@ -335,6 +368,8 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
         trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
         if libc is not None:
             prefault_heap(libc, world_size)
+        if candidate.config is not None:  # one model: the reference's knobs may be on it
+            candidate.training.use_config(candidate.config)
         window = _profiled_window(
             candidate.training, candidate.next_step, spec["num_profiled"], device, candidate.emulator, trace_path
         )
@@ -353,6 +388,7 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
         "pruned": pruned,
         "stopped": stopped,
         "memory": memory,
+        "num_models": num_models,
         "trace": trace,
         "link_emulation": emulators[0].summary() if emulators[0] is not None else None,
         "env": _get_rank_env(device),

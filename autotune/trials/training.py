@@ -25,6 +25,8 @@ from fsdp_runtime import (
     apply_fsdp,
     apply_pipeline,
     config_from_dict,
+    get_structural_differences,
+    resolve_units,
     switch_config,
 )
 from fsdp_runtime.errors import ConfigError
@@ -76,15 +78,28 @@ class Training:
     device: torch.device = torch.device("cpu")
     pipeline: AppliedPipeline | None = None
     """With ``mesh.pp`` > 1: this rank's stages and their schedule (``applied`` is its first stage's)."""
+    active_config: dict[str, Any] | None = None
+    """The config (as given) whose knobs the model has now: the build's, or the last :meth:`use_config`'s."""
 
     @property
     def model(self) -> nn.Module:
         return self.applied.model
 
+    def get_structural_differences(self, config: dict[str, Any]) -> list[str]:
+        """What keeps this model from switching to ``config`` in place (empty: nothing); a
+        model with pipeline stages never switches."""
+        if self.pipeline is not None:
+            return ["mesh.pp"]
+        resolved = resolve_units(self.model, config_from_dict(config))
+        return get_structural_differences(self.applied.config, resolved)
+
     def use_config(self, config: dict[str, Any]) -> None:
-        """Switch this model's in-place knobs to ``config`` (a structural difference raises
-        ``ValueError``): [Note: knobs switched in place] in :mod:`fsdp_runtime.switch`."""
+        """Switch this model's in-place knobs to ``config`` unless it has them (a structural
+        difference raises ``ValueError``): [Note: knobs switched in place] in :mod:`fsdp_runtime.switch`."""
+        if config == self.active_config:
+            return
         switch_config(self.applied, config_from_dict(config), device_type=self.device.type)
+        self.active_config = config
 
     def get_microbatch(self, step: int, microbatch: int) -> Any:
         batch = make_microbatch(
@@ -157,6 +172,7 @@ def build_training(
         seed=seed,
         dp_rank=rank,
         device=torch.device(device),
+        active_config=config,
     )
 
 

@@ -1,0 +1,96 @@
+"""A paired trial holds one model where the knobs switch in place ([Note: one model for both sides]).
+
+2 gloo ranks on a model whose state (parameters, gradients, AdamW's two moments: 16 bytes per
+parameter, sharded over the ranks) is ~750 MB per rank, far above what the heap grows after
+two warm-up steps (measured: 30-70 MB with one model; 700 MB with two; with a 185 MB model
+and one warm-up step the heap still grew 200-250 MB and drowned the difference). The candidate differs from the reference (the defaults) only in knobs switched
+in place; the same trial with ``AUTOTUNE_PAIRED_MODELS=two`` builds the reference a model of
+its own. What the ranks held over the whole trial (``trial_peak_bytes``) above the candidate's
+own peak is the reference's cost: under a third of a model's state with one model, over two
+thirds with two. On the tiny model: which trials get one model and which two (the rank
+result's ``num_models``), and that every kind measures its pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autotune.trials import TrialSpec, run_ranks
+from autotune.trials.program import PAIRED_MODELS_ENV
+from fsdp_runtime import default_config
+from profiles import load_model_source
+
+pytestmark = pytest.mark.multirank
+
+BIG = {"name": "tiny", "dim": 1024, "ffn_hidden_dim": 3072, "vocab_size": 32768, "num_layers": 1}
+UNITS = ["layers.0"]
+TINY_UNITS = [f"layers.{i}" for i in range(4)]
+WORLD = 2
+
+
+def _state_bytes_per_rank() -> float:
+    module = load_model_source(BIG).build(device="cpu", seed=0)
+    return 16 * sum(p.numel() for p in module.parameters()) / WORLD
+
+
+def _keep_unsharded(units=UNITS):
+    config = default_config(units)
+    units = [dataclasses.replace(u, reshard_after_forward=False) if u.name != "root" else u for u in config.units]
+    return dataclasses.replace(config, units=units)
+
+
+def _checkpointed(units):
+    config = default_config(units)
+    units = [dataclasses.replace(u, activation_checkpointing="full") if u.name != "root" else u for u in config.units]
+    return dataclasses.replace(config, units=units)
+
+
+def _run(tmp_path, name: str, config, model=BIG, units=UNITS) -> list[dict]:
+    spec = TrialSpec(
+        model=model,
+        config=config,
+        reference=default_config(units),
+        world_size=WORLD,
+        out_dir=tmp_path / name,
+        num_warmup=2,
+        num_measured=1,
+        profile=False,
+        backend="gloo",
+    )
+    spec.out_dir.mkdir(parents=True)
+    run = run_ranks(
+        "autotune.trials.program:run_trial_rank", world_size=WORLD, kwargs={"spec": spec.to_dict()}, timeout_s=180
+    )
+    assert run.ok, f"{run.status}: {run.reason}\n{run.stderr_tails}"
+    for result in run.results:
+        assert len(result["step_ms"]) == len(result["reference_step_ms"]) == 1  # the pair was measured
+    return run.results
+
+
+def _reference_cost(results: list[dict]) -> float:
+    """The most any rank held over the trial above its candidate's own peak."""
+    return max(r["memory"]["trial_peak_bytes"] - r["memory"]["peak_bytes"] for r in results)
+
+
+def test_the_reference_costs_one_model_s_memory_only_where_it_needs_its_own(tmp_path, monkeypatch):
+    state = _state_bytes_per_rank()
+    assert state > 600e6
+    one = _reference_cost(_run(tmp_path, "one", _keep_unsharded()))
+    monkeypatch.setenv(PAIRED_MODELS_ENV, "two")
+    two = _reference_cost(_run(tmp_path, "two", _keep_unsharded()))
+    assert one < state / 3, (one, state)
+    assert two > 2 * state / 3, (two, state)
+
+
+def test_one_model_where_the_knobs_switch_in_place_two_where_they_do_not(tmp_path):
+    cases = {
+        "self": default_config(TINY_UNITS),  # the defaults trial: one model paired with itself
+        "switched": _keep_unsharded(TINY_UNITS),
+        "structural": _checkpointed(TINY_UNITS),
+    }
+    models = {
+        name: _run(tmp_path, name, c, model="tiny", units=TINY_UNITS)[0]["num_models"] for name, c in cases.items()
+    }
+    assert models == {"self": 1, "switched": 1, "structural": 2}
