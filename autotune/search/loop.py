@@ -42,7 +42,7 @@ from autotune.search.reference import DRIFT_LIMIT, Reference, chain, choose_refe
 from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour
 from autotune.search.results import TrialRow, pick_best
 from autotune.search.study import close_interrupted, get_worker_id, record_first_heartbeat
-from autotune.trials import RankPool, TrialResult
+from autotune.trials import RankPool, TrialResult, get_default_backend
 from fsdp_runtime import RuntimeConfig, dumps_config
 
 PLATEAU_MIN_GAIN = 0.01
@@ -358,9 +358,8 @@ def warm_up(ctx: SearchContext) -> None:
 
 
 def open_pool(settings: Any) -> contextlib.AbstractContextManager:
-    """A rank pool for the whole search (CPU), or nothing (GPU, or ``use_pool=False``)."""
-    import torch
-
-    if not settings.use_pool or torch.cuda.is_available():
+    """A rank pool for the whole search (gloo on CPU, NCCL on CUDA: [Note: rank pool]), or
+    nothing (``use_pool=False``)."""
+    if not settings.use_pool:
         return contextlib.nullcontext()
-    return RankPool(settings.world_size)
+    return RankPool(settings.world_size, backend=get_default_backend())

@@ -31,12 +31,13 @@ from autotune.trials.precision import (
     resolve_precision,
 )
 from autotune.trials.sequential import StoppingRule
-from autotune.trials.spec import DEFAULT_RANK_PROGRAM, TrialSpec, TrialSpecError
+from autotune.trials.spec import DEFAULT_RANK_PROGRAM, TrialSpec, TrialSpecError, get_default_backend
 from autotune.trials.training import Training, build_training, resolve_profile
 from autotune.trials.trial import check_trial_machine, load_trial_config, resolve_trial_config, run_trial
 from autotune.trials.trialdir import INCOMPLETE_MARKER, check_trial_spec
 
 __all__ = [
+    "get_default_backend",
     "DEFAULT_PRECISION",
     "OVERLAP_ENV",
     "PRECISION_DTYPES",

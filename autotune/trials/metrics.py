@@ -58,6 +58,14 @@ class RankMetrics:
     process_peak_bytes: int | None = None
     process_baseline_bytes: int | None = None
     """RSS before the model was built (0 on GPU)."""
+    trial_peak_bytes: int | None = None
+    """The whole trial's peak up to its last measured step, the reference included (same source
+    as ``process_peak_bytes``; v8): [Note: one model for both sides]."""
+    reserved_peak_bytes: int | None = None
+    """On CUDA ``torch.cuda.max_memory_reserved`` over the same span: what the caching allocator
+    held, fragments included (None on CPU; v8)."""
+    num_models: int | None = None
+    """Models this rank held for the trial's two sides: 1 (shared or self-paired) or 2 (v8)."""
     trace: str | None = None
     """File name of this rank's trace in the trial dir."""
     link_emulation: dict[str, Any] | None = None
@@ -107,6 +115,11 @@ class RankMetrics:
 def _slowest(per_rank: Any) -> list[float]:
     """Per step, the slowest rank's time."""
     return [max(steps) for steps in zip(*per_rank)]
+
+
+def _max_or_none(values: Any) -> Any:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -160,12 +173,13 @@ class TrialMetrics:
     """The body of ``metrics.json``."""
 
     KIND: ClassVar[str] = "trial_metrics"
-    SCHEMA_VERSION: ClassVar[int] = 7
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6)}
+    SCHEMA_VERSION: ClassVar[int] = 8
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6, 7)}
     # v3, v4 added fields, all with defaults; v5 the settle steps (their ``paired`` figures
     # stay as measured: before v5 a ratio is the median pair, without ``estimator``); v6 embeds
     # trace summary v4 (pipeline figures; ``check_summary`` upgrades an older one); v7 adds the
-    # stopping rule and why the pairs stopped (defaults: none, every pair ran)
+    # stopping rule and why the pairs stopped (defaults: none, every pair ran); v8 the trial's
+    # peak with the reference, the allocator's reserved peak and the number of models (None: unknown)
 
     status: TrialStatus
     reason: str = ""
@@ -185,6 +199,12 @@ class TrialMetrics:
     """Largest process peak over ranks (see the module docstring)."""
     memory_source: str | None = None
     """``peak_rss`` (CPU) or ``cuda_max_allocated`` (GPU)."""
+    trial_peak_bytes: int | None = None
+    """Largest whole-trial peak over ranks, the reference included (v8; see :class:`RankMetrics`)."""
+    reserved_peak_bytes: int | None = None
+    """Largest CUDA reserved peak over ranks (v8; None on CPU)."""
+    num_models: int | None = None
+    """Models per rank for the trial's two sides (v8)."""
     ranks: list[RankMetrics] = field(default_factory=list)
     traces: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -226,6 +246,9 @@ class TrialMetrics:
             step_ms_per_step=per_step,
             step_ms=step_ms,
             process_peak_bytes=max(peaks) if peaks else None,
+            trial_peak_bytes=_max_or_none(r.trial_peak_bytes for r in ranks),
+            reserved_peak_bytes=_max_or_none(r.reserved_peak_bytes for r in ranks),
+            num_models=_max_or_none(r.num_models for r in ranks),
             traces=[r.trace for r in ranks if r.trace],
             reference_step_ms_per_step=reference,
             paired=summarize_pairs(

@@ -19,6 +19,15 @@ processes and the clock. A job that fails ends its rank; any failure or timeout 
 kills every rank's process tree (SIGKILL to each session) and marks the pool broken; the
 next :meth:`RankPool.run` starts fresh ranks. A failure is returned as a
 :class:`~autotune.trials.launch.RankRun` with the same statuses as ``run_ranks``, never raised.
+
+On CUDA (``backend="nccl"``, the search's default there) the same pool keeps what a fresh
+trial would pay for again: the CUDA context, the NCCL default group and its communicators,
+and each mesh shape's groups ([Note: reused meshes] in :mod:`autotune.trials.meshes`). Each
+trial empties the caching allocator and resets its peak counter first, and frees its models
+and empties the cache at its end, so its peak is its own and the next trial starts from an
+empty cache. A trial that dies (CUDA out of memory: status ``oom``; an NCCL error; a hang
+past its limit) ends its rank or is killed; the pool is then restarted for the next trial,
+and what earlier trials wrote stays as it was.
 """
 
 from __future__ import annotations

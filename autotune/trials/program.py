@@ -4,8 +4,10 @@ Local trials call it through :func:`autotune.trials.launch.run_ranks` or a
 :class:`autotune.trials.pool.RankPool`; several nodes through :mod:`autotune.trials.torchrun`.
 
 [Note: what a trial measures]
-- *Step time* comes from unprofiled steps only. Before each measured step all ranks meet
-  at a barrier (and synchronize the device on CUDA); each rank then times its own step
+- *Step time* comes from unprofiled steps only. Before each measured step each rank makes
+  the step's microbatches and puts them on its device (pinned memory and a non-blocking copy
+  on CUDA), then all ranks meet at a barrier (and synchronize the device on CUDA, which also
+  completes the copies), so a step times the model and not the data path; each rank then times its own step
   with ``perf_counter`` and also records, for the step, its training thread's CPU time
   (``time.thread_time``) and the process's minor page faults (``getrusage``). The trial's
   step time per step is the slowest rank's; each rank keeps its own times too.
@@ -131,8 +133,20 @@ class _RssSampler:
         self.peak_bytes = max(self.peak_bytes, self.read())
 
 
+def reset_device_memory(device: torch.device) -> None:
+    """On CUDA, before a trial: the cache emptied and the peak counter reset (a pool's rank ran
+    other trials; this trial's peak is its own). Nothing on CPU (the RSS sampler starts afresh)."""
+    if device.type == "cuda":
+        _release_free_memory()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def _release_free_memory() -> None:
+    """Return freed memory: glibc's heap on CPU, the caching allocator's blocks on CUDA (so a
+    pool's next trial starts from an empty cache, not the last trial's fragments)."""
     gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -197,7 +211,11 @@ def _minor_faults() -> int:
 def timed_step(training: Any, step: int, device: torch.device, emulator: Any = None) -> StepTiming:
     """``training.step(step)`` timed (:class:`~autotune.trials.paired.StepTiming`: wall ms, loss,
     training-thread CPU ms, page faults), started together on all ranks (a barrier) and, with a
-    :class:`~autotune.trials.linkemu.LinkEmulator`, under link emulation."""
+    :class:`~autotune.trials.linkemu.LinkEmulator`, under link emulation. The step's input is made
+    and put on the device first, outside the timing."""
+    prepare = getattr(training, "prepare", None)
+    if prepare is not None:  # custom rank programs' trainings may not have it
+        prepare(step)
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -250,7 +268,14 @@ def _get_memory(device: torch.device, rss: _RssSampler, candidate_peak: int) -> 
     source = "cuda_max_allocated" if device.type == "cuda" else "peak_rss"
     baseline = 0 if device.type == "cuda" else rss.baseline_bytes
     trial_peak = max(candidate_peak, _get_peak_bytes(device, rss))
-    return {"source": source, "peak_bytes": candidate_peak, "baseline_bytes": baseline, "trial_peak_bytes": trial_peak}
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    return {
+        "source": source,
+        "peak_bytes": candidate_peak,
+        "baseline_bytes": baseline,
+        "trial_peak_bytes": trial_peak,
+        "reserved_peak_bytes": reserved,
+    }
 
 
 def _build_sides(
@@ -346,8 +371,7 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     cluster = load_cluster_profile(spec["cluster"]) if spec["cluster"] else None
     # One emulator per side: the candidate's link statistics are its own.
     emulators = (LinkEmulator.from_cluster(cluster), LinkEmulator.from_cluster(cluster)) if cluster else (None, None)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_device_memory(device)
     libc = tune_heap(device)
     with _RssSampler() as rss:
         sides, candidate_peak = _build_sides(rank, world_size, spec, device, emulators, rss)

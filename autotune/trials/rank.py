@@ -46,6 +46,8 @@ def init_rank(tmpdir: str, rank: int) -> tuple[dict, Any]:
     torch.set_num_threads(spec["num_threads"])
     world_size = spec["world_size"]
     timeout = timedelta(seconds=spec["pg_timeout_s"])
+    if spec["backend"] == "nccl":  # one GPU per local rank, before NCCL binds its communicators to one
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     store = dist.TCPStore("127.0.0.1", spec["store_port"], world_size + 1, is_master=False, timeout=timeout)
     dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout)
     return spec, store
@@ -96,13 +98,17 @@ def _get_process_groups() -> list[object]:
 
 
 def _release_job_groups(before: list[object]) -> None:
-    """Destroy the groups a job created (its device mesh's): each holds gloo threads and
-    sockets, and a search runs hundreds of jobs in one pool (measured without this: +3
-    threads and +4 file descriptors per rank for every HSDP trial)."""
+    """Destroy the groups a job created, but the kept meshes' ([Note: reused meshes] in
+    :mod:`autotune.trials.meshes`): each holds gloo threads and sockets (or NCCL
+    communicators), and a search runs hundreds of jobs in one pool (measured without this:
+    +3 threads and +4 file descriptors per rank for every HSDP trial)."""
     import torch.distributed as dist
 
+    from autotune.trials.meshes import get_kept_groups
+
+    kept = get_kept_groups()
     for group in _get_process_groups():
-        if group not in before:
+        if group not in before and group not in kept:
             dist.destroy_process_group(group)
     _clear_sharding_caches()
 

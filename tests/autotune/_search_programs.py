@@ -40,12 +40,11 @@ def _with_slow_steps(rank: int, world_size: int, spec: dict, slow) -> dict:
     """The real trial with rank 1's steps slowed where ``slow(is_candidate, step)`` says."""
     from autotune.trials import program
 
-    original, seen = program.timed_step, []
+    original = program.timed_step
 
     def timed_step(training, step, device, emulator=None):
-        if not seen:
-            seen.append(training)  # the candidate is built, and stepped, first
-        result = slow(training is seen[0], step)
+        # The candidate's knobs are on the model (its own, or the one both sides share: [Note: one model for both sides]).
+        result = slow(training.active_config == spec["config"], step)
         if result:
             training = _SleepyTraining(training, **result) if isinstance(result, dict) else _SleepyTraining(training)
         return original(training, step, device, emulator)

@@ -46,6 +46,13 @@ def count_process_groups(rank: int, world_size: int, **kwargs) -> int:
     return len(distributed_c10d._world.pg_map)
 
 
+def get_kept_group_names(rank: int, world_size: int, **kwargs) -> list[str]:
+    """The process groups of the meshes this rank keeps between jobs ([Note: reused meshes])."""
+    from autotune.trials.meshes import get_kept_groups
+
+    return sorted(group.group_name for group in get_kept_groups())
+
+
 def get_survivors(pids: list[int]) -> list[int]:
     """Live processes that are one of ``pids`` or in their process groups (each rank leads its own)."""
     assert pids, "no pids to check: the launcher did not report its ranks"

@@ -42,7 +42,7 @@ READERS = [
         "trial_metrics",
         TrialMetrics.SCHEMA_VERSION,
         "metrics.json",
-        "metrics_v7.json",
+        "metrics_v8.json",
         TrialMetrics.read,
         "search_v3.json",
     ),
@@ -134,7 +134,7 @@ def test_reader_refuses_a_missing_file(reader, tmp_path):
 
 @pytest.mark.parametrize("version", [0, -1, "2", None, 1.5])
 def test_reader_refuses_a_bad_schema_version(version, tmp_path):
-    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v7.json"), "schema_version": version})
+    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v8.json"), "schema_version": version})
     with pytest.raises(ArtifactError) as excinfo:
         TrialMetrics.read(path)
     assert_refused(excinfo, path, "schema_version must be a positive integer")
@@ -147,7 +147,7 @@ def test_reader_refuses_a_boolean_schema_version(tmp_path):
 
 
 def test_metrics_refuse_an_embedded_summary_from_a_newer_release(tmp_path):
-    data = load_fixture("metrics_v7.json")
+    data = load_fixture("metrics_v8.json")
     data["trace_metrics"]["schema_version"] = SUMMARY_SCHEMA_VERSION + 1
     path = write_json(tmp_path / "metrics.json", data)
     with pytest.raises(ArtifactError) as excinfo:
@@ -156,7 +156,7 @@ def test_metrics_refuse_an_embedded_summary_from_a_newer_release(tmp_path):
 
 
 def test_metrics_refuse_an_embedded_summary_of_another_kind(tmp_path):
-    data = load_fixture("metrics_v7.json")
+    data = load_fixture("metrics_v8.json")
     data["trace_metrics"] = {"schema_version": 1, "kind": "trial_env"}
     path = write_json(tmp_path / "metrics.json", data)
     with pytest.raises(ArtifactError) as excinfo:
@@ -201,21 +201,21 @@ BAD_BODIES = [
         "metrics-unknown-field",
         "metrics.json",
         TrialMetrics.read,
-        lambda: {**load_fixture("metrics_v7.json"), "gpu_util": 0.9},
+        lambda: {**load_fixture("metrics_v8.json"), "gpu_util": 0.9},
         "gpu_util",
     ),
     _bad_body(
         "metrics-missing-field",
         "metrics.json",
         TrialMetrics.read,
-        lambda: _without(load_fixture("metrics_v7.json"), "status"),
+        lambda: _without(load_fixture("metrics_v8.json"), "status"),
         "status",
     ),
     _bad_body(
         "metrics-rank-unknown-field",
         "metrics.json",
         TrialMetrics.read,
-        lambda: _metrics_with_rank_field(load_fixture("metrics_v7.json")),
+        lambda: _metrics_with_rank_field(load_fixture("metrics_v8.json")),
         "gpu_util",
     ),
     _bad_body(

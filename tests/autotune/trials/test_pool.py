@@ -65,8 +65,18 @@ def test_pool_runs_different_configs_back_to_back(pool2, tmp_path):
     assert (tmp_path / "default" / "trace_rank1.json.gz").exists()
     assert not (tmp_path / "accumulate" / "trace_rank0.json.gz").exists()
     assert pool2.num_starts == starts, "the pool restarted although every trial succeeded"
-    # Each job's mesh groups are destroyed after it: hundreds of trials must not pile up gloo threads.
-    assert pool2.run("_trial_programs:count_process_groups", timeout_s=90).results == groups
+    # One mesh per shape is kept ([Note: reused meshes]); every other group a job made is
+    # destroyed after it: hundreds of trials must not pile up gloo threads or NCCL communicators.
+    kept = pool2.run("_trial_programs:get_kept_group_names", timeout_s=90).results
+    # FSDP's 1-D mesh (over the world: torch reuses the default group), HSDP's replicate and shard groups.
+    assert [len(names) for names in kept] == [3, 3]
+    after = pool2.run("_trial_programs:count_process_groups", timeout_s=90).results
+    assert all(n < a <= n + 3 for n, a in zip(groups, after))
+    for name in ("hsdp_again", "default_again_2"):
+        config = configs["hsdp_2x1"] if name.startswith("hsdp") else configs["default"]
+        assert run_trial(_spec(tmp_path, name, config), pool=pool2).status == "ok"
+    assert pool2.run("_trial_programs:get_kept_group_names", timeout_s=90).results == kept
+    assert pool2.run("_trial_programs:count_process_groups", timeout_s=90).results == after
 
 
 def test_pool_restarts_after_a_crash(pool2, tmp_path):

@@ -91,6 +91,9 @@ def test_trial_records_cpu_time_and_page_faults_of_unprofiled_and_profiled_steps
     result = run_trial(_spec(tmp_path, reference=config, num_measured=4, num_profiled=2))
     assert result.status == "ok", result.reason
     metrics = result.metrics
+    # The defaults paired with themselves: one model; the trial's peak is at least the candidate's (metrics v8).
+    assert metrics.num_models == 1 and metrics.trial_peak_bytes >= metrics.process_peak_bytes > 0
+    assert metrics.reserved_peak_bytes is None  # CPU
     for r in metrics.ranks:
         assert len(r.step_ms) == len(r.own_step_ms) == len(r.step_cpu_ms) == len(r.step_page_faults) == 4
         assert len(r.profiled_step_ms) == len(r.profiled_cpu_ms) == len(r.profiled_page_faults) == 2
