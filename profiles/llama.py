@@ -150,18 +150,27 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def init_weights(self, seed: int) -> None:
-        """Deterministic init, identical on every rank for the same seed."""
+        """Deterministic init, identical on every rank for the same seed. Parameters already
+        sharded (DTensors: a model built on the meta device, sharded, then materialised with
+        ``to_empty``) get their own shard of the very values a full build has: each full
+        parameter is drawn on the host in the same order, one at a time, and each rank keeps
+        its shard (no communication)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         gen = torch.Generator().manual_seed(seed)
         std = 0.02
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
-                else:
-                    scale = (
-                        std / math.sqrt(2 * self.shape.num_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+                    continue
+                scale = std / math.sqrt(2 * self.shape.num_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+                full = torch.randn(param.shape, generator=gen) * scale
+                if isinstance(param, DTensor):
+                    full = distribute_tensor(
+                        full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
                     )
-                    param.copy_(torch.randn(param.shape, generator=gen) * scale)
+                param.copy_(full)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

@@ -26,6 +26,38 @@ def train_losses(
     return [training.step(s) for s in range(num_steps)]
 
 
+def train_full_and_sharded(
+    rank: int, world_size: int, *, model: str, configs: list[dict[str, Any]], num_steps: int, seed: int = 0
+) -> list[dict[str, list[float]]]:
+    """Rank program: per config, this rank's losses of a full build and of a sharded one
+    ([Note: sharded build]), and the sharded build's parameters' devices (none left on meta)."""
+    from torch.distributed.tensor import DTensor
+
+    from profiles.llama import Llama
+
+    original, inits = Llama.init_weights, []
+
+    def init_weights(self, seed: int) -> None:  # what the init saw: sharded parameters or full ones
+        inits.append(all(isinstance(p, DTensor) for p in self.parameters()))
+        original(self, seed)
+
+    Llama.init_weights = init_weights
+    results = []
+    try:
+        for config in configs:
+            run = {}
+            for name, sharded in (("full", False), ("sharded", True)):
+                training = build_training(rank, world_size, model=model, config=config, seed=seed, sharded=sharded)
+                run[name] = [training.step(s) for s in range(num_steps)]
+                run[f"{name}_devices"] = sorted({p.device.type for p in training.model.parameters()})
+                run[f"{name}_init_sharded"] = inits.pop()
+                del training
+            results.append(run)
+    finally:
+        Llama.init_weights = original
+    return results
+
+
 def reference_losses(
     *, model: str | dict[str, Any], world_size: int, num_microbatches: int, num_steps: int, seed: int = 0
 ) -> list[list[float]]:

@@ -65,7 +65,10 @@ class RankMetrics:
     """On CUDA ``torch.cuda.max_memory_reserved`` over the same span: what the caching allocator
     held, fragments included (None on CPU; v8)."""
     num_models: int | None = None
-    """Models this rank held for the trial's two sides: 1 (shared or self-paired) or 2 (v8)."""
+    """Models this rank held at once for the trial's two sides: 1 (shared, self-paired or built in
+    turn) or 2 (v8)."""
+    num_builds: int | None = None
+    """Models this rank built for the trial (more than ``num_models``: built in turn; v8)."""
     trace: str | None = None
     """File name of this rank's trace in the trial dir."""
     link_emulation: dict[str, Any] | None = None
@@ -179,7 +182,7 @@ class TrialMetrics:
     # stay as measured: before v5 a ratio is the median pair, without ``estimator``); v6 embeds
     # trace summary v4 (pipeline figures; ``check_summary`` upgrades an older one); v7 adds the
     # stopping rule and why the pairs stopped (defaults: none, every pair ran); v8 the trial's
-    # peak with the reference, the allocator's reserved peak and the number of models (None: unknown)
+    # peak with the reference, the allocator's reserved peak, the models held and built (None: unknown)
 
     status: TrialStatus
     reason: str = ""
@@ -204,7 +207,9 @@ class TrialMetrics:
     reserved_peak_bytes: int | None = None
     """Largest CUDA reserved peak over ranks (v8; None on CPU)."""
     num_models: int | None = None
-    """Models per rank for the trial's two sides (v8)."""
+    """Models per rank held at once for the trial's two sides (v8)."""
+    num_builds: int | None = None
+    """Models per rank built for the trial (v8)."""
     ranks: list[RankMetrics] = field(default_factory=list)
     traces: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -249,6 +254,7 @@ class TrialMetrics:
             trial_peak_bytes=_max_or_none(r.trial_peak_bytes for r in ranks),
             reserved_peak_bytes=_max_or_none(r.reserved_peak_bytes for r in ranks),
             num_models=_max_or_none(r.num_models for r in ranks),
+            num_builds=_max_or_none(r.num_builds for r in ranks),
             traces=[r.trace for r in ranks if r.trace],
             reference_step_ms_per_step=reference,
             paired=summarize_pairs(

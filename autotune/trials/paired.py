@@ -37,8 +37,13 @@ steps, outside the timed step. What one model changes and what it keeps:
   reordered sums.
 
 A structural difference (mesh, grouping, checkpointing, precision, an int reshard, pipeline
-stages) still builds the reference a model of its own. ``AUTOTUNE_PAIRED_MODELS=two`` gives
-every reference its own model (benchmarks compare both).
+stages) gives the reference a model of its own on CPU; on CUDA the two models are built in
+turn, one at a time ([Note: models built in turn] in :mod:`autotune.trials.in_turn`).
+``AUTOTUNE_PAIRED_MODELS`` (``two``, ``turn``) overrides both for benchmarks and tests.
+Measured (``benchmarks/trial_overhead.py --paired``, pooled, 2 ranks, no reshard after forward
++ prefetch against the defaults, 2 warm-up steps, at load 2.7-2.9): a trial's fixed cost
+(wall minus its steps) 11.27 s with two models and 8.19 s with one on ``wide1024`` (4 pairs
+per trial; 1.38x, per pair 1.27-1.49), 2.83 and 2.30 s on ``small`` (2 pairs; 1.23x).
 
 [Note: switch cost]):
   each side runs one unmeasured *settle* step first whenever the ranks switch to it (its
@@ -139,6 +144,9 @@ class Side:
     config: dict[str, Any] | None = None
     """With a training shared by both sides: this side's config, switched to in place before each
     of its steps ([Note: one model for both sides]); None: the training is this side's own."""
+    in_turn: Any = None
+    """With models built in turn (:class:`~autotune.trials.in_turn.ModelsInTurn`): what builds this
+    side's model when it steps (``training`` is None while the other side's is held)."""
 
     def clear(self) -> None:
         """Forget the steps so far (warm-up steps are not measurements; their losses stay)."""
@@ -153,12 +161,22 @@ def _slowest_ms(ms: float, device: torch.device) -> float:
     return float(value.item())
 
 
+def activate(side: Side) -> Any:
+    """Make ``side``'s model what the ranks hold, outside any timed step: its knobs switched in
+    place on a shared model ([Note: one model for both sides]; a no-op when it has them), or its
+    build made in turn ([Note: models built in turn] in :mod:`autotune.trials.in_turn`)."""
+    if side.in_turn is not None:
+        side.in_turn.activate(side)
+    elif side.config is not None:
+        side.training.use_config(side.config)
+    return side.training
+
+
 def step_side(side: Side, device: torch.device, timed_step: Any, *, settle: bool = False) -> float:
     """One timed step of ``side``; returns (and records) the slowest rank's milliseconds. A
     ``settle`` step (the first after a switch, [Note: switch cost]) keeps its loss and its time
     in ``settle_ms`` only."""
-    if side.config is not None:
-        side.training.use_config(side.config)  # outside the timed step; a no-op when it has it
+    activate(side)
     timing = timed_step(side.training, side.next_step, device, side.emulator)
     side.next_step += 1
     ms = _slowest_ms(timing.ms, device)

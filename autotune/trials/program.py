@@ -85,10 +85,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autotune.trials.in_turn import ModelsInTurn
 from autotune.trials.metrics import median_or_none
 from autotune.trials.paired import (
     Side,
     StepTiming,
+    activate,
     get_block_ratios,
     get_pair_steps,
     run_pairs,
@@ -161,8 +163,10 @@ PREFAULT_BYTES = 512 * 2**20
 """Heap touched before the profiled window (at most a quarter of the free memory per rank):
 more than a ``small`` trial's window grows (28-50k pages per step, ranks summed)."""
 PAIRED_MODELS_ENV = "AUTOTUNE_PAIRED_MODELS"
-"""Set to ``two`` to give the reference a model of its own even where the knobs switch in place
-(benchmarks and tests compare both: [Note: one model for both sides])."""
+"""Unset: one model where the knobs switch in place ([Note: one model for both sides]), else a
+second model on CPU and models built in turn on CUDA ([Note: models built in turn]). ``two``:
+always a second model; ``turn``: in turn wherever the knobs do not switch in place (benchmarks and
+tests compare them)."""
 NO_HEAP_TUNING_ENV = "AUTOTUNE_GLIBC_MALLOC"
 """Set to ``default`` to leave glibc's allocator as it is (benchmarks compare both)."""
 
@@ -285,16 +289,9 @@ def _build_sides(
     own model where the two differ only in knobs switched in place, else a model of its own
     ([Note: one model for both sides] in :mod:`autotune.trials.paired`). Returns the sides and
     the candidate's peak memory (its build and warm-up: no reference exists yet)."""
-    from autotune.trials.training import build_training
 
-    candidate = Side(
-        training=build_training(
-            rank, world_size, model=spec["model"], config=spec["config"], seed=spec["seed"], device=device
-        ),
-        emulator=emulators[0],
-    )
-    for _ in range(spec["num_warmup"]):
-        step_side(candidate, device, timed_step)
+    candidate = Side(training=_build(rank, world_size, spec, device, spec["config"]), emulator=emulators[0])
+    _warm_up(candidate, spec, device)
     candidate_peak = _get_peak_bytes(device, rss)
     sides = {"candidate": candidate}
     reference = spec.get("reference")
@@ -310,27 +307,44 @@ def _get_reference(
 ) -> Side:
     """The reference side, warmed up: the candidate itself (the defaults trial: alternate steps
     measure the noise), the candidate's model switched in place (one warm-up step with its
-    knobs), or its own model (``num_warmup`` steps)."""
-    from autotune.trials.training import build_training
-
+    knobs), a model built in turn with the candidate's ([Note: models built in turn] in
+    :mod:`autotune.trials.in_turn`: on CUDA; built when it first steps), or its own model
+    (``num_warmup`` steps)."""
     reference = spec["reference"]
     if reference == spec["config"]:
         return candidate
-    one_model = os.environ.get(PAIRED_MODELS_ENV) != "two"
-    if one_model and not candidate.training.get_structural_differences(reference):
+    asked = os.environ.get(PAIRED_MODELS_ENV)
+    if asked != "two" and not candidate.training.get_structural_differences(reference):
         candidate.config = spec["config"]
         side = Side(training=candidate.training, emulator=emulator, config=reference)
         step_side(side, device, timed_step)
         return side
-    side = Side(
-        training=build_training(
-            rank, world_size, model=spec["model"], config=reference, seed=spec["seed"], device=device
-        ),
-        emulator=emulator,
-    )
-    for _ in range(spec["num_warmup"]):
-        step_side(side, device, timed_step)
+    if asked == "turn" or (asked is None and device.type == "cuda"):
+        in_turn = ModelsInTurn(
+            lambda config: _build(rank, world_size, spec, device, config),
+            lambda side: _warm_up(side, spec, device),
+            _release_free_memory,
+        )
+        in_turn.add(candidate, spec["config"], built=True)
+        side = Side(training=None, emulator=emulator)
+        in_turn.add(side, reference)
+        return side
+    side = Side(training=_build(rank, world_size, spec, device, reference), emulator=emulator)
+    _warm_up(side, spec, device)
     return side
+
+
+def _build(rank: int, world_size: int, spec: dict[str, Any], device: torch.device, config: dict[str, Any]) -> Any:
+    from autotune.trials.training import build_training
+
+    return build_training(rank, world_size, model=spec["model"], config=config, seed=spec["seed"], device=device)
+
+
+def _warm_up(side: Side, spec: dict[str, Any], device: torch.device) -> None:
+    """``num_warmup`` steps of a freshly built side, not measured (their losses stay in its record)."""
+    for _ in range(spec["num_warmup"]):
+        side.losses.append(timed_step(side.training, side.next_step, device, side.emulator).loss)
+        side.next_step += 1
 
 
 def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device) -> str | None:
@@ -377,7 +391,9 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
         sides, candidate_peak = _build_sides(rank, world_size, spec, device, emulators, rss)
         stopped = _measure(sides, spec, device)
     memory = _get_memory(device, rss, candidate_peak)
-    num_models = len({id(side.training) for side in sides.values()})
+    in_turn = sides["candidate"].in_turn
+    num_models = 1 if in_turn is not None else len({id(side.training) for side in sides.values()})
+    num_builds = in_turn.num_builds if in_turn is not None else num_models
     pruned = stopped in ("pruned", "slower")
     # A candidate slower than the search's best is never the config whose traces a report or a
     # calibration reads: its profiled window is skipped with ``profile_below``.
@@ -392,8 +408,7 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
         trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
         if libc is not None:
             prefault_heap(libc, world_size)
-        if candidate.config is not None:  # one model: the reference's knobs may be on it
-            candidate.training.use_config(candidate.config)
+        activate(candidate)  # one model: the reference's knobs, or the reference's build, may be what the ranks hold
         window = _profiled_window(
             candidate.training, candidate.next_step, spec["num_profiled"], device, candidate.emulator, trace_path
         )
@@ -413,6 +428,7 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
         "stopped": stopped,
         "memory": memory,
         "num_models": num_models,
+        "num_builds": num_builds,
         "trace": trace,
         "link_emulation": emulators[0].summary() if emulators[0] is not None else None,
         "env": _get_rank_env(device),

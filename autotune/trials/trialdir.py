@@ -91,6 +91,7 @@ def to_rank_metrics(result: dict[str, Any]) -> RankMetrics:
         trial_peak_bytes=memory.get("trial_peak_bytes"),
         reserved_peak_bytes=memory.get("reserved_peak_bytes"),
         num_models=result.get("num_models"),
+        num_builds=result.get("num_builds"),
         trace=result["trace"],
         link_emulation=result["link_emulation"],
         **{k: result[k] for k in _STEP_COST_KEYS if k in result},

@@ -94,3 +94,14 @@ def test_one_model_where_the_knobs_switch_in_place_two_where_they_do_not(tmp_pat
         name: _run(tmp_path, name, c, model="tiny", units=TINY_UNITS)[0]["num_models"] for name, c in cases.items()
     }
     assert models == {"self": 1, "switched": 1, "structural": 2}
+
+
+def test_structural_pairs_take_turns_on_one_model(tmp_path, monkeypatch):
+    """[Note: models built in turn] (on CUDA by default; here asked for): one model held at a time,
+    built anew at each switch: the candidate's, then one per switch (before the pair and in it)."""
+    monkeypatch.setenv(PAIRED_MODELS_ENV, "turn")
+    results = _run(tmp_path, "turn", _checkpointed(TINY_UNITS), model="tiny", units=TINY_UNITS)
+    assert [(r["num_models"], r["num_builds"]) for r in results] == [(1, 3), (1, 3)]  # 1 pair: 1 + 2
+    # The candidate's record: 2 builds x 2 warm-up steps, the settle step after its second
+    # build, its measured step (every step's loss is kept).
+    assert all(len(r["losses"]) == 2 * 2 + 1 + 1 for r in results)
