@@ -96,9 +96,28 @@ def size_model(*, gpu_bytes: int, fill: float, nproc: int, seq_len: int, cluster
     return best
 
 
+def write_model_toml(model: dict, out: Path) -> Path:
+    """The sized model as a profile TOML (a path, as users pass ``--model``; the search keeps it as given)."""
+    from fsdp_runtime import dumps_toml
+    from profiles.sources import load_model_source
+
+    profile = load_model_source(model)
+    name = f"{BASE_MODEL}-{model['num_layers']}blocks"
+    data = {
+        "name": name,
+        "description": f"{BASE_MODEL}'s shape, {model['num_layers']} blocks (gpu_check.py)",
+        "seq_len": profile.seq_len,
+        "batch_size": profile.batch_size,
+        "shape": dataclasses.asdict(profile.shape),
+    }
+    path = out / f"{name}.toml"
+    path.write_text(dumps_toml(data), encoding="utf-8")
+    return path
+
+
 def search_settings(model: dict, args: argparse.Namespace, out: Path) -> SearchSettings:
     return SearchSettings(
-        model=model,
+        model=str(write_model_toml(model, out)),
         world_size=args.nproc,
         num_trials=args.trials,
         num_microbatches=2,

@@ -33,8 +33,13 @@ def test_gpu_check_dry_run_plans_the_run_and_tabulates_a_recorded_trial(tmp_path
     lines = done.stdout.splitlines()
     model = next(line for line in lines if line.startswith("model: "))
     assert "'name': 'llama8b'" in model and "of 80 GiB" in model
-    assert any(line.startswith("search: 6 trials of llama8b on 1 GPU(s), bfloat16/float32") for line in lines)
+    assert any(
+        line.startswith("search: 6 trials of llama8b-") and line.endswith("blocks on 1 GPU(s), bfloat16/float32")
+        for line in lines
+    )
     assert sum(line.startswith("numerics ") for line in lines) == 2
     row = lines[lines.index(next(line for line in lines if line.strip().startswith("trial"))) + 1].split()
     assert row[:2] == ["recorded", "ok"] and lines[-1] == "dry run: no trial ran"
     assert not list((tmp_path / "out").rglob("metrics.json"))  # nothing ran
+    (toml,) = (tmp_path / "out").glob("llama8b-*blocks.toml")  # the sized model, as the search will get it
+    assert "dim = 4096" in toml.read_text(encoding="utf-8")
