@@ -57,7 +57,7 @@ BASE_MODEL = "llama8b"
 NEEDED = {"optuna": "optuna", "hta": "traceinsight"}
 """Modules the GPU run imports beyond torch, and the wheel that brings each."""
 BF16_RTOL, SWITCH_RTOL = 2e-2, 1e-3
-DEFAULT_RECORDED = ROOT.parent / "shared" / "gpu-traces" / "h200-l8b4-defaults"
+DEFAULT_RECORDED = ROOT / "tests" / "data" / "gpu_traces" / "h200-l8b4-defaults"
 
 
 def check_imports() -> list[str]:

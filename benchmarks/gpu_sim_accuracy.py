@@ -10,9 +10,12 @@ absolute error; writes ``results.json`` and the profile into ``--out``.
     python benchmarks/gpu_sim_accuracy.py                      # on a GPU box (~5 min on one H100/H200)
     python benchmarks/gpu_sim_accuracy.py --dry-run            # anywhere: the configs and the datasheet's predictions
 
-``--dry-run`` runs no trial: it builds every config, checks it against the model and prints what
-the datasheet (the cluster profile) predicts, so the script is tested on a CPU box before a GPU
-minute is spent on it.
+``--dry-run`` runs no trial: it builds every config, checks it against the model, calibrates on a
+recorded calibration trial (``--recorded``: this script's own ``case_00`` from one H200) and
+prints what that profile and the datasheet predict for every case: the whole path after the
+trials, so the script is tested on a CPU box before a GPU minute is spent on it. On the GPU the
+table of measurements is written (``results.json``) before the calibration runs, and again with
+the predictions; a calibration that fails leaves the measurements and its error there.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from typing import Any  # noqa: E402
+
 from autotune.search import SearchSpace, describe_params  # noqa: E402
 from autotune.sim import Hardware, Simulator, calibrate_trials, get_model_work  # noqa: E402
 from autotune.sim.gpu_calibrate import get_cluster_for  # noqa: E402
@@ -35,6 +40,8 @@ from profiles import load_cluster_profile  # noqa: E402
 from profiles.sources import load_model_source  # noqa: E402
 
 BF16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
+RECORDED = Path(__file__).resolve().parents[1] / "tests" / "data" / "gpu_traces" / "h200-llama1b-gsa-defaults"
+"""This script's own calibration trial (``case_00``), as it wrote it on one H200 (2026-11-27)."""
 
 
 def get_cases(model: str, seq_len: int) -> list[tuple[str, dict, int, dict]]:
@@ -88,26 +95,53 @@ def main() -> None:
     parser.add_argument("--cluster", default=None, help="cluster profile of this GPU (default: by its name)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
-        "--dry-run", action="store_true", help="run no trial: the configs and the datasheet's predictions"
+        "--dry-run", action="store_true", help="run no trial: calibrate on --recorded and predict every case"
     )
+    parser.add_argument("--recorded", type=Path, default=RECORDED, help="--dry-run: the calibration trial dir to use")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu_sim_accuracy_"))
+    out.mkdir(parents=True, exist_ok=True)
     cases = [
         build_case(args.model, {"seq_len": args.seq_len, **o}, m, p)
         for _, o, m, p in get_cases(args.model, args.seq_len)
     ]
     labels = [label for label, *_ in get_cases(args.model, args.seq_len)]
     if args.dry_run:
-        hardware = Hardware(load_cluster_profile(args.cluster or "h100-node"), num_ranks=1)
-        for label, (_, work, config, described) in zip(labels, cases):
-            step = Simulator(work, hardware).simulate(config).step_s
-            print(f"{label:<48} datasheet {1e3 * step:8.1f} ms  {described}")
+        _dry_run(cases, labels, args)
         return
-    rows = _measure(cases, labels, args, out)
-    _report(rows, out)
+    dirs = _measure(cases, labels, args, out)
+    rows = _get_rows(cases, labels, [result for _, result in dirs], None)
+    _write(rows, out, None)  # the measurements are kept whatever the calibration does
+    if not dirs[0][1].ok:
+        sys.exit(f"the calibration trial failed: {dirs[0][1].status} {dirs[0][1].reason}; measurements in {out}")
+    try:
+        profile, lines = calibrate_trials([dirs[0][0]], model=None, cluster=args.cluster)
+    except Exception as e:  # a GPU minute is never lost to a crash: the table is written first
+        _write(rows, out, f"calibration failed: {type(e).__name__}: {e}")
+        sys.exit(f"calibration failed on {dirs[0][0]}: {type(e).__name__}: {e}; measurements in {out / 'results.json'}")
+    profile.write(out / "device.toml")
+    print("\n".join(lines), flush=True)
+    _report(_get_rows(cases, labels, [result for _, result in dirs], _hardware(profile, args.cluster)), out)
 
 
-def _measure(cases: list, labels: list[str], args: argparse.Namespace, out: Path) -> list[dict]:
+def _hardware(profile: Any, cluster: str | None) -> Hardware:
+    return Hardware(load_cluster_profile(get_cluster_for(profile.device, cluster)), num_ranks=1, device=profile)
+
+
+def _dry_run(cases: list, labels: list[str], args: argparse.Namespace) -> None:
+    """The path after the trials, on a recorded calibration trial: calibrate, then predict every case."""
+    profile, lines = calibrate_trials([args.recorded], model=None, cluster=args.cluster)
+    print("\n".join(lines))
+    measured = _hardware(profile, args.cluster)
+    datasheet = Hardware(load_cluster_profile(get_cluster_for(profile.device, args.cluster)), num_ranks=1)
+    for label, (_, work, config, described) in zip(labels, cases):
+        predicted = Simulator(work, measured).simulate(config).step_s
+        step = Simulator(work, datasheet).simulate(config).step_s
+        print(f"{label:<48} profile {1e3 * predicted:8.1f} ms  datasheet {1e3 * step:8.1f} ms  {described}")
+    print(f"dry run: calibrated on {args.recorded}; no trial ran")
+
+
+def _measure(cases: list, labels: list[str], args: argparse.Namespace, out: Path) -> list[tuple[Path, Any]]:
     from autotune.trials import TrialSpec, run_trial
 
     dirs = []
@@ -131,28 +165,35 @@ def _measure(cases: list, labels: list[str], args: argparse.Namespace, out: Path
             flush=True,
         )
         dirs.append((trial_dir, result))
-    if not dirs[0][1].ok:
-        sys.exit(f"the calibration trial failed: {dirs[0][1].status} {dirs[0][1].reason}")
-    profile, lines = calibrate_trials([dirs[0][0]], model=None, cluster=args.cluster)
-    profile.write(out / "device.toml")
-    print("\n".join(lines), flush=True)
-    hardware = Hardware(
-        load_cluster_profile(get_cluster_for(profile.device, args.cluster)), num_ranks=1, device=profile
-    )
+    return dirs
+
+
+def _get_rows(cases: list, labels: list[str], results: list[Any], hardware: Hardware | None) -> list[dict]:
+    """One row per case: measured, and predicted where a profile's ``hardware`` is given."""
     rows = []
-    for label, (_, work, config, described), (_, result) in zip(labels, cases, dirs):
-        predicted = 1e3 * Simulator(work, hardware).simulate(config).step_s
-        measured = result.step_ms if result.ok else None
+    for label, (_, work, config, described), result in zip(labels, cases, results):
+        predicted = 1e3 * Simulator(work, hardware).simulate(config).step_s if hardware is not None else None
         rows.append(
             {
                 "case": label,
                 "config": described,
-                "measured_ms": measured,
+                "measured_ms": result.step_ms if result.ok else None,
                 "predicted_ms": predicted,
                 "status": result.status,
             }
         )
     return rows
+
+
+def _write(rows: list[dict], out: Path, error: str | None) -> None:
+    errors = [
+        abs(r["predicted_ms"] / r["measured_ms"] - 1)
+        for r in rows[1:]
+        if r["measured_ms"] and r["predicted_ms"] is not None
+    ]
+    median = statistics.median(errors) if errors else None
+    data = {"rows": rows, "median_abs_error": median, "error": error}
+    (out / "results.json").write_text(json.dumps(data, indent=1))
 
 
 def _report(rows: list[dict], out: Path) -> None:
@@ -170,7 +211,7 @@ def _report(rows: list[dict], out: Path) -> None:
     print(
         f"\nmedian absolute error over {len(errors)} configs the profile never saw: {'-' if median is None else f'{100 * median:.1f}%'}"
     )
-    (out / "results.json").write_text(json.dumps({"rows": rows, "median_abs_error": median}, indent=1))
+    _write(rows, out, None)
     print(f"details in {out}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,45 @@ def test_gpu_check_dry_run_plans_the_run_and_tabulates_a_recorded_trial(tmp_path
     assert not list((tmp_path / "out").rglob("metrics.json"))  # nothing ran
     (toml,) = (tmp_path / "out").glob("llama8b-*blocks.toml")  # the sized model, as the search will get it
     assert "dim = 4096" in toml.read_text(encoding="utf-8")
+
+
+# gpu_sim_accuracy.py's measured steps on one H200 SXM (torch 2.11.0+cu130, 2026-11-27; median of 4
+# unprofiled steps per case, ms): tests/data/gpu_traces/README.md. Its case_00 is the recorded
+# calibration trial the dry run calibrates on (h200-llama1b-gsa-defaults).
+MEASURED_MS = {
+    "full checkpointing": 542.7,
+    "selective checkpointing": 586.7,
+    "2 blocks per unit": 437.1,
+    "no reshard after forward": 432.8,
+    "1 microbatch": 231.2,
+    "4 microbatches": 858.7,
+    "seq 4096": 272.0,
+    "seq 4096, selective, 4 microbatches": 957.9,
+    "4 blocks per unit, no reshard after forward": 432.5,
+}
+DEVICE_BOUND = ("full checkpointing", "2 blocks per unit", "no reshard after forward", "1 microbatch", "4 microbatches")
+
+
+def test_gpu_sim_accuracy_dry_run_calibrates_on_its_recorded_trial_and_predicts_the_measured_cases(tmp_path):
+    """The path after the trials, on the recorded calibration trial: the profile reproduces it
+    and predicts the nine configs it never saw at a median error within 5% (7.6% before the
+    profiler's slowdown was taken out of the fit); the device-bound ones within 3%. The
+    host-bound ones (selective checkpointing, seq 4096) are still under-predicted by 14-47%:
+    the host's launch path is not priced yet."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu_sim_accuracy.py", "--dry-run", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    predicted = {}
+    for line in done.stdout.splitlines():
+        if " profile " in line and " ms " in line:
+            label, rest = line.split(" profile ", 1)
+            predicted[label.strip()] = float(rest.split()[0])
+    assert "measured 441.7 ms" in done.stdout and done.stdout.rstrip().endswith("no trial ran")
+    errors = {case: predicted[case] / ms - 1 for case, ms in MEASURED_MS.items()}
+    assert statistics.median(abs(e) for e in errors.values()) < 0.05, errors
+    assert all(abs(errors[case]) < 0.03 for case in DEVICE_BOUND), errors

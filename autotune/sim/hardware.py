@@ -145,7 +145,7 @@ class Hardware:
         do not hide them behind the matmuls. So a FLOP costs ``1/(peak x e) + 1/(k x d x S)``
         (k = 4 or 10, d the head dim, S the special-function rate): ``e`` follows from the rate
         measured at one head dim (the accelerator's ``attention_head_dim``, or a device profile's)
-        and the formula gives any other. Checked on one H200 (``shared/gpu-traces``): calibrated on
+        and the formula gives any other. Checked on one H200 (``tests/data/gpu_traces``): calibrated on
         head dim 128 (578 TFLOP/s forward, 467 backward), it predicts head dim 64 at 448 and 427
         where the trace measured 437 and 404.
         """

@@ -8,7 +8,7 @@ model hold, as FSDPMemTracker counts them) does not see. Each part has its sourc
    workspaces): the cluster profile's ``[accelerator] reserved_gib``, an assumption (2 GiB
    on every GPU profile), taken off before anything else: ``Hardware.usable_memory_bytes``
    is the device memory less it. Nothing measured here checks it: the H200 trials in
-   ``shared/gpu-traces`` recorded ``torch.cuda.max_memory_allocated`` only, not what
+   ``tests/data/gpu_traces`` recorded ``torch.cuda.max_memory_allocated`` only, not what
    ``nvidia-smi`` saw.
 2. *The simulator's memory error* (``SIMULATOR_MEMORY_ERROR``): the largest
    ``predicted / measured - 1`` of the peak over the trials that measured one on a GPU
@@ -17,7 +17,7 @@ model hold, as FSDPMemTracker counts them) does not see. Each part has its sourc
    whole segments and keeps freed blocks cached, so at the allocation peak it holds more
    than the tensors do: reserved / allocated - 1 at the peak. Measurable from a trace that
    has the profiler's ``[memory]`` events (``FsdpTraceAnalysis.get_allocator_peaks``), but
-   ``shared/gpu-traces`` has none (trials profile without ``profile_memory``), so this part
+   ``tests/data/gpu_traces`` has none (trials profile without ``profile_memory``), so this part
    is a published figure, not a measurement of ours.
 
 Parts 2 and 3 are shares of the peak, so a predicted peak ``p`` is *safe* when
@@ -35,7 +35,7 @@ from typing import Any
 _GIB = 2**30
 
 SIMULATOR_MEMORY_ERROR = 0.0084
-"""Measured (``shared/gpu-traces``, one H200, bf16 params, fp32 reduce, 2 microbatches of
+"""Measured (``tests/data/gpu_traces``, one H200, bf16 params, fp32 reduce, 2 microbatches of
 8192 tokens, FSDP2's defaults): predicted peak / ``metrics.json`` ``process_peak_bytes``
 (CUDA max allocated) - 1 is +0.84% for ``h200-llama1b-defaults`` (47.32 GiB predicted,
 50,389,473,792 B = 46.93 GiB measured) and +0.24% for ``h200-l8b4-defaults`` (50.43 vs
@@ -43,7 +43,7 @@ SIMULATOR_MEMORY_ERROR = 0.0084
 the larger magnitude (``tests/autotune/plan/test_memory_margin.py`` recomputes both)."""
 
 ALLOCATOR_FRAGMENTATION = 0.20
-"""Not measured here (``shared/gpu-traces`` has no ``[memory]`` events). Published:
+"""Not measured here (``tests/data/gpu_traces`` has no ``[memory]`` events). Published:
 pytorch/torchtitan#165 (FSDP2 eager, 8x H100, local batch 8, seq 2048, bf16 params, fp32
 reduce-scatter): selective checkpointing peaked at 52.13% active and 62.51% reserved of
 95.04 GiB, +19.9% reserved over active. Full checkpointing there: 23.92% vs 32.64%, +36%,
@@ -66,13 +66,13 @@ MARGIN_PARTS = (
     MarginPart(
         name="simulator_error",
         share=SIMULATOR_MEMORY_ERROR,
-        source="measured: predicted vs CUDA max allocated, 2 H200 trials (shared/gpu-traces): +0.24%, +0.84%",
+        source="measured: predicted vs CUDA max allocated, 2 H200 trials (tests/data/gpu_traces): +0.24%, +0.84%",
     ),
     MarginPart(
         name="allocator_fragmentation",
         share=ALLOCATOR_FRAGMENTATION,
         source="assumption: peak reserved / active - 1 of FSDP2 with selective checkpointing on 8x H100 "
-        "(pytorch/torchtitan#165: 62.51% vs 52.13%); shared/gpu-traces has no [memory] events to measure it",
+        "(pytorch/torchtitan#165: 62.51% vs 52.13%); tests/data/gpu_traces has no [memory] events to measure it",
     ),
 )
 

@@ -20,18 +20,15 @@ from autotune.sim import (
 )
 from fsdp_runtime import load_config
 from profiles import load_cluster_profile
+from tests._gpu_traces import get_gpu_trial
 
 REPO = Path(__file__).resolve().parents[3]
-GPU_TRACES = REPO.parent / "shared" / "gpu-traces"
 GPU_TRIALS = ("h200-l8b4-defaults", "h200-llama1b-defaults")
 _GIB = 2**30
 
 
 def _gpu_trial(name: str) -> Path:
-    path = GPU_TRACES / name
-    if not (path / "metrics.json").is_file():
-        pytest.skip(f"{path} is absent: the measured H200 trials live in the checkout's ../shared/gpu-traces")
-    return path
+    return get_gpu_trial(name)
 
 
 def test_the_simulator_error_part_is_the_measured_one():

@@ -1,7 +1,6 @@
 """The GPU step attribution of ``autotune report``: where a GPU trial's step goes on the device.
 
-Real GPU trial dirs (one H200, world 1, torch 2.11) are read from ``../shared/gpu-traces`` beside
-the clone (never copied into the repo); without them these tests skip (fail in CI).
+Real GPU trial dirs (one H200, world 1, torch 2.11) from ``tests/data/gpu_traces`` (``tests/_gpu_traces.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from _fixtures import get_fixture_traces
-from _required import skip_unless_required
 from typer.testing import CliRunner
 
 from autotune.analysis import KERNEL_CLASSES, summarize_traces
@@ -20,15 +18,11 @@ from autotune.report.attribution import CLASS_TITLES, PARTS, get_part
 from autotune.report.gpu_step import GPU_SECTION_TITLE
 from autotune.report.html import FIGURES_META
 from autotune.trials import TrialMetrics
-
-GPU_TRACES = Path(__file__).resolve().parents[3] / ".." / "shared" / "gpu-traces"
+from tests._gpu_traces import get_gpu_trial
 
 
 def _gpu_trial(name: str) -> Path:
-    path = GPU_TRACES / name
-    if not (path / "trace_rank0.json.gz").exists():
-        skip_unless_required(f"no GPU trial dir {path.resolve()} (../shared/gpu-traces beside the clone)")
-    return path
+    return get_gpu_trial(name)
 
 
 @pytest.fixture(scope="module")
