@@ -71,7 +71,9 @@ def test_pool_runs_different_configs_back_to_back(pool2, tmp_path):
     # FSDP's 1-D mesh (over the world: torch reuses the default group), HSDP's replicate and shard groups.
     assert [len(names) for names in kept] == [3, 3]
     after = pool2.run("_trial_programs:count_process_groups", timeout_s=90).results
-    assert all(n < a <= n + 3 for n, a in zip(groups, after))
+    # At most the kept groups more than before this test (none more where the shared pool's
+    # earlier jobs already kept these shapes).
+    assert all(n <= a <= n + 3 for n, a in zip(groups, after))
     for name in ("hsdp_again", "default_again_2"):
         config = configs["hsdp_2x1"] if name.startswith("hsdp") else configs["default"]
         assert run_trial(_spec(tmp_path, name, config), pool=pool2).status == "ok"
