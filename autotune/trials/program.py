@@ -286,10 +286,9 @@ def _build_sides(
     rank: int, world_size: int, spec: dict[str, Any], device: torch.device, emulators: tuple[Any, Any], rss: _RssSampler
 ) -> tuple[dict[str, Side], int]:
     """The candidate, warmed up, and with ``spec["reference"]`` the reference: on the candidate's
-    own model where the two differ only in knobs switched in place, else a model of its own
-    ([Note: one model for both sides] in :mod:`autotune.trials.paired`). Returns the sides and
-    the candidate's peak memory (its build and warm-up: no reference exists yet)."""
-
+    own model where the two differ only in knobs switched in place, else a model of its own, or
+    on CUDA models built in turn ([Note: one model for both sides] in :mod:`autotune.trials.paired`).
+    Returns the sides and the candidate's peak memory (its build and warm-up: no reference exists yet)."""
     candidate = Side(training=_build(rank, world_size, spec, device, spec["config"]), emulator=emulators[0])
     _warm_up(candidate, spec, device)
     candidate_peak = _get_peak_bytes(device, rss)
