@@ -16,3 +16,18 @@ def run_rank0(target: str, *, world_size: int, kwargs: dict[str, Any], timeout_s
     if not run.ok:
         sys.exit(f"benchmark failed: {run.status}: {run.reason}")
     return run.results[0]
+
+
+def with_keep_and_prefetch(config: Any) -> Any:
+    """``config`` with every block unit keeping its parameters after forward and prefetching the next
+    block: knobs a sharded model switches in place ([Note: knobs switched in place])."""
+    import dataclasses
+
+    blocks = [u.name for u in config.units if u.name != "root"]
+    units = [
+        dataclasses.replace(u, reshard_after_forward=False, forward_prefetch=blocks[i + 1 : i + 2])
+        if u.name != "root"
+        else u
+        for i, u in enumerate(config.units)
+    ]
+    return dataclasses.replace(config, units=units)

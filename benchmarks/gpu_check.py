@@ -47,6 +47,8 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import with_keep_and_prefetch  # noqa: E402
+
 from autotune.search import SearchSettings  # noqa: E402
 from autotune.trials import TrialMetrics, TrialSpec  # noqa: E402
 from fsdp_runtime import MixedPrecisionConfig, config_to_dict  # noqa: E402
@@ -149,18 +151,6 @@ def plan_search(settings: SearchSettings, gpu_bytes: int) -> list[str]:
     ]
 
 
-def _switched(config: Any) -> Any:
-    """No reshard after forward and prefetch one block ahead: knobs switched in place."""
-    blocks = [u.name for u in config.units if u.name != "root"]
-    units = [
-        dataclasses.replace(u, reshard_after_forward=False, forward_prefetch=blocks[i + 1 : i + 2])
-        if u.name != "root"
-        else u
-        for i, u in enumerate(config.units)
-    ]
-    return dataclasses.replace(config, units=units)
-
-
 def numerics_specs(args: argparse.Namespace, out: Path) -> dict[str, TrialSpec]:
     """The trials of the numerics check: fp32 and bf16 defaults, unpaired, 4 steps each, on 2 blocks."""
     from autotune.trials import load_trial_config
@@ -216,7 +206,7 @@ def run_numerics(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         kwargs={
             "model": specs["bf16"].model,
             "build": config_to_dict(bf16_config),
-            "switched": config_to_dict(_switched(bf16_config)),
+            "switched": config_to_dict(with_keep_and_prefetch(bf16_config)),
         },
         timeout_s=600,
         backend="nccl",

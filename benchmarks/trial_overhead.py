@@ -23,7 +23,6 @@ every measured and settle step (both sides): builds, warm-up steps, result colle
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -31,6 +30,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import with_keep_and_prefetch  # noqa: E402
 
 from autotune.trials import (  # noqa: E402
     RankPool,  # noqa: E402
@@ -56,18 +57,6 @@ def _paired_overhead_s(result: TrialResult) -> float:
     return result.wall_s - sum(steps) / 1e3
 
 
-def _switched_config(model: str):
-    config = load_trial_config(None, model)
-    blocks = [u.name for u in config.units if u.name != "root"]
-    units = [
-        dataclasses.replace(u, reshard_after_forward=False, forward_prefetch=blocks[i + 1 : i + 2])
-        if u.name != "root"
-        else u
-        for i, u in enumerate(config.units)
-    ]
-    return dataclasses.replace(config, units=units)
-
-
 def _pool(world: int, paired_models: str | None) -> RankPool:
     """A pool whose ranks read ``AUTOTUNE_PAIRED_MODELS`` as given (the environment at their start)."""
     if paired_models is None:
@@ -90,7 +79,7 @@ def paired(args: argparse.Namespace) -> None:
         def spec(name: str) -> TrialSpec:
             return TrialSpec(
                 model=args.model,
-                config=_switched_config(args.model),
+                config=with_keep_and_prefetch(load_trial_config(None, args.model)),
                 reference=load_trial_config(None, args.model),
                 world_size=args.world,
                 out_dir=Path(tmp) / name,

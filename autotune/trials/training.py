@@ -186,16 +186,22 @@ def build_training(
     if runtime_config.mesh.pp > 1:
         return _build_pipeline_training(source, module, runtime_config, seed=seed, device=device)
     applied = apply_fsdp(module, runtime_config, mesh=get_mesh(runtime_config, device.type))
-    optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+    return _with_optimizer(rank, source, applied, config, seed=seed, device=device)
+
+
+def _with_optimizer(
+    rank: int, source: ModelSource, applied: AppliedFsdp, given: dict[str, Any], *, seed: int, device: torch.device
+) -> Training:
+    """The training of a sharded model: AdamW over its parameters and the accumulation driver."""
     return Training(
         profile=source,
         applied=applied,
-        optimizer=optimizer,
+        optimizer=torch.optim.AdamW(applied.model.parameters(), lr=LEARNING_RATE),
         accumulator=GradAccumulator(applied),
         seed=seed,
         dp_rank=rank,
-        device=torch.device(device),
-        active_config=config,
+        device=device,
+        active_config=given,
     )
 
 
@@ -223,17 +229,7 @@ def _build_sharded(
     applied = apply_fsdp(module, config, mesh=get_mesh(config, device.type), device_type=device.type)
     module.to_empty(device=device)
     module.init_weights(seed)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
-    return Training(
-        profile=source,
-        applied=applied,
-        optimizer=optimizer,
-        accumulator=GradAccumulator(applied),
-        seed=seed,
-        dp_rank=rank,
-        device=device,
-        active_config=given,
-    )
+    return _with_optimizer(rank, source, applied, given, seed=seed, device=device)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch.distributed as dist
 
 from autotune.trials import run_ranks
 from fsdp_runtime import (
@@ -139,15 +138,7 @@ def test_structural_differences_are_named(field):
     assert get_structural_differences(DEFAULTS, NOSYNC) == []
 
 
-@pytest.fixture
-def single_rank_group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_a_structural_switch_is_refused_and_changes_nothing(single_rank_group):
+def test_a_structural_switch_is_refused_and_changes_nothing(one_rank_group):
     applied = apply_fsdp(build_model(load_model_profile("tiny"), seed=0), DEFAULTS)
     before = applied.config
     with pytest.raises(ValueError, match="activation_checkpointing"):

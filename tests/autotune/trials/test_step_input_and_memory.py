@@ -3,21 +3,11 @@ steps only), on a one-rank gloo group; CUDA through a stand-in allocator counter
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from autotune.trials import build_training, program, training
 from fsdp_runtime import config_to_dict, default_config
 from profiles import load_model_profile
-
-
-@pytest.fixture
-def one_rank_group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_timed_step_makes_its_input_before_the_timing_and_trains_the_same(one_rank_group, monkeypatch):
