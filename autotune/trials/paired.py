@@ -11,9 +11,31 @@ one rank job:
 - after warm-up, steps alternate in ABBA order (ref, cand | cand, ref | ref, cand ...),
   each started together on all ranks (a barrier), so the two sides of a pair run within a
   second of each other under the same load;
-- *a step that follows a step of the other config is not measured* ([Note: one model for both sides]
+- *a step that follows a step of the other config is not measured* ([Note: switch cost]):
+  each side runs one unmeasured *settle* step first whenever the ranks switch to it (its
+  loss is kept: it is a training step like any other), so every measured step follows a
+  step of its own config, as every step of real training does. In ABBA order the ranks
+  switch once per pair, so a pair costs three steps, not two;
+- each step's time is the slowest rank's (a one-element all-reduce after the timed step,
+  outside the timing), so every rank holds the same numbers and decides alike;
+- pair ``i``'s ratio is ``candidate_i / reference_i``; two consecutive pairs form an ABBA
+  *block* (ref, cand, cand, ref), whose ratio ``(c_2j + c_2j+1) / (r_2j + r_2j+1)`` holds
+  both orders, so a linear drift of the load and any order effect left cancel inside it.
+  The trial's figure is the median block ratio, with the blocks' quartiles and extremes as
+  the spread (an odd last pair is a block of its own; a trial of one block takes the spread
+  of its two pairs); each side's own noise (median
+  absolute deviation / median of its steps), the median pair ratio of each order and each
+  side's switch cost (its settle steps' median over its measured steps' median, minus one)
+  are recorded beside it, so a report can show whether the order still matters;
+- pruning: with a stopping rule ([Note: sequential measurement]) after every block, from the
+  second on; without one (``prune_if_ratio_above``, trials outside a search), after the first
+  ``PRUNE_AFTER_PAIRS`` pairs (one block), only if *every* one of them is above the limit;
+- the defaults trial pairs the defaults with themselves (one model, alternate steps, no
+  switch and so no settle steps): its ratio is 1 up to the noise, which it measures.
+
+[Note: one model for both sides]
 A trial that held the candidate's and the reference's models at once needed two models'
-memory: 71.8-73.4 GiB on one H200 against 50.3 GiB for one (shared/FINDINGS.md), so a job
+memory: 71.8-73.4 GiB on one H200 against 50.3 GiB for one (one H200, 2026-11-27), so a job
 sized to its GPUs could not be searched. Where the two configs differ only in knobs FSDP2
 switches on a sharded model ([Note: knobs switched in place] in :mod:`fsdp_runtime.switch`:
 prefetch lists, reshard after forward as a bool, sync level, reshard after backward, concat
@@ -41,31 +63,9 @@ stages) gives the reference a model of its own on CPU; on CUDA the two models ar
 turn, one at a time ([Note: models built in turn] in :mod:`autotune.trials.in_turn`).
 ``AUTOTUNE_PAIRED_MODELS`` (``two``, ``turn``) overrides both for benchmarks and tests.
 Measured (``benchmarks/trial_overhead.py --paired``, pooled, 2 ranks, no reshard after forward
-+ prefetch against the defaults, 2 warm-up steps, at load 2.7-2.9): a trial's fixed cost
++ prefetch against the defaults, 2 warm-up steps, at load 1.2-2.9): a trial's fixed cost
 (wall minus its steps) 11.27 s with two models and 8.19 s with one on ``wide1024`` (4 pairs
 per trial; 1.38x, per pair 1.27-1.49), 2.83 and 2.30 s on ``small`` (2 pairs; 1.23x).
-
-[Note: switch cost]):
-  each side runs one unmeasured *settle* step first whenever the ranks switch to it (its
-  loss is kept: it is a training step like any other), so every measured step follows a
-  step of its own config, as every step of real training does. In ABBA order the ranks
-  switch once per pair, so a pair costs three steps, not two;
-- each step's time is the slowest rank's (a one-element all-reduce after the timed step,
-  outside the timing), so every rank holds the same numbers and decides alike;
-- pair ``i``'s ratio is ``candidate_i / reference_i``; two consecutive pairs form an ABBA
-  *block* (ref, cand, cand, ref), whose ratio ``(c_2j + c_2j+1) / (r_2j + r_2j+1)`` holds
-  both orders, so a linear drift of the load and any order effect left cancel inside it.
-  The trial's figure is the median block ratio, with the blocks' quartiles and extremes as
-  the spread (an odd last pair is a block of its own; a trial of one block takes the spread
-  of its two pairs); each side's own noise (median
-  absolute deviation / median of its steps), the median pair ratio of each order and each
-  side's switch cost (its settle steps' median over its measured steps' median, minus one)
-  are recorded beside it, so a report can show whether the order still matters;
-- pruning: with a stopping rule ([Note: sequential measurement]) after every block, from the
-  second on; without one (``prune_if_ratio_above``, trials outside a search), after the first
-  ``PRUNE_AFTER_PAIRS`` pairs (one block), only if *every* one of them is above the limit;
-- the defaults trial pairs the defaults with themselves (one model, alternate steps, no
-  switch and so no settle steps): its ratio is 1 up to the noise, which it measures.
 
 [Note: switch cost]
 Two configs trained in alternation on the same ranks do not leave each other alone: the
