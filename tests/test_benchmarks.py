@@ -66,9 +66,9 @@ DEVICE_BOUND = ("full checkpointing", "2 blocks per unit", "no reshard after for
 def test_gpu_sim_accuracy_dry_run_calibrates_on_its_recorded_trial_and_predicts_the_measured_cases(tmp_path):
     """The path after the trials, on the recorded calibration trial: the profile reproduces it
     and predicts the nine configs it never saw at a median error within 5% (7.6% before the
-    profiler's slowdown was taken out of the fit); the device-bound ones within 3%. The
-    host-bound ones (selective checkpointing, seq 4096) are still under-predicted by 14-47%:
-    the host's launch path is not priced yet."""
+    profiler's slowdown was taken out of the fit); the device-bound ones within 3%, and no case
+    beyond 10%: the host-bound ones (selective checkpointing, seq 4096) were under-predicted by
+    14-47% before the host's launch path was priced ([Note: host path])."""
     done = subprocess.run(
         [sys.executable, "benchmarks/gpu_sim_accuracy.py", "--dry-run", "--out", str(tmp_path)],
         cwd=ROOT,
@@ -86,3 +86,4 @@ def test_gpu_sim_accuracy_dry_run_calibrates_on_its_recorded_trial_and_predicts_
     errors = {case: predicted[case] / ms - 1 for case, ms in MEASURED_MS.items()}
     assert statistics.median(abs(e) for e in errors.values()) < 0.05, errors
     assert all(abs(errors[case]) < 0.03 for case in DEVICE_BOUND), errors
+    assert all(abs(e) < 0.10 for e in errors.values()), errors

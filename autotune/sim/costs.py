@@ -80,6 +80,9 @@ class MeshCosts:
     """Blocks per non-root unit (None: one each)."""
     unit_checkpointing: list[str] | None = None
     """Each non-root unit's activation checkpointing, ``none``/``selective``/``full`` (None: none)."""
+    host_forward_s: list[float] | None = None
+    """The host's launch path of each unit's forward (GPU device profiles with a host path; None: not priced)."""
+    host_backward_s: list[float] | None = None
     post_forward: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     """``(unit, d)`` -> (reshard copy seconds, all-gather seconds over d ranks), for int reshard."""
 
@@ -157,10 +160,15 @@ def _get_compute_costs(work: ModelWork, hardware: Hardware, counts: list[int], k
         "full": seg["block.forward"] + fwd_floor,
         "selective": seg["block.forward.memory"] + fwd_floor,
     }
+    host = hardware.get_host_path_s
+    host_forward = {"none": "block_forward", "full": "checkpoint_forward", "selective": "selective_forward"}
+    host_recompute = {"none": 0.0, "full": host("recompute_full"), "selective": host("recompute_selective")}
     return {
         "forward_s": [c * (seg["block.forward"] + fwd_floor) for c in counts] + [seg["tail.forward"]],
         "backward_s": [c * (seg["block.backward"] + recompute[k] + bwd_floor) for c, k in zip(counts, kinds)]
         + [seg["tail.backward"]],
+        "host_forward_s": [c * host(host_forward[k]) for c, k in zip(counts, kinds)] + [0.0],
+        "host_backward_s": [c * (host("block_backward") + host_recompute[k]) for c, k in zip(counts, kinds)] + [0.0],
         "head_forward_s": seg["head.forward"],
         "head_backward_s": seg["head.backward"],
     }

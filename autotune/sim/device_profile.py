@@ -20,8 +20,16 @@ precision, fitted by :mod:`autotune.sim.gpu_calibrate` from one trial's kernels
   unshard, ``chunk_cat`` into the reduce input, the reduce output into the sharded grad) per
   second of the kernels its hooks launch.
 - ``optimizer_ps_per_element``: the optimizer step's kernels per sharded parameter element.
+- ``host_path_us`` (v2): the host's launch path per block pass, unprofiled ([Note: host path]
+  in :mod:`autotune.sim.gpu_calibrate`): ``block_forward``, ``block_backward`` (a block's
+  FSDP2 hooks included), ``checkpoint_forward`` and ``recompute_full`` (full activation
+  checkpointing: its forward, and the forward it runs again in the backward),
+  ``selective_forward`` and ``recompute_selective`` (the selective policy runs per op). A
+  block pass ends no earlier than its launch path (``Timeline.compute``), so a host-bound
+  step is the host's length, not the device's.
 - ``host_floor_us``: device idle per call while the host launches (see
-  ``AcceleratorSpec.host_floor_us``).
+  ``AcceleratorSpec.host_floor_us``); with a host path, only ``microbatch`` and ``step``
+  (the block passes' idle is the host path's).
 
 Collective links are not in it (a world-1 trial has none): the cluster profile's links price
 them. The profile records what it was measured on; ``autotune plan --device-profile`` says
@@ -41,6 +49,14 @@ from fsdp_runtime.errors import AutotuneError
 
 ELEMENTWISE_KEYS = ("block_forward", "block_backward", "root")
 HOST_FLOOR_KEYS = ("block_forward", "block_backward", "microbatch", "step")
+HOST_PATH_KEYS = (
+    "block_forward",
+    "block_backward",
+    "checkpoint_forward",
+    "recompute_full",
+    "selective_forward",
+    "recompute_selective",
+)
 
 
 class DeviceProfileError(AutotuneError):
@@ -51,7 +67,8 @@ class DeviceProfileError(AutotuneError):
 class DeviceProfile:
     """Achieved rates of one GPU (see [Note: device profile])."""
 
-    SCHEMA_VERSION: ClassVar[int] = 1
+    SCHEMA_VERSION: ClassVar[int] = 2
+    """v2: ``host_path_us`` (a v1 profile reads with none: its block floors price the host)."""
     KIND: ClassVar[str] = "device_profile"
 
     device: str
@@ -68,6 +85,7 @@ class DeviceProfile:
     copy_gbps: float
     optimizer_ps_per_element: float
     host_floor_us: dict[str, float] = field(default_factory=dict)
+    host_path_us: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     """What was fitted from what (for the record)."""
 
@@ -122,6 +140,11 @@ class DeviceProfile:
         for name, value in rates.items():
             if not isinstance(value, (int, float)) or value <= 0:
                 raise DeviceProfileError(f"{source}: {name} = {value!r}: must be a positive number")
+        for name, value in self.host_path_us.items():
+            if name not in HOST_PATH_KEYS:
+                raise DeviceProfileError(f"{source}: host_path_us.{name}: not one of {', '.join(HOST_PATH_KEYS)}")
+            if not isinstance(value, (int, float)) or value < 0:
+                raise DeviceProfileError(f"{source}: host_path_us.{name} = {value!r}: must be a number >= 0")
         if self.attention_head_dim <= 0:
             raise DeviceProfileError(f"{source}: attention_head_dim = {self.attention_head_dim!r}: must be positive")
 

@@ -18,7 +18,9 @@ time summed). Every kernel of the step is counted once:
 - every kernel after the last post-backward callback -> ``optimizer_ps_per_element``;
 - device idle, by the part whose launch ended the gap -> ``host_floor_us`` per block
   forward, per block backward (a block's own hooks with it), per microbatch (the rest) and
-  per step (the optimizer's).
+  per step (the optimizer's);
+- the host's own spans per block pass -> ``host_path_us`` ([Note: host path] in
+  :mod:`autotune.sim.host_path`), which prices the block passes in place of their floors.
 
 Only trials on one GPU (world 1) with one block per unit calibrate compute; their
 collectives, if any, are not fitted (the cluster's links price collectives).
@@ -45,6 +47,7 @@ from typing import Any
 from autotune.sim.costs import ORIG_BYTES, get_padded_numel
 from autotune.sim.device_profile import DeviceProfile
 from autotune.sim.hardware import get_dtype_bytes
+from autotune.sim.host_path import HostSample, fit_host_path, get_block_device, get_block_host, get_profiler_factor
 from autotune.sim.kernel_costs import KernelCosts, get_kernel_costs
 from autotune.sim.knobs import resolve_knobs
 from autotune.sim.margin import SIMULATOR_MEMORY_ERROR, PeakComparison
@@ -73,6 +76,8 @@ class GpuTrial:
     torch: str
     peak_bytes: float | None = None
     """The trial's CUDA max allocated (``metrics.json`` ``process_peak_bytes``)."""
+    main_cpu_s: float | None = None
+    """The training thread's CPU time per unprofiled step (``metrics.json`` ``profiler.cpu_ms``)."""
 
 
 def read_gpu_trial(path: str | Path) -> GpuTrial:
@@ -109,6 +114,7 @@ def read_gpu_trial(path: str | Path) -> GpuTrial:
         peak_bytes=float(metrics.process_peak_bytes)
         if metrics.memory_source == "cuda_max_allocated" and metrics.process_peak_bytes
         else None,
+        main_cpu_s=metrics.profiler["cpu_ms"] / 1e3 if (metrics.profiler or {}).get("cpu_ms") else None,
     )
 
 
@@ -230,6 +236,7 @@ def calibrate_device(
     costs = kernel_costs or [load_kernel_costs(t, w) for t, w in trials]
     for (trial, work), kc in zip(trials, costs):
         _add_trial(sums, trial, work, kc)
+    host_path_us, host_lines = _fit_host_path(trials, costs)
     first, work = trials[0]
     head_dims = {w.attention_head_dim for _, w in trials}
     if len(head_dims) > 1:
@@ -256,11 +263,34 @@ def calibrate_device(
             k: 1e6 * sums.seconds[f"floor_{k}"] / sums.work[f"floor_{k}"]
             for k in ("block_forward", "block_backward", "microbatch", "step")
         },
+        host_path_us=host_path_us,
         notes=[
-            f"{t.path}: {len(c.seconds)} (part, class) cells over {c.num_steps} profiled steps; device span {1e3 * c.span_s:.1f} ms, idle {1e3 * c.idle_s:.1f} ms, unprofiled step {1e3 * t.step_s:.1f} ms"
-            for (t, _), c in zip(trials, costs)
+            *(
+                f"{t.path}: {len(c.seconds)} (part, class) cells over {c.num_steps} profiled steps; device span {1e3 * c.span_s:.1f} ms, idle {1e3 * c.idle_s:.1f} ms, unprofiled step {1e3 * t.step_s:.1f} ms"
+                for (t, _), c in zip(trials, costs)
+            ),
+            *host_lines,
         ],
     )
+
+
+def _fit_host_path(
+    trials: list[tuple[GpuTrial, ModelWork]], costs: list[KernelCosts]
+) -> tuple[dict[str, float], list[str]]:
+    """The host path of [Note: host path] from the trials whose blocks share one checkpointing kind;
+    none (the block floors price the host) where no trial recorded its thread's CPU time."""
+    samples = []
+    for (trial, work), kc in zip(trials, costs):
+        kinds = {u.activation_checkpointing for u in trial.config.units if u.name != ROOT_UNIT}
+        if len(kinds) == 1:
+            m, n = trial.config.num_microbatches, len(work.block_names)
+            fwd, bwd = get_block_host(kc, m, n)
+            factor = get_profiler_factor(trial.step_s, trial.main_cpu_s, kc)
+            samples.append(HostSample(kinds.pop(), fwd, bwd, factor, get_block_device(kc, m, n)))
+    try:
+        return fit_host_path(samples)
+    except CalibrationError as exc:
+        return {}, [f"host path: not priced ({exc}); the block floors price the host"]
 
 
 def _describe(trials: list[tuple[GpuTrial, ModelWork]]) -> dict[str, Any]:

@@ -172,12 +172,17 @@ class Hardware:
         return acc.hbm_gbps * 1e9 * acc.hbm_efficiency
 
     def get_host_floor_s(self, key: str) -> float:
-        """Device idle per call while the host launches (``block_forward``, ``block_backward``, ``microbatch``, ``step``)."""
+        """Device idle per call while the host launches (``block_forward``, ``block_backward``, ``microbatch``, ``step``):
+        the gaps a device-bound step shows; a host-bound one is priced by the host path (:meth:`get_host_path_s`)."""
         if self.device is not None:
             return self.device.host_floor_us.get(key, 0.0) * 1e-6
         if self.cluster.accelerator is None:
             return 0.0
         return self.accelerator.host_floor_us.get(key, 0.0) * 1e-6
+
+    def get_host_path_s(self, key: str) -> float:
+        """The host's launch path of one block pass (a ``HOST_PATH_KEYS`` key; 0: not priced, the device is the bound)."""
+        return self.device.host_path_us.get(key, 0.0) * 1e-6 if self.device is not None else 0.0
 
     def get_optimizer_seconds(self, num_elements: float) -> float:
         """AdamW over ``num_elements`` float32 sharded elements: measured per element, else its traced bytes at HBM speed."""
@@ -209,7 +214,12 @@ class Hardware:
             f"{d.attention_forward_tflops:.0f}/{d.attention_backward_tflops:.0f} TFLOP/s (forward/backward at head dim {d.attention_head_dim}), "
             f"elementwise {', '.join(f'{k} {v:,.0f}' for k, v in d.elementwise_gbps.items())} GB/s, FSDP2 copies {d.copy_gbps:,.0f} GB/s, "
             f"optimizer {d.optimizer_ps_per_element:.1f} ps/element, host floor "
-            f"{', '.join(f'{k} {v:.0f}' for k, v in d.host_floor_us.items())} us",
+            f"{', '.join(f'{k} {v:.0f}' for k, v in d.host_floor_us.items())} us"
+            + (
+                f", host path per block {', '.join(f'{k} {v:,.0f}' for k, v in d.host_path_us.items())} us"
+                if d.host_path_us
+                else ""
+            ),
             f"prices from {cluster}'s datasheet: collectives (links {', '.join(self.cluster.links)}), memory capacity, "
             f"peak FLOP/s for MFU, the special-function rate for other head dims ([Note: attention and head dim])",
         ]

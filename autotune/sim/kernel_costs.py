@@ -40,6 +40,8 @@ class KernelCosts:
     """That idle time by the key whose launch ended each gap (see ``_get_idle_by_key``)."""
     span_s: float
     """The step's device span."""
+    host_by_key: dict[str, float] = field(default_factory=dict)
+    """The host's time per step by key (the spans of ``get_host_spans``, profiled)."""
     num_steps: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -136,7 +138,9 @@ def _get_step_rows(events: Any, block_names: tuple[str, ...], local: bool) -> li
         hi = float(nxt.min()) if nxt is not None and len(nxt) else float(mine["end"].max())
         busy = _union_seconds(ops["start"].to_numpy(), ops["end"].to_numpy(), lo, hi)
         calls: dict[str, float] = defaultdict(float)
-        for _, _, key in spans:
+        host: dict[str, float] = defaultdict(float)
+        for a, b, key in spans:
+            host[key] += (b - a) * _US
             if "." in key and key.split(".")[0] not in ("head", "block", "tail"):
                 calls[key] += 1
         rows.append(
@@ -146,6 +150,7 @@ def _get_step_rows(events: Any, block_names: tuple[str, ...], local: bool) -> li
                 "span": (hi - lo) * _US,
                 "idle": (hi - lo - busy) * _US,
                 "idle_by_key": _get_idle_by_key(mine, [spans[j][2] for j in at], hi),
+                "host_by_key": dict(host),
             }
         )
     return rows
@@ -186,5 +191,8 @@ def get_kernel_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, 
             k: statistics.median(r["idle_by_key"].get(k, 0.0) for r in rows) for k in _keys(rows, "idle_by_key")
         },
         span_s=statistics.median(r["span"] for r in rows),
+        host_by_key={
+            k: statistics.median(r["host_by_key"].get(k, 0.0) for r in rows) for k in _keys(rows, "host_by_key")
+        },
         num_steps=len(rows),
     )

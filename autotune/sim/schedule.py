@@ -58,7 +58,10 @@ it; only what a link holds beyond it (an emulated link) overlaps for free. Measu
 also charge the host's own work per microbatch and FSDP2's hooks per call (a pre-hook that
 finds its unit unsharded, every post-backward's accumulate and reshard). On GPU ``unshard_async`` issues the
 all-gather on the current stream: it starts only when the compute issued before it ends.
-The GPU host is assumed to run ahead of the device (large kernels); it is never the bound.
+The GPU host runs ahead of the device except where a device profile prices its launch path
+per block pass ([Note: host path] in :mod:`autotune.sim.gpu_calibrate`): a block's pass then
+ends no earlier than the host has launched it, so a host-bound step (small kernels, selective
+activation checkpointing's per-op policy) is the host's length.
 """
 
 from __future__ import annotations
@@ -196,7 +199,7 @@ class StepSchedule:
         mem.checkpoint(self.act_head)
         for u in range(self.n):
             self._pre_forward(u)
-            t.compute(c.forward_s[u])
+            t.compute(c.forward_s[u], (), c.host_forward_s[u] if c.host_forward_s else 0.0)
             mem.checkpoint(self.act_forward[u])
             self._reshard_after_forward(u)
         t.compute(c.forward_s[root])
@@ -317,7 +320,8 @@ class StepSchedule:
     def _compute_backward(self, u: int, activations: float, *, share: float = 1.0) -> None:
         """A unit's backward; ``share`` of its parameters get their gradients here (the root's
         tail first, its head at the end)."""
-        self.t.compute(self.c.backward_s[u])
+        c = self.c
+        self.t.compute(c.backward_s[u], (), c.host_backward_s[u] if c.host_backward_s else 0.0)
         if self.grad_bytes[u] < share * self.unsharded_bytes[u]:
             grown = share * self.unsharded_bytes[u] - self.grad_bytes[u]
             self.grad_bytes[u] += grown

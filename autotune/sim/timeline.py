@@ -4,7 +4,8 @@ Ops are issued in program order, as the host thread issues them. An op starts wh
 stream is free, its dependencies (events it waits on) have ended, its link is free (one
 collective at a time per link: concurrent collectives on one link share its bandwidth,
 which FIFO order approximates), and the host has issued it. On a GPU the host runs ahead
-and never waits (``host_blocks = False``); on a CPU the "compute stream" *is* the host
+and never waits (``host_blocks = False``), but a block's kernels cannot run before the host
+launched them: an op with a host launch path ends no earlier than that path; on a CPU the "compute stream" *is* the host
 thread, so every op on it, a synchronous collective included, holds the host until it ends.
 
 Exposed communication: when a compute-stream op waits for a collective, the wait (the part
@@ -66,12 +67,14 @@ class Timeline:
         other.exposed, other.comm, other.compute_busy = list(self.exposed), list(self.comm), self.compute_busy
         return other
 
-    def compute(self, seconds: float, deps: tuple[Event, ...] = ()) -> None:
-        """A compute-stream op after ``deps``."""
+    def compute(self, seconds: float, deps: tuple[Event, ...] = (), host: float = 0.0) -> None:
+        """A compute-stream op after ``deps``, launched by ``host`` seconds of the host's time
+        (GPU): it ends no earlier than its launch does, and the host goes on from there."""
         streams = self.streams
+        issued = self.host
         start = streams[COMPUTE]
-        if self.host > start:
-            start = self.host
+        if issued > start:
+            start = issued
         if (
             deps and (deps[0][0] if len(deps) == 1 else max([dep[0] for dep in deps])) > start
         ):  # a wait: charge it (blockers end earlier)
@@ -84,6 +87,10 @@ class Timeline:
                         exposed[unit] += end - start
                     start = end
         end = start + seconds
+        if host:
+            self.host = issued + host
+            if self.host > end:  # host-bound: the device waits for the launches
+                end = self.host
         streams[COMPUTE] = end
         self.compute_busy += seconds
         if self.host_blocks:

@@ -21,7 +21,7 @@ from autotune.sim import (
 )
 from profiles import load_cluster_profile
 from profiles.sources import load_model_source
-from tests._gpu_traces import L8B4, LLAMA1B, LLAMA1B_FULL, LLAMA1B_GSA, get_gpu_trial
+from tests._gpu_traces import L8B4, LLAMA1B, LLAMA1B_FULL, LLAMA1B_GSA, LLAMA1B_SELECTIVE, get_gpu_trial
 
 H200 = load_cluster_profile("h200-node")
 
@@ -115,7 +115,11 @@ def test_the_profile_file_round_trips_and_bad_files_are_one_line(tmp_path):
     text = path.read_text()
     for bad, message in (
         (text.replace('kind = "device_profile"', 'kind = "trial_metrics"'), "is not a device_profile"),
-        (text.replace("schema_version = 1", "schema_version = 9"), "schema_version 9"),
+        (
+            text.replace(f"schema_version = {DeviceProfile.SCHEMA_VERSION}", "schema_version = 9"),
+            "schema_version 9",
+        ),
+        (text.replace("[host_path_us]", "[host_path_us]\nwarp_drive = 1.0"), "host_path_us.warp_drive: not one of"),
         (text.replace("gemm_tflops =", "gemm_tflopz ="), "unknown field 'gemm_tflopz'; missing field 'gemm_tflops'"),
         (
             text.replace(f"copy_gbps = {profile.copy_gbps!r}", "copy_gbps = -1.0"),
@@ -163,6 +167,19 @@ def test_the_v1_profile_file_still_reads_and_prices():
     assert hardware.get_host_floor_s("step") == pytest.approx(profile.host_floor_us["step"] * 1e-6)
     assert hardware.get_memory_seconds(1e9) == pytest.approx(1 / profile.copy_gbps)
     assert any(line.startswith("prices measured on NVIDIA H200") for line in hardware.describe_prices())
+    assert profile.host_path_us == {} and hardware.get_host_path_s("selective_forward") == 0.0  # v1: no host path
+
+
+def test_the_v2_profile_file_reads_with_its_host_path():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "data" / "artifacts" / "device_profile_v2.toml"
+    profile = DeviceProfile.read(path)
+    hardware = Hardware(H200, num_ranks=1, device=profile)
+    assert hardware.get_host_path_s("selective_forward") == pytest.approx(
+        profile.host_path_us["selective_forward"] * 1e-6
+    )
+    assert hardware.get_host_path_s("selective_forward") > hardware.get_host_path_s("block_forward") > 0
 
 
 def _copy_with_model(source, target, model) -> None:
@@ -226,3 +243,37 @@ def test_the_profiler_s_slowdown_stays_out_of_the_fit():
     assert abs(_predict(LLAMA1B_GSA, profile) - 1) < 0.02
     for other in (L8B4, LLAMA1B, LLAMA1B_FULL):
         assert abs(_predict(other, profile) - 1) < 0.05, other
+
+
+def test_the_host_path_prices_host_bound_configs():
+    """[Note: host path]: calibrated on the defaults trial alone (device-bound), the profile predicts
+    selective checkpointing, which the host bounds, within 5% (-9.7% with block floors alone) and
+    keeps its own trial and full checkpointing within 2%; without the host path the selective
+    step falls back under the device's time."""
+    profile = _profile(LLAMA1B_GSA)
+    assert set(profile.host_path_us) >= {"block_forward", "block_backward", "selective_forward", "recompute_selective"}
+    assert any("capped at the H200's" in note for note in profile.notes)  # its own factor was only a bound
+    assert abs(_predict(LLAMA1B_GSA, profile) - 1) < 0.02
+    assert abs(_predict(LLAMA1B_FULL, profile) - 1) < 0.02
+    assert abs(_predict(LLAMA1B_SELECTIVE, profile) - 1) < 0.05
+    assert _predict(LLAMA1B_SELECTIVE, profile.replace(host_path_us={})) < 0.92
+
+
+def test_the_host_bound_trial_s_factor_is_the_profiler_s_own():
+    """A host-bound trial tells the profiler's factor exactly; device-bound ones only bound it, and
+    the kinds a calibration ran are measured, the others taken by the Note's ratios."""
+    from autotune.sim.host_path import DEFAULT_RATIOS, PROFILER_FACTOR, HostSample, fit_host_path
+
+    plain = HostSample("none", 4e-3, 8e-3, 0.76, device_s=9.5e-3)  # 0.76 x 12 ms < 9.5 ms: device-bound
+    assert not plain.host_bound
+    path, lines = fit_host_path([plain])
+    assert path["block_forward"] == pytest.approx(1e6 * PROFILER_FACTOR * 4e-3)
+    assert path["selective_forward"] == pytest.approx(DEFAULT_RATIOS["selective_forward"] * path["block_forward"])
+    selective = HostSample("selective", 9e-3, 15e-3, 0.7, device_s=10e-3)  # 0.7 x 24 ms > 10 ms: host-bound
+    assert selective.host_bound
+    path, lines = fit_host_path([plain, selective])
+    assert path["block_forward"] == pytest.approx(1e6 * 0.7 * 4e-3)
+    assert path["recompute_selective"] == pytest.approx(1e6 * 0.7 * (15e-3 - 8e-3))
+    assert "measured block_backward, block_forward, recompute_selective, selective_forward" in lines[0]
+    with pytest.raises(CalibrationError, match="training thread's CPU time"):
+        fit_host_path([HostSample("none", 4e-3, 8e-3, None)])

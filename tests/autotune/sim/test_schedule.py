@@ -330,3 +330,17 @@ def test_grouped_and_checkpointed_units_keep_what_their_blocks_keep():
     assert selective.act_forward == pytest.approx([1.5e5 + 4e4, 1.5e5 + 8e4]) and selective.act_tail == pytest.approx(
         3e5 - 1e5 + 1.2e5
     )
+
+
+def test_a_pass_ends_no_earlier_than_its_host_launched_it():
+    """[Note: host path]: on a GPU the host runs ahead, but a pass whose launches take longer than
+    its kernels ends when the host is done; the next pass starts from there."""
+    from autotune.sim.timeline import COMPUTE, Timeline
+
+    t = Timeline(2)
+    t.compute(5.0, (), 2.0)  # device-bound: the host is ahead
+    assert (t.streams[COMPUTE], t.host) == (5.0, 2.0)
+    t.compute(1.0, (), 6.0)  # host-bound: launched until 8.0, its kernels take 1.0
+    assert (t.streams[COMPUTE], t.host) == (8.0, 8.0)
+    t.compute(1.0)
+    assert t.streams[COMPUTE] == 9.0 and t.compute_busy == 7.0

@@ -1,0 +1,154 @@
+"""The host's launch path on a GPU, per block pass, from trials' traces ([Note: host path]).
+
+[Note: host path]
+On a GPU the host launches every kernel: for each op, Python, the dispatcher, autograd, and a
+CUDA launch. When a block's kernels are short (a small model, short sequences) or the host
+does more per op (selective activation checkpointing runs its policy in Python for every op
+of the forward and of the recompute), the device waits for the launches and the step is the
+host's length, not the device's. The simulator prices it per block pass
+(``DeviceProfile.host_path_us``, ``Timeline.compute``'s ``host``): a pass ends no earlier
+than the host has launched it.
+
+*Measured from the trace's CPU side, like the device side.* The host's time per block pass
+is the profiled host spans of [Note: calibration]'s keys (:func:`autotune.sim.kernel_costs.get_host_spans`):
+a block's forward with its unshard hook, a block's backward with its pre-backward,
+post-backward and reduce hooks, per block and microbatch.
+
+*The profiler's slowdown.* The profiler slows the host far more than the device: on one H200
+(tests/data/gpu_traces) the profiled backward's host spans took 17-18 us per recorded op
+against 8.5 us unprofiled. The unprofiled host path is read from the trial's unprofiled
+steps: the training thread waits without CPU while autograd's thread runs the backward, so
+``step - training thread CPU time`` (``time.thread_time``, [Note: what a trial measures])
+is the backward's unprofiled wall on the host; over the profiled backward's host spans it
+gives the factor ``k`` that takes the profiler out. It is the host path itself where the host
+never waited on the device, and an upper bound where the launch queue filled (a
+device-bound step: the host blocks in the launch once it is far enough ahead). On the
+H200 trials: 0.64 (selective AC, host-bound) and 0.59 (full AC), 0.76 (defaults,
+device-bound: the bound). The profile takes the smallest over its trials (the tightest
+bound), applied to the forward too.
+
+*Checkpointing kinds a calibration did not run* come from the block forward's host path by
+ratios measured on those H200 trials (llama1b, seq 8192, bf16; profiled, each over the
+defaults trial's block forward with its hooks, 4.13 ms): full AC's forward 0.88 (its
+forward runs without autograd's graph), its recompute 1.41 (the forward again, with the
+checkpoint's own bookkeeping), selective AC's forward 2.24 and recompute 1.74 (the policy
+per op). A calibration that includes a trial of that kind measures it instead. The ratios
+hold for decoders whose blocks launch about the same ops per block as Llama's.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autotune.sim.kernel_costs import KernelCosts
+from autotune.sim.trace_costs import CalibrationError
+
+DEFAULT_RATIOS = {
+    "checkpoint_forward": 0.88,
+    "recompute_full": 1.41,
+    "selective_forward": 2.24,
+    "recompute_selective": 1.74,
+}
+"""Host path over the block forward's (see [Note: host path]: H200, llama1b, profiled)."""
+_FORWARD_KEY = {"none": "block_forward", "full": "checkpoint_forward", "selective": "selective_forward"}
+_RECOMPUTE_KEY = {"full": "recompute_full", "selective": "recompute_selective"}
+_BACKWARD_HOOKS = ("pre_hook", "post_hook", "reduce")
+K_RANGE = (0.2, 1.0)
+PROFILER_FACTOR = 0.64
+"""The profiler's factor on the host-bound H200 trial (``h200-llama1b-selective-ac``, see [Note: host path]):
+used where every trial of a calibration was device-bound and its own factor only a looser bound."""
+
+
+@dataclass(frozen=True)
+class HostSample:
+    """One trial's profiled host per block pass (seconds) and its profiler factor bound."""
+
+    kind: str
+    """The blocks' activation checkpointing (``none``, ``full``, ``selective``)."""
+    forward_s: float
+    backward_s: float
+    factor: float | None
+    """Unprofiled over profiled host time, or a bound of it (None: the trial did not record its thread's CPU time)."""
+    device_s: float = 0.0
+    """The device's time per block (forward and backward, hooks included): the host bound the trial where
+    ``factor x (forward + backward)`` reaches it, and ``factor`` is then the host's own, not a bound."""
+
+    @property
+    def host_bound(self) -> bool:
+        return self.factor is not None and self.factor * (self.forward_s + self.backward_s) >= self.device_s
+
+
+def get_block_device(kc: KernelCosts, num_microbatches: int, num_blocks: int) -> float:
+    """Device seconds of one block's forward and backward, its hooks' kernels included."""
+    keys = {k for k, _ in kc.seconds if k in ("block.forward", "block.backward") or k.endswith(".block")}
+    return sum(kc.get(k) for k in keys) / (num_microbatches * num_blocks)
+
+
+def get_block_host(kc: KernelCosts, num_microbatches: int, num_blocks: int) -> tuple[float, float]:
+    """Profiled host seconds of one block's forward and one block's backward, their hooks included."""
+    host = kc.host_by_key
+    per = num_microbatches * num_blocks
+    forward = host.get("block.forward", 0.0) + sum(
+        v for k, v in host.items() if k.startswith("unshard") and k.endswith(".block")
+    )
+    backward = host.get("block.backward", 0.0) + sum(
+        v for k, v in host.items() if k.startswith(_BACKWARD_HOOKS) and k.endswith(".block")
+    )
+    return forward / per, backward / per
+
+
+def get_backward_host(kc: KernelCosts) -> float:
+    """Profiled host seconds per step of the whole backward (every part's, the root's hooks included)."""
+    return sum(v for k, v in kc.host_by_key.items() if k.endswith(".backward") or k.startswith(_BACKWARD_HOOKS))
+
+
+def get_profiler_factor(step_s: float, main_cpu_s: float | None, kc: KernelCosts) -> float | None:
+    """``(step - training thread CPU) / profiled backward host``, clamped to ``K_RANGE`` (see [Note: host path])."""
+    backward = get_backward_host(kc)
+    if main_cpu_s is None or backward <= 0:
+        return None
+    return min(K_RANGE[1], max(K_RANGE[0], (step_s - main_cpu_s) / backward))
+
+
+def fit_host_path(samples: Sequence[HostSample]) -> tuple[dict[str, float], list[str]]:
+    """``host_path_us`` from the trials' samples (see [Note: host path]) and lines saying what was
+    measured and what came from the ratios."""
+    factors = [s.factor for s in samples if s.factor is not None]
+    if not factors:
+        raise CalibrationError("no trial recorded its training thread's CPU time: the host path cannot be unprofiled")
+    bound = [s.factor for s in samples if s.host_bound]
+    k = min(bound) if bound else min(min(factors), PROFILER_FACTOR)
+    plain = [s for s in samples if s.kind == "none"]
+    if plain:
+        base_fwd = statistics.fmean(s.forward_s for s in plain)
+        base_bwd = statistics.fmean(s.backward_s for s in plain)
+    else:
+        base_fwd = statistics.fmean(s.forward_s / DEFAULT_RATIOS[_FORWARD_KEY[s.kind]] for s in samples)
+        base_bwd = statistics.fmean(s.backward_s - DEFAULT_RATIOS[_RECOMPUTE_KEY[s.kind]] * base_fwd for s in samples)
+    path = {"block_forward": base_fwd, "block_backward": base_bwd}
+    measured = set(path) if plain else set()
+    for kind in ("full", "selective"):
+        mine = [s for s in samples if s.kind == kind]
+        fwd_key, rec_key = _FORWARD_KEY[kind], _RECOMPUTE_KEY[kind]
+        if mine:
+            path[fwd_key] = statistics.fmean(s.forward_s for s in mine)
+            path[rec_key] = max(0.0, statistics.fmean(s.backward_s for s in mine) - base_bwd)
+            measured |= {fwd_key, rec_key}
+        else:
+            path[fwd_key] = DEFAULT_RATIOS[fwd_key] * base_fwd
+            path[rec_key] = DEFAULT_RATIOS[rec_key] * base_fwd
+    lines = [
+        f"host path: the profiler's factor {k:.2f} ("
+        + (
+            f"the host-bound trials' smallest: {', '.join(f'{f:.2f}' for f in bound)}"
+            if bound
+            else f"every trial device-bound, their bounds {', '.join(f'{f:.2f}' for f in factors)}, "
+            f"capped at the H200's {PROFILER_FACTOR}"
+        )
+        + "); "
+        f"measured {', '.join(sorted(measured)) or 'none'}; from the ratios of [Note: host path] "
+        f"{', '.join(sorted(set(path) - measured)) or 'none'}"
+    ]
+    return {key: 1e6 * k * seconds for key, seconds in path.items()}, lines
