@@ -281,7 +281,7 @@ def _fit_host_path(
     none (the block floors price the host) where no trial recorded its thread's CPU time."""
     samples = []
     for (trial, work), kc in zip(trials, costs):
-        kinds = {u.activation_checkpointing for u in trial.config.units if u.name != ROOT_UNIT}
+        kinds = {u.activation_checkpointing for u in trial.config.units if u.name != ROOT_UNIT} or {"none"}
         if len(kinds) == 1:
             m, n = trial.config.num_microbatches, len(work.block_names)
             fwd, bwd = get_block_host(kc, m, n)
