@@ -68,7 +68,8 @@ class DeviceProfile:
     """Achieved rates of one GPU (see [Note: device profile])."""
 
     SCHEMA_VERSION: ClassVar[int] = 2
-    """v2: ``host_path_us`` (a v1 profile reads with none: its block floors price the host)."""
+    """v2: ``host_path_us`` (a v1 profile reads with none: its block floors price the host) and
+    ``allocator_fragmentation`` (a v1 profile reads without: the plan's default share)."""
     KIND: ClassVar[str] = "device_profile"
 
     device: str
@@ -86,6 +87,10 @@ class DeviceProfile:
     optimizer_ps_per_element: float
     host_floor_us: dict[str, float] = field(default_factory=dict)
     host_path_us: dict[str, float] = field(default_factory=dict)
+    allocator_fragmentation: float | None = None
+    """v2: the largest ``reserved_peak_bytes / trial_peak_bytes - 1`` of the trials (None: none recorded
+    both; the plan then takes ``ALLOCATOR_FRAGMENTATION``, [Note: memory margin])."""
+    allocator_fragmentation_source: str = ""
     notes: list[str] = field(default_factory=list)
     """What was fitted from what (for the record)."""
 
@@ -145,6 +150,11 @@ class DeviceProfile:
                 raise DeviceProfileError(f"{source}: host_path_us.{name}: not one of {', '.join(HOST_PATH_KEYS)}")
             if not isinstance(value, (int, float)) or value < 0:
                 raise DeviceProfileError(f"{source}: host_path_us.{name} = {value!r}: must be a number >= 0")
+        fragmentation = self.allocator_fragmentation
+        if fragmentation is not None and (not isinstance(fragmentation, (int, float)) or not 0 <= fragmentation < 1):
+            raise DeviceProfileError(
+                f"{source}: allocator_fragmentation = {fragmentation!r}: must be a share in [0, 1)"
+            )
         if self.attention_head_dim <= 0:
             raise DeviceProfileError(f"{source}: attention_head_dim = {self.attention_head_dim!r}: must be positive")
 

@@ -50,7 +50,7 @@ from autotune.sim.hardware import get_dtype_bytes
 from autotune.sim.host_path import HostSample, fit_host_path, get_block_device, get_block_host, get_profiler_factor
 from autotune.sim.kernel_costs import KernelCosts, get_kernel_costs
 from autotune.sim.knobs import resolve_knobs
-from autotune.sim.margin import SIMULATOR_MEMORY_ERROR, PeakComparison
+from autotune.sim.margin import SIMULATOR_MEMORY_ERROR, PeakComparison, get_allocator_fragmentation
 from autotune.sim.model_work import ModelWork
 from autotune.sim.trace_costs import CalibrationError
 from fsdp_runtime import ROOT_UNIT, RuntimeConfig, load_config
@@ -78,6 +78,8 @@ class GpuTrial:
     """The trial's CUDA max allocated (``metrics.json`` ``process_peak_bytes``)."""
     main_cpu_s: float | None = None
     """The training thread's CPU time per unprofiled step (``metrics.json`` ``profiler.cpu_ms``)."""
+    memory_peaks: tuple[float, float] | None = None
+    """``(max_memory_reserved, max_memory_allocated)`` over the whole trial (``metrics.json`` v8)."""
 
 
 def read_gpu_trial(path: str | Path) -> GpuTrial:
@@ -115,6 +117,9 @@ def read_gpu_trial(path: str | Path) -> GpuTrial:
         if metrics.memory_source == "cuda_max_allocated" and metrics.process_peak_bytes
         else None,
         main_cpu_s=metrics.profiler["cpu_ms"] / 1e3 if (metrics.profiler or {}).get("cpu_ms") else None,
+        memory_peaks=(float(metrics.reserved_peak_bytes), float(metrics.trial_peak_bytes))
+        if metrics.reserved_peak_bytes and metrics.trial_peak_bytes
+        else None,
     )
 
 
@@ -237,6 +242,7 @@ def calibrate_device(
     for (trial, work), kc in zip(trials, costs):
         _add_trial(sums, trial, work, kc)
     host_path_us, host_lines = _fit_host_path(trials, costs)
+    fragmentation = get_allocator_fragmentation({t.path.name: t.memory_peaks for t, _ in trials if t.memory_peaks})
     first, work = trials[0]
     head_dims = {w.attention_head_dim for _, w in trials}
     if len(head_dims) > 1:
@@ -264,6 +270,8 @@ def calibrate_device(
             for k in ("block_forward", "block_backward", "microbatch", "step")
         },
         host_path_us=host_path_us,
+        allocator_fragmentation=fragmentation[0] if fragmentation else None,
+        allocator_fragmentation_source=fragmentation[1] if fragmentation else "",
         notes=[
             *(
                 f"{t.path}: {len(c.seconds)} (part, class) cells over {c.num_steps} profiled steps; device span {1e3 * c.span_s:.1f} ms, idle {1e3 * c.idle_s:.1f} ms, unprofiled step {1e3 * t.step_s:.1f} ms"

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autotune.sim.device_profile import DeviceProfile
-from autotune.sim.margin import MemoryMargin
+from autotune.sim.margin import MemoryMargin, get_margin_parts
 from autotune.sim.measured import MeasuredProfile
 from autotune.sim.model_work import PassWork, get_optimizer_bytes_per_element
 from fsdp_runtime.errors import AutotuneError
@@ -105,9 +105,13 @@ class Hardware:
         without an accelerator table (a CPU box: no caching allocator to fragment)."""
         if self.cluster.accelerator is None:
             return None
+        device = self.device
         return MemoryMargin(
             capacity_bytes=self.cluster.memory_per_rank_gib * 2**30,
             outside_allocator_bytes=self.cluster.accelerator.reserved_gib * 2**30,
+            parts=get_margin_parts(device.allocator_fragmentation, device.allocator_fragmentation_source)
+            if device is not None
+            else get_margin_parts(),
         )
 
     def get_peak_flops(self, dtype: str) -> float:

@@ -13,12 +13,14 @@ model hold, as FSDPMemTracker counts them) does not see. Each part has its sourc
 2. *The simulator's memory error* (``SIMULATOR_MEMORY_ERROR``): the largest
    ``predicted / measured - 1`` of the peak over the trials that measured one on a GPU
    (:func:`autotune.sim.gpu_calibrate.compare_trial_peak`).
-3. *Allocator fragmentation* (``ALLOCATOR_FRAGMENTATION``): the caching allocator reserves
-   whole segments and keeps freed blocks cached, so at the allocation peak it holds more
-   than the tensors do: reserved / allocated - 1 at the peak. Measurable from a trace that
-   has the profiler's ``[memory]`` events (``FsdpTraceAnalysis.get_allocator_peaks``), but
-   ``tests/data/gpu_traces`` has none (trials profile without ``profile_memory``), so this part
-   is a published figure, not a measurement of ours.
+3. *Allocator fragmentation*: the caching allocator reserves whole segments and keeps freed
+   blocks cached, so at the allocation peak it holds more than the tensors do:
+   ``max_memory_reserved / max_memory_allocated - 1``. Every GPU trial records both
+   (``metrics.json`` v8 ``reserved_peak_bytes`` and ``trial_peak_bytes``); ``autotune
+   calibrate`` takes the largest over its trials into the device profile
+   (``allocator_fragmentation``, :func:`get_allocator_fragmentation`), and a plan priced with
+   that profile uses it, naming the trials. Without one, ``ALLOCATOR_FRAGMENTATION``: the
+   largest of our own H200 measurements.
 
 Parts 2 and 3 are shares of the peak, so a predicted peak ``p`` is *safe* when
 ``p x (1 + sum of shares) <= usable``, and *at the edge* when it fits the usable memory
@@ -42,15 +44,21 @@ SIMULATOR_MEMORY_ERROR = 0.0084
 54,015,212,032 B = 50.31 GiB). Both over-predict, but two trials cannot bound the sign:
 the larger magnitude (``tests/autotune/plan/test_memory_margin.py`` recomputes both)."""
 
-ALLOCATOR_FRAGMENTATION = 0.20
-"""Not measured here (``tests/data/gpu_traces`` has no ``[memory]`` events). Published:
-pytorch/torchtitan#165 (FSDP2 eager, 8x H100, local batch 8, seq 2048, bf16 params, fp32
-reduce-scatter): selective checkpointing peaked at 52.13% active and 62.51% reserved of
-95.04 GiB, +19.9% reserved over active. Full checkpointing there: 23.92% vs 32.64%, +36%,
-but over a peak half as large (the cache beyond it was a similar 8-10 GiB); configs near the
-edge have large peaks, like the selective run. A peak reservation without memory pressure:
-before an OOM the allocator frees its cached blocks and retries, so this bounds from above
-what fragmentation costs at the edge."""
+ALLOCATOR_FRAGMENTATION = 0.081
+"""Measured (``benchmarks/gpu_sim_accuracy.py`` on one H200, torch 2.11, llama1b, seq 8192, bf16
+params, fp32 reduce, world 1, 2026-11-27; ``tests/data/gpu_traces/README.md``):
+``max_memory_reserved / max_memory_allocated`` at a trial's end 1.081 with full checkpointing
+(36.47 / 33.73 GB) and 1.058 with selective (42.79 / 40.46 GB): the larger. It was 20% before,
+a published figure (pytorch/torchtitan#165, 8x H100, selective checkpointing: 62.51% reserved
+over 52.13% active, +19.9%); that run had 8 ranks and their NCCL traffic through the allocator,
+which one GPU does not show, so a device profile measured on the cluster's own trials (with
+``reserved_peak_bytes``) takes precedence. A peak reservation without memory pressure: before
+an OOM the allocator frees its cached blocks and retries, so it bounds from above what
+fragmentation costs at the edge."""
+ALLOCATOR_FRAGMENTATION_SOURCE = (
+    "measured: max reserved / max allocated - 1 on one H200 (gpu_sim_accuracy.py, 2026-11-27; "
+    "tests/data/gpu_traces/README.md): 8.1% with full checkpointing, 5.8% with selective"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,13 +76,27 @@ MARGIN_PARTS = (
         share=SIMULATOR_MEMORY_ERROR,
         source="measured: predicted vs CUDA max allocated, 2 H200 trials (tests/data/gpu_traces): +0.24%, +0.84%",
     ),
-    MarginPart(
-        name="allocator_fragmentation",
-        share=ALLOCATOR_FRAGMENTATION,
-        source="assumption: peak reserved / active - 1 of FSDP2 with selective checkpointing on 8x H100 "
-        "(pytorch/torchtitan#165: 62.51% vs 52.13%); tests/data/gpu_traces has no [memory] events to measure it",
-    ),
+    MarginPart(name="allocator_fragmentation", share=ALLOCATOR_FRAGMENTATION, source=ALLOCATOR_FRAGMENTATION_SOURCE),
 )
+
+
+def get_margin_parts(fragmentation: float | None = None, source: str = "") -> tuple[MarginPart, ...]:
+    """The margin's shares: the measured default, or a device profile's own fragmentation (with its source)."""
+    if fragmentation is None:
+        return MARGIN_PARTS
+    return (MARGIN_PARTS[0], MarginPart(name="allocator_fragmentation", share=fragmentation, source=source))
+
+
+def get_allocator_fragmentation(peaks: dict[str, tuple[float, float]]) -> tuple[float, str] | None:
+    """The largest ``reserved / allocated - 1`` over GPU trials' CUDA peaks (trial -> ``(max_memory_reserved,
+    max_memory_allocated)``, ``metrics.json`` v8) and a line naming them; None where there are none."""
+    shares = {name: reserved / allocated - 1.0 for name, (reserved, allocated) in peaks.items() if allocated > 0}
+    if not shares:
+        return None
+    figures = ", ".join(f"{name} {100 * share:.1f}%" for name, share in shares.items())
+    return max(
+        0.0, *shares.values()
+    ), f"measured: max reserved / max allocated - 1 on the device profile's trials: {figures}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,18 +41,45 @@ def test_the_simulator_error_part_is_the_measured_one():
     assert round(max(abs(e) for e in errors), 4) == SIMULATOR_MEMORY_ERROR
 
 
-def test_the_fragmentation_part_is_an_assumption_because_the_gpu_traces_hold_no_memory_events():
-    """Reserved over allocated at the peak needs the profiler's ``[memory]`` events; the H200 traces
-    were recorded without ``profile_memory``, so the part is a published figure, and says so."""
-    for name in GPU_TRIALS:
-        peaks = FsdpTraceAnalysis([_gpu_trial(name) / "trace_rank0.json.gz"]).get_allocator_peaks()
-        assert peaks.empty, name
+def test_the_fragmentation_part_is_our_h200_measurement_by_default():
+    """Without a device profile of its own the plan takes the largest reserved / allocated - 1 measured
+    on one H200 (8.1%, full checkpointing), and says where it comes from."""
     margin = Hardware(load_cluster_profile("h100-node")).memory_margin
     assert margin is not None
     parts = {p.name: p for p in margin.parts}
-    assert parts["allocator_fragmentation"].share == ALLOCATOR_FRAGMENTATION
-    assert parts["allocator_fragmentation"].source.startswith("assumption")
+    assert parts["allocator_fragmentation"].share == ALLOCATOR_FRAGMENTATION == 0.081
+    assert (
+        parts["allocator_fragmentation"].source.startswith("measured")
+        and "H200" in parts["allocator_fragmentation"].source
+    )
     assert parts["simulator_error"].source.startswith("measured")
+
+
+def test_a_device_profile_s_trials_give_the_fragmentation_share(tmp_path):
+    """``autotune calibrate`` on trials that recorded their reserved peak (metrics v8) writes the largest
+    share into the device profile; a plan priced with it uses that share and names the trials."""
+    import dataclasses
+    import shutil
+
+    from autotune.sim import calibrate_trials
+    from autotune.trials import TrialMetrics
+
+    trial_dir = tmp_path / "h200-v8"
+    shutil.copytree(_gpu_trial(GPU_TRIALS[0]), trial_dir)
+    path = trial_dir / "metrics.json"
+    metrics = TrialMetrics.read(path)
+    path.chmod(0o644)
+    dataclasses.replace(metrics, trial_peak_bytes=40 * _GIB, reserved_peak_bytes=44 * _GIB).write(path)
+    profile, _ = calibrate_trials([trial_dir])
+    assert profile.allocator_fragmentation == pytest.approx(0.10)
+    assert "h200-v8 10.0%" in profile.allocator_fragmentation_source
+    margin = Hardware(load_cluster_profile("h200-node"), num_ranks=1, device=profile).memory_margin
+    part = {p.name: p for p in margin.parts}["allocator_fragmentation"]
+    assert part.share == pytest.approx(0.10) and part.source == profile.allocator_fragmentation_source
+    unmeasured, _ = calibrate_trials([_gpu_trial(GPU_TRIALS[0])])  # a v4 trial: no reserved peak
+    assert unmeasured.allocator_fragmentation is None
+    margin = Hardware(load_cluster_profile("h200-node"), num_ranks=1, device=unmeasured).memory_margin
+    assert {p.name: p.share for p in margin.parts}["allocator_fragmentation"] == ALLOCATOR_FRAGMENTATION
 
 
 def test_allocator_peaks_read_reserved_at_the_allocation_peak(tmp_path):
