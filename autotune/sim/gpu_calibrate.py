@@ -78,6 +78,8 @@ class GpuTrial:
     """The trial's CUDA max allocated (``metrics.json`` ``process_peak_bytes``)."""
     main_cpu_s: float | None = None
     """The training thread's CPU time per unprofiled step (``metrics.json`` ``profiler.cpu_ms``)."""
+    host_path_ms: dict[str, float] | None = None
+    """The host's path per block pass as the trial timed it (``metrics.json`` v9, [Note: host path probe])."""
     memory_peaks: tuple[float, float] | None = None
     """``(max_memory_reserved, max_memory_allocated)`` over the whole trial (``metrics.json`` v8)."""
 
@@ -117,6 +119,7 @@ def read_gpu_trial(path: str | Path) -> GpuTrial:
         if metrics.memory_source == "cuda_max_allocated" and metrics.process_peak_bytes
         else None,
         main_cpu_s=metrics.profiler["cpu_ms"] / 1e3 if (metrics.profiler or {}).get("cpu_ms") else None,
+        host_path_ms=metrics.host_path_ms,
         memory_peaks=(float(metrics.reserved_peak_bytes), float(metrics.trial_peak_bytes))
         if metrics.reserved_peak_bytes and metrics.trial_peak_bytes
         else None,
@@ -291,10 +294,14 @@ def _fit_host_path(
     for (trial, work), kc in zip(trials, costs):
         kinds = {u.activation_checkpointing for u in trial.config.units if u.name != ROOT_UNIT} or {"none"}
         if len(kinds) == 1:
-            m, n = trial.config.num_microbatches, len(work.block_names)
+            kind, m, n = kinds.pop(), trial.config.num_microbatches, len(work.block_names)
+            if trial.host_path_ms:
+                timed = trial.host_path_ms
+                samples.append(HostSample(kind, timed["block_forward"] / 1e3, timed["block_backward"] / 1e3, 1.0, True))
+                continue
             fwd, bwd = get_block_host(kc, m, n)
             factor = get_profiler_factor(trial.step_s, trial.main_cpu_s, kc)
-            samples.append(HostSample(kinds.pop(), fwd, bwd, factor, get_block_device(kc, m, n)))
+            samples.append(HostSample(kind, fwd, bwd, factor, device_s=get_block_device(kc, m, n)))
     try:
         return fit_host_path(samples)
     except CalibrationError as exc:

@@ -14,6 +14,11 @@ is the profiled host spans of [Note: calibration]'s keys (:func:`autotune.sim.ke
 a block's forward with its unshard hook, a block's backward with its pre-backward,
 post-backward and reduce hooks, per block and microbatch.
 
+*Timed by the trial.* A GPU trial times the host's path per block itself on an unprofiled step
+([Note: host path probe] in :mod:`autotune.trials.host_probe`, ``metrics.json`` v9
+``host_path_ms``); where any of a calibration's trials has it, those times are the host path
+and nothing below is needed. The H200 trials in tests/data/gpu_traces predate it.
+
 *The profiler's slowdown.* The profiler slows the host far more than the device: on one H200
 (tests/data/gpu_traces) the profiled backward's host spans took 17-18 us per recorded op
 against 8.5 us unprofiled. The unprofiled host path is read from the trial's unprofiled
@@ -71,6 +76,8 @@ class HostSample:
     backward_s: float
     factor: float | None
     """Unprofiled over profiled host time, or a bound of it (None: the trial did not record its thread's CPU time)."""
+    probed: bool = False
+    """Timed unprofiled by the trial itself ([Note: host path probe]): the times are the host's, ``factor`` 1."""
     device_s: float = 0.0
     """The device's time per block (forward and backward, hooks included): the host bound the trial where
     ``factor x (forward + backward)`` reaches it, and ``factor`` is then the host's own, not a bound."""
@@ -115,10 +122,13 @@ def get_profiler_factor(step_s: float, main_cpu_s: float | None, kc: KernelCosts
 def fit_host_path(samples: Sequence[HostSample]) -> tuple[dict[str, float], list[str]]:
     """``host_path_us`` from the trials' samples (see [Note: host path]) and lines saying what was
     measured and what came from the ratios."""
+    probed = [s for s in samples if s.probed]
+    if probed:  # timed without the profiler: no factor to take out
+        samples = probed
     factors = [s.factor for s in samples if s.factor is not None]
     if not factors:
         raise CalibrationError("no trial recorded its training thread's CPU time: the host path cannot be unprofiled")
-    bound = [s.factor for s in samples if s.host_bound]
+    bound = [s.factor for s in samples if s.host_bound or s.probed]
     k = min(bound) if bound else min(min(factors), PROFILER_FACTOR)
     plain = [s for s in samples if s.kind == "none"]
     if plain:
@@ -139,16 +149,19 @@ def fit_host_path(samples: Sequence[HostSample]) -> tuple[dict[str, float], list
         else:
             path[fwd_key] = DEFAULT_RATIOS[fwd_key] * base_fwd
             path[rec_key] = DEFAULT_RATIOS[rec_key] * base_fwd
-    lines = [
-        f"host path: the profiler's factor {k:.2f} ("
-        + (
-            f"the host-bound trials' smallest: {', '.join(f'{f:.2f}' for f in bound)}"
-            if bound
-            else f"every trial device-bound, their bounds {', '.join(f'{f:.2f}' for f in factors)}, "
-            f"capped at the H200's {PROFILER_FACTOR}"
+    if probed:
+        how = f"timed by {len(probed)} trial(s) on an unprofiled step ([Note: host path probe]); "
+    elif bound:
+        how = (
+            f"the profiler's factor {k:.2f} (the host-bound trials' smallest: {', '.join(f'{f:.2f}' for f in bound)}); "
         )
-        + "); "
-        f"measured {', '.join(sorted(measured)) or 'none'}; from the ratios of [Note: host path] "
+    else:
+        how = (
+            f"the profiler's factor {k:.2f} (every trial device-bound, their bounds "
+            f"{', '.join(f'{f:.2f}' for f in factors)}, capped at the H200's {PROFILER_FACTOR}); "
+        )
+    lines = [
+        "host path: " + how + f"measured {', '.join(sorted(measured)) or 'none'}; from the ratios of [Note: host path] "
         f"{', '.join(sorted(set(path) - measured)) or 'none'}"
     ]
     return {key: 1e6 * k * seconds for key, seconds in path.items()}, lines

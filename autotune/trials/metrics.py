@@ -69,6 +69,9 @@ class RankMetrics:
     turn) or 2 (v8)."""
     num_builds: int | None = None
     """Models this rank built for the trial (more than ``num_models``: built in turn; v8)."""
+    host_path_ms: dict[str, float] | None = None
+    """The host's path per block pass (``block_forward``, ``block_backward``), timed on the candidate's
+    last warm-up step ([Note: host path probe]; CUDA only, None elsewhere; v9)."""
     trace: str | None = None
     """File name of this rank's trace in the trial dir."""
     link_emulation: dict[str, Any] | None = None
@@ -176,13 +179,14 @@ class TrialMetrics:
     """The body of ``metrics.json``."""
 
     KIND: ClassVar[str] = "trial_metrics"
-    SCHEMA_VERSION: ClassVar[int] = 8
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6, 7)}
+    SCHEMA_VERSION: ClassVar[int] = 9
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6, 7, 8)}
     # v3, v4 added fields, all with defaults; v5 the settle steps (their ``paired`` figures
     # stay as measured: before v5 a ratio is the median pair, without ``estimator``); v6 embeds
     # trace summary v4 (pipeline figures; ``check_summary`` upgrades an older one); v7 adds the
     # stopping rule and why the pairs stopped (defaults: none, every pair ran); v8 the trial's
-    # peak with the reference, the allocator's reserved peak, the models held and built (None: unknown)
+    # peak with the reference, the allocator's reserved peak, the models held and built (None: unknown);
+    # v9 the host's path per block pass (None: not timed)
 
     status: TrialStatus
     reason: str = ""
@@ -210,6 +214,8 @@ class TrialMetrics:
     """Models per rank held at once for the trial's two sides (v8)."""
     num_builds: int | None = None
     """Models per rank built for the trial (v8)."""
+    host_path_ms: dict[str, float] | None = None
+    """The slowest rank's host path per block pass (v9; see :class:`RankMetrics`)."""
     ranks: list[RankMetrics] = field(default_factory=list)
     traces: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -255,6 +261,7 @@ class TrialMetrics:
             reserved_peak_bytes=_max_or_none(r.reserved_peak_bytes for r in ranks),
             num_models=_max_or_none(r.num_models for r in ranks),
             num_builds=_max_or_none(r.num_builds for r in ranks),
+            host_path_ms=_get_slowest_host_path(ranks),
             traces=[r.trace for r in ranks if r.trace],
             reference_step_ms_per_step=reference,
             paired=summarize_pairs(
@@ -304,6 +311,12 @@ class TrialMetrics:
 
     def write(self, path: str | Path) -> Path:
         return write_artifact(path, self.to_dict())
+
+
+def _get_slowest_host_path(ranks: list[RankMetrics]) -> dict[str, float] | None:
+    """Per block pass, the slowest rank's host path (None: no rank timed it)."""
+    timed = [r.host_path_ms for r in ranks if r.host_path_ms]
+    return {key: max(t[key] for t in timed) for key in timed[0]} if timed else None
 
 
 @dataclass(kw_only=True)

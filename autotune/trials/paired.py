@@ -147,6 +147,8 @@ class Side:
     in_turn: Any = None
     """With models built in turn (:class:`~autotune.trials.in_turn.ModelsInTurn`): what builds this
     side's model when it steps (``training`` is None while the other side's is held)."""
+    host_path_ms: dict[str, float] | None = None
+    """The host's path per block pass, timed on its last warm-up step ([Note: host path probe])."""
 
     def clear(self) -> None:
         """Forget the steps so far (warm-up steps are not measurements; their losses stay)."""

@@ -85,6 +85,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autotune.trials.host_probe import probe_host_path
 from autotune.trials.in_turn import ModelsInTurn
 from autotune.trials.metrics import median_or_none
 from autotune.trials.paired import (
@@ -168,6 +169,8 @@ second model on CPU and models built in turn on CUDA ([Note: models built in tur
 always a second model; ``turn``: in turn wherever the knobs do not switch in place (benchmarks and
 tests compare them)."""
 NO_HEAP_TUNING_ENV = "AUTOTUNE_GLIBC_MALLOC"
+HOST_PROBE_ENV = "AUTOTUNE_HOST_PROBE"
+"""``1``: time the host's path per block on CPU too (tests; [Note: host path probe])."""
 """Set to ``default`` to leave glibc's allocator as it is (benchmarks compare both)."""
 
 
@@ -340,9 +343,17 @@ def _build(rank: int, world_size: int, spec: dict[str, Any], device: torch.devic
 
 
 def _warm_up(side: Side, spec: dict[str, Any], device: torch.device) -> None:
-    """``num_warmup`` steps of a freshly built side, not measured (their losses stay in its record)."""
-    for _ in range(spec["num_warmup"]):
-        side.losses.append(timed_step(side.training, side.next_step, device, side.emulator).loss)
+    """``num_warmup`` steps of a freshly built side, not measured (their losses stay in its record);
+    on CUDA (or with ``AUTOTUNE_HOST_PROBE=1``) the last one times the host's path per block
+    pass ([Note: host path probe] in :mod:`autotune.trials.host_probe`)."""
+    probe = device.type == "cuda" or os.environ.get(HOST_PROBE_ENV) == "1"
+    for i in range(spec["num_warmup"]):
+        last = i == spec["num_warmup"] - 1
+        if probe and last and getattr(side.training, "pipeline", True) is None and side.emulator is None:
+            loss, side.host_path_ms = probe_host_path(side.training, side.next_step, device)
+            side.losses.append(loss)
+        else:
+            side.losses.append(timed_step(side.training, side.next_step, device, side.emulator).loss)
         side.next_step += 1
 
 
@@ -398,6 +409,7 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     # calibration reads: its profiled window is skipped with ``profile_below``.
     profile = spec["profile"] and _is_below(sides, spec.get("profile_below"))
     candidate = sides["candidate"]
+    candidate_host_path = candidate.host_path_ms
     steps = _get_steps(sides)
     losses = list(candidate.losses)
     profiled: list[StepTiming] = []
@@ -428,6 +440,7 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
         "memory": memory,
         "num_models": num_models,
         "num_builds": num_builds,
+        "host_path_ms": candidate_host_path,
         "trace": trace,
         "link_emulation": emulators[0].summary() if emulators[0] is not None else None,
         "env": _get_rank_env(device),

@@ -124,16 +124,23 @@ class Training:
         )
         return move_batch(batch, self.device)
 
-    def step(self, step: int) -> float:
-        """One optimizer step over all microbatches; returns this rank's loss (sum of microbatch losses)."""
+    def step(self, step: int, probe: Any = None) -> float:
+        """One optimizer step over all microbatches; returns this rank's loss (sum of microbatch losses).
+        ``probe`` (:class:`~autotune.trials.host_probe.HostProbe`) is told before the first
+        microbatch's forward and backward ([Note: host path probe])."""
         if self.pipeline is not None:
             return self._step_pipeline(step)
         total = torch.zeros((), device=self.device)
         num = self.accumulator.num_microbatches
         for m in range(num):
             batch = self.get_microbatch(step, m)
+            probing = probe is not None and m == 0
             with self.accumulator.microbatch(m):
+                if probing:
+                    probe.before_forward()
                 loss = compute_loss(self.model, batch) / num
+                if probing:
+                    probe.before_backward()
                 loss.backward()
             total += loss.detach()
         self.optimizer.step()

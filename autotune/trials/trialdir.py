@@ -92,6 +92,7 @@ def to_rank_metrics(result: dict[str, Any]) -> RankMetrics:
         reserved_peak_bytes=memory.get("reserved_peak_bytes"),
         num_models=result.get("num_models"),
         num_builds=result.get("num_builds"),
+        host_path_ms=result.get("host_path_ms"),
         trace=result["trace"],
         link_emulation=result["link_emulation"],
         **{k: result[k] for k in _STEP_COST_KEYS if k in result},

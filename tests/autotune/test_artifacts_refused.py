@@ -42,7 +42,7 @@ READERS = [
         "trial_metrics",
         TrialMetrics.SCHEMA_VERSION,
         "metrics.json",
-        "metrics_v8.json",
+        "metrics_v9.json",
         TrialMetrics.read,
         "search_v3.json",
     ),
@@ -134,7 +134,7 @@ def test_reader_refuses_a_missing_file(reader, tmp_path):
 
 @pytest.mark.parametrize("version", [0, -1, "2", None, 1.5])
 def test_reader_refuses_a_bad_schema_version(version, tmp_path):
-    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v8.json"), "schema_version": version})
+    path = write_json(tmp_path / "metrics.json", {**load_fixture("metrics_v9.json"), "schema_version": version})
     with pytest.raises(ArtifactError) as excinfo:
         TrialMetrics.read(path)
     assert_refused(excinfo, path, "schema_version must be a positive integer")

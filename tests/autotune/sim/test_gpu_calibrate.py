@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -277,3 +278,24 @@ def test_the_host_bound_trial_s_factor_is_the_profiler_s_own():
     assert "measured block_backward, block_forward, recompute_selective, selective_forward" in lines[0]
     with pytest.raises(CalibrationError, match="training thread's CPU time"):
         fit_host_path([HostSample("none", 4e-3, 8e-3, None)])
+
+
+def test_a_trial_that_timed_its_host_path_calibrates_it_without_the_profiler_s_factor(tmp_path):
+    """[Note: host path probe]: a trial with ``host_path_ms`` (metrics v9) gives the host path as timed,
+    unscaled; the kinds it did not run follow by the Note's ratios."""
+    from autotune.sim.host_path import DEFAULT_RATIOS
+    from autotune.trials import TrialMetrics
+
+    trial_dir = tmp_path / "timed"
+    shutil.copytree(get_gpu_trial(LLAMA1B_GSA), trial_dir)
+    path = trial_dir / "metrics.json"
+    metrics = TrialMetrics.read(path)
+    path.chmod(0o644)
+    dataclasses.replace(metrics, host_path_ms={"block_forward": 2.5, "block_backward": 5.0}).write(path)
+    trial = read_gpu_trial(trial_dir)
+    work = get_model_work(load_model_source(trial.model), trial.config.mixed_precision.param_dtype)
+    profile = calibrate_device([(trial, work)])
+    assert profile.host_path_us["block_forward"] == pytest.approx(2500)
+    assert profile.host_path_us["block_backward"] == pytest.approx(5000)
+    assert profile.host_path_us["selective_forward"] == pytest.approx(2500 * DEFAULT_RATIOS["selective_forward"])
+    assert any("timed by 1 trial(s) on an unprofiled step" in note for note in profile.notes)

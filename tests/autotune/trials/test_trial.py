@@ -69,6 +69,7 @@ def test_trial_writes_traces_metrics_config_and_env(tmp_path):
     assert result.step_ms == metrics["step_ms"] == statistics.median(slowest)
     assert result.process_peak_bytes == max(r["process_peak_bytes"] for r in metrics["ranks"])
     assert metrics["memory_source"] == "peak_rss"
+    assert metrics["host_path_ms"] is None  # timed on CUDA only ([Note: host path probe])
     assert metrics["traces"] == ["trace_rank0.json.gz", "trace_rank1.json.gz"]
     assert metrics["analysis_error"] is None
     assert (
@@ -84,16 +85,22 @@ def test_trial_writes_traces_metrics_config_and_env(tmp_path):
     assert get_survivors(result.rank_pids) == []
 
 
-def test_trial_records_cpu_time_and_page_faults_of_unprofiled_and_profiled_steps(tmp_path):
+def test_trial_records_cpu_time_and_page_faults_of_unprofiled_and_profiled_steps(tmp_path, monkeypatch):
     """Per rank and step: own wall, training-thread CPU and page faults, for the measured steps (here
-    the defaults paired with themselves, split by pair order) and the traced ones; and what they cost."""
+    the defaults paired with themselves, split by pair order) and the traced ones; and what they cost.
+    With ``AUTOTUNE_HOST_PROBE=1`` the candidate's last warm-up step times the host's path per block
+    pass on CPU too (metrics v9), the slowest rank's at the top."""
     config = default_config(UNITS)
+    monkeypatch.setenv("AUTOTUNE_HOST_PROBE", "1")
     result = run_trial(_spec(tmp_path, reference=config, num_measured=4, num_profiled=2))
     assert result.status == "ok", result.reason
     metrics = result.metrics
     # The defaults paired with themselves: one model; the trial's peak is at least the candidate's (metrics v8).
     assert metrics.num_models == 1 and metrics.trial_peak_bytes >= metrics.process_peak_bytes > 0
     assert metrics.reserved_peak_bytes is None  # CPU
+    timed = [r.host_path_ms for r in metrics.ranks]
+    assert all(t is not None and t["block_forward"] > 0 and t["block_backward"] > 0 for t in timed)
+    assert metrics.host_path_ms == {k: max(t[k] for t in timed) for k in ("block_forward", "block_backward")}
     for r in metrics.ranks:
         assert len(r.step_ms) == len(r.own_step_ms) == len(r.step_cpu_ms) == len(r.step_page_faults) == 4
         assert len(r.profiled_step_ms) == len(r.profiled_cpu_ms) == len(r.profiled_page_faults) == 2
