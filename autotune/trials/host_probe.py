@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_runtime import find_block_names
+from fsdp_runtime import ConfigError, find_block_names
 
 NUM_INTERVALS = 4
 
@@ -39,7 +39,11 @@ class HostProbe:
     """Hooks on a model's blocks that read the host's clock (used as a context manager around one step)."""
 
     def __init__(self, model: nn.Module, synchronize: Callable[[], None]) -> None:
-        self.blocks = [model.get_submodule(name) for name in find_block_names(model)]
+        try:
+            names = find_block_names(model)
+        except ConfigError:  # a model without repeated blocks (its units listed by hand): nothing to time
+            names = []
+        self.blocks = [model.get_submodule(name) for name in names]
         self.synchronize = synchronize
         self.forward_times: list[float] = []
         self.backward_times: list[float] = []
@@ -80,7 +84,8 @@ class HostProbe:
         self.synchronize()
 
     def get_result(self) -> dict[str, float] | None:
-        """Milliseconds per block pass (``block_forward``, ``block_backward``); None with fewer than two blocks."""
+        """Milliseconds per block pass (``block_forward``, ``block_backward``); None with fewer than two blocks
+        (or none found)."""
         forward = _gaps(self.forward_times)
         backward = _gaps(self.backward_times)
         if not forward or not backward:

@@ -46,3 +46,10 @@ def test_probe_host_path_returns_the_step_s_loss(one_rank_group):
     expected = build_training(0, 1, model="tiny", config=config).step(0)
     loss, timed = probe_host_path(build_training(0, 1, model="tiny", config=config), 0, CPU)
     assert loss == expected and set(timed) == {"block_forward", "block_backward"}
+
+
+def test_a_model_without_repeated_blocks_is_not_timed():
+    probe = HostProbe(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), lambda: None)
+    with probe:
+        probe.before_forward()
+    assert probe.blocks == [] and probe.get_result() is None
