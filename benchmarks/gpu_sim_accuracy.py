@@ -120,7 +120,7 @@ def main() -> None:
         _write(rows, out, f"calibration failed: {type(e).__name__}: {e}")
         sys.exit(f"calibration failed on {dirs[0][0]}: {type(e).__name__}: {e}; measurements in {out / 'results.json'}")
     profile.write(out / "device.toml")
-    print("\n".join(lines), flush=True)
+    print("\n".join([*lines, *(n for n in profile.notes if n.startswith("host path"))]), flush=True)
     _report(_get_rows(cases, labels, [result for _, result in dirs], _hardware(profile, args.cluster)), out)
 
 
@@ -131,7 +131,7 @@ def _hardware(profile: Any, cluster: str | None) -> Hardware:
 def _dry_run(cases: list, labels: list[str], args: argparse.Namespace) -> None:
     """The path after the trials, on a recorded calibration trial: calibrate, then predict every case."""
     profile, lines = calibrate_trials([args.recorded], model=None, cluster=args.cluster)
-    print("\n".join(lines))
+    print("\n".join([*lines, *(n for n in profile.notes if n.startswith("host path"))]))
     measured = _hardware(profile, args.cluster)
     datasheet = Hardware(load_cluster_profile(get_cluster_for(profile.device, args.cluster)), num_ranks=1)
     for label, (_, work, config, described) in zip(labels, cases):
@@ -180,9 +180,15 @@ def _get_rows(cases: list, labels: list[str], results: list[Any], hardware: Hard
                 "measured_ms": result.step_ms if result.ok else None,
                 "predicted_ms": predicted,
                 "status": result.status,
+                # the host's path per block pass the trial timed ([Note: host path probe]): what bounds a host-bound step
+                "host_path_ms": result.metrics.host_path_ms if result.metrics is not None else None,
             }
         )
     return rows
+
+
+def _host(timed: dict[str, float] | None) -> str:
+    return f"{timed['block_forward']:.2f} / {timed['block_backward']:.2f}" if timed else "-"
 
 
 def _write(rows: list[dict], out: Path, error: str | None) -> None:
@@ -197,7 +203,9 @@ def _write(rows: list[dict], out: Path, error: str | None) -> None:
 
 
 def _report(rows: list[dict], out: Path) -> None:
-    print("\n| case | config | measured ms | predicted ms | error |\n|---|---|---|---|---|")
+    print(
+        "\n| case | config | measured ms | predicted ms | error | host ms per block (fwd/bwd) |\n|---|---|---|---|---|---|"
+    )
     errors = []
     for row in rows:
         error = row["predicted_ms"] / row["measured_ms"] - 1 if row["measured_ms"] else None
@@ -205,7 +213,7 @@ def _report(rows: list[dict], out: Path) -> None:
             errors.append(abs(error))
         print(
             f"| {row['case']} | {row['config']} | {row['measured_ms'] or float('nan'):.1f} | {row['predicted_ms']:.1f} | "
-            f"{'' if error is None else f'{100 * error:+.1f}%'} |"
+            f"{'' if error is None else f'{100 * error:+.1f}%'} | {_host(row['host_path_ms'])} |"
         )
     median = statistics.median(errors) if errors else None
     print(
