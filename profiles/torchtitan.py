@@ -14,7 +14,8 @@ default to SDPA attention, which trains on CPU. 0.3.0's language models take onl
 flex_flash or varlen attention ("sdpa is no longer supported"), need ``attention_masks`` from
 ``model.get_attention_masks(positions)``, and FlexAttention has no backward on CPU
 (``NotImplementedError``): 0.3.0 cannot train here, and its registry is another API
-(``model_registry(flavor)`` returning a ``ModelSpec``), not read by this module.
+(``model_registry(flavor)`` returning a ``ModelSpec``), not read by this module: an installed
+0.3 is refused in one line (:func:`check_version`).
 
 Only what the models need is imported. Importing ``torchtitan`` itself (its ``__init__``
 registers float8 converters, which import the MoE Triton kernels: no ``triton`` in a CPU
@@ -108,9 +109,32 @@ def _no_triton(*args: Any, **kwargs: Any) -> Any:
     raise NotImplementedError("expert-parallel token permutation needs triton (fsdp-autotune builds dense decoders)")
 
 
+def get_installed_version() -> str | None:
+    """The installed torchtitan's version (its package metadata), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchtitan")
+    except PackageNotFoundError:
+        return None
+
+
+def check_version(installed: str | None) -> None:
+    """One line where the installed torchtitan is not the one whose registry this module reads (0.2.x)."""
+    if installed is None:
+        raise ModelSourceError(f"torchtitan is not installed: {INSTALL}")
+    if tuple(int(p) for p in installed.split(".")[:2] if p.isdecimal()) != (0, 2):
+        raise ModelSourceError(
+            f"torchtitan {installed} is installed; this fsdp-autotune reads torchtitan 0.2's registry "
+            f"(0.3's language models train only with flex or varlen attention, not on CPU, and their registry is "
+            f"model_registry(flavor)): {INSTALL}"
+        )
+
+
 @functools.cache
 def load_registry(family: str) -> tuple[type, dict[str, Any]]:
     """``(model class, {flavor: model args})`` of torchtitan's registry for ``family`` ([Note: torchtitan models])."""
+    check_version(get_installed_version())
     try:
         root = _enter_packages(family)
         args = importlib.import_module(f"torchtitan.models.{family}.model.args")

@@ -81,6 +81,20 @@ def test_a_bad_torchtitan_model_is_one_line():
         load_model_source("torchtitan:llama3/debugmodel_flex_attn").build(device="meta")
 
 
+def test_another_torchtitan_than_0_2_is_one_line():
+    from profiles.torchtitan import check_version
+
+    check_version("0.2.2")
+    with pytest.raises(
+        ModelSourceError, match=r"^torchtitan 0.3.0 is installed; this fsdp-autotune reads torchtitan 0.2's"
+    ):
+        check_version("0.3.0")
+    with pytest.raises(
+        ModelSourceError, match=r"^torchtitan is not installed: pip install 'fsdp-autotune\[torchtitan\]'"
+    ):
+        check_version(None)
+
+
 # Two trials (the defaults, one sampled), no final round: the model is what is under test here.
 SEARCH = {
     "world_size": 2,
