@@ -79,6 +79,9 @@ def _root() -> Path:
 def _enter_packages(family: str) -> Path:
     """torchtitan's packages on the way to ``family``'s model modules, without their ``__init__``."""
     root = _root()
+    if getattr(sys.modules.get("torchtitan"), "__file__", None) is not None:  # imported whole by this process
+        importlib.import_module(f"torchtitan.models.{family}")
+        return root
     for name in ("torchtitan", "torchtitan.models", f"torchtitan.models.{family}"):
         if name not in sys.modules:
             path = str(root.joinpath(*name.split(".")[1:]))
