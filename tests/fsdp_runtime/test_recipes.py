@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
+import pytest
 import torch
 from _required import skip_unless_required
 
@@ -11,6 +13,8 @@ from fsdp_runtime import (
     MixedPrecisionConfig,
     RuntimeConfig,
     apply_fsdp,
+    config_to_dict,
+    default_config,
     get_torchtitan_config,
     get_torchtitan_units,
 )
@@ -102,3 +106,25 @@ def test_apply_fsdp_accepts_the_recipe(one_rank_group):
     model = _tiny()
     applied = apply_fsdp(model, get_torchtitan_config(model))
     assert applied.config.unit_names == [u.name for u in get_torchtitan_units(model)]
+
+
+@pytest.mark.multirank
+def test_the_recipe_of_a_tied_model_trains_bitwise_as_fsdp2_s_defaults(tmp_path, pool2):
+    """2 gloo ranks, 2 microbatches: embeddings, norm and the tied head in one unit keep the sums' order."""
+    toml = tmp_path / "tied.toml"
+    text = (Path(__file__).resolve().parents[2] / "profiles" / "models" / "tiny.toml").read_text(encoding="utf-8")
+    toml.write_text(text.replace('name = "tiny"', 'name = "tiny-tied"') + "tie_embeddings = true\n")
+    source = load_model_source(str(toml))
+    recipe = get_torchtitan_config(source.build(device="meta"), RuntimeConfig(num_microbatches=2))
+    assert recipe.unit_names[-2] == "tok_embeddings+norm+output"
+    configs = {"defaults": default_config(source.unit_names, num_microbatches=2), "recipe": recipe}
+    losses = {}
+    for name, config in configs.items():
+        run = pool2.run(
+            "_harness:train_losses",
+            {"model": str(toml), "config": config_to_dict(config), "num_steps": 2},
+            timeout_s=90,
+        )
+        assert run.ok, run.reason
+        losses[name] = run.results
+    assert losses["recipe"] == losses["defaults"]
