@@ -436,7 +436,11 @@ def trial(
     out: Annotated[Path, typer.Option("--out", "-o", help="Trial dir: traces, metrics.json, config.toml, env.json.")],
     config: Annotated[
         Path | None,
-        typer.Option("--config", "-c", help="Runtime config (.toml/.json); default: FSDP2 defaults for the model."),
+        typer.Option(
+            "--config",
+            "-c",
+            help="Runtime config (.toml/.json), or torchtitan (its FSDP2 recipe built for the model); default: FSDP2 defaults for the model.",
+        ),
     ] = None,
     nproc: Annotated[int, typer.Option("--nproc", "-n", help="Ranks (world size).")] = 2,
     steps: Annotated[int, typer.Option("--steps", help="Measured (unprofiled) steps.")] = 5,

@@ -36,6 +36,7 @@ from fsdp_runtime.consolidate import (
 from fsdp_runtime.errors import AutotuneError, ConfigError
 from fsdp_runtime.files import atomic_path, write_atomic, write_json_atomic
 from fsdp_runtime.pipeline import AppliedPipeline, StageSplit, apply_pipeline, split_stages
+from fsdp_runtime.recipes import RECIPES, get_torchtitan_config, get_torchtitan_units
 from fsdp_runtime.serialize import (
     config_from_dict,
     config_to_dict,
@@ -47,6 +48,9 @@ from fsdp_runtime.serialize import (
 from fsdp_runtime.switch import CONFIG_KNOBS_IN_PLACE, UNIT_KNOBS_IN_PLACE, get_structural_differences, switch_config
 
 __all__ = [
+    "RECIPES",
+    "get_torchtitan_config",
+    "get_torchtitan_units",
     "CONFIG_KNOBS_IN_PLACE",
     "UNIT_KNOBS_IN_PLACE",
     "get_structural_differences",

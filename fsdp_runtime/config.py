@@ -220,7 +220,8 @@ class RuntimeConfig:
 
 
 def default_config(unit_names: list[str], **overrides: Any) -> RuntimeConfig:
-    """FSDP2 defaults as torchtitan uses them, with one explicit unit per name."""
+    """FSDP2's defaults (``fully_shard`` with its default arguments) with one explicit unit per name;
+    torchtitan's own recipe departs from them ([Note: the torchtitan recipe] in :mod:`fsdp_runtime.recipes`)."""
     units = [UnitConfig(name=n) for n in unit_names]
     if ROOT_UNIT not in unit_names:
         units.append(UnitConfig(name=ROOT_UNIT))

@@ -24,6 +24,7 @@ from profiles.profile import (
     load_model_profile,
 )
 from profiles.sources import ModelSource, load_model_source, resolve_config_for_model
+from profiles.torchtitan import TorchtitanModel
 
 __all__ = [
     "BATCH_HOOK",
@@ -39,6 +40,7 @@ __all__ = [
     "ModelProfile",
     "ModelSource",
     "ModelSourceError",
+    "TorchtitanModel",
     "build_model",
     "compute_loss",
     "list_cluster_profiles",

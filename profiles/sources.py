@@ -13,7 +13,9 @@
    (a relative ``hf_config`` is relative to the TOML file);
 2. a Hugging Face config: a path ending in ``.json`` or a local model directory
    (:class:`profiles.hf.HFModel`);
-3. a model factory ``package.module:function`` (:class:`profiles.factory.FactoryModel`,
+3. a model of torchtitan's registry, ``torchtitan:FAMILY/FLAVOR`` (``torchtitan:llama3/debugmodel``;
+   :class:`profiles.torchtitan.TorchtitanModel`, [Note: torchtitan models]; the ``torchtitan`` extra);
+   else a model factory ``package.module:function`` (:class:`profiles.factory.FactoryModel`,
    protocol in [Note: model factory protocol]);
 4. a Llama profile: a built-in name or a TOML with a ``[shape]`` table
    (:func:`profiles.load_model_profile`).
@@ -35,6 +37,8 @@ from fsdp_runtime.errors import ConfigError
 from profiles.factory import DEFAULT_BATCH_SIZE, DEFAULT_SEQ_LEN, FactoryModel, ModelSourceError
 from profiles.hf import HFModel, find_config_file, get_default_seq_len
 from profiles.profile import ModelProfile, _read_toml, list_model_profiles, load_model_profile
+from profiles.torchtitan import PREFIX as TORCHTITAN_PREFIX
+from profiles.torchtitan import TorchtitanModel, parse_torchtitan_ref
 
 if TYPE_CHECKING:
     from fsdp_runtime import RuntimeConfig
@@ -67,6 +71,9 @@ def load_model_source(model: str | dict[str, Any]) -> ModelSource:
             source=str(config_path),
             seq_len=get_default_seq_len(str(config_path)),
         )
+    if model.startswith(TORCHTITAN_PREFIX):
+        parse_torchtitan_ref(model)
+        return TorchtitanModel(name=model, ref=model, source=model)
     if ":" in model and not path.exists():
         return FactoryModel(name=model, ref=model, source=model)
     try:

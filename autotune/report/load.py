@@ -197,8 +197,9 @@ def get_comparison(
     by_number = {r.number: r for r in rows}
     lowest = record.best if record and record.best else pick_best(rows)
     conf = (record.confirmation if record else None) or {}
-    emitted = conf.get("winner") is not None
-    best_number = conf["winner"] if emitted else (lowest.number if lowest else None)
+    recipe_emitted = bool(record and record.recipe and record.recipe.get("emitted") == "recipe")
+    emitted = conf.get("winner") is not None and not recipe_emitted
+    best_number = conf["winner"] if conf.get("winner") is not None else (lowest.number if lowest else None)
     best_row = by_number.get(best_number) or (lowest if lowest and lowest.number == best_number else None)
     best = _load_compared(root, trials, best_row, best_number)
     if best is None:
@@ -213,7 +214,11 @@ def get_comparison(
         default_number=default_number,
         lowest_number=lowest.number if lowest else None,
         emitted=emitted,
-        note=_describe_comparison(best_number, lowest, conf, emitted),
+        note=(
+            f"torchtitan's recipe was emitted (trial {best_number}, the search's pick, was not faster than it side by side)"
+            if recipe_emitted
+            else _describe_comparison(best_number, lowest, conf, emitted)
+        ),
     )
 
 

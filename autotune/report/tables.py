@@ -150,6 +150,8 @@ def get_search_summary_table(summary: SearchRecord, comparison: Comparison | Non
     conf = summary.confirmation or {}
     if conf.get("speedup_median") is not None:
         table.rows.append(["speedup vs defaults", _describe_speedup(conf)])
+    if summary.recipe:
+        table.rows.append(["vs torchtitan's recipe", describe_recipe(summary.recipe)])
     cons = summary.consolidation or {}
     if cons.get("seconds"):
         parts = [f"{m} {sec * 1e3:.0f} ms" for m, sec in cons["seconds"].items()]
@@ -164,6 +166,24 @@ def get_search_summary_table(summary: SearchRecord, comparison: Comparison | Non
     elif cons.get("error"):
         table.rows.append(["checkpoint consolidation", f"failed: {cons['error']}"])
     return table
+
+
+def describe_recipe(recipe: dict[str, Any]) -> str:
+    """The final round against torchtitan's recipe in one line ([Note: beating the recipe])."""
+    if not recipe.get("measured"):
+        return f"not measured: {recipe.get('reason')}"
+    if recipe.get("speedup_median") is None:
+        return str(recipe.get("reason"))
+    who = (
+        "the defaults (emitted by the final round)" if recipe.get("candidate") == "defaults" else "the search's config"
+    )
+    text = (
+        f"{who} {recipe['speedup_median']:.3f}x the recipe's speed, median of {len(recipe['speedups'])} blocks "
+        f"(interquartile {recipe['speedup_q25']:.3f}-{recipe['speedup_q75']:.3f}, min {recipe['speedup_min']:.3f}, max {recipe['speedup_max']:.3f})"
+    )
+    if recipe.get("emitted") == "recipe":
+        return f"{text}: not faster, so the recipe is emitted"
+    return text + (f"; {recipe['reason']}" if recipe.get("reason") else "")
 
 
 def _describe_speedup(conf: dict[str, Any]) -> str:
@@ -296,6 +316,8 @@ def get_search_outcome_lines(summary: SearchSummary) -> list[str]:
         )
     if conf and conf.get("memory"):
         lines.append(f"{conf['memory']}: emitted the search's pick")
+    if summary.record.recipe:
+        lines.append(f"emitted config vs torchtitan's recipe: {describe_recipe(summary.record.recipe)}")
     if summary.plan.is_proxy:
         lines.append(f"measured on proxy {summary.plan.proxy_name}, not {summary.plan.requested.name}")
     if summary.best_config_path:

@@ -52,12 +52,42 @@ def _get_notes(ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] 
     return notes
 
 
+def get_recipe_notes(recipe: dict[str, Any] | None) -> list[str]:
+    """What the final round said of torchtitan's recipe ([Note: beating the recipe])."""
+    if not recipe:
+        return []
+    if not recipe.get("measured"):
+        return [f"not measured against torchtitan's recipe: {recipe.get('reason')}"]
+    if recipe.get("speedup_median") is None:
+        return [f"torchtitan's recipe: {recipe.get('reason')}"]
+    figures = f"{recipe['speedup_median']:.3f}x, interquartile {recipe['speedup_q25']:.3f}-{recipe['speedup_q75']:.3f}x"
+    if recipe.get("emitted") == "recipe":
+        return [
+            f"the search's config was not faster than torchtitan's recipe side by side ({figures} the recipe's speed): "
+            "these are torchtitan's recipe (apply_fsdp_to_decoder's units and flags)"
+        ]
+    line = f"vs torchtitan's recipe, re-measured side by side: {figures}"
+    return [line + (f"; {recipe['reason']}" if recipe.get("reason") else "")]
+
+
+def _get_emitted_notes(
+    ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] | None, recipe: dict[str, Any] | None
+) -> list[str]:
+    notes = _get_notes(ctx, best, confirmation)
+    if (
+        recipe and recipe.get("emitted") == "recipe"
+    ):  # not the defaults after all: the recipe beat what would be emitted
+        notes = [n for n in notes if not n.endswith("these are the defaults")]
+    return notes + get_recipe_notes(recipe)
+
+
 def _get_metrics(
     best: TrialRow,
     default: TrialRow | None,
     confirmation: dict[str, Any] | None,
     consolidation: dict[str, Any],
     emitted_defaults: bool,
+    recipe: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     metrics = {"search_best_step_ms": best.step_ms, "search_best_ratio": best.ratio}
     if default is not None and default.step_ms:
@@ -74,6 +104,11 @@ def _get_metrics(
             for k in ("speedup_median", "speedup_q25", "speedup_q75", "speedup_min", "speedup_max")
             if k in confirmation
         }
+    if recipe and recipe.get("emitted") == "recipe":  # the figures above are the search config's, not the recipe's
+        metrics = {k: v for k, v in metrics.items() if not k.startswith("speedup_")} | {
+            "step_ms": recipe.get("recipe_step_ms")
+        }
+    metrics |= {f"{k}_vs_torchtitan": v for k, v in (recipe or {}).items() if k.startswith("speedup_")}
     metrics = {k: v for k, v in metrics.items() if v is not None}
     for method, seconds in consolidation.get("seconds", {}).items():
         metrics[f"consolidation_s_{method}"] = seconds
@@ -88,6 +123,7 @@ def emit_best(
     default: TrialRow | None,
     confirmation: dict[str, Any] | None,
     consolidation: dict[str, Any],
+    recipe: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``best.json`` and ``best.toml`` (the path returned) into the run dir."""
     import torch
@@ -102,8 +138,8 @@ def emit_best(
         torch_version=torch.__version__,
         measured=True,
         created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        notes=_get_notes(ctx, best, confirmation),
-        metrics=_get_metrics(best, default, confirmation, consolidation, emitted_defaults),
+        notes=_get_emitted_notes(ctx, best, confirmation, recipe),
+        metrics=_get_metrics(best, default, confirmation, consolidation, emitted_defaults, recipe),
     )
     config = dataclasses.replace(config, provenance=provenance)
     save_config(config, ctx.write_dir / "best.json")

@@ -128,7 +128,7 @@ class SearchRecord:
     """``search.json``: what a search found (read back by ``autotune report``)."""
 
     KIND: ClassVar[str] = "search_summary"
-    SCHEMA_VERSION: ClassVar[int] = 9
+    SCHEMA_VERSION: ClassVar[int] = 10
     # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin, v5 rows the
     # simulator's prediction and the record its presearch, v6 rows which presearch calibration trial they were:
     # all with defaults; v7 the final round's estimator (blocks after settle steps, was single pairs); v8 the
@@ -136,12 +136,13 @@ class SearchRecord:
     # v9 what the search was asked to measure and did not (``shortfall``; default: none said), the
     # drift ``anchors`` (default: none), and rows
     # why their pairs stopped and what they were paired with (``stopped``, ``ratio_to_reference``,
-    # ``reference_trial``, ``reference_ratio``, ``reference_drift``; defaults: the defaults, a fixed count).
+    # ``reference_trial``, ``reference_ratio``, ``reference_drift``; defaults: the defaults, a fixed count);
+    # v10 the emitted config against torchtitan's recipe (``recipe``; default: none measured).
     MIGRATIONS: ClassVar[dict] = {
         1: _migrate_summary_v1,
         **get_added_field_migrations(2, 3, 4, 5),
         6: _migrate_summary_v6,
-        **get_added_field_migrations(7, 8),
+        **get_added_field_migrations(7, 8, 9),
     }
 
     model: str
@@ -173,6 +174,11 @@ class SearchRecord:
     anchors: dict[str, Any] = field(default_factory=dict)
     """Per reference trial, its ratio to the defaults measured again after its steps drifted
     ([Note: measured against the best] in :mod:`autotune.search.reference`; v9)."""
+    recipe: dict[str, Any] | None = None
+    """The config to emit measured against torchtitan's recipe in the final round ([Note: beating
+    the recipe] in :mod:`autotune.search.recipe`): ``measured`` (and ``reason`` where not), the
+    pair figures (``ratio``: emitted / recipe step), ``speedup_*`` over the recipe, and
+    ``emitted``: ``search`` or ``recipe`` (the search's config did not beat it). None: before v10."""
 
     def to_dict(self) -> dict[str, Any]:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

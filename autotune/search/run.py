@@ -4,7 +4,8 @@ Data flow: model (a profile, factory or HF config: :mod:`profiles.sources`) + ma
 (real model or scale proxy) -> :class:`autotune.search.space.SearchSpace` -> per trial a
 :class:`RuntimeConfig` -> :func:`autotune.trials.run_trial` -> metrics -> ``study.tell``
 (:mod:`autotune.search.loop`) -> best config -> side-by-side confirmation against the
-defaults (:mod:`autotune.search.confirm`) -> consolidation timing -> emitted config
+defaults (:mod:`autotune.search.confirm`) -> the same against torchtitan's recipe
+(:mod:`autotune.search.recipe`) -> consolidation timing -> emitted config
 (:mod:`autotune.search.emit`) -> tables. The report (``report/``) is the next stage's:
 :func:`autotune.report.write_search_report`; :func:`autotune.pipeline.search_and_report` runs both.
 
@@ -37,6 +38,7 @@ from autotune.search.predictions import summarize_predictions
 from autotune.search.preflight import preflight
 from autotune.search.presearch import PRESEARCH_ATTR, add_predictions, run_presearch
 from autotune.search.proxy import ModelPlan
+from autotune.search.recipe import run_recipe_round
 from autotune.search.reference import get_anchors
 from autotune.search.results import SearchRecord, TrialRow, pick_best, write_results
 from autotune.search.settings import SearchError, SearchReporter, SearchSettings, SilentReporter
@@ -210,6 +212,7 @@ def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
     summary = SearchSummary(out_dir=ctx.write_dir, study_dir=ctx.settings.out_dir, plan=plan, rows=rows, record=record)
     if best is not None:
         config, record.confirmation = run_final_round(ctx, rows)
+        config, record.recipe = run_recipe_round(ctx, config, record.confirmation)  # [Note: beating the recipe]
         config, record.consolidation = _with_fastest_consolidation(ctx, config)
         summary.best_config_path = emit_best(
             ctx,
@@ -218,6 +221,7 @@ def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
             default=record.default,
             confirmation=record.confirmation,
             consolidation=record.consolidation,
+            recipe=record.recipe,
         )
         record.best_config = str(summary.best_config_path)
     write_results(rows, ctx.write_dir)

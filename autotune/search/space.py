@@ -74,8 +74,8 @@ A trial whose process peak exceeds ``--memory-budget-gib`` is infeasible
 (``autotune.search.loop``: ``memory_over_budget`` is an Optuna constraint, and the best
 trial is feasible), which is what makes checkpointing and grouping a trade-off.
 
-The defaults trial (trial 0) is the point in this space that equals FSDP2's defaults as
-torchtitan uses them.
+The defaults trial (trial 0) is the point in this space that equals FSDP2's defaults
+(torchtitan's recipe departs from them: [Note: the torchtitan recipe] in ``fsdp_runtime.recipes``).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class SearchSpace:
         return choices
 
     def get_default_params(self) -> dict[str, Any]:
-        """Parameters of the defaults trial (FSDP2 defaults as torchtitan uses them; with stages
+        """Parameters of the defaults trial (FSDP2's defaults, not torchtitan's recipe: [Note: the torchtitan recipe]; with stages
         forced, the least pipeline degree offered under torchtitan's default schedule, 1F1B)."""
         pp = min(self.get_pp_choices())
         pp_params: dict[str, Any] = {}

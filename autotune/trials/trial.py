@@ -34,10 +34,14 @@ if TYPE_CHECKING:
 
 
 def load_trial_config(config_path: str | Path | None, model: str | dict[str, Any]) -> RuntimeConfig:
-    """The config file's runtime config, or FSDP2 defaults for the model's units when no file is given."""
+    """The config file's runtime config; a recipe's, built for the model, where ``config_path`` names
+    one (``torchtitan``: [Note: the torchtitan recipe] in :mod:`fsdp_runtime.recipes`); or FSDP2's
+    defaults for the model's units when no file is given."""
     from autotune.trials.training import resolve_profile
-    from fsdp_runtime import default_config, load_config
+    from fsdp_runtime import RECIPES, default_config, get_torchtitan_config, load_config
 
+    if config_path is not None and str(config_path) in RECIPES:
+        return get_torchtitan_config(resolve_profile(model).build(device="meta"))
     if config_path is not None:
         return load_config(config_path)
     return default_config(resolve_profile(model).unit_names)

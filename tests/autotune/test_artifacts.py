@@ -56,7 +56,7 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         ), name
     for name, kind, version in [
         ("metrics_v9.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
-        ("search_v9.json", "search_summary", SearchRecord.SCHEMA_VERSION),
+        ("search_v10.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v3.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
         ("plan_v3.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
     ]:
@@ -185,7 +185,7 @@ def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v9.json")
 
 
-@pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 10)])
+@pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 11)])
 def test_search_summary_of_every_released_version_reads(name):
     record = SearchRecord.read(ARTIFACTS / name)
 
@@ -206,14 +206,24 @@ def test_search_summary_of_every_released_version_reads(name):
 
 def test_v1_search_summary_migrates_to_what_today_writes():
     """Same search; only the report list differs (v1 wrote search.json before the report)."""
-    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v9.json")
+    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v10.json")
     assert v1.report == [] and v2.report
-    assert dataclasses.replace(v1, report=v2.report) == v2
+    assert v1.recipe is None and v2.recipe["measured"]  # v10: the final round against torchtitan's recipe
+    assert dataclasses.replace(v1, report=v2.report, recipe=v2.recipe) == v2
+
+
+def test_a_v9_search_summary_reads_with_no_recipe_measured():
+    """v10 added the final round against torchtitan's recipe ([Note: beating the recipe]); an older
+    search measured none, and its report says nothing of one."""
+    assert "recipe" not in load_fixture("search_v9.json")
+    assert SearchRecord.read(ARTIFACTS / "search_v9.json").recipe is None
+    recipe = SearchRecord.read(ARTIFACTS / "search_v10.json").recipe
+    assert (recipe["emitted"], recipe["speedup_median"], recipe["ratio"]) == ("search", 1.0728, 0.9321)
 
 
 def test_search_summary_round_trip_is_lossless(tmp_path):
-    original = load_fixture("search_v9.json")
-    record = SearchRecord.read(ARTIFACTS / "search_v9.json")
+    original = load_fixture("search_v10.json")
+    record = SearchRecord.read(ARTIFACTS / "search_v10.json")
     assert record.to_dict() == original
     assert SearchRecord.read(record.write(tmp_path / "search.json")).to_dict() == original
 

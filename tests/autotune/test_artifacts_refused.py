@@ -51,7 +51,7 @@ READERS = [
         "search_summary",
         SearchRecord.SCHEMA_VERSION,
         "search.json",
-        "search_v9.json",
+        "search_v10.json",
         SearchRecord.read,
         "metrics_v3.json",
     ),

@@ -527,3 +527,31 @@ def test_the_summary_says_what_was_not_measured_and_which_references_were_anchor
     )
     assert f"warning: {short}" in get_search_outcome_lines(summary)
     assert not any(r[0] in ("not measured", "anchor") for r in get_search_summary_table(SearchRecord(model="t")).rows)
+
+
+def test_the_summary_and_the_terminal_give_the_speedup_over_torchtitan_s_recipe():
+    """search.json's ``recipe`` (v10, [Note: beating the recipe]) is a row of the summary and a line
+    of the terminal's outcome, with its spread; a recipe that won says it was emitted."""
+    from types import SimpleNamespace
+
+    from autotune.report import get_search_outcome_lines
+    from autotune.report.tables import get_search_summary_table
+
+    recipe = SearchRecord.read(DATA / "artifacts" / "search_v10.json").recipe
+    expected = (
+        "the search's config 1.073x the recipe's speed, median of 2 blocks "
+        "(interquartile 1.071-1.075, min 1.069, max 1.077)"
+    )
+    record = SearchRecord(model="tiny", stopped_because="x", recipe=recipe)
+    assert ["vs torchtitan's recipe", expected] in get_search_summary_table(record).rows
+    summary = SimpleNamespace(
+        record=record, confirmation=None, plan=SimpleNamespace(is_proxy=False), best_config_path=None
+    )
+    assert f"emitted config vs torchtitan's recipe: {expected}" in get_search_outcome_lines(summary)
+    lost = dict(recipe, speedup_median=0.95, emitted="recipe")
+    row = get_search_summary_table(SearchRecord(model="tiny", recipe=lost)).rows[-1]
+    assert row[1].startswith("the search's config 0.950x") and row[1].endswith("not faster, so the recipe is emitted")
+    skipped = {"name": "torchtitan", "measured": False, "reason": "no final round ran (--confirm-pairs 0)"}
+    row = get_search_summary_table(SearchRecord(model="tiny", recipe=skipped)).rows[-1]
+    assert row == ["vs torchtitan's recipe", "not measured: no final round ran (--confirm-pairs 0)"]
+    assert not any(r[0] == "vs torchtitan's recipe" for r in get_search_summary_table(SearchRecord(model="t")).rows)

@@ -91,10 +91,20 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     assert set(seconds) == {"all_gather", "broadcast"} and all(v > 0 for v in seconds.values())
     assert best.provenance.metrics["consolidation_s_all_gather"] == seconds["all_gather"]
     assert best.checkpoint.consolidation == min(seconds, key=seconds.get) == search_json["consolidation"]["chosen"]
+    # The config to emit was measured against torchtitan's recipe too, as against the defaults
+    # ([Note: beating the recipe]); under this memory budget a recipe that wins is not emitted in its place.
+    recipe = search_json["recipe"]
+    assert recipe["measured"] and recipe["status"] == "ok", recipe
+    assert recipe["units"] == ["tok_embeddings", *(f"layers.{i}" for i in range(4)), "norm+output", "root"]
+    assert recipe["estimator"] == "blocks" and recipe["speedup_median"] == pytest.approx(1 / recipe["ratio"])
+    assert recipe["emitted"] == "search" and bool(recipe["reason"]) == (recipe["ratio"] >= 1)
+    assert best.provenance.metrics["speedup_median_vs_torchtitan"] == pytest.approx(recipe["speedup_median"])
+    assert (tmp_path / "final" / "vs_torchtitan" / "metrics.json").exists()
     # The search report shows it.
     report = load_report(tmp_path)
     summary_rows = {row[0]: row[1] for row in get_tables(report)[0].rows}
     assert "all_gather" in summary_rows["checkpoint consolidation"] and summary_rows["model"] == "tiny"
+    assert summary_rows["vs torchtitan's recipe"].startswith(f"the search's config {recipe['speedup_median']:.3f}x")
     assert (tmp_path / "report" / "report.html").exists() and search_json["report_error"] is None
     # The emitted config applies with fsdp_runtime unchanged and trains.
     run = run_ranks(

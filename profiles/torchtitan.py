@@ -1,0 +1,225 @@
+"""torchtitan's own models: ``--model torchtitan:llama3/debugmodel`` (``torchtitan:FAMILY/FLAVOR``).
+
+[Note: torchtitan models]
+The model is torchtitan's: its registry names the flavor's arguments and its model class
+(``get_train_spec()`` in ``torchtitan/models/<family>/__init__.py``: ``model_cls`` and
+``model_args``, a dict of flavors), built as its trainer builds it (``model_cls(args)`` with
+``max_seq_len`` set to the training sequence length, as ``update_from_config`` does, then
+``init_weights()``), and trained on its own loss (``torchtitan.components.loss.cross_entropy_loss``,
+a sum over tokens, divided here by the microbatch's token count as its trainer divides by the
+global count of valid tokens) on its output: the logits of ``model(tokens)``.
+
+Which torchtitan: 0.2.2 (``pip install 'fsdp-autotune[torchtitan]'``). Its llama3 and qwen3
+default to SDPA attention, which trains on CPU. 0.3.0's language models take only flex,
+flex_flash or varlen attention ("sdpa is no longer supported"), need ``attention_masks`` from
+``model.get_attention_masks(positions)``, and FlexAttention has no backward on CPU
+(``NotImplementedError``): 0.3.0 cannot train here, and its registry is another API
+(``model_registry(flavor)`` returning a ``ModelSpec``), not read by this module: an installed
+0.3 is refused in one line (:func:`check_version`).
+
+Only what the models need is imported. Importing ``torchtitan`` itself (its ``__init__``
+registers float8 converters, which import the MoE Triton kernels: no ``triton`` in a CPU
+torch) or ``torchtitan.models.<family>`` (its ``__init__`` imports the trainer's data loaders:
+``datasets``) would pull the trainer; so those three packages are entered without running
+their ``__init__`` (bare package modules over torchtitan's own directories), and two modules
+the model files import for names they do not use in a dense model are stood in for:
+``torchtitan.protocols.train_spec`` (the model files take ``ModelProtocol`` and ``BaseModelArgs``
+from it, which it imports from ``torchtitan.protocols.model``; it also imports the metrics,
+validator and data loader: ``tensorboard``, ``datasets``) by a module holding those two, and ``torchtitan.models.moe.kernels``
+(Triton; expert-parallel token permutation, never called by a dense decoder) by a module whose
+function raises. A process that already imported torchtitan whole keeps its modules as they
+are. The registry is read from the family's ``__init__`` source: the dict literal named by
+``get_train_spec``'s ``model_args`` is evaluated over the names of the family's model modules,
+and ``model_cls`` is looked up there (the ``__init__`` itself cannot run without the trainer).
+Needs beyond torch: ``tyro`` (``torchtitan.config``, which the model arguments import).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from profiles.factory import FactoryModel, ModelFacts, ModelSourceError, call_factory, inspect_model
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+PREFIX = "torchtitan:"
+FAMILIES = ("llama3", "qwen3")
+"""The dense decoders of torchtitan 0.2.2's registry read here."""
+INSTALL = "pip install 'fsdp-autotune[torchtitan]'"
+
+
+def parse_torchtitan_ref(ref: str) -> tuple[str, str]:
+    """``(family, flavor)`` of ``torchtitan:FAMILY/FLAVOR``; one line when it is not one."""
+    family, _, flavor = ref.removeprefix(PREFIX).partition("/")
+    if family not in FAMILIES or not flavor:
+        raise ModelSourceError(
+            f"{ref!r}: write torchtitan:FAMILY/FLAVOR with FAMILY one of {', '.join(FAMILIES)} (e.g. torchtitan:llama3/debugmodel)"
+        )
+    return family, flavor
+
+
+def _root() -> Path:
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(f"torchtitan is not installed: {INSTALL}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _enter_packages(family: str) -> Path:
+    """torchtitan's packages on the way to ``family``'s model modules, without their ``__init__``."""
+    root = _root()
+    if getattr(sys.modules.get("torchtitan"), "__file__", None) is not None:  # imported whole by this process
+        importlib.import_module(f"torchtitan.models.{family}")
+        return root
+    for name in ("torchtitan", "torchtitan.models", f"torchtitan.models.{family}"):
+        if name not in sys.modules:
+            path = str(root.joinpath(*name.split(".")[1:]))
+            module = types.ModuleType(name)
+            module.__path__ = [path]
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            module.__spec__.submodule_search_locations = [path]
+            sys.modules[name] = module
+    if "torchtitan.protocols.train_spec" not in sys.modules:
+        protocols = importlib.import_module("torchtitan.protocols.model")
+        _stand_in(
+            "torchtitan.protocols.train_spec",
+            ModelProtocol=protocols.ModelProtocol,
+            BaseModelArgs=protocols.BaseModelArgs,
+        )
+    if "torchtitan.models.moe.kernels" not in sys.modules and importlib.util.find_spec("triton") is None:
+        _stand_in("torchtitan.models.moe.kernels", generate_permute_indices=_no_triton)
+    return root
+
+
+def _stand_in(name: str, **names: Any) -> None:
+    module = types.ModuleType(name, f"fsdp-autotune's stand-in ([Note: torchtitan models] in {__name__})")
+    module.__dict__.update(names)
+    sys.modules[name] = module
+
+
+def _no_triton(*args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError("expert-parallel token permutation needs triton (fsdp-autotune builds dense decoders)")
+
+
+def get_installed_version() -> str | None:
+    """The installed torchtitan's version (its package metadata), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchtitan")
+    except PackageNotFoundError:
+        return None
+
+
+def check_version(installed: str | None) -> None:
+    """One line where the installed torchtitan is not the one whose registry this module reads (0.2.x)."""
+    if installed is None:
+        raise ModelSourceError(f"torchtitan is not installed: {INSTALL}")
+    if tuple(int(p) for p in installed.split(".")[:2] if p.isdecimal()) != (0, 2):
+        raise ModelSourceError(
+            f"torchtitan {installed} is installed; this fsdp-autotune reads torchtitan 0.2's registry "
+            f"(0.3's language models train only with flex or varlen attention, not on CPU, and their registry is "
+            f"model_registry(flavor)): {INSTALL}"
+        )
+
+
+@functools.cache
+def load_registry(family: str) -> tuple[type, dict[str, Any]]:
+    """``(model class, {flavor: model args})`` of torchtitan's registry for ``family`` ([Note: torchtitan models])."""
+    check_version(get_installed_version())
+    try:
+        root = _enter_packages(family)
+        args = importlib.import_module(f"torchtitan.models.{family}.model.args")
+        model = importlib.import_module(f"torchtitan.models.{family}.model.model")
+    except ImportError as e:
+        raise ModelSourceError(f"torchtitan's {family} model cannot be imported ({e}): {INSTALL}") from None
+    source = (root / "models" / family / "__init__.py").read_text(encoding="utf-8")
+    namespace = {**vars(sys.modules.get("torchtitan.models.moe", types.ModuleType("_"))), **vars(args), **vars(model)}
+    cls_name, args_name = _find_train_spec(ast.parse(source), family)
+    flavors = next(
+        (
+            node.value
+            for node in ast.parse(source).body
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == args_name for t in node.targets)
+        ),
+        None,
+    )
+    if flavors is None or cls_name not in namespace:
+        raise ModelSourceError(f"torchtitan's {family} registry is not the one this fsdp-autotune reads (0.2.2)")
+    return namespace[cls_name], eval(compile(ast.Expression(flavors), str(root), "eval"), namespace)
+
+
+def _find_train_spec(tree: ast.Module, family: str) -> tuple[str, str]:
+    """The names ``get_train_spec`` passes as ``model_cls`` and ``model_args``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "TrainSpec":
+            keywords = {k.arg: getattr(k.value, "id", None) for k in node.keywords}
+            if keywords.get("model_cls") and keywords.get("model_args"):
+                return keywords["model_cls"], keywords["model_args"]
+    raise ModelSourceError(f"torchtitan's {family} registry has no TrainSpec(model_cls=..., model_args=...) (0.2.2)")
+
+
+def torchtitan_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """torchtitan's loss on its model's output, per token ([Note: torchtitan models])."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    labels = batch[:, 1:]
+    return cross_entropy_loss(model(batch[:, :-1]), labels) / labels.numel()
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TorchtitanModel(FactoryModel):
+    """A model of torchtitan's registry (``ref``: ``torchtitan:FAMILY/FLAVOR``); as opaque as a
+    factory to the scale proxy ([Note: model factory protocol]): searched at its registry size."""
+
+    def build(self, *, device: str = "cpu", seed: int = 0) -> nn.Module:
+        model = call_factory(functools.partial(_build, self.ref, self.seq_len), self.ref, device=device, seed=seed)
+        model.compute_autotune_loss = functools.partial(torchtitan_loss, model)  # the loss hook trials call
+        return model
+
+    @property
+    def facts(self) -> ModelFacts:
+        return _inspect(self.ref, self.seq_len)
+
+    def with_overrides(self, **changes: Any) -> TorchtitanModel:
+        widths = sorted(set(changes) - {"seq_len", "batch_size"})
+        if widths:
+            raise ModelSourceError(
+                f"{self.ref!r} cannot be resized ({', '.join(widths)}): its widths are the registry's"
+            )
+        return replace(self, **changes)
+
+
+def _build(ref: str, seq_len: int) -> nn.Module:
+    family, flavor = parse_torchtitan_ref(ref)
+    cls, flavors = load_registry(family)
+    if flavor not in flavors:
+        raise ModelSourceError(
+            f"{ref!r}: torchtitan's {family} registry has no flavor {flavor!r} ({', '.join(flavors)})"
+        )
+    args = replace(flavors[flavor], max_seq_len=seq_len)  # what its trainer's update_from_config sets
+    if getattr(args, "moe_enabled", False) or getattr(args, "attn_type", "sdpa") != "sdpa":
+        raise ModelSourceError(f"{ref!r}: only the dense SDPA decoders of the registry train here")
+    import torch
+
+    model = cls(args)
+    if next(iter(model.parameters())).device.type != "meta":
+        with torch.no_grad():
+            model.init_weights()  # its trainer's initialisation, after the constructor
+    return model
+
+
+@functools.lru_cache(maxsize=16)
+def _inspect(ref: str, seq_len: int) -> ModelFacts:
+    return inspect_model(call_factory(functools.partial(_build, ref, seq_len), ref, device="meta", seed=0), ref)

@@ -1,0 +1,110 @@
+"""The final round against torchtitan's recipe ([Note: beating the recipe]): the decision rules.
+Pure functions: the measurement is replaced; no ranks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from autotune.search import recipe as recipe_round
+from autotune.search.space import SearchSpace
+from autotune.trials.paired import summarize_pairs
+from fsdp_runtime import MixedPrecisionConfig, get_torchtitan_config
+from profiles import load_model_source
+
+
+def _ctx(*, memory_budget_bytes=None, num_confirm_pairs=2, rank_program=None, model="tiny") -> SimpleNamespace:
+    source = load_model_source(model)
+    space = SearchSpace(
+        block_names=tuple(source.block_names),
+        world_size=2,
+        num_microbatches=2,
+        device_type="cpu",
+        mixed_precision=MixedPrecisionConfig(param_dtype="float32", reduce_dtype="float32"),
+    )
+    settings = SimpleNamespace(
+        num_confirm_pairs=num_confirm_pairs, memory_budget_bytes=memory_budget_bytes, rank_program=rank_program
+    )
+    phases: list[str] = []
+    return SimpleNamespace(
+        settings=settings,
+        space=space,
+        plan=SimpleNamespace(run=source),
+        default_config=space.build_config(space.get_default_params()),
+        reporter=SimpleNamespace(on_phase=phases.append),
+        phases=phases,
+    )
+
+
+def _measured(ratios: list[float]):
+    def measure(ctx, config, recipe, num_pairs):
+        measure.calls.append((config, recipe, num_pairs))
+        return {
+            "status": "ok",
+            "reason": "",
+            "step_ms": 1.0,
+            "recipe_step_ms": 1.0,
+            **summarize_pairs(ratios, [1.0] * len(ratios)),
+        }
+
+    measure.calls = []
+    return measure
+
+
+def test_the_recipe_carries_the_search_s_mesh_microbatches_and_precision():
+    ctx = _ctx()
+    recipe, why = recipe_round.get_recipe_config(ctx)
+    assert why is None
+    assert recipe == get_torchtitan_config(load_model_source("tiny").build(device="meta"), ctx.default_config)
+    assert (recipe.num_microbatches, recipe.unshard_async, recipe.mesh) == (2, "off", ctx.default_config.mesh)
+    assert recipe.unit_names == ["tok_embeddings", *(f"layers.{i}" for i in range(4)), "norm+output", "root"]
+
+
+def test_a_config_faster_than_the_recipe_is_emitted_with_its_speedup_over_it(monkeypatch):
+    measure = _measured([0.80, 0.82, 0.84, 0.86])
+    monkeypatch.setattr(recipe_round, "_measure", measure)
+    ctx = _ctx()
+    config, record = recipe_round.run_recipe_round(ctx, "searched", {"emitted": "best"})
+    assert config == "searched" and record["emitted"] == "search" and record["measured"]
+    assert measure.calls[0][0] == "searched" and measure.calls[0][2] == 4  # 2 x --confirm-pairs, as a finalist
+    assert record["speedup_median"] == pytest.approx(1 / record["ratio"]) and record["speedup_median"] > 1
+    assert record["speedups"] == pytest.approx([1 / r for r in record["block_ratios"]])
+    assert record["speedup_q25"] <= record["speedup_median"] <= record["speedup_q75"]
+
+
+def test_a_config_not_faster_than_the_recipe_gives_way_to_the_recipe(monkeypatch):
+    monkeypatch.setattr(recipe_round, "_measure", _measured([1.02, 1.01, 0.99, 1.03]))
+    ctx = _ctx()
+    config, record = recipe_round.run_recipe_round(ctx, "searched", {"emitted": "best"})
+    assert record["emitted"] == "recipe" and config == recipe_round.get_recipe_config(ctx)[0]
+    # the defaults emitted by the final round are measured against the recipe the same way
+    config, record = recipe_round.run_recipe_round(ctx, "defaults", {"emitted": "defaults"})
+    assert record["candidate"] == "defaults" and record["emitted"] == "recipe"
+    # under a memory budget the recipe (its peak never held to the budget) is not emitted in its place
+    config, record = recipe_round.run_recipe_round(_ctx(memory_budget_bytes=2**30), "searched", {"emitted": "best"})
+    assert config == "searched" and record["emitted"] == "search" and "memory budget" in record["reason"]
+
+
+def test_a_failed_measurement_keeps_the_search_s_config_and_says_why(monkeypatch):
+    monkeypatch.setattr(
+        recipe_round, "_measure", lambda ctx, c, r, n: {"status": "timeout", "reason": "rank 1 hung", "ratio": None}
+    )
+    config, record = recipe_round.run_recipe_round(_ctx(), "searched", {"emitted": "best"})
+    assert config == "searched" and record["emitted"] == "search" and "rank 1 hung" in record["reason"]
+
+
+def test_not_measured_where_there_is_no_final_round_or_no_model_to_read(monkeypatch):
+    monkeypatch.setattr(recipe_round, "_measure", lambda *a: pytest.fail("measured"))
+    for ctx, confirmation, why in [
+        (_ctx(num_confirm_pairs=0), None, "no final round ran (--confirm-pairs 0)"),
+        (_ctx(rank_program="x:y"), {"emitted": "best"}, "a custom rank program builds its own model"),
+    ]:
+        config, record = recipe_round.run_recipe_round(ctx, "searched", confirmation)
+        assert config == "searched" and record == {
+            "name": "torchtitan",
+            "measured": False,
+            "reason": why,
+            "emitted": "search",
+        }
+        assert ctx.phases == [f"not measured against torchtitan's recipe: {why}"]

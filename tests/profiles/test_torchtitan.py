@@ -1,0 +1,161 @@
+"""``--model torchtitan:FAMILY/FLAVOR``: torchtitan's own models as clients ([Note: torchtitan models]).
+
+Needs the ``torchtitan`` extra (torchtitan 0.2.2; ``./dev`` installs it): skipped without it,
+failed without it under ``AUTOTUNE_REQUIRE_ALL=1`` (CI). End to end (2 gloo ranks, two trials,
+every run under a wall-clock limit): a search on torchtitan's llama3 debug model emits a config
+that applies to a fresh torchtitan model in a training loop of torchtitan's shape; its losses
+equal ``fully_shard`` by hand bitwise where the config keeps the order of sums (1e-5 relative
+where it does not) and the unsharded model's within 1e-4, and the README's example trains the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _model_programs import REL_TOL, order_preserving, without_order_changes
+from _required import skip_unless_required
+from _torchtitan_programs import UNSHARDED_REL_TOL
+
+from fsdp_runtime import RuntimeConfig, config_to_dict, get_torchtitan_config, get_torchtitan_units, load_config
+from profiles import ModelSourceError, TorchtitanModel, load_model_source
+
+LLAMA = "torchtitan:llama3/debugmodel"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _torchtitan():
+    if importlib.util.find_spec("torchtitan") is None:
+        skip_unless_required("torchtitan is not installed: pip install 'fsdp-autotune[torchtitan]' (./dev installs it)")
+
+
+def test_the_source_builds_torchtitan_s_model_from_its_registry():
+    source = load_model_source(LLAMA)
+    assert isinstance(source, TorchtitanModel) and source.source == LLAMA
+    model = source.build(device="meta")
+    assert (type(model).__module__, type(model).__name__) == ("torchtitan.models.llama3.model.model", "Transformer")
+    assert (model.model_args.dim, model.model_args.n_layers, model.model_args.vocab_size) == (256, 6, 2048)
+    assert model.model_args.max_seq_len == source.seq_len  # what torchtitan's trainer sets
+    # Units come from the model: its ModuleDict of blocks, and torchtitan's recipe for it.
+    assert source.block_names == [f"layers.{i}" for i in range(6)] and source.vocab_size == 2048
+    assert [(u.name, u.reshard_after_forward) for u in get_torchtitan_units(model)] == [
+        ("tok_embeddings", True),
+        *((f"layers.{i}", True) for i in range(6)),
+        ("norm+output", False),
+        ("root", None),
+    ]
+    assert source.get_num_params() == sum(p.numel() for p in model.parameters()) == 6_163_712
+
+
+def test_qwen3_s_tied_head_is_grouped_with_the_embeddings():
+    model = load_model_source("torchtitan:qwen3/debugmodel").build(device="meta")
+    assert type(model).__name__ == "Qwen3Model" and model.output.weight is model.tok_embeddings.weight
+    assert [(u.name, u.reshard_after_forward) for u in get_torchtitan_units(model)][-2:] == [
+        ("tok_embeddings+norm+output", False),
+        ("root", None),
+    ]
+
+
+def test_the_models_import_no_trainer_dependencies():
+    """torchtitan's package __init__s pull datasets, tensorboard, wandb (and triton): none is imported."""
+    code = (
+        "import sys; from profiles import load_model_source; "
+        f"load_model_source({LLAMA!r}).build(device='meta'); "
+        "print(sorted(m for m in ('datasets', 'tensorboard', 'wandb', 'triton', 'torchdata') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+def test_a_bad_torchtitan_model_is_one_line():
+    with pytest.raises(ModelSourceError, match=r"write torchtitan:FAMILY/FLAVOR with FAMILY one of llama3, qwen3"):
+        load_model_source("torchtitan:gpt5/huge")
+    with pytest.raises(ModelSourceError, match=r"registry has no flavor 'huge' \(debugmodel, "):
+        load_model_source("torchtitan:llama3/huge").build(device="meta")
+    with pytest.raises(ModelSourceError, match=r"only the dense SDPA decoders"):
+        load_model_source("torchtitan:llama3/debugmodel_flex_attn").build(device="meta")
+
+
+def test_another_torchtitan_than_0_2_is_one_line():
+    from profiles.torchtitan import check_version
+
+    check_version("0.2.2")
+    with pytest.raises(
+        ModelSourceError, match=r"^torchtitan 0.3.0 is installed; this fsdp-autotune reads torchtitan 0.2's"
+    ):
+        check_version("0.3.0")
+    with pytest.raises(
+        ModelSourceError, match=r"^torchtitan is not installed: pip install 'fsdp-autotune\[torchtitan\]'"
+    ):
+        check_version(None)
+
+
+# Two trials (the defaults, one sampled), no final round: the model is what is under test here.
+SEARCH = {
+    "world_size": 2,
+    "num_trials": 2,
+    "num_microbatches": 2,
+    "num_warmup": 0,
+    "num_measured": 2,
+    "num_profiled": 1,
+    "num_confirm_pairs": 0,
+    "trial_timeout_s": 90.0,
+    "patience": None,
+    "prune_ratio": 1e6,
+    "max_ratio_spread": 1e6,
+}
+
+
+@pytest.fixture
+def shared_pool(pool2, monkeypatch):
+    from autotune.search import run
+
+    monkeypatch.setattr(run, "open_pool", lambda settings: contextlib.nullcontext(pool2))
+    return pool2
+
+
+@pytest.mark.multirank
+def test_search_emit_apply_and_train_a_torchtitan_model(tmp_path, shared_pool):
+    from autotune.search import SearchSettings, run_search
+
+    summary = run_search(SearchSettings(model=LLAMA, out_dir=tmp_path / "run", **SEARCH))
+    assert summary.best is not None, [(r.number, r.status, r.reason) for r in summary.rows]
+    assert summary.record.recipe == {
+        "name": "torchtitan",
+        "measured": False,
+        "reason": "no final round ran (--confirm-pairs 0)",
+        "emitted": "search",
+    }
+    best = load_config(tmp_path / "run" / "best.toml")
+    blocks = [m for u in best.units for m in u.get_modules() if m.startswith("layers.")]
+    assert blocks == [f"layers.{i}" for i in range(6)] and best.provenance.model == LLAMA
+    base = RuntimeConfig(num_microbatches=best.num_microbatches, mixed_precision=best.mixed_precision)
+    recipe = get_torchtitan_config(load_model_source(LLAMA).build(device="meta"), base)
+    configs = {
+        "emitted": config_to_dict(best),
+        "emitted_in_order": config_to_dict(without_order_changes(best)),
+        "recipe": config_to_dict(recipe),
+    }
+    run = shared_pool.run("_torchtitan_programs:train_torchtitan", {"model": LLAMA, "configs": configs}, timeout_s=150)
+    assert run.ok, run.reason
+    for losses in run.results:
+        # bitwise: prefetch, reshard, async unshard, grouping, split edges keep the order of sums
+        assert losses["emitted_in_order"] == losses["fully_shard"] == losses["recipe"]
+        if order_preserving(best):
+            assert losses["emitted"] == losses["fully_shard"]
+        else:
+            assert losses["emitted"] == pytest.approx(losses["fully_shard"], rel=REL_TOL)
+        assert losses["emitted"] == pytest.approx(losses["unsharded"], rel=UNSHARDED_REL_TOL)
+    # The README's example (apply_fsdp where torchtitan calls its own) trains exactly as the emitted config.
+    readme = shared_pool.run(
+        "_torchtitan_programs:run_readme_example",
+        {"model": LLAMA, "config_path": str(tmp_path / "run" / "best.toml")},
+        timeout_s=90,
+    )
+    assert readme.ok, readme.reason
+    assert readme.results == [losses["emitted"] for losses in run.results]
