@@ -69,15 +69,11 @@ class Predictor:
 
 
 def make_predictor(ctx: SearchContext, measured: MeasuredProfile) -> Predictor:
-    """The simulator for ``ctx``'s workload, links and world size, priced by ``measured`` (a MeasuredProfile)."""
-    from profiles import ModelProfile, load_cluster_profile
+    """The simulator for ``ctx``'s workload, links and world size, priced by ``measured`` (a MeasuredProfile):
+    any model source the trials train (a profile, a factory, an HF config, torchtitan's), traced on fake tensors."""
+    from profiles import load_cluster_profile
 
     run = ctx.plan.run
-    if not isinstance(run, ModelProfile):
-        raise SearchError(
-            f"--presearch sim simulates Llama profiles only, not {type(run).__name__} {run.name!r} (search it without --presearch)",
-            field="presearch",
-        )
     hardware = Hardware(
         load_cluster_profile(ctx.settings.cluster or "cpu-gloo"), num_ranks=ctx.settings.world_size, measured=measured
     )

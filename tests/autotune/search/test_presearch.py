@@ -260,3 +260,26 @@ def test_plan_takes_a_hugging_face_config_and_emits_its_unit_names(tmp_path):
         *(f"model.layers.{i}" for i in range(4)),
         "root",
     ] and config.provenance.model == "hf-tiny"
+
+
+@pytest.mark.parametrize("model", ["test_presearch:tiny_lm", "torchtitan:llama3/debugmodel"])
+def test_the_presearch_simulates_any_model_the_trials_train(model):
+    """A factory and torchtitan's own model, not only our Llama profiles: the predictor is built
+    (it was refused, and only after the defaults and calibration trials had run) and predicts the
+    defaults at ratio 1."""
+    from types import SimpleNamespace
+
+    from _measured_profiles import get_measured_profile
+
+    from autotune.search.presearch import make_predictor
+
+    source = load_model_source(model)
+    work = get_model_work(source, "float32")
+    space = SearchSpace(block_names=work.block_names, world_size=2, num_microbatches=2, device_type="cpu")
+    ctx = SimpleNamespace(
+        plan=SimpleNamespace(run=source), settings=SimpleNamespace(cluster=None, world_size=2), space=space
+    )
+    predictor = make_predictor(ctx, get_measured_profile(world_size=2))
+    assert predictor.predict(space.get_default_params())["predicted_ratio"] == pytest.approx(1.0)
+    replicated = predictor.predict({**space.get_default_params(), "mesh": "hsdp:2x1"})
+    assert replicated["predicted_step_ms"] > 0
