@@ -308,8 +308,11 @@ def get_search_outcome_lines(summary: SearchSummary) -> list[str]:
         f"stopped: {summary.record.stopped_because}",
     ]
     conf = summary.confirmation
+    # where torchtitan's recipe won its round, the final round's figures are the search's config's, not the emitted one's
+    recipe_won = (summary.record.recipe or {}).get("emitted") == "recipe"
+    subject = "the search's config (not emitted: torchtitan's recipe is)" if recipe_won else "emitted config"
     if conf and conf["speedup_median"] is not None:
-        lines.append(f"emitted config vs defaults: {_describe_speedup(conf)}")
+        lines.append(f"{subject} vs defaults: {_describe_speedup(conf)}")
     if conf and conf.get("defaults_over_budget"):
         lines.append(
             "FSDP2's defaults are over the memory budget: the emitted config is the fastest finalist that fits"
@@ -317,7 +320,7 @@ def get_search_outcome_lines(summary: SearchSummary) -> list[str]:
     if conf and conf.get("memory"):
         lines.append(f"{conf['memory']}: emitted the search's pick")
     if summary.record.recipe:
-        lines.append(f"emitted config vs torchtitan's recipe: {describe_recipe(summary.record.recipe)}")
+        lines.append(f"{subject} vs torchtitan's recipe: {describe_recipe(summary.record.recipe)}")
     if summary.plan.is_proxy:
         lines.append(f"measured on proxy {summary.plan.proxy_name}, not {summary.plan.requested.name}")
     if summary.best_config_path:

@@ -551,6 +551,26 @@ def test_the_summary_and_the_terminal_give_the_speedup_over_torchtitan_s_recipe(
     lost = dict(recipe, speedup_median=0.95, emitted="recipe")
     row = get_search_summary_table(SearchRecord(model="tiny", recipe=lost)).rows[-1]
     assert row[1].startswith("the search's config 0.950x") and row[1].endswith("not faster, so the recipe is emitted")
+    # the terminal then names what its figures are of: the search's config, not the emitted recipe
+    confirmation = {
+        "speedup_median": 1.2,
+        "speedup_q25": 1.1,
+        "speedup_q75": 1.3,
+        "speedup_min": 1.0,
+        "speedup_max": 1.4,
+    }
+    confirmation["speedups"] = [1.2]
+    won = SimpleNamespace(
+        record=SearchRecord(model="tiny", stopped_because="x", recipe=lost),
+        confirmation=confirmation,
+        plan=SimpleNamespace(is_proxy=False),
+        best_config_path=None,
+    )
+    lines = get_search_outcome_lines(won)
+    assert not any(line.startswith("emitted config vs") for line in lines), lines
+    subject = "the search's config (not emitted: torchtitan's recipe is)"
+    assert any(line.startswith(f"{subject} vs defaults: ") for line in lines)
+    assert any(line.startswith(f"{subject} vs torchtitan's recipe: ") for line in lines)
     skipped = {"name": "torchtitan", "measured": False, "reason": "no final round ran (--confirm-pairs 0)"}
     row = get_search_summary_table(SearchRecord(model="tiny", recipe=skipped)).rows[-1]
     assert row == ["vs torchtitan's recipe", "not measured: no final round ran (--confirm-pairs 0)"]
