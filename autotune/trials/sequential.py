@@ -133,8 +133,10 @@ def decide(rule: StoppingRule, pair_ratios: list[float]) -> str | None:
     if interval is not None:
         if rule.faster_below is not None and interval.high < rule.faster_below:
             return "faster"
-        if rule.prune_above is not None and num_blocks >= rule.min_blocks_to_prune and interval.low > rule.prune_above:
-            return "slower"
+        if rule.prune_above is not None and interval.low > rule.prune_above:
+            # clearly slower: pruned from min_blocks_to_prune on, and not called settled before (one burst of load
+            # can fill a block); the next block decides
+            return "slower" if num_blocks >= rule.min_blocks_to_prune else None
         if interval.half_width <= rule.precision:
             return "settled"
     return "max_blocks" if num_blocks >= rule.max_blocks else None

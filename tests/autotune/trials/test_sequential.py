@@ -143,3 +143,14 @@ def test_the_defaults_paired_with_themselves_decide_on_their_own_noise(one_rank_
         stopping=precision_only,
     )
     assert stopped == "max_blocks" and len(side.step_ms) == 12
+
+
+def test_a_clearly_slower_first_block_is_not_called_settled_before_it_can_be_pruned():
+    """A candidate many times slower with a tight first block (a sleeping rank's steps vary little)
+    goes on to its second block and is pruned there, not recorded as settled after one block."""
+    from autotune.trials.sequential import StoppingRule, decide
+
+    rule = StoppingRule(prune_above=1.1, max_blocks=4)
+    assert rule.min_blocks_to_prune == 2
+    assert decide(rule, [18.35, 18.38]) is None
+    assert decide(rule, [18.35, 18.38, 18.36, 18.37]) == "slower"
