@@ -24,9 +24,11 @@ asked is answered:
   default: clearly slower than the best) prunes the trial, but only from
   ``min_blocks_to_prune`` blocks on (2): one burst of load on a block's two adjacent candidate
   steps (ref, cand, cand, ref) must not prune a config, and a burst inflates the spread of two
-  blocks instead of shifting both.
+  blocks instead of shifting both. Before that block such an interval is not called settled
+  either (a burst can be as tight as a real difference): the next block decides.
 - *Settled.* An interval whose relative half-width is at most ``precision`` stops the trial
-  whatever the thresholds: more blocks would only resolve differences below the precision.
+  whatever the thresholds (except as just said): more blocks would only resolve differences
+  below the precision.
 - *Tie.* Otherwise the trial measures another block, up to ``max_blocks``; at the maximum it
   stops with what it has (the search flags a ratio that still spreads wider than
   ``max_ratio_spread`` as ``noisy``).
