@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from autotune.search.confirm import _speedups
 from autotune.search.context import SearchContext
 from autotune.trials import median_or_none
 from fsdp_runtime import RuntimeConfig, get_torchtitan_config
@@ -110,14 +111,8 @@ def _measure(ctx: SearchContext, config: RuntimeConfig, recipe: RuntimeConfig, n
 
 
 def get_speedups(figures: dict[str, Any]) -> dict[str, Any]:
-    """Speedup over the recipe (recipe / config time): the inverse of the pair ratios."""
+    """Speedup over the recipe (recipe / config time): the inverse of the pair ratios, as the final round's
+    speedup over the defaults is (``confirm._speedups``)."""
     if figures.get("ratio") is None:
         return {"speedup_median": None, "speedups": []}
-    return {
-        "speedup_median": 1.0 / figures["ratio"],
-        "speedup_q25": 1.0 / figures["ratio_q75"],
-        "speedup_q75": 1.0 / figures["ratio_q25"],
-        "speedup_min": 1.0 / figures["ratio_max"],
-        "speedup_max": 1.0 / figures["ratio_min"],
-        "speedups": [1.0 / r for r in figures["block_ratios"]],
-    }
+    return _speedups(figures)
