@@ -9,18 +9,23 @@ from the second block) through :func:`autotune.trials.sequential.decide`, as ``r
 after every block. Printed per (sigma, true ratio): how often the trial ended ``faster``,
 ``slower`` (pruned), ``settled`` or at ``max_blocks``, and the mean pairs it ran. A second
 table adds a burst: one block's two candidate steps slowed by 1.5x (a load spike on adjacent
-steps), for the false-prune rate under it. Pure Python; no ranks.
+steps), for the false-prune rate under it. Then both again with the box's noise pooled from
+earlier trials ([Note: pooled noise]), as a search passes it once it has measured two paired
+trials: each simulated trial gets a pooled spread estimated from ``--noise-df`` degrees of
+freedom of the same sigma (``sigma * sqrt(chi2(df) / df)``, so the estimate's own error is in
+the rates) and may be pruned on a third pair confirming a slow first block. Pure Python; no ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 from collections import Counter
 
 from autotune.search.settings import SearchSettings
-from autotune.trials.sequential import StoppingRule, decide
+from autotune.trials.sequential import StoppingRule, confirms_slower, decide
 
 REASONS = ("faster", "slower", "settled", "max_blocks")
 
@@ -28,6 +33,9 @@ REASONS = ("faster", "slower", "settled", "max_blocks")
 def simulate(
     rule: StoppingRule, true: float, sigma: float, rng: random.Random, burst_block: int | None
 ) -> tuple[str, int]:
+    if rule.noise_df:  # the pooled spread as a search would have estimated it
+        chi2 = sum(rng.gauss(0.0, 1.0) ** 2 for _ in range(rule.noise_df))
+        rule = dataclasses.replace(rule, noise_sd=sigma * math.sqrt(chi2 / rule.noise_df))
     ratios: list[float] = []
     for i in range(2 * rule.max_blocks):
         ratio = true * math.exp(rng.gauss(0.0, sigma))
@@ -38,6 +46,8 @@ def simulate(
             reason = decide(rule, ratios)
             if reason is not None:
                 return reason, len(ratios)
+        elif confirms_slower(rule, ratios):  # as run_pairs: a third pair confirming a slow first block
+            return "slower", len(ratios)
     return "max_blocks", len(ratios)
 
 
@@ -60,6 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--noise-df", type=int, default=24, help="pooled degrees of freedom (8 trials of 4 pairs: 24)")
     args = parser.parse_args()
     s = SearchSettings()
     rule = StoppingRule(
@@ -70,6 +81,13 @@ def main() -> None:
     table(rule, args.trials, args.seed, None)
     print("\nthe same with a 1.5x burst on the first block's candidate steps")
     table(rule, args.trials, args.seed, 0)
+    pooled = dataclasses.replace(rule, noise_sd=0.0, noise_df=args.noise_df)
+    print(
+        f"\nthe box's noise pooled over {args.noise_df} degrees of freedom (a slow first block pruned on a confirming pair)"
+    )
+    table(pooled, args.trials, args.seed, None)
+    print("\nthe same with a 1.5x burst on the first block's candidate steps")
+    table(pooled, args.trials, args.seed, 0)
 
 
 if __name__ == "__main__":

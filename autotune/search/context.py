@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.search.timeouts import TrialTimeouts, count_steps
-from autotune.trials import StoppingRule, TrialResult, TrialSpec, run_trial
+from autotune.trials import PairNoise, StoppingRule, TrialResult, TrialSpec, run_trial
 from fsdp_runtime import RuntimeConfig
 
 if TYPE_CHECKING:
@@ -34,6 +34,9 @@ class SearchContext:
     (``settings.out_dir`` unless another worker holds it; see ``study.claim_out_dir``)."""
     timeouts: TrialTimeouts = field(default_factory=TrialTimeouts)
     """Trial time limits that follow this box ([Note: trial timeouts]); set from the settings in ``__post_init__``."""
+    noise: PairNoise = field(default_factory=PairNoise)
+    """The box's pair noise from this process's paired trials ([Note: pooled noise]; a resumed
+    search starts it afresh)."""
 
     def __post_init__(self) -> None:
         self.timeouts.fixed_s = self.settings.trial_timeout_s
@@ -88,9 +91,13 @@ class SearchContext:
         )
 
     def run(self, spec: TrialSpec) -> TrialResult:
-        """Run a trial on the search's ranks; its wall time teaches the next trials' limits ([Note: trial timeouts])."""
+        """Run a trial on the search's ranks; its wall time teaches the next trials' limits ([Note: trial
+        timeouts]), its pairs the box's noise ([Note: pooled noise] in :mod:`autotune.trials.sequential`)."""
         result = run_trial(spec, pool=self.pool)
         self.timeouts.observe(result)
+        paired = result.metrics.paired if result.metrics is not None and result.status in ("ok", "pruned") else None
+        if paired:
+            self.noise.observe(paired.get("pair_ratios") or [])
         return result
 
     def get_trial_timeout_s(self) -> float:
@@ -115,11 +122,16 @@ class SearchContext:
         """The search's rule ([Note: sequential measurement]): at most ``num_pairs`` (default
         ``num_measured``) pairs, settled at ``precision``; stopped as clearly faster below
         ``faster_below``, pruned as clearly slower above ``prune_ratio`` times it (times 1.0
-        without one) when ``prune``."""
+        without one) when ``prune``; with the box's noise pooled from the trials so far where
+        there is enough of it ([Note: pooled noise]), then a clearly slower first block may be
+        pruned on one confirming pair."""
         s = self.settings
+        noise = self.noise.get()
         return StoppingRule(
             max_blocks=max(1, ((num_pairs or s.num_measured) + 1) // 2),
             precision=s.precision,
             faster_below=faster_below,
             prune_above=s.prune_ratio * (faster_below or 1.0) if prune else None,
+            noise_sd=noise[0] if noise is not None else None,
+            noise_df=noise[1] if noise is not None else 0,
         )

@@ -30,7 +30,7 @@ from autotune.trials.precision import (
     get_overlap_warning,
     resolve_precision,
 )
-from autotune.trials.sequential import StoppingRule
+from autotune.trials.sequential import PairNoise, StoppingRule
 from autotune.trials.spec import DEFAULT_RANK_PROGRAM, TrialSpec, TrialSpecError, get_default_backend
 from autotune.trials.training import Training, build_training, resolve_profile
 from autotune.trials.trial import check_trial_machine, load_trial_config, resolve_trial_config, run_trial
@@ -60,6 +60,7 @@ __all__ = [
     "RankMetrics",
     "RankPool",
     "RankRun",
+    "PairNoise",
     "StoppingRule",
     "Training",
     "TrialFigures",

@@ -28,7 +28,8 @@ one rank job:
   side's switch cost (its settle steps' median over its measured steps' median, minus one)
   are recorded beside it, so a report can show whether the order still matters;
 - pruning: with a stopping rule ([Note: sequential measurement]) after every block, from the
-  second on; without one (``prune_if_ratio_above``, trials outside a search), after the first
+  second on, or on a third pair confirming a slow first block ([Note: pooled noise]); without
+  one (``prune_if_ratio_above``, trials outside a search), after the first
   ``PRUNE_AFTER_PAIRS`` pairs (one block), only if *every* one of them is above the limit;
 - the defaults trial pairs the defaults with themselves (one model, alternate steps, no
   switch and so no settle steps): its ratio is 1 up to the noise, which it measures.
@@ -107,7 +108,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from autotune.trials.sequential import StoppingRule, decide
+from autotune.trials.sequential import StoppingRule, confirms_slower, decide
 
 PRUNE_AFTER_PAIRS = 2
 """Pairs after which the ranks decide on pruning."""
@@ -228,6 +229,8 @@ def run_pairs(
                 reason = decide(stopping, ratios)
                 if reason is not None:
                     return reason
+            elif confirms_slower(stopping, ratios):  # a third pair confirming a slow first block
+                return "slower"
         elif prune_if_ratio_above is not None and i + 1 == PRUNE_AFTER_PAIRS and min(ratios) > prune_if_ratio_above:
             return "pruned"
     return None

@@ -22,16 +22,37 @@ asked is answered:
   best so far: "is this config faster than the best?") stops the trial: clearly faster.
 - *Slower.* An interval wholly above ``prune_above`` (the search's ``prune_ratio``, 1.0 by
   default: clearly slower than the best) prunes the trial, but only from
-  ``min_blocks_to_prune`` blocks on (2): one burst of load on a block's two adjacent candidate
-  steps (ref, cand, cand, ref) must not prune a config, and a burst inflates the spread of two
-  blocks instead of shifting both. Before that block such an interval is not called settled
-  either (a burst can be as tight as a real difference): the next block decides.
+  ``min_blocks_to_prune`` blocks on (2; with the box's noise pooled, a confirming third pair
+  may prune: below): one burst of load on a block's two adjacent candidate steps (ref, cand,
+  cand, ref) must not prune a config, and a burst inflates the spread of two blocks instead of
+  shifting both. Before that block such an interval is not called settled either (a burst can
+  be as tight as a real difference): the next block decides.
 - *Settled.* An interval whose relative half-width is at most ``precision`` stops the trial
   whatever the thresholds (except as just said): more blocks would only resolve differences
   below the precision.
 - *Tie.* Otherwise the trial measures another block, up to ``max_blocks``; at the maximum it
   stops with what it has (the search flags a ratio that still spreads wider than
   ``max_ratio_spread`` as ``noisy``).
+
+*The box's noise* ([Note: pooled noise]). Two or four pairs estimate their own spread badly
+(t(0.95, 1) = 6.3), yet the spread is mostly the box's, not the config's: on this box the pair
+log-ratios of a search's trials spread 7-11% whatever the config, and the difference between a
+trial's first and second block (153 trials of ten recorded searches) averaged 0.000 with a
+spread of 8.8%, what independent pairs of that spread give; but 2 of the 153 differed by more
+than 1.35x (bursts, about 1%). So where the search has measured paired trials before, the
+rule takes the spread pooled over their pairs (``noise_sd``, ``noise_df`` degrees of freedom:
+each trial's log-ratios about its own mean, the last ``NOISE_WINDOW`` trials) together with
+the trial's own pairs, a pooled-variance t interval: after one block it is ~3x narrower than
+the trial's own, so faster and settled are called after one block far more often. Pruning
+keeps its guard against a burst, cheaper: a first block whose pooled interval lies wholly
+above ``prune_above`` is *confirmed* by one more pair (3 steps, not the second block's 6),
+and the trial is pruned there if that pair alone is above ``prune_above`` by one pooled
+spread and the three pairs' pooled interval still lies above it; otherwise the second block
+decides as before. A burst on the first block's candidate steps does not reach the third
+pair's. Two guards more: from the second block on, where the trial's own pairs spread wider
+than the pooled figure (a config noisier than the box, or a burst in one block), its own
+interval decides, as without a pool; and a pool of fewer than ``MIN_NOISE_DF`` degrees of
+freedom is not used.
 
 Every rank decides on the same numbers (each step's slowest-rank time is all-reduced before
 it is recorded), so every rank stops after the same block without a vote.
@@ -51,6 +72,16 @@ the real ones:
 - a 1.5x burst on the first block's two candidate steps: a tie at sigma 5% is pruned in 2.8%
   (3.2% without the burst), a config 10% faster in none.
 
+With the box's noise pooled (24 degrees of freedom, the spread's own estimation error drawn in
+the simulation; a slow first block pruned on a confirming pair), sigma 5%: a tie ends
+``faster`` in 7.4% and pruned in 3.5% (3.60 pairs on average, against 3.72 on its own pairs);
+a config 10% slower is pruned in 91% after 3.28 pairs on average (88% after 3.99), 5% slower
+in 46% after 3.62 (43% after 3.90); 10% faster is called faster in 97% (94%) and pruned in
+none; sigma 2%: a tie settles after one block (2.11 pairs on average, against 3.25). A 1.5x
+burst on the first block's candidate steps prunes a tie in 17% (3.4% on its own pairs, 100%
+if the first block pruned unconfirmed): the third pair is above the best by one spread in
+about one trial in six. Bursts that size were about 1% of the recorded trials.
+
 A wrong "faster" makes a config within the noise of the best the best too early (the next
 trials are compared with it, and the final round re-measures the finalists against the
 defaults); a wrong "slower" loses a config within the noise of the best. Settled and pruned
@@ -61,12 +92,18 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from collections import deque
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 T_95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753)
 """Student t's 95th percentile for 1..15 degrees of freedom (a 90% two-sided interval)."""
 _T_95_LARGE = 1.645
+NOISE_WINDOW = 8
+"""Paired trials whose pairs the box's noise is pooled from ([Note: pooled noise]): the recent
+ones, so a box that got busier is seen within a few trials."""
+MIN_NOISE_DF = 6
+"""Degrees of freedom under which a pooled noise is not used (two trials of four pairs)."""
 
 
 def t_95(df: int) -> float:
@@ -90,6 +127,11 @@ class StoppingRule:
     """An interval wholly above this prunes the trial: clearly slower; None: never pruned (the
     presearch's calibration trials must reach their profiled window)."""
     min_blocks_to_prune: int = 2
+    noise_sd: float | None = None
+    """The box's pair log-ratio spread pooled over earlier trials ([Note: pooled noise]); None:
+    the trial's own pairs only (the keys are absent from rules written before it)."""
+    noise_df: int = 0
+    """Its degrees of freedom."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,14 +156,61 @@ class Interval:
         return (self.high - self.low) / 2 / self.center
 
 
-def get_interval(samples: list[float]) -> Interval | None:
-    """The 90% Student-t interval of the samples' mean log ratio, back in ratio space; None under two samples."""
+def get_interval(samples: list[float], noise_sd: float | None = None, noise_df: int = 0) -> Interval | None:
+    """The 90% Student-t interval of the samples' mean log ratio, back in ratio space; None under
+    two samples. With ``noise_sd`` (``noise_df`` >= 1) the samples' variance is pooled with it
+    ([Note: pooled noise]), and one sample is enough."""
     logs = [math.log(x) for x in samples if x > 0]
-    if len(logs) < 2:
+    pooled = noise_sd is not None and noise_df >= 1
+    if len(logs) < (1 if pooled else 2):
         return None
-    mean, sd = statistics.fmean(logs), statistics.stdev(logs)
-    half = t_95(len(logs) - 1) * sd / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    squares, df = sum((x - mean) ** 2 for x in logs), len(logs) - 1
+    if pooled:
+        squares, df = squares + noise_df * noise_sd**2, df + noise_df
+    half = t_95(df) * math.sqrt(squares / df / len(logs))
     return Interval(center=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), n=len(logs))
+
+
+def _get_rule_interval(rule: StoppingRule, pair_ratios: list[float]) -> Interval | None:
+    """The pooled interval where the rule has the box's noise, unless the trial's own pairs
+    (from two blocks on) spread wider: then their own ([Note: pooled noise])."""
+    own = get_interval(pair_ratios)
+    if rule.noise_sd is None or rule.noise_df < MIN_NOISE_DF:
+        return own
+    pooled = get_interval(pair_ratios, rule.noise_sd, rule.noise_df)
+    if own is not None and len(pair_ratios) >= 4 and _log_sd(pair_ratios) > rule.noise_sd:
+        return own
+    return pooled
+
+
+def confirms_slower(rule: StoppingRule, pair_ratios: list[float]) -> bool:
+    """After an odd pair: it confirms that the block before it was clearly slower, so the trial
+    is pruned there ([Note: pooled noise]): the pool is in use, the look before this pair could
+    not yet prune (``min_blocks_to_prune``) although its interval lay above ``prune_above``, this
+    pair alone lies above ``prune_above`` by one pooled spread, and every pair's interval still
+    lies above it."""
+    if rule.prune_above is None or rule.noise_sd is None or rule.noise_df < MIN_NOISE_DF:
+        return False
+    if len(pair_ratios) % 2 == 0 or len(pair_ratios) < 3:
+        return False
+    before = pair_ratios[:-1]
+    if len(before) // 2 >= rule.min_blocks_to_prune:
+        return False  # that look could prune on its own
+    looked = _get_rule_interval(rule, before)
+    now = _get_rule_interval(rule, pair_ratios)
+    limit = rule.prune_above
+    return (
+        looked is not None
+        and looked.low > limit
+        and pair_ratios[-1] > limit * math.exp(rule.noise_sd)
+        and now is not None
+        and now.low > limit
+    )
+
+
+def _log_sd(samples: list[float]) -> float:
+    return statistics.stdev(math.log(x) for x in samples if x > 0)
 
 
 def decide(rule: StoppingRule, pair_ratios: list[float]) -> str | None:
@@ -131,7 +220,7 @@ def decide(rule: StoppingRule, pair_ratios: list[float]) -> str | None:
     num_blocks = (len(pair_ratios) + 1) // 2
     if num_blocks < rule.min_blocks:
         return None
-    interval = get_interval(pair_ratios)
+    interval = _get_rule_interval(rule, pair_ratios)
     if interval is not None:
         if rule.faster_below is not None and interval.high < rule.faster_below:
             return "faster"
@@ -142,3 +231,25 @@ def decide(rule: StoppingRule, pair_ratios: list[float]) -> str | None:
         if interval.half_width <= rule.precision:
             return "settled"
     return "max_blocks" if num_blocks >= rule.max_blocks else None
+
+
+@dataclass
+class PairNoise:
+    """The box's pair noise, pooled over a search's recent paired trials ([Note: pooled noise])."""
+
+    trials: deque = field(default_factory=lambda: deque(maxlen=NOISE_WINDOW))
+    """Per trial: (sum of squared log-ratio deviations from its mean, degrees of freedom)."""
+
+    def observe(self, pair_ratios: list[float]) -> None:
+        """Add a finished trial's pair ratios (fewer than two teach nothing)."""
+        logs = [math.log(x) for x in pair_ratios if x > 0]
+        if len(logs) >= 2:
+            mean = statistics.fmean(logs)
+            self.trials.append((sum((x - mean) ** 2 for x in logs), len(logs) - 1))
+
+    def get(self) -> tuple[float, int] | None:
+        """``(sd, df)`` pooled over the window, or None while it holds under ``MIN_NOISE_DF`` degrees of freedom."""
+        df = sum(d for _, d in self.trials)
+        if df < MIN_NOISE_DF:
+            return None
+        return math.sqrt(sum(q for q, _ in self.trials) / df), df

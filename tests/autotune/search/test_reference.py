@@ -139,6 +139,28 @@ def test_by_default_every_trial_pairs_with_the_defaults_and_must_beat_the_best(t
     assert rows[2].reference_drift == pytest.approx(0.0)  # the defaults' steps, against the defaults trial's
 
 
+def test_trials_after_the_first_decide_with_the_box_s_noise_pooled_from_them(tmp_path, monkeypatch):
+    """[Note: pooled noise]: once two paired trials have run (3 degrees of freedom each), the next
+    trial's rule carries their pairs' spread; before, it decides on its own pairs."""
+    import math
+    import statistics
+
+    from autotune.search import context
+
+    stand_in = StandIn({f"trial_{i:04d}": (100.0 - 10 * i, 100.0) for i in range(4)})
+    monkeypatch.setattr(context, "run_trial", stand_in)
+    ctx = _ctx(tmp_path, optuna.create_study(), reference="defaults")
+    for key in (None, "a", "b", "c"):
+        _run(ctx, key)
+    rules = [spec.stopping for spec in stand_in.specs]
+    assert [r["noise_sd"] for r in rules[:2]] == [None, None] and [r["noise_df"] for r in rules[:2]] == [0, 0]
+    # The stand-in's pairs: the candidate jittered [1.0, 1.01, 0.99, 1.0] against a steady reference.
+    logs = [math.log(j) for j in (1.0, 1.01, 0.99, 1.0)]
+    spread = math.sqrt(sum((x - statistics.fmean(logs)) ** 2 for x in logs) / 3)
+    assert rules[2]["noise_df"] == 6 and rules[2]["noise_sd"] == pytest.approx(spread)
+    assert rules[3]["noise_df"] == 9
+
+
 def test_drift_of_the_reference_is_detected_and_anchored(tmp_path, monkeypatch):
     from autotune.search import context
 

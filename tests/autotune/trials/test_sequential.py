@@ -3,6 +3,7 @@ real ``run_pairs`` stopping on a stand-in clock (a one-rank gloo group; exact ti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -154,3 +155,78 @@ def test_a_clearly_slower_first_block_is_not_called_settled_before_it_can_be_pru
     assert rule.min_blocks_to_prune == 2
     assert decide(rule, [18.35, 18.38]) is None
     assert decide(rule, [18.35, 18.38, 18.36, 18.37]) == "slower"
+
+
+# [Note: pooled noise]: the box's spread pooled from earlier trials.
+POOLED_RULE = StoppingRule(max_blocks=2, precision=0.05, faster_below=1.0, prune_above=1.0, noise_sd=0.05, noise_df=24)
+"""The search's rule once it has measured paired trials whose pairs spread 5%."""
+
+
+def test_a_pooled_interval_is_a_pooled_variance_t_interval():
+    from autotune.trials.sequential import t_95
+
+    interval = get_interval([1.0, 1.0], noise_sd=0.05, noise_df=24)  # own spread 0: only the pool's
+    assert math.log(interval.high) == pytest.approx(t_95(25) * math.sqrt(24 * 0.05**2 / 25 / 2), rel=1e-9)
+    assert get_interval([0.9], noise_sd=0.05, noise_df=24) is not None  # one pair is enough with a pool
+    # Two pairs alone: t(0.95, 1) = 6.3 on their own spread, 3x wider than with the pool.
+    own, pooled = get_interval([0.95, 1.05]), get_interval([0.95, 1.05], noise_sd=0.05, noise_df=24)
+    assert own.half_width > 2.5 * pooled.half_width
+
+
+def test_with_the_box_s_noise_a_clearly_slower_first_block_is_pruned_on_one_confirming_pair():
+    from autotune.trials.sequential import confirms_slower
+
+    slow = [1.12, 1.15]  # 13% slower than the best, on a box whose pairs spread 5%
+    assert decide(SEARCH_RULE, slow) is None and decide(POOLED_RULE, slow) is None  # a burst could fill a block
+    assert confirms_slower(POOLED_RULE, [*slow, 1.11])  # the third pair: above the best by more than 5%
+    assert not confirms_slower(SEARCH_RULE, [*slow, 1.11])  # without the pool: the second block decides
+    assert not confirms_slower(POOLED_RULE, [*slow, 1.03])  # within one spread of the best: not confirmed
+    assert not confirms_slower(POOLED_RULE, [1.02, 0.98, 1.30])  # the first block did not look slower
+    assert not confirms_slower(POOLED_RULE, [1.12, 1.15, 1.11, 1.14, 1.13])  # from block 2 on, blocks prune
+    # Faster and settled are called after one block on the pool's spread.
+    assert decide(POOLED_RULE, [0.84, 0.90]) == "faster"
+    assert decide(SEARCH_RULE, [0.84, 0.90]) is None
+    assert decide(dataclasses.replace(POOLED_RULE, noise_sd=0.02), [1.00, 1.01]) == "settled"
+
+
+def test_a_burst_on_the_first_block_is_not_confirmed_by_the_third_pair():
+    from autotune.trials.sequential import confirms_slower
+
+    burst = [1.5 * 1.01, 1.5 * 0.99, 1.00]  # a tie with the best, both first-block candidate steps 1.5x
+    assert not confirms_slower(POOLED_RULE, burst)
+
+
+def test_run_pairs_prunes_on_the_confirming_pair(one_rank_group):
+    """The real ``run_pairs`` on a stand-in clock: a candidate 30% slower stops after 3 pairs with
+    the box's noise pooled, after 4 (its second block) without."""
+    noise = [1.0, 1.02, 0.99]
+    stopped, sides, _ = _run(78.0, noise, dataclasses.replace(POOLED_RULE, max_blocks=3))
+    assert stopped == "slower" and len(sides["candidate"].step_ms) == 3
+    stopped, sides, _ = _run(78.0, noise, SEARCH_RULE)
+    assert stopped == "slower" and len(sides["candidate"].step_ms) == 4
+
+
+def test_a_trial_noisier_than_the_box_is_judged_on_its_own_pairs():
+    # A burst on the first block (1.5x) then a tie: the pool alone would call it slower after two
+    # blocks; its own four pairs spread 20%, wider than the box's 5%, so its own interval decides.
+    burst = [1.5 * 1.01, 1.5 * 0.99, 1.00, 0.98]
+    assert decide(POOLED_RULE, burst) == "max_blocks"
+    pool_only = get_interval(burst, noise_sd=0.05, noise_df=24)
+    assert pool_only.low > 1.0  # what the guard prevents
+
+
+def test_the_pair_noise_pools_each_trial_about_its_own_mean_over_a_window():
+    from autotune.trials.sequential import MIN_NOISE_DF, NOISE_WINDOW, PairNoise
+
+    noise = PairNoise()
+    noise.observe([0.7, 0.7 * math.exp(0.1)])  # 1 df, deviations +-0.05 about its own mean
+    assert noise.get() is None  # under MIN_NOISE_DF
+    for _ in range(MIN_NOISE_DF):
+        noise.observe([1.3, 1.3 * math.exp(0.1)])  # another config, same spread: the level does not count
+    sd, df = noise.get()
+    assert df == MIN_NOISE_DF + 1 and sd == pytest.approx(math.sqrt(0.05**2 * 2), rel=1e-9)
+    noise.observe([1.0])  # a single pair teaches nothing
+    assert noise.get()[1] == MIN_NOISE_DF + 1
+    for _ in range(NOISE_WINDOW):
+        noise.observe([1.0, math.exp(0.4)])  # the box got noisier: the window forgets the quiet trials
+    assert noise.get() == (pytest.approx(math.sqrt(0.2**2 * 2)), NOISE_WINDOW)
