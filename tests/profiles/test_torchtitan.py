@@ -81,14 +81,15 @@ def test_a_bad_torchtitan_model_is_one_line():
         load_model_source("torchtitan:llama3/debugmodel_flex_attn").build(device="meta")
 
 
-def test_another_torchtitan_than_0_2_is_one_line():
+def test_a_torchtitan_whose_registry_is_not_read_is_one_line():
     from profiles.torchtitan import check_version
 
-    check_version("0.2.2")
+    assert (check_version("0.2.2"), check_version("0.3.0")) == ((0, 2), (0, 3))
     with pytest.raises(
-        ModelSourceError, match=r"^torchtitan 0.3.0 is installed; this fsdp-autotune reads torchtitan 0.2's"
+        ModelSourceError,
+        match=r"^torchtitan 0.4.0 is installed; this fsdp-autotune reads the registries of torchtitan 0.2.2 and 0.3.0 ",
     ):
-        check_version("0.3.0")
+        check_version("0.4.0")
     with pytest.raises(
         ModelSourceError, match=r"^torchtitan is not installed: pip install 'fsdp-autotune\[torchtitan\]'"
     ):
