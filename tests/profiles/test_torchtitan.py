@@ -96,6 +96,39 @@ def test_a_torchtitan_whose_registry_is_not_read_is_one_line():
         check_version(None)
 
 
+def test_the_loss_hook_passes_positions_and_the_model_s_attention_masks():
+    """0.3.0's trainer passes ``positions`` and ``model.get_attention_masks(positions)`` to a flex or
+    varlen model: so does the loss hook (a stand-in model records them; 0.3.0's own in test_torchtitan030)."""
+    import torch
+
+    from profiles.torchtitan import torchtitan_loss
+
+    class StandIn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(16, 16)
+            self.calls = []
+
+        def get_attention_masks(self, *, positions):
+            self.calls.append(("masks", positions.clone()))
+            return "block mask"
+
+        def forward(self, tokens, positions=None, attention_masks=None):
+            self.calls.append(("forward", tokens.shape, positions, attention_masks))
+            return self.embedding(tokens)
+
+    model, batch = StandIn(), torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(0))
+    loss = torchtitan_loss(model, batch, attention_masks=True)
+    (_, positions), (_, shape, forward_positions, masks) = model.calls
+    assert positions.tolist() == [list(range(5))] * 2 and forward_positions.tolist() == positions.tolist()
+    assert (shape, masks) == ((2, 5), "block mask")
+    expected = torch.nn.functional.cross_entropy(model.embedding(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+    torch.testing.assert_close(loss, expected)  # torchtitan's summed loss over the tokens
+    model.calls.clear()
+    torchtitan_loss(model, batch)  # 0.2.2's SDPA models: tokens alone
+    assert [c[0] for c in model.calls] == ["forward"] and model.calls[0][2:] == (None, None)
+
+
 # Two trials (the defaults, one sampled), no final round: the model is what is under test here.
 SEARCH = {
     "world_size": 2,
