@@ -1,7 +1,7 @@
 """torchtitan's own models: ``--model torchtitan:llama3/debugmodel`` (``torchtitan:FAMILY/FLAVOR``).
 
 [Note: torchtitan models]
-The model is torchtitan's: its registry names the flavor's arguments and its model class
+The model is torchtitan's: its registry (0.2.2's here; 0.3.0's below) names the flavor's arguments and its model class
 (``get_train_spec()`` in ``torchtitan/models/<family>/__init__.py``: ``model_cls`` and
 ``model_args``, a dict of flavors), built as its trainer builds it (``model_cls(args)`` with
 ``max_seq_len`` set to the training sequence length, as ``update_from_config`` does, then
@@ -37,9 +37,9 @@ validator and data loader: ``tensorboard``, ``datasets``) by a module holding th
 function raises. The registry is read from the family's ``__init__`` source: the dict literal named by
 ``get_train_spec``'s ``model_args`` is evaluated over the names of the family's model modules,
 and ``model_cls`` is looked up there (the ``__init__`` itself cannot run without the trainer).
-0.3.0: the registry is code in the family's ``__init__``, which imports only torchtitan's model
-and parallelism modules (no data loaders, metrics or trainer), so that package is imported as it
-is; the one module on its way that needs more than torch, ``tyro`` and ``spmd_types`` is
+0.3.0: the registry is code in the family's ``__init__``, which imports only torchtitan's model,
+parallelism and optimizer modules (no data loaders, metrics or trainer), so that package is imported
+as it is; the one module on its way that needs more than torch, ``tyro`` and ``spmd_types`` is
 ``torchtitan.distributed.minimal_async_ep`` (Triton kernels of expert-parallel dispatch, imported by
 the MoE token dispatcher, never called by a dense decoder), stood in for where ``triton`` is
 absent by a module whose functions raise. A process that already imported torchtitan whole keeps
@@ -206,7 +206,8 @@ def load_model_registry(family: str) -> types.ModuleType:
     """torchtitan 0.3.0's ``torchtitan.models.<family>``: its ``model_registry(flavor)`` and
     ``<family>_configs`` ([Note: torchtitan models]), imported without Triton."""
     _root()
-    if MINIMAL_ASYNC_EP not in sys.modules and not _imported_whole() and importlib.util.find_spec("triton") is None:
+    # 0.3.0's own __init__ imports nothing of it: a process that imported torchtitan whole has it already
+    if MINIMAL_ASYNC_EP not in sys.modules and importlib.util.find_spec("triton") is None:
         _stand_in(MINIMAL_ASYNC_EP, **dict.fromkeys(_MINIMAL_ASYNC_EP_NAMES, _no_triton))
     try:
         registry = importlib.import_module(f"torchtitan.models.{family}")
