@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fsdp_runtime.errors import AutotuneError
 
@@ -745,7 +746,12 @@ def main() -> None:
         if os.environ.get("AUTOTUNE_DEBUG"):
             raise
         flag = _FLAGS.get(e.field or "")
-        err_console.print(f"[bold red]error:[/] {flag + ': ' if flag else ''}{e}", highlight=False, soft_wrap=True)
+        # escaped: messages name extras and tables in brackets ('fsdp-autotune[torchtitan]')
+        err_console.print(
+            f"[bold red]error:[/] {escape(flag + ': ' if flag else '')}{escape(str(e))}",
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.exit(e.exit_code)
 
 

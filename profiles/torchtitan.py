@@ -1,7 +1,7 @@
 """torchtitan's own models: ``--model torchtitan:llama3/debugmodel`` (``torchtitan:FAMILY/FLAVOR``).
 
 [Note: torchtitan models]
-The model is torchtitan's: its registry names the flavor's arguments and its model class
+The model is torchtitan's: its registry (0.2.2's here; 0.3.0's below) names the flavor's arguments and its model class
 (``get_train_spec()`` in ``torchtitan/models/<family>/__init__.py``: ``model_cls`` and
 ``model_args``, a dict of flavors), built as its trainer builds it (``model_cls(args)`` with
 ``max_seq_len`` set to the training sequence length, as ``update_from_config`` does, then
@@ -9,15 +9,22 @@ The model is torchtitan's: its registry names the flavor's arguments and its mod
 a sum over tokens, divided here by the microbatch's token count as its trainer divides by the
 global count of valid tokens) on its output: the logits of ``model(tokens)``.
 
-Which torchtitan: 0.2.2 (``pip install 'fsdp-autotune[torchtitan]'``). Its llama3 and qwen3
-default to SDPA attention, which trains on CPU. 0.3.0's language models take only flex,
-flex_flash or varlen attention ("sdpa is no longer supported"), need ``attention_masks`` from
-``model.get_attention_masks(positions)``, and FlexAttention has no backward on CPU
-(``NotImplementedError``): 0.3.0 cannot train here, and its registry is another API
-(``model_registry(flavor)`` returning a ``ModelSpec``), not read by this module: an installed
-0.3 is refused in one line (:func:`check_version`).
+Which torchtitan: 0.2.2 trains here, 0.3.0 on a GPU (:func:`check_version` refuses any other in
+one line). 0.2.2 (``pip install 'fsdp-autotune[torchtitan]'``): its llama3 and qwen3 default to
+SDPA attention, which trains on CPU. 0.3.0: its language models take only flex, flex_flash or
+varlen attention ("sdpa is no longer supported"), and FlexAttention has no backward on CPU
+(``NotImplementedError``), so a CPU trial or search of a 0.3.0 model is refused in one line
+(:meth:`TorchtitanModel.check_device_type`; it builds on the meta device everywhere, for its units).
+Its registry is another API: ``model_registry(flavor)`` in the family's ``__init__`` returns a
+``ModelSpec`` whose ``model`` is the model's config (its default attention, flex), built with
+``config.build()`` after the RoPE caches' ``max_seq_len`` is set to the training sequence length
+(what its trainer's ``update_from_config`` does) and initialised with ``init_weights()``; the flavors
+are the keys of ``<family>_configs``. Its trainer passes ``positions`` and ``attention_masks =
+model.get_attention_masks(positions)`` to every forward of a flex or varlen model
+(``post_dataloading_process``); the loss hook does the same (:func:`get_forward_kwargs`; one
+document per row: positions ``0..seq_len-1``), so a GPU trial trains as its trainer does.
 
-Only what the models need is imported. Importing ``torchtitan`` itself (its ``__init__``
+Only what the models need is imported. 0.2.2: importing ``torchtitan`` itself (its ``__init__``
 registers float8 converters, which import the MoE Triton kernels: no ``triton`` in a CPU
 torch) or ``torchtitan.models.<family>`` (its ``__init__`` imports the trainer's data loaders:
 ``datasets``) would pull the trainer; so those three packages are entered without running
@@ -27,11 +34,16 @@ the model files import for names they do not use in a dense model are stood in f
 from it, which it imports from ``torchtitan.protocols.model``; it also imports the metrics,
 validator and data loader: ``tensorboard``, ``datasets``) by a module holding those two, and ``torchtitan.models.moe.kernels``
 (Triton; expert-parallel token permutation, never called by a dense decoder) by a module whose
-function raises. A process that already imported torchtitan whole keeps its modules as they
-are. The registry is read from the family's ``__init__`` source: the dict literal named by
+function raises. The registry is read from the family's ``__init__`` source: the dict literal named by
 ``get_train_spec``'s ``model_args`` is evaluated over the names of the family's model modules,
 and ``model_cls`` is looked up there (the ``__init__`` itself cannot run without the trainer).
-Needs beyond torch: ``tyro`` (``torchtitan.config``, which the model arguments import).
+0.3.0: the registry is code in the family's ``__init__``, which imports only torchtitan's model,
+parallelism and optimizer modules (no data loaders, metrics or trainer), so that package is imported
+as it is; the one module on its way that needs more than torch, ``tyro`` and ``spmd_types`` is
+``torchtitan.distributed.minimal_async_ep`` (Triton kernels of expert-parallel dispatch, imported by
+the MoE token dispatcher, never called by a dense decoder), stood in for where ``triton`` is
+absent by a module whose functions raise. A process that already imported torchtitan whole keeps
+its modules as they are. Needs beyond torch: ``tyro`` (``torchtitan.config``), and for 0.3.0 ``spmd_types``.
 """
 
 from __future__ import annotations
@@ -55,8 +67,12 @@ if TYPE_CHECKING:
 
 PREFIX = "torchtitan:"
 FAMILIES = ("llama3", "qwen3")
-"""The dense decoders of torchtitan 0.2.2's registry read here."""
+"""The dense decoders of torchtitan's registry read here (0.2.2 and 0.3.0)."""
 INSTALL = "pip install 'fsdp-autotune[torchtitan]'"
+RELEASES = {(0, 2): "0.2.2", (0, 3): "0.3.0"}
+"""The torchtitan releases whose registry this module reads, by (major, minor): the one it was read from."""
+CPU_TRAINS = (0, 2)
+"""The release whose models train on CPU ([Note: torchtitan models])."""
 
 
 def parse_torchtitan_ref(ref: str) -> tuple[str, str]:
@@ -76,10 +92,14 @@ def _root() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def _imported_whole() -> bool:
+    return getattr(sys.modules.get("torchtitan"), "__file__", None) is not None
+
+
 def _enter_packages(family: str) -> Path:
-    """torchtitan's packages on the way to ``family``'s model modules, without their ``__init__``."""
+    """0.2.2's packages on the way to ``family``'s model modules, without their ``__init__``."""
     root = _root()
-    if getattr(sys.modules.get("torchtitan"), "__file__", None) is not None:  # imported whole by this process
+    if _imported_whole():  # imported whole by this process
         importlib.import_module(f"torchtitan.models.{family}")
         return root
     for name in ("torchtitan", "torchtitan.models", f"torchtitan.models.{family}"):
@@ -113,7 +133,7 @@ def _no_triton(*args: Any, **kwargs: Any) -> Any:
 
 
 def get_installed_version() -> str | None:
-    """The installed torchtitan's version (its package metadata), or None."""
+    """The installed torchtitan's version (its package metadata, first on ``sys.path``), or None."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -122,22 +142,29 @@ def get_installed_version() -> str | None:
         return None
 
 
-def check_version(installed: str | None) -> None:
-    """One line where the installed torchtitan is not the one whose registry this module reads (0.2.x)."""
+def check_version(installed: str | None) -> tuple[int, int]:
+    """The release (major, minor) of ``installed`` whose registry this module reads (:data:`RELEASES`),
+    or one line where it reads none."""
     if installed is None:
         raise ModelSourceError(f"torchtitan is not installed: {INSTALL}")
-    if tuple(int(p) for p in installed.split(".")[:2] if p.isdecimal()) != (0, 2):
+    release = tuple(int(p) for p in installed.split(".")[:2] if p.isdecimal())
+    if release not in RELEASES:
         raise ModelSourceError(
-            f"torchtitan {installed} is installed; this fsdp-autotune reads torchtitan 0.2's registry "
-            f"(0.3's language models train only with flex or varlen attention, not on CPU, and their registry is "
-            f"model_registry(flavor)): {INSTALL}"
+            f"torchtitan {installed} is installed; this fsdp-autotune reads the registries of torchtitan "
+            f"{' and '.join(RELEASES.values())} (0.2.2 trains on CPU, 0.3.0 on a GPU): {INSTALL}"
         )
+    return release  # type: ignore[return-value]
+
+
+@functools.cache
+def get_release() -> tuple[int, int]:
+    """The installed torchtitan's release (major, minor), checked by :func:`check_version`."""
+    return check_version(get_installed_version())
 
 
 @functools.cache
 def load_registry(family: str) -> tuple[type, dict[str, Any]]:
-    """``(model class, {flavor: model args})`` of torchtitan's registry for ``family`` ([Note: torchtitan models])."""
-    check_version(get_installed_version())
+    """``(model class, {flavor: model args})`` of torchtitan 0.2.2's registry for ``family`` ([Note: torchtitan models])."""
     try:
         root = _enter_packages(family)
         args = importlib.import_module(f"torchtitan.models.{family}.model.args")
@@ -170,12 +197,46 @@ def _find_train_spec(tree: ast.Module, family: str) -> tuple[str, str]:
     raise ModelSourceError(f"torchtitan's {family} registry has no TrainSpec(model_cls=..., model_args=...) (0.2.2)")
 
 
-def torchtitan_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """torchtitan's loss on its model's output, per token ([Note: torchtitan models])."""
+MINIMAL_ASYNC_EP = "torchtitan.distributed.minimal_async_ep"
+_MINIMAL_ASYNC_EP_NAMES = ("combine_op", "dispatch_op", "init_buffer", "MinimalAsyncEPDispatchMetadata")
+
+
+@functools.cache
+def load_model_registry(family: str) -> types.ModuleType:
+    """torchtitan 0.3.0's ``torchtitan.models.<family>``: its ``model_registry(flavor)`` and
+    ``<family>_configs`` ([Note: torchtitan models]), imported without Triton."""
+    _root()
+    # 0.3.0's own __init__ imports nothing of it: a process that imported torchtitan whole has it already
+    if MINIMAL_ASYNC_EP not in sys.modules and importlib.util.find_spec("triton") is None:
+        _stand_in(MINIMAL_ASYNC_EP, **dict.fromkeys(_MINIMAL_ASYNC_EP_NAMES, _no_triton))
+    try:
+        registry = importlib.import_module(f"torchtitan.models.{family}")
+    except ImportError as e:
+        raise ModelSourceError(f"torchtitan's {family} registry cannot be imported ({e}): {INSTALL}") from None
+    if not callable(getattr(registry, "model_registry", None)) or not isinstance(
+        getattr(registry, f"{family}_configs", None), dict
+    ):
+        raise ModelSourceError(f"torchtitan's {family} registry is not the one this fsdp-autotune reads (0.3.0)")
+    return registry
+
+
+def get_forward_kwargs(model: nn.Module, inputs: torch.Tensor) -> dict[str, Any]:
+    """What torchtitan 0.3.0's trainer passes to a flex or varlen model beside the tokens: ``positions``
+    (one document per row) and ``attention_masks`` built from them ([Note: torchtitan models])."""
+    import torch
+
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
+    return {"positions": positions, "attention_masks": model.get_attention_masks(positions=positions)}
+
+
+def torchtitan_loss(model: nn.Module, batch: torch.Tensor, *, attention_masks: bool = False) -> torch.Tensor:
+    """torchtitan's loss on its model's output, per token; ``attention_masks``: the model takes them
+    (0.3.0: :func:`get_forward_kwargs`) ([Note: torchtitan models])."""
     from torchtitan.components.loss import cross_entropy_loss
 
-    labels = batch[:, 1:]
-    return cross_entropy_loss(model(batch[:, :-1]), labels) / labels.numel()
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    kwargs = get_forward_kwargs(model, inputs) if attention_masks else {}
+    return cross_entropy_loss(model(inputs, **kwargs), labels) / labels.numel()
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -184,9 +245,24 @@ class TorchtitanModel(FactoryModel):
     factory to the scale proxy ([Note: model factory protocol]): searched at its registry size."""
 
     def build(self, *, device: str = "cpu", seed: int = 0) -> nn.Module:
+        import torch
+
+        if torch.device(device).type != "meta":
+            self.check_device_type(torch.device(device).type)
         model = call_factory(functools.partial(_build, self.ref, self.seq_len), self.ref, device=device, seed=seed)
-        model.compute_autotune_loss = functools.partial(torchtitan_loss, model)  # the loss hook trials call
+        # the loss hook trials call; 0.3.0's models take attention masks
+        model.compute_autotune_loss = functools.partial(torchtitan_loss, model, attention_masks=get_release() >= (0, 3))
         return model
+
+    def check_device_type(self, device_type: str) -> None:
+        """One line where the installed torchtitan's models cannot train on ``device_type`` (0.3.0 on CPU)."""
+        release = get_release()
+        if device_type == "cpu" and release != CPU_TRAINS:
+            raise ModelSourceError(
+                f"{self.ref!r}: torchtitan {RELEASES[release]}'s models train only with flex or varlen attention, and "
+                f"FlexAttention has no backward on CPU: train it on a GPU, or install torchtitan "
+                f"{RELEASES[CPU_TRAINS]} (SDPA) to train on CPU: {INSTALL}"
+            )
 
     @property
     def facts(self) -> ModelFacts:
@@ -203,21 +279,43 @@ class TorchtitanModel(FactoryModel):
 
 def _build(ref: str, seq_len: int) -> nn.Module:
     family, flavor = parse_torchtitan_ref(ref)
-    cls, flavors = load_registry(family)
-    if flavor not in flavors:
-        raise ModelSourceError(
-            f"{ref!r}: torchtitan's {family} registry has no flavor {flavor!r} ({', '.join(flavors)})"
-        )
-    args = replace(flavors[flavor], max_seq_len=seq_len)  # what its trainer's update_from_config sets
-    if getattr(args, "moe_enabled", False) or getattr(args, "attn_type", "sdpa") != "sdpa":
-        raise ModelSourceError(f"{ref!r}: only the dense SDPA decoders of the registry train here")
-    import torch
-
-    model = cls(args)
+    model = (
+        _build_v3(ref, family, flavor, seq_len) if get_release() >= (0, 3) else _build_v2(ref, family, flavor, seq_len)
+    )
     if next(iter(model.parameters())).device.type != "meta":
+        import torch
+
         with torch.no_grad():
             model.init_weights()  # its trainer's initialisation, after the constructor
     return model
+
+
+def _no_flavor(ref: str, family: str, flavor: str, flavors: Any) -> ModelSourceError:
+    return ModelSourceError(f"{ref!r}: torchtitan's {family} registry has no flavor {flavor!r} ({', '.join(flavors)})")
+
+
+def _build_v2(ref: str, family: str, flavor: str, seq_len: int) -> nn.Module:
+    cls, flavors = load_registry(family)
+    if flavor not in flavors:
+        raise _no_flavor(ref, family, flavor, flavors)
+    args = replace(flavors[flavor], max_seq_len=seq_len)  # what its trainer's update_from_config sets
+    if getattr(args, "moe_enabled", False) or getattr(args, "attn_type", "sdpa") != "sdpa":
+        raise ModelSourceError(f"{ref!r}: only the dense SDPA decoders of the registry train here")
+    return cls(args)
+
+
+def _build_v3(ref: str, family: str, flavor: str, seq_len: int) -> nn.Module:
+    registry = load_model_registry(family)
+    if flavor not in getattr(registry, f"{family}_configs"):
+        raise _no_flavor(ref, family, flavor, getattr(registry, f"{family}_configs"))
+    config = registry.model_registry(flavor).model  # its default attention: flex
+    if any(getattr(layer, "moe", None) is not None for layer in config.layers):
+        raise ModelSourceError(f"{ref!r}: only the dense decoders of the registry are built here")
+    if seq_len > config.max_seq_len:
+        raise ModelSourceError(f"{ref!r}: seq_len {seq_len} is over the flavor's {config.max_seq_len}")
+    for layer in config.layers:  # what its trainer's update_from_config sets
+        layer.attention.rope = replace(layer.attention.rope, max_seq_len=seq_len)
+    return config.build()
 
 
 @functools.lru_cache(maxsize=16)

@@ -87,3 +87,31 @@ def test_gpu_sim_accuracy_dry_run_calibrates_on_its_recorded_trial_and_predicts_
     assert statistics.median(abs(e) for e in errors.values()) < 0.05, errors
     assert all(abs(errors[case]) < 0.03 for case in DEVICE_BOUND), errors
     assert all(abs(e) < 0.10 for e in errors.values()), errors
+
+
+def test_gpu_torchtitan_dry_run_builds_0_3_0_s_model_its_recipe_and_the_trial_specs(tmp_path):
+    """benchmarks/gpu_torchtitan.py up to its first CUDA call, with torchtitan 0.3.0 (tests/_torchtitan030.py)."""
+    from _torchtitan030 import require_torchtitan_030, run_with_030
+
+    args = ["benchmarks/gpu_torchtitan.py", "--dry-run", "--torchtitan", str(require_torchtitan_030())]
+    done = run_with_030([*args, "--out", str(tmp_path / "out")], timeout_s=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[:3] == [
+        "torchtitan 0.3.0",
+        "flavor: llama3/1B (two models 39.8 GiB of 80 GiB, fill 60%)",  # 3B's two would not fit 48 GiB
+        "search: 4 trials of torchtitan:llama3/1B on 1 GPU(s), bfloat16/float32",
+    ]
+    assert "model: Llama3Model, 1.236B params, blocks layers.0..layers.15" in lines
+    assert "space: 9 knobs; defaults: 17 units" in lines  # 16 blocks and the root
+    assert lines[lines.index("space: 9 knobs; defaults: 17 units") + 1].startswith(
+        "recipe: 18 units; beside the blocks: tok_embeddings+norm+lm_head (reshard after forward: False), root"
+    )  # 1B ties its head to its embeddings
+    assert "trial vs_recipe: torchtitan:llama3/1B, 17 units vs 18 units, nccl" in lines
+    assert lines[-4:] == [
+        "speedup over FSDP2's defaults: not measured (no final round)",
+        "speedup over torchtitan's recipe: not measured (no final round)",
+        "emitted: the search's config",
+        "dry run: no trial ran",
+    ]
+    assert not list((tmp_path / "out").rglob("metrics.json"))  # nothing ran

@@ -45,7 +45,13 @@ from autotune.search.settings import SearchError, SearchReporter, SearchSettings
 from autotune.search.shortfall import get_shortfall
 from autotune.search.space import SearchSpace
 from autotune.search.study import claim_out_dir, close_interrupted, make_plan, open_study, resolve_plan
-from autotune.trials import check_cuda_devices, check_fits_gpu, get_overlap_warning, resolve_precision
+from autotune.trials import (
+    check_cuda_devices,
+    check_device_type,
+    check_fits_gpu,
+    get_overlap_warning,
+    resolve_precision,
+)
 from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, get_unsupported_knobs
 from profiles.sources import ModelSource, load_model_source
 
@@ -125,7 +131,9 @@ def get_search_precision(settings: SearchSettings, device_type: str) -> MixedPre
 
 
 def check_machine(settings: SearchSettings, profile: ModelSource, mp: MixedPrecisionConfig, device_type: str) -> None:
-    """On CUDA, before anything is written: a GPU per rank, and the model's sharded training state fits one GPU."""
+    """Before anything is written: the model trains on the device (torchtitan 0.3.0's not on CPU); on CUDA
+    a GPU per rank, and the model's sharded training state fits one GPU."""
+    check_device_type(profile, device_type)
     check_cuda_devices(settings.world_size, device_type)
     check_fits_gpu(profile, settings.world_size, mp, device_type=device_type)
 

@@ -119,6 +119,14 @@ def check_cuda_devices(world_size: int, device_type: str, *, num_devices: int | 
         )
 
 
+def check_device_type(source: Any, device_type: str) -> None:
+    """Before anything is written: a model source that cannot train on ``device_type`` says so in one
+    line (its ``check_device_type``, where it has one: torchtitan 0.3.0's models on CPU)."""
+    check = getattr(source, "check_device_type", None)
+    if callable(check):
+        check(device_type)
+
+
 def get_min_gpu_bytes(num_params: int, largest_unit_params: int, world_size: int, mp: MixedPrecisionConfig) -> int:
     """A lower bound of one rank's GPU memory in training, fully sharded: the sharded parameters,
     gradients and AdamW states (``SHARDED_BYTES_PER_PARAM`` / world size) plus one unit gathered

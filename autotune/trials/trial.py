@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.trials.metrics import TrialResult
-from autotune.trials.precision import apply_precision_options, check_cuda_devices, check_fits_gpu, get_device_type
+from autotune.trials.precision import (
+    apply_precision_options,
+    check_cuda_devices,
+    check_device_type,
+    check_fits_gpu,
+    get_device_type,
+)
 from autotune.trials.spec import TrialSpec, TrialSpecError
 from autotune.trials.trialdir import prepare_trial_dir, write_trial_dir
 from fsdp_runtime import RuntimeConfig
@@ -66,14 +72,17 @@ def resolve_trial_config(
 
 
 def check_trial_machine(spec: TrialSpec, *, local: bool = True) -> None:
-    """Before anything is written, on CUDA: one GPU per local rank (``local``: ranks on this node, not a
-    torchrun spec's world) and the model's sharded training state fits one GPU."""
+    """Before anything is written: the model trains on the device (:func:`check_device_type`); on CUDA one
+    GPU per local rank (``local``: ranks on this node, not a torchrun spec's world) and the model's
+    sharded training state fits one GPU."""
     from autotune.trials.training import resolve_profile
 
     device_type = get_device_type(spec.backend)
     if local:
         check_cuda_devices(spec.world_size, device_type)
-    check_fits_gpu(resolve_profile(spec.model), spec.world_size, spec.config.mixed_precision, device_type=device_type)
+    source = resolve_profile(spec.model)
+    check_device_type(source, device_type)
+    check_fits_gpu(source, spec.world_size, spec.config.mixed_precision, device_type=device_type)
 
 
 def load_rank_program(target: str) -> Callable[..., dict[str, Any]]:

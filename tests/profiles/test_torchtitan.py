@@ -81,18 +81,52 @@ def test_a_bad_torchtitan_model_is_one_line():
         load_model_source("torchtitan:llama3/debugmodel_flex_attn").build(device="meta")
 
 
-def test_another_torchtitan_than_0_2_is_one_line():
+def test_a_torchtitan_whose_registry_is_not_read_is_one_line():
     from profiles.torchtitan import check_version
 
-    check_version("0.2.2")
+    assert (check_version("0.2.2"), check_version("0.3.0")) == ((0, 2), (0, 3))
     with pytest.raises(
-        ModelSourceError, match=r"^torchtitan 0.3.0 is installed; this fsdp-autotune reads torchtitan 0.2's"
+        ModelSourceError,
+        match=r"^torchtitan 0.4.0 is installed; this fsdp-autotune reads the registries of torchtitan 0.2.2 and 0.3.0 ",
     ):
-        check_version("0.3.0")
+        check_version("0.4.0")
     with pytest.raises(
         ModelSourceError, match=r"^torchtitan is not installed: pip install 'fsdp-autotune\[torchtitan\]'"
     ):
         check_version(None)
+
+
+def test_the_loss_hook_passes_positions_and_the_model_s_attention_masks():
+    """0.3.0's trainer passes ``positions`` and ``model.get_attention_masks(positions)`` to a flex or
+    varlen model: so does the loss hook (a stand-in model records them; 0.3.0's own in test_torchtitan030)."""
+    import torch
+
+    from profiles.torchtitan import torchtitan_loss
+
+    class StandIn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(16, 16)
+            self.calls = []
+
+        def get_attention_masks(self, *, positions):
+            self.calls.append(("masks", positions.clone()))
+            return "block mask"
+
+        def forward(self, tokens, positions=None, attention_masks=None):
+            self.calls.append(("forward", tokens.shape, positions, attention_masks))
+            return self.embedding(tokens)
+
+    model, batch = StandIn(), torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(0))
+    loss = torchtitan_loss(model, batch, attention_masks=True)
+    (_, positions), (_, shape, forward_positions, masks) = model.calls
+    assert positions.tolist() == [list(range(5))] * 2 and forward_positions.tolist() == positions.tolist()
+    assert (shape, masks) == ((2, 5), "block mask")
+    expected = torch.nn.functional.cross_entropy(model.embedding(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+    torch.testing.assert_close(loss, expected)  # torchtitan's summed loss over the tokens
+    model.calls.clear()
+    torchtitan_loss(model, batch)  # 0.2.2's SDPA models: tokens alone
+    assert [c[0] for c in model.calls] == ["forward"] and model.calls[0][2:] == (None, None)
 
 
 # Two trials (the defaults, one sampled), no final round: the model is what is under test here.

@@ -1,0 +1,145 @@
+"""torchtitan 0.3.0's registry ([Note: torchtitan models]): read and built on the meta device, its
+attention masks passed by the loss hook, and its models refused for CPU training in one line.
+
+0.3.0 is not the venv's torchtitan (0.2.2, which trains here): each test runs in a subprocess with
+0.3.0 first on ``PYTHONPATH`` (``tests/_torchtitan030.py``; skipped without it, failed under
+``AUTOTUNE_REQUIRE_ALL=1``).
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+from _torchtitan030 import run_with_030
+
+
+def _run(code: str, *, timeout_s: float = 300) -> dict:
+    done = run_with_030(["-c", textwrap.dedent(code)], timeout_s=timeout_s)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_0_3_0_s_registry_builds_its_models_on_meta_and_their_units_come_from_the_model():
+    out = _run(
+        """
+        import json, sys
+        from fsdp_runtime import get_torchtitan_units
+        from profiles import load_model_source
+        from profiles.torchtitan import get_installed_version
+
+        result = {"version": get_installed_version()}
+        for ref in ("torchtitan:llama3/debugmodel", "torchtitan:qwen3/debugmodel"):
+            source = load_model_source(ref)
+            model = source.build(device="meta")
+            result[ref] = {
+                "cls": [type(model).__module__, type(model).__name__],
+                "blocks": source.block_names,
+                "vocab": source.vocab_size,
+                "params": source.get_num_params(),
+                "rope": sorted({l.attention.rope.max_seq_len for l in model.config.layers}),
+                "attention": type(model.config.layers[0].attention.inner_attention).__qualname__,
+                "units": [[u.name, u.reshard_after_forward] for u in get_torchtitan_units(model)],
+            }
+        result["seq_len"] = source.seq_len
+        result["imported"] = sorted(
+            m for m in ("datasets", "tensorboard", "wandb", "triton", "torchdata", "torchtitan.trainer") if m in sys.modules
+        )
+        print(json.dumps(result))
+        """
+    )
+    assert out["version"] == "0.3.0"
+    llama = out["torchtitan:llama3/debugmodel"]
+    assert llama["cls"] == ["torchtitan.models.llama3.model", "Llama3Model"]
+    assert llama["blocks"] == [f"layers.{i}" for i in range(6)] and llama["vocab"] == 2048
+    assert llama["params"] == 6_163_712  # 0.2.2's debugmodel: the same widths
+    assert llama["rope"] == [out["seq_len"]]  # the RoPE cache at the training length, as its trainer sets it
+    assert llama["attention"] == "FlexAttention.Config"  # the registry's default
+    # Units come from the model (0.3.0 names its head lm_head): torchtitan's recipe for it.
+    assert llama["units"] == [
+        ["tok_embeddings", True],
+        *([f"layers.{i}", True] for i in range(6)),
+        ["norm+lm_head", False],
+        ["root", None],
+    ]
+    qwen = out["torchtitan:qwen3/debugmodel"]
+    assert qwen["cls"] == ["torchtitan.models.qwen3.model", "Qwen3Model"] and len(qwen["blocks"]) == 8
+    assert qwen["units"][-2:] == [["tok_embeddings+norm+lm_head", False], ["root", None]]  # its tied head
+    assert out["imported"] == []  # no trainer, data loaders, metrics or Triton
+
+
+def test_0_3_0_s_registry_refuses_what_it_does_not_build_in_one_line():
+    out = _run(
+        """
+        import json
+        from profiles import ModelSourceError, load_model_source
+
+        errors = []
+        for ref in ("torchtitan:llama3/huge", "torchtitan:qwen3/debugmodel_moe"):
+            try:
+                load_model_source(ref).build(device="meta")
+            except ModelSourceError as e:
+                errors.append(str(e))
+        print(json.dumps(errors))
+        """
+    )
+    assert out[0].startswith(
+        "'torchtitan:llama3/huge': torchtitan's llama3 registry has no flavor 'huge' (debugmodel, "
+    )
+    assert out[1] == "'torchtitan:qwen3/debugmodel_moe': only the dense decoders of the registry are built here"
+
+
+def test_the_loss_hook_passes_0_3_0_s_attention_masks():
+    """0.3.0's flex model runs forward on CPU (no backward): with the hook's positions and masks it
+    gives the loss; without masks it cannot run at all."""
+    out = _run(
+        """
+        import json, math, torch
+        from profiles import load_model_source
+
+        source = load_model_source("torchtitan:llama3/debugmodel")
+        model = source.build(device="meta")  # on CPU it refuses to train; its forward runs without grad
+        model.to_empty(device="cpu")
+        batch = torch.randint(0, 2048, (2, source.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            model.init_weights()
+            loss = model.compute_autotune_loss(batch).item()
+            try:
+                model(batch[:, :-1])
+                maskless = "ran"
+            except AssertionError as e:
+                maskless = str(e)
+        print(json.dumps({"loss": loss, "maskless": maskless}))
+        """,
+        timeout_s=600,
+    )
+    assert 0 < out["loss"] < 20, out  # about ln(2048) = 7.6 at initialisation
+    assert out["maskless"].startswith("attention_masks must be instance of BlockMask")
+
+
+def test_training_0_3_0_s_models_on_cpu_is_refused_in_one_line(tmp_path):
+    message = (
+        "'torchtitan:llama3/debugmodel': torchtitan 0.3.0's models train only with flex or varlen attention, "
+        "and FlexAttention has no backward on CPU: train it on a GPU, or install torchtitan 0.2.2 (SDPA) to "
+        "train on CPU: pip install 'fsdp-autotune[torchtitan]'"
+    )
+    cli = "import sys; sys.argv = ['autotune', *sys.argv[1:]]; import cli; cli.main()"
+    for command in ("search", "trial"):
+        out = tmp_path / command
+        done = run_with_030(["-c", cli, command, "--model", "torchtitan:llama3/debugmodel", "--out", str(out)])
+        assert (done.returncode, done.stderr.splitlines()) == (2, [f"error: --model: {message}"]), done.stderr
+        assert not out.exists()  # refused before anything is written
+    build = _run(
+        """
+        import json
+        from profiles import ModelSourceError, load_model_source
+        source = load_model_source("torchtitan:llama3/debugmodel")
+        source.check_device_type("cuda")  # trains there
+        try:
+            source.build(device="cpu")
+            print(json.dumps("built"))
+        except ModelSourceError as e:
+            print(json.dumps(str(e)))
+        """
+    )
+    assert build == message
