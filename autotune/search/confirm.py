@@ -11,7 +11,9 @@ not faster than the defaults (median ratio >= 1), the defaults are emitted, and 
 A contested final round is measured once more before it is decided: when the leader did not
 settle within the precision and either its pairs spread wider than ``max_ratio_spread`` or a
 runner-up's median lies inside its interquartile range, the leader and those runners-up each
-get a second window of as many pairs, and each is ranked on all its pairs pooled. Why: the
+get a second window of as many pairs, and each is ranked on all its pairs pooled (with the
+box's noise known, only the runners-up a second window could tell apart from the leader:
+:func:`get_contested`). Why: the
 lowest of a few noisy medians is
 biased low (the winner's curse). Measured in ``benchmarks/search_noise.py``: a final round
 whose reference slowed by a quarter under a package install emitted a winner at 1.42x with
@@ -32,6 +34,7 @@ that fits): the defaults are not a config the user can run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from typing import Any
 
@@ -40,6 +43,9 @@ from autotune.search.refine import pick_base
 from autotune.search.results import TrialRow, pick_best
 from autotune.trials import median_or_none
 from fsdp_runtime import RuntimeConfig
+
+Z_90 = 1.2816
+"""The standard normal's 90th percentile: a one-sided 90% call that one finalist is faster."""
 
 
 def get_finalists(rows: list[TrialRow], num_finalists: int) -> list[TrialRow]:
@@ -152,7 +158,10 @@ def _measure_finalists(ctx: SearchContext, finalists: list[TrialRow]) -> tuple[l
         fits = [m for m in measured if m["status"] == "ok" and m.get("ratio") and not m.get("over_budget")]
         leader = min((m["ratio"] for m in fits), default=None)
         measured.append(_measure_finalist(ctx, row, slower_than=leader))
-    contested = get_contested([m for m in measured if m["status"] == "ok"], ctx.settings.max_ratio_spread)
+    noise = ctx.noise.get()
+    contested = get_contested(
+        [m for m in measured if m["status"] == "ok"], ctx.settings.max_ratio_spread, noise[0] if noise else None
+    )
     if contested:
         ctx.reporter.on_phase(
             f"final round contested (trials {', '.join(str(n) for n in contested)}): a second window each"
@@ -165,20 +174,40 @@ def _measure_finalists(ctx: SearchContext, finalists: list[TrialRow]) -> tuple[l
     return measured, contested
 
 
-def get_contested(measured: list[dict[str, Any]], max_spread: float) -> list[int]:
+def get_contested(measured: list[dict[str, Any]], max_spread: float, noise_sd: float | None = None) -> list[int]:
     """The finalists to measure again: the leader and every runner-up whose median lies inside
     the leader's interquartile range, when the leader is noisy or has such a runner-up; else none.
     A leader whose ratio settled ([Note: sequential measurement]: its 90% interval within the
     precision) is not contested: a runner-up that close is as fast within what a second window
     could resolve (measured, ``benchmarks/search_time.py`` on ``wide1024``: a settled 0.628 and
-    a 0.636 each took a second window, 44 steps, to come out in the same order)."""
+    a 0.636 each took a second window, 44 steps, to come out in the same order).
+
+    With the box's pair noise known (``noise_sd``, [Note: pooled noise]) the same holds for a
+    runner-up that is not: a second window of as many pairs resolves a gap of ``z * noise_sd *
+    sqrt((1/n_leader + 1/n_runner) / 2)`` (both windows pooled, 90% one-sided), and a closer
+    runner-up would come out of it as undecided as it went in; it is not measured again. The
+    leader still is, alone, where it had such a runner-up: the lowest of several noisy medians is
+    biased low (the winner's curse, above), and its second window is a measurement no selection
+    picked. (On this box's pairs, 7-11%, that band starts at 4-6% for six pairs each, about the
+    leader's quartiles; three second windows were a third of a search's wall time.)"""
     ranked = sorted((m for m in measured if m.get("ratio") is not None), key=lambda m: m["ratio"])
     if len(ranked) == 0 or ranked[0].get("stopped") == "settled":
         return []
     leader = ranked[0]
-    close = [m["trial"] for m in ranked[1:] if m["ratio"] <= leader["ratio_q75"]]
+    close = [m for m in ranked[1:] if m["ratio"] <= leader["ratio_q75"]]
     noisy = leader.get("ratio_spread") is not None and leader["ratio_spread"] > max_spread
-    return [leader["trial"], *close] if (close or noisy) else []
+    if noisy or noise_sd is None:
+        return [leader["trial"], *(m["trial"] for m in close)] if (close or noisy) else []
+    if not close:
+        return []
+    return [leader["trial"], *(m["trial"] for m in close if _resolvable(leader, m, noise_sd))]
+
+
+def _resolvable(leader: dict[str, Any], runner: dict[str, Any], noise_sd: float) -> bool:
+    """A second window each would tell the two apart: their log gap beyond ``Z_90`` standard errors of it."""
+    n_leader, n_runner = leader.get("num_pairs") or 1, runner.get("num_pairs") or 1
+    gap = math.log(runner["ratio"] / leader["ratio"])
+    return gap > Z_90 * noise_sd * math.sqrt((1 / n_leader + 1 / n_runner) / 2)
 
 
 def pool_windows(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:

@@ -47,7 +47,14 @@ from typing import Any
 from autotune.sim.costs import ORIG_BYTES, get_padded_numel
 from autotune.sim.device_profile import DeviceProfile
 from autotune.sim.hardware import get_dtype_bytes
-from autotune.sim.host_path import HostSample, fit_host_path, get_block_device, get_block_host, get_profiler_factor
+from autotune.sim.host_path import (
+    HostSample,
+    fit_host_path,
+    get_block_device,
+    get_block_host,
+    get_block_launches,
+    get_profiler_factor,
+)
 from autotune.sim.kernel_costs import KernelCosts, get_kernel_costs
 from autotune.sim.knobs import resolve_knobs
 from autotune.sim.margin import SIMULATOR_MEMORY_ERROR, PeakComparison, get_allocator_fragmentation
@@ -301,7 +308,8 @@ def _fit_host_path(
                 continue
             fwd, bwd = get_block_host(kc, m, n)
             factor = get_profiler_factor(trial.step_s, trial.main_cpu_s, kc)
-            samples.append(HostSample(kind, fwd, bwd, factor, device_s=get_block_device(kc, m, n)))
+            device, launches = get_block_device(kc, m, n), get_block_launches(kc, m, n)
+            samples.append(HostSample(kind, fwd, bwd, factor, device_s=device, launches=launches))
     try:
         return fit_host_path(samples)
     except CalibrationError as exc:

@@ -32,6 +32,22 @@ H200 trials: 0.64 (selective AC, host-bound) and 0.59 (full AC), 0.76 (defaults,
 device-bound: the bound). The profile takes the smallest over its trials (the tightest
 bound), applied to the forward too.
 
+*A run's own slowdown, by launches.* Where every trial was device-bound, the bound is loose and
+the profiler's factor must come from elsewhere, and it is not one number: the same llama1b
+defaults, profiled in two runs on H200s, took 54.3 and 38.1 us of traced host per device op its
+block forward launched, 62.9 and 46.0 us per op of its backward, hooks included (76 and 128
+launches per block and microbatch in both: the launches are the code's, the microseconds the
+profiler's and the host's). A constant factor (0.64, the host-bound trial's) carried the first
+run's slowdown into profiles calibrated on the second and predicted llama1b with selective AC
+10-12% too fast from them. So a calibration with plain trials whose launches were counted takes
+its run's factors, forward and backward apart: ``LAUNCH_US`` (the H200 host's unprofiled
+microseconds per launch, from the run that had a host-bound trial) over the trials' own traced
+microseconds per launch, the backward's capped by the trials' bound (it bounds the backward)
+and the forward's at 1 (the profiler never makes the host faster). That holds as far as the
+host is the same machine and the blocks launch alike: l8b4's blocks (8B width) took 33.4 and
+52.1 us per launch in the second run where llama1b's took 38.1 and 46.0, so width moves the
+split a little.
+
 *Checkpointing kinds a calibration did not run* come from the block forward's host path by
 ratios measured on those H200 trials (llama1b, seq 8192, bf16; profiled, each over the
 defaults trial's block forward with its hooks, 4.13 ms): full AC's forward 0.88 (its
@@ -63,7 +79,13 @@ _BACKWARD_HOOKS = ("pre_hook", "post_hook", "reduce")
 K_RANGE = (0.2, 1.0)
 PROFILER_FACTOR = 0.64
 """The profiler's factor on the host-bound H200 trial (``h200-llama1b-selective-ac``, see [Note: host path]):
-used where every trial of a calibration was device-bound and its own factor only a looser bound."""
+used where every trial of a calibration was device-bound, its own factor only a looser bound, and
+no plain trial's launches were counted (else ``LAUNCH_US`` gives that run's factor)."""
+LAUNCH_US = {"forward": 34.8, "backward": 40.2}
+"""Unprofiled host microseconds per device op a plain block's forward and backward launch (hooks
+included) on the H200 host: ``PROFILER_FACTOR`` times the traced host per launch of the defaults
+trial profiled in the same run as the host-bound trial (``h200-llama1b-gsa-defaults``: 54.3 and
+62.9 us over 76 and 128 launches per block and microbatch; see [Note: host path])."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +103,8 @@ class HostSample:
     device_s: float = 0.0
     """The device's time per block (forward and backward, hooks included): the host bound the trial where
     ``factor x (forward + backward)`` reaches it, and ``factor`` is then the host's own, not a bound."""
+    launches: tuple[float, float] = (0.0, 0.0)
+    """Device ops launched per block forward and backward, hooks included ((0, 0): not counted)."""
 
     @property
     def host_bound(self) -> bool:
@@ -106,6 +130,24 @@ def get_block_host(kc: KernelCosts, num_microbatches: int, num_blocks: int) -> t
     return forward / per, backward / per
 
 
+def get_block_launches(kc: KernelCosts, num_microbatches: int, num_blocks: int) -> tuple[float, float]:
+    """Device ops launched by one block's forward and by its backward, their hooks' spans included."""
+    keys = get_block_host_keys(kc.launches_by_key)
+    per = num_microbatches * num_blocks
+    forward = sum(kc.launches_by_key[k] for k in keys if k == "block.forward" or k.startswith("unshard"))
+    return forward / per, sum(kc.launches_by_key[k] for k in keys) / per - forward / per
+
+
+def get_block_host_keys(by_key: dict[str, float]) -> set[str]:
+    """The host span keys of a block's forward (with its unshard hook) and backward (with its hooks)."""
+    return {
+        k
+        for k in by_key
+        if k in ("block.forward", "block.backward")
+        or (k.endswith(".block") and k.startswith(("unshard", *_BACKWARD_HOOKS)))
+    }
+
+
 def get_backward_host(kc: KernelCosts) -> float:
     """Profiled host seconds per step of the whole backward (every part's, the root's hooks included)."""
     return sum(v for k, v in kc.host_by_key.items() if k.endswith(".backward") or k.startswith(_BACKWARD_HOOKS))
@@ -119,6 +161,18 @@ def get_profiler_factor(step_s: float, main_cpu_s: float | None, kc: KernelCosts
     return min(K_RANGE[1], max(K_RANGE[0], (step_s - main_cpu_s) / backward))
 
 
+def get_run_factors(samples: Sequence[HostSample]) -> tuple[float, float] | None:
+    """The profiler's factors (forward, backward) of the run the plain (no checkpointing) samples'
+    traces come from, by their launches ([Note: host path]): ``LAUNCH_US`` over their traced host
+    per launch; None without a plain sample whose launches were counted."""
+    plain = [s for s in samples if s.kind == "none" and min(s.launches) > 0]
+    if not plain:
+        return None
+    forward = statistics.fmean(1e6 * s.forward_s / s.launches[0] for s in plain)
+    backward = statistics.fmean(1e6 * s.backward_s / s.launches[1] for s in plain)
+    return LAUNCH_US["forward"] / forward, LAUNCH_US["backward"] / backward
+
+
 def fit_host_path(samples: Sequence[HostSample]) -> tuple[dict[str, float], list[str]]:
     """``host_path_us`` from the trials' samples (see [Note: host path]) and lines saying what was
     measured and what came from the ratios."""
@@ -129,7 +183,13 @@ def fit_host_path(samples: Sequence[HostSample]) -> tuple[dict[str, float], list
     if not factors:
         raise CalibrationError("no trial recorded its training thread's CPU time: the host path cannot be unprofiled")
     bound = [s.factor for s in samples if s.host_bound or s.probed]
-    k = min(bound) if bound else min(min(factors), PROFILER_FACTOR)
+    run = get_run_factors(samples)
+    if bound:
+        k = k_backward = min(bound)
+    elif run is not None:  # device-bound: their run's factors by launches; the backward's bound is the backward's
+        k, k_backward = min(K_RANGE[1], run[0]), min(min(factors), run[1])
+    else:
+        k = k_backward = min(min(factors), PROFILER_FACTOR)
     plain = [s for s in samples if s.kind == "none"]
     if plain:
         base_fwd = statistics.fmean(s.forward_s for s in plain)
@@ -156,12 +216,14 @@ def fit_host_path(samples: Sequence[HostSample]) -> tuple[dict[str, float], list
             f"the profiler's factor {k:.2f} (the host-bound trials' smallest: {', '.join(f'{f:.2f}' for f in bound)}); "
         )
     else:
+        cap = f"this run's {run[0]:.2f} / {run[1]:.2f} by launches" if run else f"the H200's {PROFILER_FACTOR}"
         how = (
-            f"the profiler's factor {k:.2f} (every trial device-bound, their bounds "
-            f"{', '.join(f'{f:.2f}' for f in factors)}, capped at the H200's {PROFILER_FACTOR}); "
+            f"the profiler's factor {k:.2f} / {k_backward:.2f} (forward / backward; every trial device-bound, "
+            f"their bounds {', '.join(f'{f:.2f}' for f in factors)}, capped at {cap}); "
         )
     lines = [
         "host path: " + how + f"measured {', '.join(sorted(measured)) or 'none'}; from the ratios of [Note: host path] "
         f"{', '.join(sorted(set(path) - measured)) or 'none'}"
     ]
-    return {key: 1e6 * k * seconds for key, seconds in path.items()}, lines
+    backward_keys = {"block_backward"} | ({"recompute_full", "recompute_selective"} & measured)
+    return {key: 1e6 * (k_backward if key in backward_keys else k) * sec for key, sec in path.items()}, lines

@@ -42,6 +42,8 @@ class KernelCosts:
     """The step's device span."""
     host_by_key: dict[str, float] = field(default_factory=dict)
     """The host's time per step by key (the spans of ``get_host_spans``, profiled)."""
+    launches_by_key: dict[str, float] = field(default_factory=dict)
+    """Device ops (kernels, copies) per step by the key of the host span that launched them."""
     num_steps: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -131,8 +133,10 @@ def _get_step_rows(events: Any, block_names: tuple[str, ...], local: bool) -> li
         starts = np.array([a for a, _, _ in spans])
         at = np.clip(np.searchsorted(starts, mine["issue_ts"].to_numpy(), side="right") - 1, 0, len(spans) - 1)
         seconds: dict[tuple[str, str], float] = defaultdict(float)
+        launches: dict[str, float] = defaultdict(float)
         for j, cls, dur in zip(at, mine["cls"].astype(str), (mine["end"] - mine["start"]).to_numpy()):
             seconds[spans[j][2], cls] += dur * _US
+            launches[spans[j][2]] += 1
         nxt = ops[ops["issue_ts"] >= step.end]["start"] if i + 1 < len(steps) else None
         lo = float(mine["start"].min())
         hi = float(nxt.min()) if nxt is not None and len(nxt) else float(mine["end"].max())
@@ -151,6 +155,7 @@ def _get_step_rows(events: Any, block_names: tuple[str, ...], local: bool) -> li
                 "idle": (hi - lo - busy) * _US,
                 "idle_by_key": _get_idle_by_key(mine, [spans[j][2] for j in at], hi),
                 "host_by_key": dict(host),
+                "launches_by_key": dict(launches),
             }
         )
     return rows
@@ -193,6 +198,9 @@ def get_kernel_costs(events_by_rank: dict[int, Any], *, block_names: tuple[str, 
         span_s=statistics.median(r["span"] for r in rows),
         host_by_key={
             k: statistics.median(r["host_by_key"].get(k, 0.0) for r in rows) for k in _keys(rows, "host_by_key")
+        },
+        launches_by_key={
+            k: statistics.median(r["launches_by_key"].get(k, 0.0) for r in rows) for k in _keys(rows, "launches_by_key")
         },
         num_steps=len(rows),
     )

@@ -10,6 +10,7 @@ import pytest
 from _search_fixtures import complete_row
 
 from autotune.search.confirm import get_contested, pool_windows
+from autotune.trials import PairNoise
 from autotune.trials.paired import summarize_pairs
 
 
@@ -48,6 +49,24 @@ def test_a_settled_leader_is_not_contested_by_a_close_runner_up():
     close = _finalist(2, [0.81, 0.815, 0.82, 0.825])
     assert get_contested([tight | {"stopped": "settled"}, close], max_spread=0.10) == []
     assert get_contested([tight | {"stopped": "max_blocks"}, close], max_spread=0.10) == [1, 2]
+
+
+def test_with_the_box_s_noise_only_runners_up_a_second_window_could_separate_are_measured_again():
+    """[Note: pooled noise]: a runner-up inside the leader's range but closer than a second window
+    resolves at this box's noise is left as it is, the leader re-measured alone (the winner's
+    curse); one a second window could tell apart is measured again with it."""
+    leader = _finalist(1, [0.70, 0.80, 0.75, 0.85, 0.72, 0.82])  # median of blocks 0.776, quartiles 0.763-0.784
+    near = _finalist(2, [0.76, 0.79, 0.78, 0.79, 0.78, 0.77])  # 0.7% slower: inside the quartiles
+    assert near["ratio"] <= leader["ratio_q75"]
+    assert get_contested([leader, near], max_spread=0.10) == [1, 2]  # without the noise: both again
+    # Pairs spreading 8%: six pairs each resolve ~4% after a second window; 0.7% is a tie at this noise.
+    assert get_contested([leader, near], max_spread=0.10, noise_sd=0.08) == [1]
+    # On a quiet box (pairs spreading 0.5%) a second window tells them apart: both again.
+    assert get_contested([leader, near], max_spread=0.10, noise_sd=0.005) == [1, 2]
+    # A noisy leader is contested with every close runner-up whatever the noise (bursts).
+    noisy = _finalist(11, [0.556, 0.676, 0.831, 0.673, 1.111, 0.730])
+    close = _finalist(10, [0.700, 1.000, 0.760, 0.780, 0.790, 0.800])
+    assert get_contested([noisy, close], max_spread=0.10, noise_sd=0.08) == [11, 10]
 
 
 def test_failed_finalists_are_ignored():
@@ -93,6 +112,7 @@ def _final_round_ctx() -> SimpleNamespace:
         reporter=SimpleNamespace(on_phase=lambda message: None),
         default_config="defaults",
         space=SimpleNamespace(build_config=lambda params: f"config {params['k']}"),
+        noise=PairNoise(),
     )
 
 

@@ -253,7 +253,7 @@ def test_the_host_path_prices_host_bound_configs():
     step falls back under the device's time."""
     profile = _profile(LLAMA1B_GSA)
     assert set(profile.host_path_us) >= {"block_forward", "block_backward", "selective_forward", "recompute_selective"}
-    assert any("capped at the H200's" in note for note in profile.notes)  # its own factor was only a bound
+    assert any("capped at this run's 0.64 / 0.64 by launches" in note for note in profile.notes)  # its own factor: a bound
     assert abs(_predict(LLAMA1B_GSA, profile) - 1) < 0.02
     assert abs(_predict(LLAMA1B_FULL, profile) - 1) < 0.02
     assert abs(_predict(LLAMA1B_SELECTIVE, profile) - 1) < 0.05
@@ -278,6 +278,41 @@ def test_the_host_bound_trial_s_factor_is_the_profiler_s_own():
     assert "measured block_backward, block_forward, recompute_selective, selective_forward" in lines[0]
     with pytest.raises(CalibrationError, match="training thread's CPU time"):
         fit_host_path([HostSample("none", 4e-3, 8e-3, None)])
+
+
+def test_device_bound_trials_take_their_run_s_profiler_factors_from_their_launches():
+    """[Note: host path]: where every trial was device-bound, the factors are ``LAUNCH_US`` over the
+    plain trials' traced host per launch (their run's slowdown), forward and backward apart, the
+    backward's capped by the trials' bound and the forward's at 1; not the H200's constant."""
+    from autotune.sim.host_path import LAUNCH_US, PROFILER_FACTOR, HostSample, fit_host_path, get_run_factors
+
+    # A run whose profiler slowed the forward's launches 1.25x and the backward's 2x; 40 and 60 launches.
+    fwd_s, bwd_s = 40 * 1.25 * LAUNCH_US["forward"] * 1e-6, 60 * 2.0 * LAUNCH_US["backward"] * 1e-6
+    plain = HostSample("none", fwd_s, bwd_s, 0.95, device_s=1.0, launches=(40, 60))
+    assert get_run_factors([plain]) == pytest.approx((0.8, 0.5))
+    path, lines = fit_host_path([plain])
+    assert path["block_forward"] == pytest.approx(40 * LAUNCH_US["forward"])  # the host's own microseconds
+    assert path["block_backward"] == pytest.approx(60 * LAUNCH_US["backward"])
+    assert "capped at this run's 0.80 / 0.50 by launches" in lines[0]
+    # The trials' bound caps the backward's factor; the forward's never exceeds 1.
+    bound = fit_host_path([dataclasses.replace(plain, factor=0.4)])[0]
+    assert (
+        bound["block_backward"] == pytest.approx(0.4 * 1e6 * bwd_s) and bound["block_forward"] == path["block_forward"]
+    )
+    fast = dataclasses.replace(plain, forward_s=0.5 * fwd_s)  # traced faster than the host's own cost
+    assert fit_host_path([fast])[0]["block_forward"] == pytest.approx(1e6 * 0.5 * fwd_s)
+    # Without counted launches: the H200's constant, as before.
+    unknown = dataclasses.replace(plain, launches=(0.0, 0.0))
+    assert get_run_factors([unknown]) is None
+    assert fit_host_path([unknown])[0]["block_forward"] == pytest.approx(PROFILER_FACTOR * 1e6 * fwd_s)
+
+
+def test_calibrated_on_l8b4_the_llama1b_trials_are_within_5_percent():
+    """Issue 37's proof: a profile from the l8b4 trace (another run, another width) predicts every
+    llama1b trial within 5%, selective AC included (-12.2% with the constant profiler factor)."""
+    profile = _profile(L8B4)
+    for other in (LLAMA1B, LLAMA1B_GSA, LLAMA1B_FULL, LLAMA1B_SELECTIVE):
+        assert abs(_predict(other, profile) - 1) < 0.05, other
 
 
 def test_a_trial_that_timed_its_host_path_calibrates_it_without_the_profiler_s_factor(tmp_path):
