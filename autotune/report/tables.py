@@ -41,7 +41,7 @@ def get_tables(report: Report) -> list[ReportTable]:
         return get_trial_tables(report.trials[0])
     if report.rows:  # the search's own rows: knobs, noise and attempts of every trial
         summary = [get_search_summary_table(report.search, report.comparison)] if report.search else []
-        final = get_final_round_table(report.search.confirmation) if report.search else None
+        final = get_final_round_table(report.search.confirmation, report.search.recipe) if report.search else None
         return [*summary, *([final] if final else []), get_search_trials_table(report.rows, report.comparison)]
     return get_search_tables(report.trials, report.best, report.search)
 
@@ -230,40 +230,50 @@ def get_search_tables(
         table.title += "; * trace times scaled to the unprofiled step"
     if not summary:
         return [table]
-    final = get_final_round_table(summary.confirmation)
+    final = get_final_round_table(summary.confirmation, summary.recipe)
     return [get_search_summary_table(summary), *([final] if final else []), table]
 
 
-def get_final_round_table(conf: dict[str, Any] | None) -> ReportTable | None:
+def get_final_round_table(conf: dict[str, Any] | None, recipe: dict[str, Any] | None = None) -> ReportTable | None:
     """The final round's finalists with their order figures: the median pair ratio of each order
     (reference first, candidate first) and each side's switch cost ([Note: switch cost]); a gap
-    between the orders means the step after a switch still costs something the blocks cancel."""
+    between the orders means the step after a switch still costs something the blocks cancel.
+    With ``recipe`` (``search.json``'s round against torchtitan's recipe, [Note: beating the
+    recipe]) a last row: the same figures for the config it measured against the recipe."""
     finalists = [f for f in (conf or {}).get("finalists", []) if f.get("ratio") is not None]
-    if not finalists:
+    against_recipe = recipe if recipe and recipe.get("measured") and recipe.get("ratio") is not None else None
+    if not finalists and against_recipe is None:
         return None
-    unit = "blocks" if conf.get("estimator") == "blocks" else "pairs"
+    unit = "blocks" if (conf or {}).get("estimator", "blocks") == "blocks" else "pairs"
+    title = f"Final round: each finalist vs the defaults (ratio = median of {unit})"
     table = ReportTable(
-        title=f"Final round: each finalist vs the defaults (ratio = median of {unit})",
-        columns=["trial", "/defaults", "IQR", "ref first", "cand first", "order gap", "switch cost c/r", "windows"],
+        title=title + ("; last row: against torchtitan's recipe" if against_recipe else ""),
+        columns=["trial", "/baseline", "IQR", "ref first", "cand first", "order gap", "switch cost c/r", "windows"],
     )
     for f in sorted(finalists, key=lambda f: f["ratio"]):
-        orders = f.get("order_ratios") or {}
-        first, second = orders.get("reference_first"), orders.get("candidate_first")
-        gap = first / second - 1.0 if first and second else None
-        cost = f.get("switch_cost") or {}
-        table.rows.append(
-            [
-                str(f["trial"]) + (" (emitted)" if f["trial"] == conf.get("winner") else ""),
-                fmt(f["ratio"], "x"),
-                f"{f['ratio_q25']:.3f}-{f['ratio_q75']:.3f}" if f.get("ratio_q25") is not None else "-",
-                fmt(first, "x"),
-                fmt(second, "x"),
-                fmt(gap, "pct"),
-                f"{fmt(cost.get('candidate'), 'pct')} / {fmt(cost.get('reference'), 'pct')}",
-                str(f.get("windows", 1)),
-            ]
-        )
+        name = str(f["trial"]) + (" (emitted)" if f["trial"] == conf.get("winner") else "")
+        table.rows.append([name, *_round_figures(f)])
+    if against_recipe is not None:
+        who = "the defaults" if against_recipe.get("candidate") == "defaults" else "the search's config"
+        table.rows.append([f"{who} / torchtitan's recipe", *_round_figures(against_recipe)])
     return table
+
+
+def _round_figures(f: dict[str, Any]) -> list[str]:
+    """One final-round row's figures after its name: ratio, quartiles, order ratios and gap, switch costs, windows."""
+    orders = f.get("order_ratios") or {}
+    first, second = orders.get("reference_first"), orders.get("candidate_first")
+    gap = first / second - 1.0 if first and second else None
+    cost = f.get("switch_cost") or {}
+    return [
+        fmt(f["ratio"], "x"),
+        f"{f['ratio_q25']:.3f}-{f['ratio_q75']:.3f}" if f.get("ratio_q25") is not None else "-",
+        fmt(first, "x"),
+        fmt(second, "x"),
+        fmt(gap, "pct"),
+        f"{fmt(cost.get('candidate'), 'pct')} / {fmt(cost.get('reference'), 'pct')}",
+        str(f.get("windows", 1)),
+    ]
 
 
 def _describe_anchor(trial: str, anchor: dict[str, Any]) -> str:

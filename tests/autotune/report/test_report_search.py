@@ -575,3 +575,25 @@ def test_the_summary_and_the_terminal_give_the_speedup_over_torchtitan_s_recipe(
     row = get_search_summary_table(SearchRecord(model="tiny", recipe=skipped)).rows[-1]
     assert row == ["vs torchtitan's recipe", "not measured: no final round ran (--confirm-pairs 0)"]
     assert not any(r[0] == "vs torchtitan's recipe" for r in get_search_summary_table(SearchRecord(model="t")).rows)
+
+
+def test_the_final_round_table_ends_with_the_round_against_torchtitan_s_recipe():
+    """The recipe's round has the finalists' figures (ratio, quartiles, orders, switch costs): the
+    final-round table shows them as its last row, named by what was measured against the recipe."""
+    from autotune.report.tables import get_final_round_table
+    from autotune.trials.paired import summarize_pairs
+
+    recipe = SearchRecord.read(DATA / "artifacts" / "search_v10.json").recipe
+    finalists = [
+        {"trial": n, "status": "ok", **summarize_pairs(ratios, [1.0] * len(ratios))}
+        for n, ratios in ((4, [0.80, 0.82, 0.81, 0.83]), (7, [0.85, 0.86, 0.84, 0.87]))
+    ]
+    conf = {"estimator": "blocks", "finalists": finalists, "winner": 4}
+    table = get_final_round_table(conf, recipe)
+    assert table.title.endswith("; last row: against torchtitan's recipe")
+    assert [row[0] for row in table.rows] == ["4 (emitted)", "7", "the search's config / torchtitan's recipe"]
+    last = dict(zip(table.columns, table.rows[-1]))
+    assert (last["/baseline"], last["ref first"], last["cand first"]) == ("0.932x", "0.932x", "0.932x")
+    # Without a recipe round (or one that did not measure), the finalists only.
+    skipped = {"name": "torchtitan", "measured": False, "reason": "no final round ran"}
+    assert get_final_round_table(conf, skipped).rows == get_final_round_table(conf).rows == table.rows[:2]

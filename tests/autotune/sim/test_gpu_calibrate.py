@@ -253,7 +253,9 @@ def test_the_host_path_prices_host_bound_configs():
     step falls back under the device's time."""
     profile = _profile(LLAMA1B_GSA)
     assert set(profile.host_path_us) >= {"block_forward", "block_backward", "selective_forward", "recompute_selective"}
-    assert any("capped at this run's 0.64 / 0.64 by launches" in note for note in profile.notes)  # its own factor: a bound
+    assert any(
+        "capped at this run's 0.64 / 0.64 by launches" in note for note in profile.notes
+    )  # its own factor: a bound
     assert abs(_predict(LLAMA1B_GSA, profile) - 1) < 0.02
     assert abs(_predict(LLAMA1B_FULL, profile) - 1) < 0.02
     assert abs(_predict(LLAMA1B_SELECTIVE, profile) - 1) < 0.05
