@@ -13,7 +13,9 @@ optuna, traceinsight, tyro and spmd_types (the last two in DIR or installed).
    (flex attention, the masks passed by the loss hook); the largest flavor of ``FLAVORS`` whose two
    copies (a paired trial holds the candidate and its reference) fit ``--fill`` of one GPU fully
    sharded (:func:`autotune.trials.get_min_gpu_bytes`, bf16 params): 1B on an H100 or H200;
-   ``--flavor`` picks one. Its training shape is the source's (``seq_len`` 128, ``batch_size`` 4).
+   ``--flavor`` picks one. It trains at ``--seq-len`` x ``--batch-size`` per rank (4096 x 1: a
+   model TOML naming the registry's flavor, ``model.toml`` under ``--out``), not the bare
+   name's 128 x 4, whose steps a GPU runs in milliseconds.
 2. *a search* of ``--trials`` trials (the defaults first) in bf16 params / fp32 reduce, 2
    microbatches, with the final round against FSDP2's defaults and against torchtitan's recipe.
 3. *the answer*: the emitted config's speedup over FSDP2's defaults and over torchtitan's recipe
@@ -106,9 +108,20 @@ def pick_flavor(*, gpu_bytes: int, fill: float, nproc: int) -> tuple[str, int]:
     return best
 
 
+def write_model_file(flavor: str, args: argparse.Namespace, out: Path) -> Path:
+    """The model TOML the search reads: the registry's flavor at ``--seq-len`` x ``--batch-size`` per rank."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "model.toml"
+    path.write_text(
+        f'name = "torchtitan-{FAMILY}-{flavor}"\nfactory = "torchtitan:{FAMILY}/{flavor}"\n'
+        f"seq_len = {args.seq_len}\nbatch_size = {args.batch_size}\n"
+    )
+    return path.resolve()
+
+
 def search_settings(flavor: str, args: argparse.Namespace, out: Path) -> SearchSettings:
     return SearchSettings(
-        model=f"torchtitan:{FAMILY}/{flavor}",
+        model=str(write_model_file(flavor, args, out)),
         world_size=args.nproc,
         num_trials=args.trials,
         num_microbatches=2,
@@ -232,7 +245,8 @@ def dry_run(args: argparse.Namespace, out: Path) -> None:
         (args.flavor, 0) if args.flavor else pick_flavor(gpu_bytes=gpu_bytes, fill=args.fill, nproc=args.nproc)
     )
     print(
-        f"flavor: {FAMILY}/{flavor} (two models {need / 2**30:.1f} GiB of {args.gpu_gib:.0f} GiB, fill {args.fill:.0%})"
+        f"flavor: {FAMILY}/{flavor} (two models {need / 2**30:.1f} GiB of {args.gpu_gib:.0f} GiB, fill {args.fill:.0%}),"
+        f" seq_len {args.seq_len} x batch {args.batch_size} per rank"
     )
     settings = search_settings(flavor, args, out)
     # The device queries before the first trial (the GPU's memory, the number of GPUs): stood in for.
@@ -245,7 +259,7 @@ def dry_run(args: argparse.Namespace, out: Path) -> None:
     print("\n".join(lines))
     for name, spec in trial_specs(settings, defaults, recipe).items():
         reference = "" if spec.reference is None else f" vs {len(spec.reference.units)} units"
-        print(f"trial {name}: {spec.model}, {len(spec.config.units)} units{reference}, {spec.backend}")
+        print(f"trial {name}: {Path(spec.model).name}, {len(spec.config.units)} units{reference}, {spec.backend}")
     print("\n".join(format_speedups(None, None)))
     print("dry run: no trial ran")
 
@@ -260,6 +274,8 @@ def main() -> None:
     parser.add_argument("--confirm-pairs", type=int, default=3, help="the final round's pairs (x2 against the recipe)")
     parser.add_argument("--flavor", choices=FLAVORS, default=None, help="default: the largest that fits --fill")
     parser.add_argument("--fill", type=float, default=0.6, help="two models' sharded state, as a share of one GPU")
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (torchtitan's configs: 8192)")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank and microbatch")
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="dry run: one GPU's memory (an H100's by default)")
     args = parser.parse_args()
     print(f"torchtitan {use_torchtitan(args.torchtitan)}")

@@ -107,6 +107,10 @@ def _load_wrapper(path: Path, data: dict[str, Any]) -> ModelSource:
         if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool) or data[key] < 1):
             raise fail(key, f"must be a positive integer, got {data[key]!r}")
     common = {"name": data.get("name", path.stem), "source": source, "description": data.get("description", "")}
+    if data.get("factory", "").startswith(TORCHTITAN_PREFIX):  # a registry model at a training shape of its own
+        parse_torchtitan_ref(data["factory"])
+        shape = {k: data[k] for k in ("seq_len", "batch_size") if k in data}
+        return TorchtitanModel(ref=data["factory"], **common, **shape)
     if "factory" in data:
         shape = {
             "seq_len": data.get("seq_len", DEFAULT_SEQ_LEN),

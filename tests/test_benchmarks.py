@@ -99,15 +99,21 @@ def test_gpu_torchtitan_dry_run_builds_0_3_0_s_model_its_recipe_and_the_trial_sp
     lines = done.stdout.splitlines()
     assert lines[:3] == [
         "torchtitan 0.3.0",
-        "flavor: llama3/1B (two models 39.8 GiB of 80 GiB, fill 60%)",  # 3B's two would not fit 48 GiB
-        "search: 4 trials of torchtitan:llama3/1B on 1 GPU(s), bfloat16/float32",
+        # 3B's two would not fit 48 GiB; trained at a GPU job's shape, not the bare name's 128 x 4
+        "flavor: llama3/1B (two models 39.8 GiB of 80 GiB, fill 60%), seq_len 4096 x batch 1 per rank",
+        "search: 4 trials of torchtitan-llama3-1B on 1 GPU(s), bfloat16/float32",
     ]
     assert "model: Llama3Model, 1.236B params, blocks layers.0..layers.15" in lines
     assert "space: 9 knobs; defaults: 17 units" in lines  # 16 blocks and the root
     assert lines[lines.index("space: 9 knobs; defaults: 17 units") + 1].startswith(
         "recipe: 18 units; beside the blocks: tok_embeddings+norm+lm_head (reshard after forward: False), root"
     )  # 1B ties its head to its embeddings
-    assert "trial vs_recipe: torchtitan:llama3/1B, 17 units vs 18 units, nccl" in lines
+    assert "trial vs_recipe: model.toml, 17 units vs 18 units, nccl" in lines
+    assert (tmp_path / "out" / "model.toml").read_text().splitlines()[1:] == [
+        'factory = "torchtitan:llama3/1B"',
+        "seq_len = 4096",
+        "batch_size = 1",
+    ]
     assert lines[-4:] == [
         "speedup over FSDP2's defaults: not measured (no final round)",
         "speedup over torchtitan's recipe: not measured (no final round)",

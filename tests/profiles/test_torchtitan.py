@@ -52,6 +52,22 @@ def test_the_source_builds_torchtitan_s_model_from_its_registry():
     assert source.get_num_params() == sum(p.numel() for p in model.parameters()) == 6_163_712
 
 
+def test_a_model_toml_gives_a_registry_model_its_training_shape(tmp_path):
+    """``factory = "torchtitan:..."`` in a model TOML: the registry's model at the TOML's shape
+    (its RoPE caches sized to it), where the bare name trains at 128 x 4."""
+    toml = tmp_path / "tt.toml"
+    toml.write_text(f'factory = "{LLAMA}"\nseq_len = 512\nbatch_size = 1\n')
+    source = load_model_source(str(toml))
+    assert isinstance(source, TorchtitanModel) and (source.seq_len, source.batch_size) == (512, 1)
+    assert source.ref == LLAMA and source.name == "tt"
+    assert source.build(device="meta").model_args.max_seq_len == 512
+    bare = load_model_source(LLAMA)
+    assert (bare.seq_len, bare.batch_size) == (128, 4)
+    toml.write_text('factory = "torchtitan:gpt5/huge"\n')
+    with pytest.raises(ModelSourceError, match="torchtitan:FAMILY/FLAVOR"):
+        load_model_source(str(toml))
+
+
 def test_qwen3_s_tied_head_is_grouped_with_the_embeddings():
     model = load_model_source("torchtitan:qwen3/debugmodel").build(device="meta")
     assert type(model).__name__ == "Qwen3Model" and model.output.weight is model.tok_embeddings.weight
