@@ -119,33 +119,24 @@ def get_block_device(kc: KernelCosts, num_microbatches: int, num_blocks: int) ->
 
 def get_block_host(kc: KernelCosts, num_microbatches: int, num_blocks: int) -> tuple[float, float]:
     """Profiled host seconds of one block's forward and one block's backward, their hooks included."""
-    host = kc.host_by_key
-    per = num_microbatches * num_blocks
-    forward = host.get("block.forward", 0.0) + sum(
-        v for k, v in host.items() if k.startswith("unshard") and k.endswith(".block")
-    )
-    backward = host.get("block.backward", 0.0) + sum(
-        v for k, v in host.items() if k.startswith(_BACKWARD_HOOKS) and k.endswith(".block")
-    )
-    return forward / per, backward / per
+    return _per_block_pass(kc.host_by_key, num_microbatches * num_blocks)
 
 
 def get_block_launches(kc: KernelCosts, num_microbatches: int, num_blocks: int) -> tuple[float, float]:
     """Device ops launched by one block's forward and by its backward, their hooks' spans included."""
-    keys = get_block_host_keys(kc.launches_by_key)
-    per = num_microbatches * num_blocks
-    forward = sum(kc.launches_by_key[k] for k in keys if k == "block.forward" or k.startswith("unshard"))
-    return forward / per, sum(kc.launches_by_key[k] for k in keys) / per - forward / per
+    return _per_block_pass(kc.launches_by_key, num_microbatches * num_blocks)
 
 
-def get_block_host_keys(by_key: dict[str, float]) -> set[str]:
-    """The host span keys of a block's forward (with its unshard hook) and backward (with its hooks)."""
-    return {
-        k
-        for k in by_key
-        if k in ("block.forward", "block.backward")
-        or (k.endswith(".block") and k.startswith(("unshard", *_BACKWARD_HOOKS)))
-    }
+def _per_block_pass(by_key: dict[str, float], per: int) -> tuple[float, float]:
+    """A per-step figure by host span key, summed over a block's forward (with its unshard hook) and
+    its backward (with its pre/post-backward and reduce hooks), per block and microbatch."""
+    forward = by_key.get("block.forward", 0.0) + sum(
+        v for k, v in by_key.items() if k.startswith("unshard") and k.endswith(".block")
+    )
+    backward = by_key.get("block.backward", 0.0) + sum(
+        v for k, v in by_key.items() if k.startswith(_BACKWARD_HOOKS) and k.endswith(".block")
+    )
+    return forward / per, backward / per
 
 
 def get_backward_host(kc: KernelCosts) -> float:
