@@ -22,7 +22,16 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
   without one (a hook that finds the unit unsharded), ``post_backward_accumulate`` /
   ``_reshard`` / ``_rs_wait`` (post-hook), ``post_backward_reduce`` (copy-in, post-reduce;
   the root's: its ``root_post_backward_callback``, which holds the root's whole post-backward
-  and ``finalize_backward``); per call, blocks and root apart.
+  and ``finalize_backward``); per call, blocks and root apart: the median over every call of
+  every rank and profiled step, not the median of per-step means. A hook that allocates a
+  large buffer (the reduce's ``chunk_cat``, the unshard's all-gather output) now and then
+  hits a burst of page faults that multiplies that one call's time; on ``wide`` (raw loopback,
+  2 ranks) a profiled step with such bursts ran 2x the others, and the per-step means
+  priced a block's reduce at 34-42 ms on three runs of one day against 14-16 ms the day
+  before, which the compute scale then took out of compute (0.65 instead of 0.9-1.0) and
+  replicated configs, which skip that hook, came out 20% too fast. The median call is
+  8.6-10.2 ms on all five recorded runs (``sim_accuracy`` wide/raw: 4.6-13.9% -> 3.2-6.3%
+  ratio median error, replayed on the same trials).
 - *Hooks the anchor does not run* (``OPTIONAL_HOOK_KEYS``), from the first extra trial whose
   trace shows them: on a shard group of one (HSDP Nx1) FSDP2 unshards by a plain copy and
   reduces without a reduce-scatter (``unshard_local``/``reduce_local``: its pre-forward labels,

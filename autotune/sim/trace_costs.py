@@ -25,7 +25,7 @@ class CalibrationError(AutotuneError):
 
 @dataclass(kw_only=True)
 class TraceCosts:
-    """What one trial's traces say, per microbatch and unit (medians over ranks and steps)."""
+    """What one trial's traces say, per microbatch and unit (segments: medians over ranks and steps; hooks: the median call)."""
 
     segments: dict[str, float]
     hooks: dict[str, float]
@@ -107,8 +107,8 @@ def _busy(intervals: list[tuple[float, float]], start: float, end: float) -> flo
 
 def _get_step_sums(
     events: Any, step: Any, comm: list[tuple[float, float]], first_block: str, last_block: str, local: bool
-) -> tuple[dict[str, float], dict[str, int]]:
-    """Seconds per key over one profiled step of one rank, and how many labels each hook key counts."""
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Seconds per key over one profiled step of one rank, and the own seconds of each call a hook key counts."""
     inside = events.labels[(events.labels["start"] >= step.start) & (events.labels["end"] <= step.end)]
     labels = sorted(inside.itertuples(index=False), key=lambda r: (r.start, -r.end))
     top, nested, cur_end = [], [], -math.inf
@@ -120,31 +120,39 @@ def _get_step_sums(
     eager = [n for n in nested if n.phase in EAGER_PHASES]  # the root's, inside its post-backward callback
     callbacks = [i for i, label in enumerate(top) if label.phase == "root_post_backward_callback"]
     sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    calls: dict[str, list[float]] = {}
 
-    def add(key: str, start: float, end: float, sign: float = 1.0) -> None:
-        sums[key] = sums.get(key, 0.0) + sign * max(0.0, (end - start) - _busy(comm, start, end)) * _US
+    def add(key: str, start: float, end: float, sign: float = 1.0) -> float:
+        seconds = max(0.0, (end - start) - _busy(comm, start, end)) * _US
+        sums[key] = sums.get(key, 0.0) + sign * seconds
+        return seconds
 
-    def count(key: str, label: Any) -> None:
+    def count(key: str, label: Any, seconds: float) -> None:
         if key in ALL_HOOK_KEYS and label.phase != "post_backward_reshard" and label.phase != "post_backward_rs_wait":
-            counts[key] = counts.get(key, 0) + 1
+            calls.setdefault(key, []).append(seconds)
 
     t, prev = step.start, None
     for i, label in enumerate(top):
         add(get_gap_key(prev, first_block, last_block, bool(callbacks) and i - 1 == callbacks[-1]), t, label.start)
         copies_out = any(label.start <= s <= label.end and u == label.unit for s, u in copy_outs)
         key = get_label_key(label, copies_out, local)
-        add(key, label.start, label.end)
-        count(key, label)
+        count(key, label, add(key, label.start, label.end))
         for inner in (
             e for e in eager if label.start <= e.start and e.end <= label.end
         ):  # counted apart, not as the outer hook's
             add(key, inner.start, inner.end, -1.0)
-            add(get_label_key(inner, False, local), inner.start, inner.end)
-            count(get_label_key(inner, False, local), inner)
+            inner_key = get_label_key(inner, False, local)
+            count(inner_key, inner, add(inner_key, inner.start, inner.end))
         t, prev = label.end, label
     add(get_gap_key(prev, first_block, last_block, bool(callbacks) and len(top) - 1 == callbacks[-1]), t, step.end)
-    return sums, counts
+    return sums, calls
+
+
+def _spread_calls(total: float, calls: list[float]) -> list[float]:
+    """A step's calls of one hook key, each with an even share of what the key holds beyond them (the
+    uncounted reshard and reduce-scatter waits, eager concat counted apart): their mean is ``total / len``."""
+    share = (total - sum(calls)) / len(calls)
+    return [c + share for c in calls]
 
 
 def get_trace_costs(
@@ -155,15 +163,18 @@ def get_trace_costs(
     n, m = len(block_names), num_microbatches
     per_block = {"block.forward": n * m, "block.backward": n * m}
     rows: list[dict[str, float]] = []
+    hook_calls: dict[str, list[float]] = {}
     collectives: list[tuple[str, str, float]] = []
     for events in events_by_rank.values():
         comm = _comm_intervals(events)
         for step in events.steps.itertuples(index=False):
-            sums, counts = _get_step_sums(events, step, comm, block_names[0], block_names[-1], local)
+            sums, calls = _get_step_sums(events, step, comm, block_names[0], block_names[-1], local)
             row = {key: sums.get(key, 0.0) / per_block.get(key, m) for key in (*SEGMENT_KEYS, "microbatch")}
             row["optimizer"] = sums.get("optimizer", 0.0)
-            row |= {key: sums.get(key, 0.0) / counts[key] for key in ALL_HOOK_KEYS if counts.get(key)}
             rows.append(row)
+            for key in ALL_HOOK_KEYS:
+                if calls.get(key):
+                    hook_calls.setdefault(key, []).extend(_spread_calls(sums.get(key, 0.0), calls[key]))
             in_step = events.comm[(events.comm["issue_ts"] >= step.start) & (events.comm["issue_ts"] < step.end)]
             collectives += [
                 (c.kind, c.unit or "", (c.end - c.start) * _US)
@@ -174,13 +185,13 @@ def get_trace_costs(
         raise CalibrationError("the traces hold no profiled step")
 
     def median(key: str) -> float:
-        values = [r[key] for r in rows if key in r]
+        values = [r[key] for r in rows if key in r] if key not in ALL_HOOK_KEYS else hook_calls.get(key, [])
         return statistics.median(values) if values else 0.0
 
     return TraceCosts(
         segments={key: median(key) for key in SEGMENT_KEYS},
         hooks={key: median(key) for key in HOOK_KEYS}
-        | {key: median(key) for key in OPTIONAL_HOOK_KEYS if any(key in r for r in rows)},
+        | {key: median(key) for key in OPTIONAL_HOOK_KEYS if key in hook_calls},
         microbatch_s=median("microbatch"),
         optimizer_s=median("optimizer"),
         collectives=collectives,

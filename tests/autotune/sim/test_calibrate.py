@@ -125,6 +125,25 @@ def test_trace_costs_attribute_the_time_between_fsdp_labels_by_hand():
     )
 
 
+def test_a_hook_is_priced_at_its_median_call_not_at_a_burst_in_one_step():
+    """A page-fault burst in one call (a reduce's ``chunk_cat`` 100 us longer) on one rank in one step:
+    the per-step mean of that rank's step moves to 57.5 us, and a median of the four ranks' and steps'
+    means would read (7.5 + 57.5) / 2 = 32.5 us with a burst on two of them; the median of the calls
+    (7, 8, 7, 8, 8, 8, 107, 107) stays 8."""
+    burst = _events()
+    labels = burst.labels
+    labels.loc[(labels["phase"] == "post_backward_reduce") & (labels["unit"] == "layers.1"), "end"] += 100
+    costs = get_trace_costs(
+        {0: burst, 1: _events(), 2: burst, 3: _events()}, block_names=("layers.0", "layers.1"), num_microbatches=1
+    )
+    assert costs.hooks["reduce.block"] == pytest.approx(8 * US)
+    # what the burst's rank alone reads: its two calls 7 and 108
+    alone = get_trace_costs({0: burst}, block_names=("layers.0", "layers.1"), num_microbatches=1)
+    assert alone.hooks["reduce.block"] == pytest.approx(57.5 * US)
+    # uncounted time of a key (post_backward_reshard: 1 us) is shared evenly by its counted calls
+    assert costs.hooks["post_hook.block"] == pytest.approx(2.5 * US)
+
+
 def test_a_trace_on_a_shard_group_of_one_counts_its_copies_as_local_hooks():
     """HSDP Nx1: no all-gather and no copy-out label; the pre-forward hooks' copies and the reduces
     (an all-reduce in them) count under the local keys, the pre-backward hooks as before."""
