@@ -7,6 +7,7 @@ Ranks import this module by name (``_trial_programs:...``): pytest puts this fol
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +33,13 @@ def deadlock(rank: int, world_size: int, **kwargs) -> dict:
         subprocess.run(["sleep", "300"], check=False)
     dist.all_reduce(torch.ones(1))
     return {}
+
+
+def sleep_then_pid(rank: int, world_size: int, *, seconds: float = 1.0, **kwargs) -> int:
+    import os
+
+    time.sleep(seconds)
+    return os.getpid()
 
 
 def get_rank_pid(rank: int, world_size: int, **kwargs) -> int:

@@ -1,8 +1,12 @@
-"""What a timed step leaves out (the data path) and what a trial's CUDA peak counts (its own
-steps only), on a one-rank gloo group; CUDA through a stand-in allocator counter."""
+"""What a timed step leaves out (the data path) and what a trial's peak counts (its own
+steps only): on CUDA through a stand-in allocator counter, on CPU the kernel's reset high-water mark."""
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import torch
 
 from autotune.trials import build_training, program, training
@@ -72,3 +76,31 @@ def test_each_trial_s_cuda_peak_is_its_own(monkeypatch):
     }
     program.reset_device_memory(torch.device("cpu"))  # nothing to reset on CPU
     assert counter.emptied == 1
+
+
+def _touch(num_bytes: int) -> torch.Tensor:
+    return torch.ones(num_bytes // 4)  # every page written
+
+
+def test_a_cpu_trial_s_peak_rss_is_the_kernel_s_high_water_mark_reset_at_its_start(monkeypatch):
+    """No sampling thread (it took the GIL from the training thread 200 times a second): the
+    kernel's peak, reset when the trial starts, so an earlier trial's larger peak is not this one's,
+    and a spike of any length counts. Where the reset is refused, the sampling thread does it."""
+    mib = 2**20
+    earlier = _touch(400 * mib)  # an earlier trial of the pool's rank peaked higher
+    del earlier
+    with program._RssSampler() as rss:
+        if not rss.kernel_peak:
+            pytest.skip("/proc/self/clear_refs cannot be written here")
+        assert not any(t.name == "autotune-rss" for t in threading.enumerate())
+        assert rss.peak_bytes < rss.baseline_bytes + 200 * mib
+        spike = _touch(256 * mib)
+        del spike
+        assert rss.peak_bytes >= rss.baseline_bytes + 250 * mib > rss.read()
+    monkeypatch.setattr(program, "reset_high_water_mark", lambda: False)
+    with program._RssSampler() as sampled:
+        assert not sampled.kernel_peak and any(t.name == "autotune-rss" for t in threading.enumerate())
+        held = _touch(256 * mib)
+        time.sleep(0.05)  # ten sampling intervals
+        del held
+    assert sampled.peak_bytes >= sampled.baseline_bytes + 250 * mib
