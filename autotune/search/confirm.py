@@ -221,7 +221,11 @@ def pool_windows(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
     )
     median = statistics.median(blocks)
     pairs = [list(w.get("pair_ratios", [])) for w in (first, second)]
-    by_order = [[r for w in pairs for r in w[k::2]] for k in (0, 1)]  # each window starts reference first
+    # each window's even pairs start with its ``first`` side (the reference in metrics before v10)
+    by_order = [
+        [r for w, window in zip(pairs, (first, second)) for r in w[(k + (window.get("first") == "candidate")) % 2 :: 2]]
+        for k in (0, 1)
+    ]
     noise = [x for x in (first.get("candidate_noise"), second.get("candidate_noise")) if x is not None]
     reference_noise = [x for x in (first.get("reference_noise"), second.get("reference_noise")) if x is not None]
     peaks = [x for x in (first.get("process_peak_bytes"), second.get("process_peak_bytes")) if x is not None]

@@ -85,6 +85,9 @@ class RankMetrics:
     """Training-thread CPU time of each traced step."""
     profiled_page_faults: list[int] = field(default_factory=list)
     """Minor page faults of the rank process during each traced step."""
+    pairs_first: str = "reference"
+    """The side that stepped first in the even pairs: ``candidate`` where the reference is its
+    model switched in place (v10; [Note: one model for both sides]); older trials: ``reference``."""
 
     @property
     def median_step_ms(self) -> float | None:
@@ -179,14 +182,15 @@ class TrialMetrics:
     """The body of ``metrics.json``."""
 
     KIND: ClassVar[str] = "trial_metrics"
-    SCHEMA_VERSION: ClassVar[int] = 9
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6, 7, 8)}
+    SCHEMA_VERSION: ClassVar[int] = 10
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6, 7, 8, 9)}
     # v3, v4 added fields, all with defaults; v5 the settle steps (their ``paired`` figures
     # stay as measured: before v5 a ratio is the median pair, without ``estimator``); v6 embeds
     # trace summary v4 (pipeline figures; ``check_summary`` upgrades an older one); v7 adds the
     # stopping rule and why the pairs stopped (defaults: none, every pair ran); v8 the trial's
     # peak with the reference, the allocator's reserved peak, the models held and built (None: unknown);
-    # v9 the host's path per block pass (None: not timed)
+    # v9 the host's path per block pass (None: not timed); v10 which side stepped first in the
+    # even pairs (``RankMetrics.pairs_first``, ``paired["first"]``; before: the reference)
 
     status: TrialStatus
     reason: str = ""
@@ -269,6 +273,7 @@ class TrialMetrics:
                 reference,
                 _slowest(r.settle_step_ms for r in ranks),
                 _slowest(r.reference_settle_step_ms for r in ranks),
+                first=ranks[0].pairs_first if ranks else "reference",
             ),
             profiled_step_ms=profiled,
             profiler_overhead=profiled / step_ms if profiled and step_ms else None,

@@ -51,8 +51,12 @@ steps, outside the timed step. What one model changes and what it keeps:
   heap pages glibc keeps mapped ([Note: what a trial measures]);
 - the measurement: unchanged. ABBA order, the settle step after every switch (the switch
   costs a step of the other config's allocation pattern, exactly as between two models:
-  [Note: switch cost]), block ratios and their spread. The reference warms up with one
-  step of its knobs on the warm model (the candidate's warm-up built and warmed it);
+  [Note: switch cost]), block ratios and their spread. The reference takes no warm-up
+  step of its own on the warm model (the candidate's warm-up built and warmed it): the
+  candidate stepped last, so the pairs start with it (``first``: its even pairs run it
+  first, no switch before the first step) and the reference's first step is the first
+  pair's settle step, which a warm-up step of its own would only have preceded (one step
+  fewer per trial; ``metrics.json`` v10 records the order, ``pairs_first``);
 - the training: one trajectory. Both sides update the same parameters in turn, so the
   candidate's losses are those of the steps it ran, not of a run of its own; none of the
   in-place knobs changes the math (bitwise on CPU, ``tests/fsdp_runtime/test_switch.py``),
@@ -194,9 +198,11 @@ def step_side(side: Side, device: torch.device, timed_step: Any, *, settle: bool
     return ms
 
 
-def get_pair_order(index: int) -> tuple[str, str]:
-    """ABBA: even pairs run the reference first, odd pairs the candidate first."""
-    return ("reference", "candidate") if index % 2 == 0 else ("candidate", "reference")
+def get_pair_order(index: int, first: str = "reference") -> tuple[str, str]:
+    """ABBA: even pairs run ``first`` first (the reference unless the candidate stepped last: its
+    model switched in place), odd pairs the other side."""
+    order = ("reference", "candidate") if first == "reference" else ("candidate", "reference")
+    return order if index % 2 == 0 else order[::-1]
 
 
 def run_pairs(
@@ -209,16 +215,17 @@ def run_pairs(
     last: str = "reference",
     settle: bool = True,
     stopping: StoppingRule | None = None,
+    first: str = "reference",
 ) -> str | None:
     """Alternate the two sides for ``num_pairs`` pairs, a settle step first wherever the ranks
     switch from one model to the other (``last``: the side that stepped before the first pair;
     ``settle=False``: the measurement before [Note: switch cost], for tests and benchmarks that
-    compare the two). With ``stopping``, after every ABBA block the rule decides whether the
+    compare the two; ``first``: the side of the even pairs that steps first). With ``stopping``, after every ABBA block the rule decides whether the
     trial has measured enough ([Note: sequential measurement]; ``num_pairs`` is then the most it
     runs). Returns why it stopped early (``pruned``; with ``stopping``, the rule's reason; None:
     it ran every pair)."""
     for i in range(num_pairs):
-        for name in get_pair_order(i):
+        for name in get_pair_order(i, first):
             if settle and sides[name] is not sides[last]:
                 step_side(sides[name], device, timed_step, settle=True)
             step_side(sides[name], device, timed_step)
@@ -260,6 +267,13 @@ def get_ratios(candidate_ms: list[float], reference_ms: list[float]) -> list[flo
     return [c / r for c, r in zip(candidate_ms, reference_ms) if r > 0]
 
 
+def _get_order_ratios(ratios: list[float], first: str) -> dict[str, float | None]:
+    """The median pair ratio of each order: the reference stepping first, the candidate first."""
+    even, odd = ratios[0::2], ratios[1::2]
+    by_first = {first: even, ("candidate" if first == "reference" else "reference"): odd}
+    return {f"{side}_first": statistics.median(r) if r else None for side, r in sorted(by_first.items(), reverse=True)}
+
+
 def _relative_mad(values: list[float]) -> float | None:
     if len(values) < 2:
         return None
@@ -293,8 +307,10 @@ def summarize_pairs(
     reference_ms: list[float],
     candidate_settle_ms: list[float] | None = None,
     reference_settle_ms: list[float] | None = None,
+    first: str = "reference",
 ) -> dict[str, Any]:
-    """The paired figures of a trial (see [Note: paired measurement]); empty without pairs."""
+    """The paired figures of a trial (see [Note: paired measurement]); empty without pairs.
+    ``first``: the side that stepped first in the even pairs."""
     ratios = get_ratios(candidate_ms, reference_ms)
     if not ratios:
         return {}
@@ -314,10 +330,8 @@ def summarize_pairs(
         "block_ratios": blocks,
         "num_blocks": len(blocks),
         "pair_ratios": ratios,
-        "order_ratios": {
-            "reference_first": statistics.median(ratios[0::2]),
-            "candidate_first": statistics.median(ratios[1::2]) if len(ratios) > 1 else None,
-        },
+        "first": first,
+        "order_ratios": _get_order_ratios(ratios, first),
         "switch_cost": {
             "candidate": _switch_cost(candidate_settle_ms or [], candidate_ms),
             "reference": _switch_cost(reference_settle_ms or [], reference_ms),

@@ -340,8 +340,8 @@ def _get_reference(
     rank: int, world_size: int, spec: dict[str, Any], device: torch.device, candidate: Side, emulator: Any
 ) -> Side:
     """The reference side, warmed up: the candidate itself (the defaults trial: alternate steps
-    measure the noise), the candidate's model switched in place (one warm-up step with its
-    knobs), a model built in turn with the candidate's ([Note: models built in turn] in
+    measure the noise), the candidate's model switched in place (no step of its own: the pairs
+    start with the candidate, and the reference's first step is a settle step), a model built in turn with the candidate's ([Note: models built in turn] in
     :mod:`autotune.trials.in_turn`: on CUDA; built when it first steps), or its own model
     (``num_warmup`` steps)."""
     reference = spec["reference"]
@@ -350,9 +350,7 @@ def _get_reference(
     asked = os.environ.get(PAIRED_MODELS_ENV)
     if asked != "two" and not candidate.training.get_structural_differences(reference):
         candidate.config = spec["config"]
-        side = Side(training=candidate.training, emulator=emulator, config=reference)
-        step_side(side, device, timed_step)
-        return side
+        return Side(training=candidate.training, emulator=emulator, config=reference)
     if asked == "turn" or (asked is None and device.type == "cuda"):
         in_turn = ModelsInTurn(
             lambda config: _build(rank, world_size, spec, device, config),
@@ -401,6 +399,8 @@ def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device)
             timed_step=timed_step,
             prune_if_ratio_above=spec.get("prune_if_ratio_above"),
             stopping=StoppingRule.from_dict(stopping) if stopping else None,
+            last=get_pairs_first(sides),
+            first=get_pairs_first(sides),
         )
     candidate, limit = sides["candidate"], spec["prune_if_slower_than_ms"]
     for i in range(spec["num_measured"]):
@@ -408,6 +408,15 @@ def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device)
         if limit is not None and i + 1 == PRUNE_AFTER and _vote_prune(candidate.step_ms, limit, device):
             return "pruned"
     return None
+
+
+def get_pairs_first(sides: dict[str, Side]) -> str:
+    """The side that steps first in the even pairs: the candidate where the reference is its model
+    switched in place (the candidate stepped last, its warm-up: no switch, no settle step before
+    the first pair; one step fewer than a warm-up step of the reference's own), else the reference."""
+    reference = sides["reference"]
+    shared = reference is not sides["candidate"] and reference.training is sides["candidate"].training
+    return "candidate" if shared and reference.config is not None and reference.in_turn is None else "reference"
 
 
 def _is_below(sides: dict[str, Side], limit: float | None) -> bool:
@@ -443,6 +452,7 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     candidate = sides["candidate"]
     candidate_host_path = candidate.host_path_ms
     steps = _get_steps(sides)
+    pairs_first = get_pairs_first(sides) if "reference" in sides else "reference"
     losses = list(candidate.losses)
     profiled: list[StepTiming] = []
     trace = None
@@ -463,6 +473,7 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     return {
         "rank": rank,
         **steps,
+        "pairs_first": pairs_first,
         "profiled_step_ms": [s.ms for s in profiled],
         "profiled_cpu_ms": [s.cpu_ms for s in profiled],
         "profiled_page_faults": [s.page_faults for s in profiled],

@@ -95,6 +95,7 @@ def to_rank_metrics(result: dict[str, Any]) -> RankMetrics:
         host_path_ms=result.get("host_path_ms"),
         trace=result["trace"],
         link_emulation=result["link_emulation"],
+        pairs_first=result.get("pairs_first", "reference"),
         **{k: result[k] for k in _STEP_COST_KEYS if k in result},
     )
 

@@ -94,6 +94,15 @@ def test_pooling_ranks_on_every_block_of_both_windows():
         statistics.median([0.556, 0.831, 1.111, 0.80, 0.82, 0.80])
     )
     assert pooled["first_window_ratio"] == first["ratio"] and pooled["trial"] == 11
+    # a window whose pairs started with the candidate (its model switched in place, metrics v10):
+    # its odd pairs are the reference-first ones
+    flipped = pool_windows(first, second | {"first": "candidate"})
+    assert flipped["order_ratios"]["reference_first"] == pytest.approx(
+        statistics.median([0.556, 0.831, 1.111, 0.81, 0.81, 0.82])
+    )
+    assert flipped["order_ratios"]["candidate_first"] == pytest.approx(
+        statistics.median([0.676, 0.673, 0.730, 0.80, 0.82, 0.80])
+    )
 
 
 def test_a_failed_second_window_keeps_the_first_window_s_figures():

@@ -47,7 +47,7 @@ def _checkpointed(units):
     return dataclasses.replace(config, units=units)
 
 
-def _run(tmp_path, name: str, config, model=BIG, units=UNITS) -> list[dict]:
+def _run(tmp_path, name: str, config, model=BIG, units=UNITS, pairs: int = 1) -> list[dict]:
     spec = TrialSpec(
         model=model,
         config=config,
@@ -55,7 +55,7 @@ def _run(tmp_path, name: str, config, model=BIG, units=UNITS) -> list[dict]:
         world_size=WORLD,
         out_dir=tmp_path / name,
         num_warmup=2,
-        num_measured=1,
+        num_measured=pairs,
         profile=False,
         backend="gloo",
     )
@@ -65,7 +65,7 @@ def _run(tmp_path, name: str, config, model=BIG, units=UNITS) -> list[dict]:
     )
     assert run.ok, f"{run.status}: {run.reason}\n{run.stderr_tails}"
     for result in run.results:
-        assert len(result["step_ms"]) == len(result["reference_step_ms"]) == 1  # the pair was measured
+        assert len(result["step_ms"]) == len(result["reference_step_ms"]) == pairs  # the pairs were measured
     return run.results
 
 
@@ -105,3 +105,21 @@ def test_structural_pairs_take_turns_on_one_model(tmp_path, monkeypatch):
     # The candidate's record: 2 builds x 2 warm-up steps, the settle step after its second
     # build, its measured step (every step's loss is kept).
     assert all(len(r["losses"]) == 2 * 2 + 1 + 1 for r in results)
+
+
+def test_a_reference_switched_in_place_takes_no_warm_up_step_the_pairs_start_with_the_candidate(tmp_path):
+    """The candidate stepped last (its warm-up), so the first pair runs it first with no switch:
+    the reference's first step is the pair's settle step, in place of a warm-up step of its own
+    (one step fewer per trial). The record says so, and a two-model trial keeps the reference first."""
+    spec_steps = 2  # 2 pairs: C | Rs R, then R | Cs C
+    switched = _run(tmp_path, "switched", _keep_unsharded(TINY_UNITS), model="tiny", units=TINY_UNITS, pairs=spec_steps)
+    for r in switched:
+        assert r["pairs_first"] == "candidate"
+        assert len(r["settle_step_ms"]) == 1 and len(r["reference_settle_step_ms"]) == 1
+        assert len(r["losses"]) == 2 + 2 + 1  # warm-up, measured, one settle step
+    structural = _run(
+        tmp_path, "structural", _checkpointed(TINY_UNITS), model="tiny", units=TINY_UNITS, pairs=spec_steps
+    )
+    for r in structural:
+        assert r["pairs_first"] == "reference"
+        assert len(r["settle_step_ms"]) == 1 and len(r["reference_settle_step_ms"]) == 1  # Cs in pair 0, Rs in pair 1

@@ -87,6 +87,7 @@ def test_settle_steps_and_blocks_measure_the_config_alone(one_rank_group):
     assert paired["block_ratios"] == pytest.approx([TRUE_RATIO] * 3) and paired["num_blocks"] == 3
     assert paired["ratio"] == pytest.approx(TRUE_RATIO) and paired["ratio_spread"] == pytest.approx(0.0)
     assert paired["order_ratios"] == pytest.approx({"reference_first": TRUE_RATIO, "candidate_first": TRUE_RATIO})
+    assert paired["first"] == "reference"
     # the switch cost is measured on the settle steps, one per pair (candidate in even pairs, reference in odd)
     assert paired["switch_cost"] == pytest.approx(
         {"candidate": SWITCH_MS / CANDIDATE_MS, "reference": SWITCH_MS / REFERENCE_MS}
@@ -126,3 +127,19 @@ def test_one_block_takes_the_spread_of_its_two_pairs():
     assert paired["ratio"] == pytest.approx(1.0) and paired["num_blocks"] == 1
     assert (paired["ratio_min"], paired["ratio_max"]) == pytest.approx((0.5, 1.5))
     assert paired["ratio_spread"] == pytest.approx(0.5)  # quartiles 0.75-1.25 of the pairs: too noisy to rank
+
+
+def test_pairs_that_start_with_the_candidate_label_their_orders_by_it():
+    """Even pairs ran the candidate first ([Note: one model for both sides]): they are the
+    candidate-first ones, and the pair order alternates from the candidate."""
+    assert [get_pair_order(i, "candidate") for i in range(3)] == [
+        ("candidate", "reference"),
+        ("reference", "candidate"),
+        ("candidate", "reference"),
+    ]
+    paired = summarize_pairs([0.9, 0.7, 0.9, 0.7], [1.0, 1.0, 1.0, 1.0], first="candidate")
+    assert paired["first"] == "candidate"
+    assert paired["order_ratios"] == pytest.approx({"reference_first": 0.7, "candidate_first": 0.9})
+    assert summarize_pairs([0.9, 0.7], [1.0, 1.0])["order_ratios"] == pytest.approx(
+        {"reference_first": 0.9, "candidate_first": 0.7}
+    )
