@@ -44,15 +44,24 @@ def _busy() -> None:
 
 
 def _steps(metrics: dict) -> int:
-    """Steps a trial ran: each side's warm-up, the measured, settle and profiled steps (rank 0)."""
+    """Steps a trial ran (rank 0): the candidate's warm-up, the reference's (a model of its own:
+    as many; switched in place: one, none since metrics v10 started the pairs with the candidate;
+    paired with itself: none), the measured, settle and profiled steps (the profiler's warm-up step too)."""
     if not metrics.get("ranks"):
         return 0
     r = metrics["ranks"][0]
-    two_models = bool(r.get("settle_step_ms") or r.get("reference_settle_step_ms"))
+    warmup = metrics.get("num_warmup", 0)
+    paired = bool(r.get("settle_step_ms") or r.get("reference_settle_step_ms"))
+    if not paired:
+        reference_warmup = 0
+    elif (metrics.get("num_models") or 1) > 1:
+        reference_warmup = warmup
+    else:
+        reference_warmup = 0 if r.get("pairs_first") == "candidate" else 1
     measured = len(r["step_ms"]) + len(r.get("reference_step_ms", []))
     settle = len(r.get("settle_step_ms", [])) + len(r.get("reference_settle_step_ms", []))
     profiled = len(r.get("profiled_step_ms", [])) + (1 if r.get("profiled_step_ms") else 0)
-    return (2 if two_models else 1) * metrics.get("num_warmup", 0) + measured + settle + profiled
+    return warmup + reference_warmup + measured + settle + profiled
 
 
 def _read(path: Path) -> dict:
