@@ -392,6 +392,7 @@ def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device)
     early (``pruned``, or a stopping rule's reason: [Note: sequential measurement]), None: every step ran."""
     if "reference" in sides:
         stopping = spec.get("stopping")
+        first = get_pairs_first(sides)  # the candidate stepped last where the pairs start with it
         return run_pairs(
             sides,
             num_pairs=spec["num_measured"],
@@ -399,8 +400,8 @@ def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device)
             timed_step=timed_step,
             prune_if_ratio_above=spec.get("prune_if_ratio_above"),
             stopping=StoppingRule.from_dict(stopping) if stopping else None,
-            last=get_pairs_first(sides),
-            first=get_pairs_first(sides),
+            last=first,
+            first=first,
         )
     candidate, limit = sides["candidate"], spec["prune_if_slower_than_ms"]
     for i in range(spec["num_measured"]):

@@ -114,7 +114,6 @@ def test_the_parent_asks_the_store_ten_times_a_second_while_a_job_runs(pool2, mo
     result = pool2.run("_trial_programs:sleep_then_pid", {"seconds": 1.5}, timeout_s=60)
     assert result.ok and result.results == pool2.pids
     assert 10 <= calls["check"] <= 25  # every 100 ms (310 when it was every 5 ms)
-    assert result.wall_s < 2.5
 
 
 def test_pool_deadlock_times_out_then_recovers(pool2, tmp_path):
