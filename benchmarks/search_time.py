@@ -44,24 +44,26 @@ def _busy() -> None:
 
 
 def _steps(metrics: dict) -> int:
-    """Steps a trial ran (rank 0): the candidate's warm-up, the reference's (a model of its own:
-    as many; switched in place: one, none since metrics v10 started the pairs with the candidate;
-    paired with itself: none), the measured, settle and profiled steps (the profiler's warm-up step too)."""
+    """Steps a trial ran (rank 0): the warm-up steps of every model it built (``num_builds``: a
+    reference kept warm from an earlier trial is not built, nor warmed up: [Note: a warm
+    reference]; before metrics v8, every model it held), one warm-up step of a reference switched
+    in place before metrics v10 started the pairs with the candidate, the measured, settle and
+    profiled steps (the profiler's warm-up step too)."""
     if not metrics.get("ranks"):
         return 0
     r = metrics["ranks"][0]
     warmup = metrics.get("num_warmup", 0)
+    builds = metrics.get("num_builds")
+    models = metrics.get("num_models") or 1
     paired = bool(r.get("settle_step_ms") or r.get("reference_settle_step_ms"))
-    if not paired:
-        reference_warmup = 0
-    elif (metrics.get("num_models") or 1) > 1:
-        reference_warmup = warmup
-    else:
-        reference_warmup = 0 if r.get("pairs_first") == "candidate" else 1
+    if not paired or models > 1:  # unpaired or paired with itself: one model; else two
+        warm = warmup * (builds if builds is not None else models if paired else 1)
+    else:  # switched in place
+        warm = warmup + (0 if r.get("pairs_first") == "candidate" else 1)
     measured = len(r["step_ms"]) + len(r.get("reference_step_ms", []))
     settle = len(r.get("settle_step_ms", [])) + len(r.get("reference_settle_step_ms", []))
     profiled = len(r.get("profiled_step_ms", [])) + (1 if r.get("profiled_step_ms") else 0)
-    return warmup + reference_warmup + measured + settle + profiled
+    return warm + measured + settle + profiled
 
 
 def _read(path: Path) -> dict:

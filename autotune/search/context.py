@@ -87,6 +87,7 @@ class SearchContext:
             prune_if_ratio_above=prune_if_ratio_above,
             stopping=stopping.to_dict() if stopping is not None and paired else None,
             profile_below=profile_below,
+            keep_reference=self.pool is not None,  # [Note: a warm reference]: a pool's ranks outlive the trial
             **extra,
         )
 

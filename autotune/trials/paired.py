@@ -64,7 +64,8 @@ steps, outside the timed step. What one model changes and what it keeps:
   reordered sums.
 
 A structural difference (mesh, grouping, checkpointing, precision, an int reshard, pipeline
-stages) gives the reference a model of its own on CPU; on CUDA the two models are built in
+stages) gives the reference a model of its own on CPU (in a search's rank pool the one kept warm
+from the last trial: [Note: a warm reference] in :mod:`autotune.trials.kept`); on CUDA the two models are built in
 turn, one at a time ([Note: models built in turn] in :mod:`autotune.trials.in_turn`).
 ``AUTOTUNE_PAIRED_MODELS`` (``two``, ``turn``) overrides both for benchmarks and tests.
 Measured (``benchmarks/trial_overhead.py --paired``, pooled, 2 ranks, no reshard after forward
@@ -154,6 +155,9 @@ class Side:
     side's model when it steps (``training`` is None while the other side's is held)."""
     host_path_ms: dict[str, float] | None = None
     """The host's path per block pass, timed on its last warm-up step ([Note: host path probe])."""
+    kept: bool = False
+    """Its model is the kept warm reference ([Note: a warm reference] in :mod:`autotune.trials.kept`):
+    built and warmed up by an earlier trial of the pool."""
 
     def clear(self) -> None:
         """Forget the steps so far (warm-up steps are not measurements; their losses stay)."""

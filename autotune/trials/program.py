@@ -90,8 +90,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autotune.trials import kept as kept_models
 from autotune.trials.host_probe import probe_host_path
 from autotune.trials.in_turn import ModelsInTurn
+from autotune.trials.kept import KeptModel
 from autotune.trials.metrics import median_or_none
 from autotune.trials.paired import (
     Side,
@@ -302,11 +304,13 @@ def _get_peak_bytes(device: torch.device, rss: _RssSampler) -> int:
     return max(rss.peak_bytes, rss.read())
 
 
-def _get_memory(device: torch.device, rss: _RssSampler, candidate_peak: int) -> dict[str, Any]:
-    """The candidate's peak (its build and warm-up) and the whole trial's, with the reference."""
+def _get_memory(device: torch.device, rss: _RssSampler, candidate_peak: int, other_bytes: int = 0) -> dict[str, Any]:
+    """The candidate's peak (its build and warm-up) and the whole trial's, with the reference;
+    ``other_bytes`` (a kept model that is neither side: [Note: a warm reference] in
+    :mod:`autotune.trials.kept`) is not the trial's."""
     source = "cuda_max_allocated" if device.type == "cuda" else "peak_rss"
     baseline = 0 if device.type == "cuda" else rss.baseline_bytes
-    trial_peak = max(candidate_peak, _get_peak_bytes(device, rss))
+    trial_peak = max(candidate_peak, _get_peak_bytes(device, rss) - other_bytes)
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
     return {
         "source": source,
@@ -318,32 +322,56 @@ def _get_memory(device: torch.device, rss: _RssSampler, candidate_peak: int) -> 
 
 
 def _build_sides(
-    rank: int, world_size: int, spec: dict[str, Any], device: torch.device, emulators: tuple[Any, Any], rss: _RssSampler
+    rank: int,
+    world_size: int,
+    spec: dict[str, Any],
+    device: torch.device,
+    emulators: tuple[Any, Any],
+    rss: _RssSampler,
+    kept: KeptModel | None,
 ) -> tuple[dict[str, Side], int]:
     """The candidate, warmed up, and with ``spec["reference"]`` the reference: on the candidate's
-    own model where the two differ only in knobs switched in place, else a model of its own, or
-    on CUDA models built in turn ([Note: one model for both sides] in :mod:`autotune.trials.paired`).
-    Returns the sides and the candidate's peak memory (its build and warm-up: no reference exists yet)."""
-    candidate = Side(training=_build(rank, world_size, spec, device, spec["config"]), emulator=emulators[0])
-    _warm_up(candidate, spec, device)
-    candidate_peak = _get_peak_bytes(device, rss)
+    own model where the two differ only in knobs switched in place, else the kept warm model
+    ([Note: a warm reference] in :mod:`autotune.trials.kept`) or a model of its own, or on CUDA
+    models built in turn ([Note: one model for both sides] in :mod:`autotune.trials.paired`).
+    Returns the sides and the candidate's peak memory (its build and warm-up: no reference exists
+    yet, the kept model's live bytes taken off)."""
+    if kept is not None and _is_reference_config(spec):
+        candidate = Side(training=kept.training, emulator=emulators[0], next_step=kept.next_step, kept=True)
+        candidate_peak = kept.peak_bytes
+    else:
+        candidate = Side(training=_build(rank, world_size, spec, device, spec["config"]), emulator=emulators[0])
+        _warm_up(candidate, spec, device)
+        candidate_peak = _get_peak_bytes(device, rss) - (kept.live_bytes if kept is not None else 0)
     sides = {"candidate": candidate}
     reference = spec.get("reference")
     if reference is not None:
-        sides["reference"] = _get_reference(rank, world_size, spec, device, candidate, emulators[1])
+        sides["reference"] = _get_reference(rank, world_size, spec, device, candidate, emulators[1], kept)
     for side in sides.values():  # warm-up steps are not measurements (their losses stay: the run's record)
         side.clear()
     return sides, candidate_peak
 
 
+def _is_reference_config(spec: dict[str, Any]) -> bool:
+    """The candidate is the config a kept model is kept for: the reference paired with itself, or no reference."""
+    return spec.get("reference") is None or spec["reference"] == spec["config"]
+
+
 def _get_reference(
-    rank: int, world_size: int, spec: dict[str, Any], device: torch.device, candidate: Side, emulator: Any
+    rank: int,
+    world_size: int,
+    spec: dict[str, Any],
+    device: torch.device,
+    candidate: Side,
+    emulator: Any,
+    kept: KeptModel | None,
 ) -> Side:
     """The reference side, warmed up: the candidate itself (the defaults trial: alternate steps
     measure the noise), the candidate's model switched in place (no step of its own: the pairs
     start with the candidate, and the reference's first step is a settle step), a model built in turn with the candidate's ([Note: models built in turn] in
-    :mod:`autotune.trials.in_turn`: on CUDA; built when it first steps), or its own model
-    (``num_warmup`` steps)."""
+    :mod:`autotune.trials.in_turn`: on CUDA; built when it first steps), the kept warm model
+    (no step of its own either: [Note: a warm reference] in :mod:`autotune.trials.kept`), or its
+    own model (``num_warmup`` steps)."""
     reference = spec["reference"]
     if reference == spec["config"]:
         return candidate
@@ -361,6 +389,8 @@ def _get_reference(
         side = Side(training=None, emulator=emulator)
         in_turn.add(side, reference)
         return side
+    if kept is not None:
+        return Side(training=kept.training, emulator=emulator, next_step=kept.next_step, kept=True)
     side = Side(training=_build(rank, world_size, spec, device, reference), emulator=emulator)
     _warm_up(side, spec, device)
     return side
@@ -412,12 +442,16 @@ def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device)
 
 
 def get_pairs_first(sides: dict[str, Side]) -> str:
-    """The side that steps first in the even pairs: the candidate where the reference is its model
-    switched in place (the candidate stepped last, its warm-up: no switch, no settle step before
-    the first pair; one step fewer than a warm-up step of the reference's own), else the reference."""
+    """The side that steps first in the even pairs: the candidate where the reference took no step
+    of its own in this trial (the candidate's model switched in place, or the kept warm model:
+    the candidate stepped last, its warm-up, so no switch and no settle step before the first
+    pair; one step fewer than a warm-up step of the reference's own), else the reference."""
     reference = sides["reference"]
-    shared = reference is not sides["candidate"] and reference.training is sides["candidate"].training
-    return "candidate" if shared and reference.config is not None and reference.in_turn is None else "reference"
+    if reference is sides["candidate"]:
+        return "reference"
+    shared = reference.training is sides["candidate"].training
+    switched = shared and reference.config is not None and reference.in_turn is None
+    return "candidate" if switched or reference.kept else "reference"
 
 
 def _is_below(sides: dict[str, Side], limit: float | None) -> bool:
@@ -430,6 +464,39 @@ def _is_below(sides: dict[str, Side], limit: float | None) -> bool:
 
 def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[str, Any]:
     """Rank program of a trial (``spec`` is :meth:`autotune.trials.spec.TrialSpec.to_dict`); returns this rank's measurements."""
+    try:
+        return _run_trial_rank(rank, world_size, spec)
+    except BaseException:
+        kept_models.drop()  # a step may have stopped halfway: never step that model again
+        raise
+
+
+def _take_kept(spec: dict[str, Any], device: torch.device) -> KeptModel | None:
+    """The kept warm model of this trial's reference config, where every rank holds it and the
+    trial may use it ([Note: a warm reference] in :mod:`autotune.trials.kept`); else it is dropped."""
+    if not kept_models.can_keep(spec, device):
+        kept_models.drop()
+        return None
+    kept = kept_models.take(kept_models.get_key(spec, spec.get("reference") or spec["config"], device), device)
+    if kept is not None and kept.peak_bytes is None and _is_reference_config(spec):
+        kept_models.drop()  # kept as a reference: its own peak was never measured, so build it afresh
+        return None
+    return kept
+
+
+def _get_side_to_keep(sides: dict[str, Side], spec: dict[str, Any], device: torch.device) -> Side | None:
+    """The side whose model is the reference config's own, to keep for the next trial; None where
+    there is none (switched in place, built in turn) or the trial may not keep one."""
+    if not kept_models.can_keep(spec, device):
+        return None
+    if _is_reference_config(spec):
+        return sides["candidate"]
+    reference = sides["reference"]
+    own = reference.training is not sides["candidate"].training and reference.in_turn is None
+    return reference if own else None
+
+
+def _run_trial_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     from autotune.trials.linkemu import LinkEmulator
     from profiles import load_cluster_profile
 
@@ -439,37 +506,34 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
     emulators = (LinkEmulator.from_cluster(cluster), LinkEmulator.from_cluster(cluster)) if cluster else (None, None)
     reset_device_memory(device)
     libc = tune_heap(device)
+    kept = _take_kept(spec, device)
     with _RssSampler() as rss:
-        sides, candidate_peak = _build_sides(rank, world_size, spec, device, emulators, rss)
+        sides, candidate_peak = _build_sides(rank, world_size, spec, device, emulators, rss, kept)
         stopped = _measure(sides, spec, device)
-    memory = _get_memory(device, rss, candidate_peak)
+    kept_used = int(any(side.kept for side in sides.values()))
+    memory = _get_memory(device, rss, candidate_peak, kept.live_bytes if kept is not None and not kept_used else 0)
+    keep = _get_side_to_keep(sides, spec, device)
     in_turn = sides["candidate"].in_turn
     num_models = 1 if in_turn is not None else len({id(side.training) for side in sides.values()})
-    num_builds = in_turn.num_builds if in_turn is not None else num_models
+    num_builds = in_turn.num_builds if in_turn is not None else num_models - kept_used
     pruned = stopped in ("pruned", "slower")
     # A candidate slower than the search's best is never the config whose traces a report or a
     # calibration reads: its profiled window is skipped with ``profile_below``.
     profile = spec["profile"] and _is_below(sides, spec.get("profile_below"))
     candidate = sides["candidate"]
-    candidate_host_path = candidate.host_path_ms
     steps = _get_steps(sides)
     pairs_first = get_pairs_first(sides) if "reference" in sides else "reference"
-    losses = list(candidate.losses)
-    profiled: list[StepTiming] = []
-    trace = None
-    if profile and not pruned:
-        sides.pop("reference", None)
-        trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
-        if libc is not None:
-            prefault_heap(libc, world_size)
-        activate(candidate)  # one model: the reference's knobs, or the reference's build, may be what the ranks hold
-        window = _profiled_window(
-            candidate.training, candidate.next_step, spec["num_profiled"], device, candidate.emulator, trace_path
+    profiled, trace = _profile(sides, spec, device, libc, rank) if profile and not pruned else ([], None)
+    if keep is not None:
+        kept_models.keep(
+            kept_models.get_key(spec, spec.get("reference") or spec["config"], device),
+            keep.training,
+            keep.next_step,
+            candidate_peak if keep is candidate else None,
         )
-        losses += [s.loss for s in window]
-        profiled = window[1:]  # the schedule's warm-up step is not traced
-        trace = trace_path.name
-    del sides, candidate
+    losses = list(candidate.losses)
+    host_path = candidate.host_path_ms
+    del sides, candidate, keep
     _release_free_memory()  # the prefaulted heap too
     return {
         "rank": rank,
@@ -484,11 +548,30 @@ def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[
         "memory": memory,
         "num_models": num_models,
         "num_builds": num_builds,
-        "host_path_ms": candidate_host_path,
+        "host_path_ms": host_path,
         "trace": trace,
         "link_emulation": emulators[0].summary() if emulators[0] is not None else None,
         "env": _get_rank_env(device),
     }
+
+
+def _profile(
+    sides: dict[str, Side], spec: dict[str, Any], device: torch.device, libc: Any, rank: int
+) -> tuple[list[StepTiming], str]:
+    """The candidate's profiled window: its traced steps (the schedule's warm-up step not among
+    them; every step's loss joins the candidate's) and the trace's file name."""
+    candidate = sides["candidate"]
+    sides.pop("reference", None)  # its own model, unless kept, is freed before the window
+    trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
+    if libc is not None:
+        prefault_heap(libc, world_size=spec["world_size"])
+    activate(candidate)  # one model: the reference's knobs, or the reference's build, may be what the ranks hold
+    window = _profiled_window(
+        candidate.training, candidate.next_step, spec["num_profiled"], device, candidate.emulator, trace_path
+    )
+    candidate.next_step += len(window)
+    candidate.losses += [s.loss for s in window]
+    return window[1:], trace_path.name
 
 
 def _get_steps(sides: dict[str, Side]) -> dict[str, list[Any]]:

@@ -34,11 +34,11 @@ class TrialSpec:
     """What to run in one trial, and where to write it."""
 
     KIND: ClassVar[str] = "trial_spec"
-    SCHEMA_VERSION: ClassVar[int] = 3
+    SCHEMA_VERSION: ClassVar[int] = 4
     MIGRATIONS: ClassVar[dict] = {
         1: lambda data: {"reference": None, "prune_if_ratio_above": None, **data},
-        **get_added_field_migrations(2),
-    }  # v2: paired measurement; v3: the stopping rule and profile_below (defaults: off)
+        **get_added_field_migrations(2, 3),
+    }  # v2: paired measurement; v3: the stopping rule and profile_below; v4: keep_reference (defaults: off)
 
     model: str | dict[str, Any]
     """Model profile name/path, or ``{"name": ..., **shape/seq_len/batch_size overrides}``."""
@@ -76,6 +76,10 @@ class TrialSpec:
     profile_below: float | None = None
     """Paired trials: run the profiled window only when the candidate's median block ratio to its
     reference is below this (a search's best so far: only a new best's traces are read); None: always."""
+    keep_reference: bool = False
+    """Keep the reference config's model warm in a rank pool's processes for the next trial with
+    the same reference, and step the one kept by the last (CPU; [Note: a warm reference] in
+    :mod:`autotune.trials.kept`). Off: every trial builds its own, as outside a pool."""
     rank_program: str = DEFAULT_RANK_PROGRAM
     """``module:function`` each rank runs as ``fn(rank, world_size, spec=dict)``; replace it to
     trial a custom workload that returns the same measurements."""

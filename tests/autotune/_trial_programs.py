@@ -98,3 +98,14 @@ def stage_dies_mid_step(rank: int, world_size: int, *, spec: dict) -> dict:
 
     TunedStage.forward_one_chunk = forward_one_chunk
     return run_trial_rank(rank, world_size, spec=spec)
+
+
+def forget_kept_on_rank1(rank: int, world_size: int, *, spec: dict) -> dict:
+    """The real trial, but rank 1 forgets the kept warm reference first, as a rank restarted alone
+    would have ([Note: a warm reference]): the ranks must agree to build, not hang."""
+    from autotune.trials import kept
+    from autotune.trials.program import run_trial_rank
+
+    if rank == 1:
+        kept.drop()
+    return run_trial_rank(rank, world_size, spec=spec)

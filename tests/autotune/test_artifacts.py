@@ -3,7 +3,7 @@
 The committed fixtures under ``tests/data/artifacts/`` are what released versions wrote
 (``*_v1.json``: the first release's writers' shape; ``*_v2.json``: the second's (typed
 artifacts); ``*_v3.json``: the third's, with the paired measurement's fields; ``metrics_v4.json``,
-``search_v3.json`` and ``trial_spec_v3.json``: today's writers, metrics with the profiler's cost
+``search_v3.json`` and ``trial_spec_v4.json``: today's writers, metrics with the profiler's cost
 (``trial_spec_v1.json``: the second release's spec)). All describe one search of ``tiny`` on 2 gloo
 ranks: 4 trials, trial 1 the best (its ``metrics.json`` is ``metrics_v*.json``, whose
 trace summary is that of ``tests/data/cpu_tiny_2rank``), trial 2 faster but over the
@@ -57,7 +57,7 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
     for name, kind, version in [
         ("metrics_v10.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
         ("search_v10.json", "search_summary", SearchRecord.SCHEMA_VERSION),
-        ("trial_spec_v3.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
+        ("trial_spec_v4.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
         ("plan_v3.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
     ]:
         data = load_fixture(name)
@@ -339,8 +339,8 @@ def test_results_csv_leads_with_number_and_state_then_every_row_field(tmp_path):
 
 
 def test_trial_spec_reads_and_round_trips(tmp_path):
-    original = load_fixture("trial_spec_v3.json")
-    spec = TrialSpec.read(ARTIFACTS / "trial_spec_v3.json")
+    original = load_fixture("trial_spec_v4.json")
+    spec = TrialSpec.read(ARTIFACTS / "trial_spec_v4.json")
 
     assert (spec.model, spec.world_size, spec.backend, spec.out_dir) == (
         "tiny",
@@ -396,7 +396,8 @@ def test_report_of_a_v1_search_dir_picks_the_best_without_search_json(tmp_path):
 def test_trial_spec_v1_reads_as_an_unpaired_trial():
     spec = TrialSpec.read(ARTIFACTS / "trial_spec_v1.json")
     assert spec.reference is None and spec.prune_if_ratio_above is None
-    assert spec == TrialSpec.read(ARTIFACTS / "trial_spec_v3.json")
+    assert spec == TrialSpec.read(ARTIFACTS / "trial_spec_v3.json") == TrialSpec.read(ARTIFACTS / "trial_spec_v4.json")
+    assert spec.keep_reference is False
 
 
 def test_the_readme_names_the_versions_the_code_writes():

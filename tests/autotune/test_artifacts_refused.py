@@ -78,7 +78,7 @@ READERS = [
         "trial_spec",
         TrialSpec.SCHEMA_VERSION,
         "trial_spec.json",
-        "trial_spec_v3.json",
+        "trial_spec_v4.json",
         TrialSpec.read,
         "metrics_v3.json",
     ),
@@ -271,7 +271,7 @@ def test_plan_json_of_before_it_was_versioned_is_refused_in_one_line(tmp_path):
 
 def test_old_trial_spec_without_kind_is_refused_clearly(tmp_path):
     """The previous release's spec (``TrialSpec.to_dict`` at HEAD~2) had no kind nor schema_version."""
-    old = {k: v for k, v in load_fixture("trial_spec_v3.json").items() if k not in ("kind", "schema_version")}
+    old = {k: v for k, v in load_fixture("trial_spec_v4.json").items() if k not in ("kind", "schema_version")}
     old["rank_program"] = "autotune.trial_rank:run_trial_rank"  # the old module path
     path = write_json(tmp_path / "trial_spec.json", old)
     with pytest.raises(ArtifactError) as excinfo:
@@ -280,7 +280,7 @@ def test_old_trial_spec_without_kind_is_refused_clearly(tmp_path):
 
 
 def test_trial_spec_refuses_an_unknown_field_by_name(tmp_path):
-    data = {**load_fixture("trial_spec_v3.json"), "torch_version": "2.5.1"}
+    data = {**load_fixture("trial_spec_v4.json"), "torch_version": "2.5.1"}
     with pytest.raises(TrialSpecError) as excinfo:
         TrialSpec.from_dict(data, source="spec.json")
     assert_refused(excinfo, Path("spec.json"), "unknown field 'torch_version'")
