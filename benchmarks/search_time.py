@@ -44,7 +44,8 @@ def _busy() -> None:
 
 
 def _steps(metrics: dict) -> int:
-    """Steps a trial ran (rank 0): the warm-up steps of every model it built (``num_builds``: a
+    """Steps a trial ran (rank 0): the candidate's warm-up steps (metrics v11 ``candidate_warmup``:
+    one fewer where its first measured step leads the pairs), the warm-up steps of every model it built (``num_builds``: a
     reference kept warm from an earlier trial is not built, nor warmed up: [Note: a warm
     reference]; before metrics v8, every model it held), one warm-up step of a reference switched
     in place before metrics v10 started the pairs with the candidate, the measured, settle and
@@ -56,7 +57,9 @@ def _steps(metrics: dict) -> int:
     builds = metrics.get("num_builds")
     models = metrics.get("num_models") or 1
     paired = bool(r.get("settle_step_ms") or r.get("reference_settle_step_ms"))
-    if not paired or models > 1:  # unpaired or paired with itself: one model; else two
+    if r.get("candidate_warmup") is not None:  # metrics v11: the candidate's own count, then a built reference's
+        warm = r["candidate_warmup"] + (warmup if paired and models > 1 and (builds or 0) >= 2 else 0)
+    elif not paired or models > 1:  # unpaired or paired with itself: one model; else two
         warm = warmup * (builds if builds is not None else models if paired else 1)
     else:  # switched in place
         warm = warmup + (0 if r.get("pairs_first") == "candidate" else 1)

@@ -16,7 +16,12 @@ with the same reference (same model, config, seed, world and device) steps it wh
   first step is the first pair's settle step, as where the reference is the candidate's model
   switched in place (``get_pairs_first`` in :mod:`autotune.trials.program`). The defaults
   trial (the reference paired with itself) and the search's warm-up run step the kept model as
-  their candidate: the warm-up run builds it, the defaults trial neither builds nor warms up;
+  their candidate: the warm-up run builds it, the defaults trial does not build it and takes one
+  warm-up step, not ``num_warmup``. One, because every trial starts by returning the freed heap
+  to the system (``malloc_trim``, so that its peak is its own), and the first step after that
+  re-faults it: a defaults trial that measured that step took its first step 1.33x its others
+  and its ratio to itself came out 0.906 (``small``, the README's main command; the reference
+  side's first step is a settle step, never measured);
 - *the measurement* is unchanged: ABBA blocks, a settle step after every switch, the same
   reference config. Its training goes on across trials (its losses are not recorded: only the
   candidate's are);

@@ -88,6 +88,10 @@ class RankMetrics:
     pairs_first: str = "reference"
     """The side that stepped first in the even pairs: ``candidate`` where the reference is its
     model switched in place (v10; [Note: one model for both sides]); older trials: ``reference``."""
+    candidate_warmup: int | None = None
+    """Warm-up steps the candidate took (v11): ``num_warmup``, one fewer on CPU where its first
+    measured step leads the pairs ([Note: the leading step] in :mod:`autotune.trials.program`),
+    one for a kept warm model ([Note: a warm reference]); None: an older trial (``num_warmup``)."""
 
     @property
     def median_step_ms(self) -> float | None:
@@ -182,15 +186,16 @@ class TrialMetrics:
     """The body of ``metrics.json``."""
 
     KIND: ClassVar[str] = "trial_metrics"
-    SCHEMA_VERSION: ClassVar[int] = 10
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6, 7, 8, 9)}
+    SCHEMA_VERSION: ClassVar[int] = 11
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6, 7, 8, 9, 10)}
     # v3, v4 added fields, all with defaults; v5 the settle steps (their ``paired`` figures
     # stay as measured: before v5 a ratio is the median pair, without ``estimator``); v6 embeds
     # trace summary v4 (pipeline figures; ``check_summary`` upgrades an older one); v7 adds the
     # stopping rule and why the pairs stopped (defaults: none, every pair ran); v8 the trial's
     # peak with the reference, the allocator's reserved peak, the models held and built (None: unknown);
     # v9 the host's path per block pass (None: not timed); v10 which side stepped first in the
-    # even pairs (``RankMetrics.pairs_first``, ``paired["first"]``; before: the reference)
+    # even pairs (``RankMetrics.pairs_first``, ``paired["first"]``; before: the reference); v11
+    # the candidate's warm-up steps per rank (``RankMetrics.candidate_warmup``; before: None)
 
     status: TrialStatus
     reason: str = ""

@@ -220,11 +220,13 @@ def run_pairs(
     settle: bool = True,
     stopping: StoppingRule | None = None,
     first: str = "reference",
+    on_first_step: Any = None,
 ) -> str | None:
     """Alternate the two sides for ``num_pairs`` pairs, a settle step first wherever the ranks
     switch from one model to the other (``last``: the side that stepped before the first pair;
     ``settle=False``: the measurement before [Note: switch cost], for tests and benchmarks that
-    compare the two; ``first``: the side of the even pairs that steps first). With ``stopping``, after every ABBA block the rule decides whether the
+    compare the two; ``first``: the side of the even pairs that steps first; ``on_first_step``:
+    called after the first pair's first measured step). With ``stopping``, after every ABBA block the rule decides whether the
     trial has measured enough ([Note: sequential measurement]; ``num_pairs`` is then the most it
     runs). Returns why it stopped early (``pruned``; with ``stopping``, the rule's reason; None:
     it ran every pair)."""
@@ -233,6 +235,8 @@ def run_pairs(
             if settle and sides[name] is not sides[last]:
                 step_side(sides[name], device, timed_step, settle=True)
             step_side(sides[name], device, timed_step)
+            if on_first_step is not None and i == 0 and name == first:
+                on_first_step()
             last = name
         ratios = get_ratios(*get_pair_steps(sides))
         if stopping is not None:

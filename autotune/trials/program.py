@@ -71,6 +71,22 @@ Local trials call it through :func:`autotune.trials.launch.run_ranks` or a
 - *Pruning*: with ``prune_if_slower_than_ms``, after the first ``PRUNE_AFTER`` measured
   steps every rank votes (an all-reduce of "my median is above the limit") so all ranks
   stop together; a pruned trial skips the profiled window.
+
+[Note: the leading step]
+A freshly built candidate took ``num_warmup`` (2) unmeasured steps: the first pays lazy
+initialisation and first-touch page faults, and the second is the first with AdamW's state, so
+the peak read after it is the steady one. Where the pairs start with the candidate (its reference
+switched in place or kept warm: no step of the reference's comes between its warm-up and its
+first measured step), that first measured step *is* a second step of the same config, so on CPU
+the candidate warms up for one step fewer and its peak is read again right after its first
+measured step, before any reference step (``run_pairs``' ``on_first_step``): the peak still
+covers a step with AdamW's state. Is a second step already a steady one? Measured (``small``,
+2 microbatches, 2 ranks, a pool, the defaults, the search's HSDP grouped winner and full
+checkpointing, 3 fresh models each, steps 1-7; load under 1): step 1 took 1.12-1.47x the median
+of steps 4-7, step 2 0.94-1.16x (median 1.04), step 3 0.94-1.13x (median 1.06): the second is
+as steady as the third. On CUDA the warm-up is kept whole: the host-path probe times the last
+warm-up step ([Note: host path probe]), and a GPU's second step was not measured. The record
+says how many warm-up steps the candidate took (``candidate_warmup``, metrics v11).
 """
 
 from __future__ import annotations
@@ -329,32 +345,64 @@ def _build_sides(
     emulators: tuple[Any, Any],
     rss: _RssSampler,
     kept: KeptModel | None,
-) -> tuple[dict[str, Side], int]:
+) -> tuple[dict[str, Side], int, int]:
     """The candidate, warmed up, and with ``spec["reference"]`` the reference: on the candidate's
     own model where the two differ only in knobs switched in place, else the kept warm model
     ([Note: a warm reference] in :mod:`autotune.trials.kept`) or a model of its own, or on CUDA
     models built in turn ([Note: one model for both sides] in :mod:`autotune.trials.paired`).
-    Returns the sides and the candidate's peak memory (its build and warm-up: no reference exists
-    yet, the kept model's live bytes taken off)."""
+    Returns the sides, the candidate's peak memory (its build and warm-up: no reference exists
+    yet, the kept model's live bytes taken off) and its warm-up steps ([Note: the leading step])."""
     if kept is not None and _is_reference_config(spec):
         candidate = Side(training=kept.training, emulator=emulators[0], next_step=kept.next_step, kept=True)
-        candidate_peak = kept.peak_bytes
-    else:
-        candidate = Side(training=_build(rank, world_size, spec, device, spec["config"]), emulator=emulators[0])
-        _warm_up(candidate, spec, device)
-        candidate_peak = _get_peak_bytes(device, rss) - (kept.live_bytes if kept is not None else 0)
+        warmup = min(1, spec["num_warmup"])  # the trial's start returned its freed heap: one step re-faults it
+        _warm_up(candidate, spec, device, warmup)
+        return _with_reference(spec, {"candidate": candidate}), kept.peak_bytes, warmup
+    candidate = Side(training=_build(rank, world_size, spec, device, spec["config"]), emulator=emulators[0])
+    kind = _get_reference_kind(spec, device, candidate, kept)
+    warmup = spec["num_warmup"]
+    if kind in ("in_place", "kept") and device.type == "cpu" and warmup >= 2:
+        warmup -= 1  # its first measured step leads the pairs: [Note: the leading step]
+    _warm_up(candidate, spec, device, warmup)
+    candidate_peak = _get_peak_bytes(device, rss) - (kept.live_bytes if kept is not None else 0)
     sides = {"candidate": candidate}
-    reference = spec.get("reference")
-    if reference is not None:
-        sides["reference"] = _get_reference(rank, world_size, spec, device, candidate, emulators[1], kept)
-    for side in sides.values():  # warm-up steps are not measurements (their losses stay: the run's record)
+    if kind is not None:
+        sides["reference"] = _get_reference(rank, world_size, spec, device, candidate, emulators[1], kept, kind)
+    return _with_reference(spec, sides), candidate_peak, warmup
+
+
+def _with_reference(spec: dict[str, Any], sides: dict[str, Side]) -> dict[str, Side]:
+    """The sides, the candidate paired with itself where the reference is its config; warm-up
+    steps forgotten (they are not measurements; their losses stay: the run's record)."""
+    if spec.get("reference") is not None and "reference" not in sides:
+        sides["reference"] = sides["candidate"]
+    for side in sides.values():
         side.clear()
-    return sides, candidate_peak
+    return sides
 
 
 def _is_reference_config(spec: dict[str, Any]) -> bool:
     """The candidate is the config a kept model is kept for: the reference paired with itself, or no reference."""
     return spec.get("reference") is None or spec["reference"] == spec["config"]
+
+
+def _get_reference_kind(
+    spec: dict[str, Any], device: torch.device, candidate: Side, kept: KeptModel | None
+) -> str | None:
+    """How the reference side is held: ``self`` (the candidate paired with itself, the defaults
+    trial: alternate steps measure the noise), ``in_place`` (the candidate's model switched in
+    place), ``in_turn`` (built in turn with the candidate's: on CUDA), ``kept`` (the kept warm
+    model), ``own`` (a model of its own); None: no reference."""
+    reference = spec.get("reference")
+    if reference is None:
+        return None
+    if reference == spec["config"]:
+        return "self"
+    asked = os.environ.get(PAIRED_MODELS_ENV)
+    if asked != "two" and not candidate.training.get_structural_differences(reference):
+        return "in_place"
+    if asked == "turn" or (asked is None and device.type == "cuda"):
+        return "in_turn"
+    return "kept" if kept is not None else "own"
 
 
 def _get_reference(
@@ -365,21 +413,20 @@ def _get_reference(
     candidate: Side,
     emulator: Any,
     kept: KeptModel | None,
+    kind: str,
 ) -> Side:
-    """The reference side, warmed up: the candidate itself (the defaults trial: alternate steps
-    measure the noise), the candidate's model switched in place (no step of its own: the pairs
-    start with the candidate, and the reference's first step is a settle step), a model built in turn with the candidate's ([Note: models built in turn] in
-    :mod:`autotune.trials.in_turn`: on CUDA; built when it first steps), the kept warm model
-    (no step of its own either: [Note: a warm reference] in :mod:`autotune.trials.kept`), or its
-    own model (``num_warmup`` steps)."""
+    """The reference side of ``kind`` (:func:`_get_reference_kind`), warmed up: switched in place
+    and kept ones take no step of their own (the pairs start with the candidate, and the
+    reference's first step is a settle step; [Note: a warm reference] in
+    :mod:`autotune.trials.kept`), one built in turn is built when it first steps ([Note: models
+    built in turn] in :mod:`autotune.trials.in_turn`), its own model takes ``num_warmup`` steps."""
     reference = spec["reference"]
-    if reference == spec["config"]:
+    if kind == "self":
         return candidate
-    asked = os.environ.get(PAIRED_MODELS_ENV)
-    if asked != "two" and not candidate.training.get_structural_differences(reference):
+    if kind == "in_place":
         candidate.config = spec["config"]
         return Side(training=candidate.training, emulator=emulator, config=reference)
-    if asked == "turn" or (asked is None and device.type == "cuda"):
+    if kind == "in_turn":
         in_turn = ModelsInTurn(
             lambda config: _build(rank, world_size, spec, device, config),
             lambda side: _warm_up(side, spec, device),
@@ -389,7 +436,7 @@ def _get_reference(
         side = Side(training=None, emulator=emulator)
         in_turn.add(side, reference)
         return side
-    if kept is not None:
+    if kind == "kept":
         return Side(training=kept.training, emulator=emulator, next_step=kept.next_step, kept=True)
     side = Side(training=_build(rank, world_size, spec, device, reference), emulator=emulator)
     _warm_up(side, spec, device)
@@ -402,13 +449,14 @@ def _build(rank: int, world_size: int, spec: dict[str, Any], device: torch.devic
     return build_training(rank, world_size, model=spec["model"], config=config, seed=spec["seed"], device=device)
 
 
-def _warm_up(side: Side, spec: dict[str, Any], device: torch.device) -> None:
-    """``num_warmup`` steps of a freshly built side, not measured (their losses stay in its record);
-    on CUDA (or with ``AUTOTUNE_HOST_PROBE=1``) the last one times the host's path per block
-    pass ([Note: host path probe] in :mod:`autotune.trials.host_probe`)."""
+def _warm_up(side: Side, spec: dict[str, Any], device: torch.device, steps: int | None = None) -> None:
+    """``steps`` (default ``num_warmup``) steps of a freshly built side, not measured (their losses
+    stay in its record); on CUDA (or with ``AUTOTUNE_HOST_PROBE=1``) the last one times the host's
+    path per block pass ([Note: host path probe] in :mod:`autotune.trials.host_probe`)."""
     probe = device.type == "cuda" or os.environ.get(HOST_PROBE_ENV) == "1"
-    for i in range(spec["num_warmup"]):
-        last = i == spec["num_warmup"] - 1
+    steps = spec["num_warmup"] if steps is None else steps
+    for i in range(steps):
+        last = i == steps - 1
         if probe and last and getattr(side.training, "pipeline", True) is None and side.emulator is None:
             loss, side.host_path_ms = probe_host_path(side.training, side.next_step, device)
             side.losses.append(loss)
@@ -417,9 +465,12 @@ def _warm_up(side: Side, spec: dict[str, Any], device: torch.device) -> None:
         side.next_step += 1
 
 
-def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device) -> str | None:
-    """The timed steps: paired with the reference when there is one; returns why they stopped
-    early (``pruned``, or a stopping rule's reason: [Note: sequential measurement]), None: every step ran."""
+def _measure(
+    sides: dict[str, Side], spec: dict[str, Any], device: torch.device, on_first_step: Any = None
+) -> str | None:
+    """The timed steps: paired with the reference when there is one (``on_first_step`` is called
+    after the first); returns why they stopped early (``pruned``, or a stopping rule's reason:
+    [Note: sequential measurement]), None: every step ran."""
     if "reference" in sides:
         stopping = spec.get("stopping")
         first = get_pairs_first(sides)  # the candidate stepped last where the pairs start with it
@@ -432,6 +483,7 @@ def _measure(sides: dict[str, Side], spec: dict[str, Any], device: torch.device)
             stopping=StoppingRule.from_dict(stopping) if stopping else None,
             last=first,
             first=first,
+            on_first_step=on_first_step,
         )
     candidate, limit = sides["candidate"], spec["prune_if_slower_than_ms"]
     for i in range(spec["num_measured"]):
@@ -496,6 +548,25 @@ def _get_side_to_keep(sides: dict[str, Side], spec: dict[str, Any], device: torc
     return reference if own else None
 
 
+def _build_and_measure(
+    rank: int, world_size: int, spec: dict[str, Any], device: torch.device, emulators: tuple, kept: KeptModel | None
+) -> tuple[dict[str, Side], str | None, dict[str, Any], int]:
+    """The sides built and measured, with the memory they took: (sides, why the pairs stopped,
+    :func:`_get_memory`'s figures, the candidate's warm-up steps)."""
+    offset = kept.live_bytes if kept is not None else 0
+    with _RssSampler() as rss:
+        sides, candidate_peak, warmup = _build_sides(rank, world_size, spec, device, emulators, rss, kept)
+        peak = [candidate_peak]
+
+        def after_leading_step() -> None:  # [Note: the leading step]: the candidate's peak covers it
+            peak[0] = max(peak[0], _get_peak_bytes(device, rss) - offset)
+
+        leads = warmup < spec["num_warmup"] and not sides["candidate"].kept
+        stopped = _measure(sides, spec, device, after_leading_step if leads else None)
+    kept_used = any(side.kept for side in sides.values())
+    return sides, stopped, _get_memory(device, rss, peak[0], 0 if kept_used else offset), warmup
+
+
 def _run_trial_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     from autotune.trials.linkemu import LinkEmulator
     from profiles import load_cluster_profile
@@ -507,11 +578,9 @@ def _run_trial_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[st
     reset_device_memory(device)
     libc = tune_heap(device)
     kept = _take_kept(spec, device)
-    with _RssSampler() as rss:
-        sides, candidate_peak = _build_sides(rank, world_size, spec, device, emulators, rss, kept)
-        stopped = _measure(sides, spec, device)
+    sides, stopped, memory, warmup = _build_and_measure(rank, world_size, spec, device, emulators, kept)
+    candidate_peak = memory["peak_bytes"]
     kept_used = int(any(side.kept for side in sides.values()))
-    memory = _get_memory(device, rss, candidate_peak, kept.live_bytes if kept is not None and not kept_used else 0)
     keep = _get_side_to_keep(sides, spec, device)
     in_turn = sides["candidate"].in_turn
     num_models = 1 if in_turn is not None else len({id(side.training) for side in sides.values()})
@@ -539,6 +608,7 @@ def _run_trial_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[st
         "rank": rank,
         **steps,
         "pairs_first": pairs_first,
+        "candidate_warmup": warmup,
         "profiled_step_ms": [s.ms for s in profiled],
         "profiled_cpu_ms": [s.cpu_ms for s in profiled],
         "profiled_page_faults": [s.page_faults for s in profiled],

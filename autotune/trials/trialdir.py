@@ -96,6 +96,7 @@ def to_rank_metrics(result: dict[str, Any]) -> RankMetrics:
         trace=result["trace"],
         link_emulation=result["link_emulation"],
         pairs_first=result.get("pairs_first", "reference"),
+        candidate_warmup=result.get("candidate_warmup"),
         **{k: result[k] for k in _STEP_COST_KEYS if k in result},
     )
 

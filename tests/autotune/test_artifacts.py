@@ -55,7 +55,7 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
             and "profiler_peak_allocated_bytes" not in text
         ), name
     for name, kind, version in [
-        ("metrics_v10.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
+        ("metrics_v11.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
         ("search_v10.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v4.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
         ("plan_v3.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
@@ -63,7 +63,7 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         data = load_fixture(name)
         assert (data["kind"], data["schema_version"]) == (kind, version), name
         assert "peak_memory_bytes" not in (ARTIFACTS / name).read_text(encoding="utf-8"), name
-    assert load_fixture("metrics_v10.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
+    assert load_fixture("metrics_v11.json")["trace_metrics"]["schema_version"] == SUMMARY_SCHEMA_VERSION
     assert load_fixture("metrics_v5.json")["trace_metrics"]["schema_version"] == 3
     plan_v1 = load_fixture("plan_v1.json")
     assert plan_v1["schema_version"] == 1 and "at_edge" not in (ARTIFACTS / "plan_v1.json").read_text(encoding="utf-8")
@@ -117,6 +117,7 @@ def test_v1_metrics_migrate_to_exactly_what_today_writes():
         == TrialMetrics.read(ARTIFACTS / "metrics_v8.json")
         == TrialMetrics.read(ARTIFACTS / "metrics_v9.json")
         == TrialMetrics.read(ARTIFACTS / "metrics_v10.json")
+        == TrialMetrics.read(ARTIFACTS / "metrics_v11.json")
     )
 
 
@@ -151,7 +152,7 @@ def test_v2_trace_summaries_read_as_v3():
         summary["aggregate"]["send_recv_ms"] is None
         and summary["aggregate"]["overlap_ratio"] == stored["aggregate"]["overlap_ratio"]
     )
-    assert summary == load_fixture("metrics_v10.json")["trace_metrics"]  # what today's writer stores
+    assert summary == load_fixture("metrics_v11.json")["trace_metrics"]  # what today's writer stores
 
 
 def test_v3_trace_summaries_read_as_v4_without_pipeline_figures():
@@ -168,12 +169,12 @@ def test_v3_trace_summaries_read_as_v4_without_pipeline_figures():
         assert all(u == {**o, "stage": None} for u, o in zip(rank["per_unit"], old["per_unit"], strict=True))
         assert all(list(u)[:2] == ["unit", "stage"] for u in rank["per_unit"])
     assert summary["aggregate"]["bubble_ms"] is None and summary["aggregate"]["per_unit"][0]["stage"] is None
-    assert summary == load_fixture("metrics_v10.json")["trace_metrics"]
+    assert summary == load_fixture("metrics_v11.json")["trace_metrics"]
 
 
 def test_metrics_round_trip_is_lossless(tmp_path):
-    original = load_fixture("metrics_v10.json")
-    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v10.json")
+    original = load_fixture("metrics_v11.json")
+    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v11.json")
     assert metrics.to_dict() == original
 
     written = metrics.write(tmp_path / "metrics.json")
@@ -183,7 +184,7 @@ def test_metrics_round_trip_is_lossless(tmp_path):
 
 def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     written = TrialMetrics.read(ARTIFACTS / "metrics_v1.json").write(tmp_path / "metrics.json")
-    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v10.json")
+    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v11.json")
 
 
 @pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 11)])

@@ -56,12 +56,12 @@ def test_the_reference_is_built_once_and_stepped_warm_by_the_next_trials(tmp_pat
     defaults, candidate = default_config(UNITS), _checkpointed()
     with RankPool(WORLD) as pool:
         warm_up = _ranks(pool, _spec(tmp_path, "warmup", defaults, reference=False))
-        assert [r.num_builds for r in warm_up] == [1, 1]  # builds the model it keeps
+        assert [(r.num_builds, r.candidate_warmup) for r in warm_up] == [(1, 2), (1, 2)]  # builds the model it keeps
 
         self_paired = _ranks(pool, _spec(tmp_path, "defaults", defaults))
-        assert [(r.num_builds, r.num_models) for r in self_paired] == [(0, 1), (0, 1)]
-        # no warm-up step of its own: its losses are its 2 pairs of 2 steps, nothing before
-        assert all(len(r.losses) == 4 for r in self_paired)
+        assert [(r.num_builds, r.num_models, r.candidate_warmup) for r in self_paired] == [(0, 1, 1), (0, 1, 1)]
+        # one warm-up step (the trimmed heap re-faulted), then its 2 pairs of 2 steps
+        assert all(len(r.losses) == 1 + 4 for r in self_paired)
 
         kept = _ranks(pool, _spec(tmp_path, "kept", candidate))
         for r in kept:
@@ -69,11 +69,12 @@ def test_the_reference_is_built_once_and_stepped_warm_by_the_next_trials(tmp_pat
             # C | Rs R, then R | Cs C: no warm-up step of the reference's, one settle step a side
             assert len(r.step_ms) == len(r.reference_step_ms) == 2
             assert len(r.settle_step_ms) == len(r.reference_settle_step_ms) == 1
-            assert len(r.losses) == 2 + 2 + 1  # the candidate's warm-up, measured and settle steps
+            # the candidate's first measured step leads the pairs: one warm-up step ([Note: the leading step])
+            assert r.candidate_warmup == 1 and len(r.losses) == 1 + 2 + 1
 
         # A trial without keep_reference builds its own reference and drops the kept model...
         outside = _ranks(pool, _spec(tmp_path, "outside", candidate, keep=False))
-        assert [(r.num_builds, r.pairs_first) for r in outside] == [(2, "reference"), (2, "reference")]
+        assert [(r.num_builds, r.pairs_first, r.candidate_warmup) for r in outside] == [(2, "reference", 2)] * 2
         # ...so the next keeping trial builds again (and keeps its reference, built after the candidate)
         rebuilt = _ranks(pool, _spec(tmp_path, "rebuilt", candidate))
         assert [(r.num_builds, r.pairs_first) for r in rebuilt] == [(2, "reference"), (2, "reference")]

@@ -116,10 +116,11 @@ def test_a_reference_switched_in_place_takes_no_warm_up_step_the_pairs_start_wit
     for r in switched:
         assert r["pairs_first"] == "candidate"
         assert len(r["settle_step_ms"]) == 1 and len(r["reference_settle_step_ms"]) == 1
-        assert len(r["losses"]) == 2 + 2 + 1  # warm-up, measured, one settle step
+        # one warm-up step: the first measured step leads the pairs ([Note: the leading step])
+        assert r["candidate_warmup"] == 1 and len(r["losses"]) == 1 + 2 + 1  # warm-up, measured, one settle step
     structural = _run(
         tmp_path, "structural", _checkpointed(TINY_UNITS), model="tiny", units=TINY_UNITS, pairs=spec_steps
     )
     for r in structural:
-        assert r["pairs_first"] == "reference"
+        assert r["pairs_first"] == "reference" and r["candidate_warmup"] == 2  # the reference's warm-up comes between
         assert len(r["settle_step_ms"]) == 1 and len(r["reference_settle_step_ms"]) == 1  # Cs in pair 0, Rs in pair 1

@@ -143,3 +143,25 @@ def test_pairs_that_start_with_the_candidate_label_their_orders_by_it():
     assert summarize_pairs([0.9, 0.7], [1.0, 1.0])["order_ratios"] == pytest.approx(
         {"reference_first": 0.9, "candidate_first": 0.7}
     )
+
+
+def test_the_leading_step_hook_runs_after_the_candidate_s_first_step_before_any_reference_step(one_rank_group):
+    """[Note: the leading step]: the candidate's peak is read again after its first measured step,
+    which must come before any step of the reference's, and only once."""
+    clock = _Clock()
+    candidate = Side(training={"name": "c", "ms": CANDIDATE_MS})
+    reference = Side(training={"name": "r", "ms": REFERENCE_MS})
+    clock.last = "c"  # the candidate warmed up last: the pairs start with it
+    seen: list[str] = []
+    run_pairs(
+        {"candidate": candidate, "reference": reference},
+        num_pairs=4,
+        device=torch.device("cpu"),
+        timed_step=clock.timed_step,
+        prune_if_ratio_above=None,
+        last="candidate",
+        first="candidate",
+        on_first_step=lambda: seen.append("".join(clock.order)),
+    )
+    assert seen == ["c"]  # once, right after the candidate's first (measured) step
+    assert len(candidate.step_ms) == 4 and "".join(clock.order).startswith("crrrcc")
