@@ -69,8 +69,10 @@ class KeptModel:
 _KEPT: KeptModel | None = None
 
 
-def get_key(spec: dict[str, Any], config: dict[str, Any], device: torch.device) -> str:
-    """What a kept model must match to serve as a trial's ``config``: model, config, seed, world, device."""
+def get_key(spec: dict[str, Any], device: torch.device) -> str:
+    """What a kept model must match to serve a trial: its reference config (the candidate's where
+    it has none), model, seed, world and device."""
+    config = spec.get("reference") or spec["config"]
     return json.dumps([spec["model"], config, spec["seed"], spec["world_size"], device.type], sort_keys=True)
 
 
@@ -107,10 +109,6 @@ def drop() -> None:
     """Forget the kept model (its memory is returned by the caller's release)."""
     global _KEPT
     _KEPT = None
-
-
-def get_kept() -> KeptModel | None:
-    return _KEPT
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -529,7 +529,7 @@ def _take_kept(spec: dict[str, Any], device: torch.device) -> KeptModel | None:
     if not kept_models.can_keep(spec, device):
         kept_models.drop()
         return None
-    kept = kept_models.take(kept_models.get_key(spec, spec.get("reference") or spec["config"], device), device)
+    kept = kept_models.take(kept_models.get_key(spec, device), device)
     if kept is not None and kept.peak_bytes is None and _is_reference_config(spec):
         kept_models.drop()  # kept as a reference: its own peak was never measured, so build it afresh
         return None
@@ -595,7 +595,7 @@ def _run_trial_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[st
     profiled, trace = _profile(sides, spec, device, libc, rank) if profile and not pruned else ([], None)
     if keep is not None:
         kept_models.keep(
-            kept_models.get_key(spec, spec.get("reference") or spec["config"], device),
+            kept_models.get_key(spec, device),
             keep.training,
             keep.next_step,
             candidate_peak if keep is candidate else None,
