@@ -27,11 +27,11 @@ from collections import Counter
 from autotune.search.settings import SearchSettings
 from autotune.trials.sequential import StoppingRule, confirms_slower, decide
 
-REASONS = ("faster", "slower", "settled", "max_blocks")
+REASONS = ("faster", "slower", "settled", "unlikely", "max_blocks")
 
 
 def simulate(
-    rule: StoppingRule, true: float, sigma: float, rng: random.Random, burst_block: int | None
+    rule: StoppingRule, true: float, sigma: float, rng: random.Random, burst_block: int | None, burst: float = 1.5
 ) -> tuple[str, int]:
     if rule.noise_df:  # the pooled spread as a search would have estimated it
         chi2 = sum(rng.gauss(0.0, 1.0) ** 2 for _ in range(rule.noise_df))
@@ -40,7 +40,7 @@ def simulate(
     for i in range(2 * rule.max_blocks):
         ratio = true * math.exp(rng.gauss(0.0, sigma))
         if burst_block is not None and i // 2 == burst_block:
-            ratio *= 1.5
+            ratio *= burst
         ratios.append(ratio)
         if len(ratios) % 2 == 0:
             reason = decide(rule, ratios)
@@ -51,15 +51,15 @@ def simulate(
     return "max_blocks", len(ratios)
 
 
-def table(rule: StoppingRule, trials: int, seed: int, burst_block: int | None) -> None:
+def table(rule: StoppingRule, trials: int, seed: int, burst_block: int | None, burst: float = 1.5) -> None:
     rng = random.Random(seed)
     print(f"{'sigma':>6} {'true':>5} " + " ".join(f"{r:>10}" for r in REASONS) + f" {'pairs':>6}")
-    for sigma in (0.02, 0.05, 0.10):
+    for sigma in (0.02, 0.05, 0.09):
         for true in (0.5, 0.9, 0.95, 1.0, 1.05, 1.1, 1.3):
             counts: Counter[str] = Counter()
             pairs = 0
             for _ in range(trials):
-                reason, n = simulate(rule, true, sigma, rng, burst_block)
+                reason, n = simulate(rule, true, sigma, rng, burst_block, burst)
                 counts[reason] += 1
                 pairs += n
             shares = " ".join(f"{100 * counts[r] / trials:>9.1f}%" for r in REASONS)
@@ -88,6 +88,13 @@ def main() -> None:
     table(pooled, args.trials, args.seed, None)
     print("\nthe same with a 1.5x burst on the first block's candidate steps")
     table(pooled, args.trials, args.seed, 0)
+    futile = dataclasses.replace(pooled, futile_above=rule.faster_below)
+    print("\nthe same pooled rule, stopping trials unlikely to end below the best ([Note: futility])")
+    table(futile, args.trials, args.seed, None)
+    print("\nthe same with a 1.5x burst on the first block's candidate steps")
+    table(futile, args.trials, args.seed, 0)
+    print("\nthe same with a 1.15x burst on the first block's candidate steps")
+    table(futile, args.trials, args.seed, 0, burst=1.15)
 
 
 if __name__ == "__main__":

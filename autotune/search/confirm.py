@@ -73,7 +73,9 @@ def _measure_finalist(
     name = f"trial_{row.number:04d}" + (f"_window{window}" if window else "")
     num_pairs = 2 * ctx.settings.num_confirm_pairs
     rule = dataclasses.replace(
-        ctx.get_stopping_rule(prune=False, faster_below=None, num_pairs=num_pairs), prune_above=slower_than
+        ctx.get_stopping_rule(prune=False, faster_below=None, num_pairs=num_pairs),
+        prune_above=slower_than,
+        futile_above=slower_than,
     )
     spec = ctx.trial_spec(config, ctx.write_dir / "final" / name, profile=False, num_pairs=num_pairs, stopping=rule)
     result = ctx.run(spec)

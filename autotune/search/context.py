@@ -118,14 +118,15 @@ class SearchContext:
         return self.timeouts.get(steps)
 
     def get_stopping_rule(
-        self, *, prune: bool, faster_below: float | None = 1.0, num_pairs: int | None = None
+        self, *, prune: bool, faster_below: float | None = 1.0, num_pairs: int | None = None, futility: bool = True
     ) -> StoppingRule:
         """The search's rule ([Note: sequential measurement]): at most ``num_pairs`` (default
         ``num_measured``) pairs, settled at ``precision``; stopped as clearly faster below
         ``faster_below``, pruned as clearly slower above ``prune_ratio`` times it (times 1.0
         without one) when ``prune``; with the box's noise pooled from the trials so far where
         there is enough of it ([Note: pooled noise]), then a clearly slower first block may be
-        pruned on one confirming pair."""
+        pruned on one confirming pair, and where ``prune`` and ``futility``, a trial unlikely to
+        end below ``faster_below`` stops before its last block ([Note: futility])."""
         s = self.settings
         noise = self.noise.get()
         return StoppingRule(
@@ -135,4 +136,5 @@ class SearchContext:
             prune_above=s.prune_ratio * (faster_below or 1.0) if prune else None,
             noise_sd=noise[0] if noise is not None else None,
             noise_df=noise[1] if noise is not None else 0,
+            futile_above=(faster_below or 1.0) if prune and futility else None,
         )

@@ -8,8 +8,10 @@ recipe] in :mod:`fsdp_runtime.recipes`). After the final round has chosen the co
 measured once more against the recipe built for the run's model, exactly as a finalist is
 measured against the defaults: the same paired trial on the same ranks, ABBA blocks after
 settle steps ([Note: paired measurement], [Note: switch cost]), at most ``2 *
-num_confirm_pairs`` pairs, stopping once its ratio is settled ([Note: sequential
-measurement]); the recipe carries the search's mesh, microbatches and precision (the defaults'
+num_confirm_pairs`` pairs, stopping once the answer is known: clearly faster than the recipe,
+clearly slower (from two blocks on, or one and a confirming pair), or its ratio settled ([Note:
+sequential measurement]; a clear 0.78 stops after one block of two pairs where it used to run
+all six, ~9 s of the main command); the recipe carries the search's mesh, microbatches and precision (the defaults'
 config with torchtitan's units), so the two baselines differ only in what torchtitan changes.
 
 The record (``search.json``'s ``recipe``, v10) keeps the ratio to the recipe with its spread
@@ -35,6 +37,7 @@ from typing import Any
 from autotune.search.confirm import _speedups
 from autotune.search.context import SearchContext
 from autotune.trials import median_or_none
+from autotune.trials.sequential import StoppingRule
 from fsdp_runtime import RuntimeConfig, get_torchtitan_config
 
 RECIPE_NAME = "torchtitan"
@@ -91,9 +94,17 @@ def run_recipe_round(
     return recipe, record | {"emitted": "recipe"}
 
 
+def get_recipe_rule(ctx: SearchContext, num_pairs: int) -> StoppingRule:
+    """Stopped once the answer is known: clearly faster than the recipe (an interval below 1),
+    clearly slower (above 1, whatever ``--prune-ratio`` says), or settled; never for futility (a
+    config near the recipe must be measured to the end to say which of the two to emit)."""
+    rule = ctx.get_stopping_rule(prune=True, faster_below=1.0, num_pairs=num_pairs, futility=False)
+    return dataclasses.replace(rule, prune_above=1.0)
+
+
 def _measure(ctx: SearchContext, config: RuntimeConfig, recipe: RuntimeConfig, num_pairs: int) -> dict[str, Any]:
     """``config`` paired with ``recipe`` as a finalist is paired with the defaults (``confirm._measure_finalist``)."""
-    rule = ctx.get_stopping_rule(prune=False, faster_below=None, num_pairs=num_pairs)
+    rule = get_recipe_rule(ctx, num_pairs)
     out_dir = ctx.write_dir / "final" / f"vs_{RECIPE_NAME}"
     spec = ctx.trial_spec(config, out_dir, profile=False, num_pairs=num_pairs, stopping=rule, reference=recipe)
     result = ctx.run(spec)

@@ -74,7 +74,7 @@ class TrialRow(TrialFigures):
     calibration: str | None = None
     """Which of the presearch's calibration trials it was (``no_sync``, ...; [Note: presearch]); None: not one."""
     stopped: str | None = None
-    """Why its pairs stopped ([Note: sequential measurement]: ``faster``, ``slower``, ``settled``,
+    """Why its pairs stopped ([Note: sequential measurement]: ``faster``, ``slower``, ``settled``, ``unlikely`` ([Note: futility]),
     ``max_blocks``); None: a fixed number of pairs (before v9) or not measured."""
     ratio_to_reference: float | None = None
     """Its median block ratio to the trial it was paired with ([Note: measured against the best]);

@@ -239,7 +239,7 @@ class TrialMetrics:
     stopping: dict[str, Any] | None = None
     """The trial's stopping rule ([Note: sequential measurement]; None: a fixed number of pairs, v7)."""
     stopped: str | None = None
-    """Why its pairs stopped before ``num_measured`` ran: ``faster``, ``slower``, ``settled``,
+    """Why its pairs stopped before ``num_measured`` ran: ``faster``, ``slower``, ``settled``, ``unlikely`` ([Note: futility]),
     ``max_blocks`` (the rule's reasons) or ``pruned``; None: every pair ran (v7)."""
     profiled_step_ms: float | None = None
     """Median step time inside the profiled window (slowest rank per step)."""

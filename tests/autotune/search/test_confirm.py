@@ -4,6 +4,7 @@ how a second window's pairs are pooled. Pure functions: no ranks."""
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -187,3 +188,37 @@ def test_defaults_over_the_memory_budget_are_never_the_fallback(monkeypatch):
     rows[0].feasible = True
     config, record = confirm.run_final_round(ctx, rows)
     assert config == "defaults" and record["emitted"] == "defaults"
+
+
+def test_a_runner_up_unlikely_to_beat_the_leader_stops_early():
+    """A runner-up is pruned when clearly slower than the leader so far and stops as ``unlikely``
+    when it will hardly end below it ([Note: futility]); the leader itself is measured to its
+    last block or its settled ratio."""
+    from autotune.search import confirm
+    from autotune.search.context import SearchContext
+
+    class Measured(Exception):
+        pass
+
+    def run(spec):
+        raise Measured(spec)
+
+    noise = PairNoise()
+    for _ in range(4):
+        noise.observe([1.0, 1.0, 1.1, 1.1])
+    ctx = SimpleNamespace(
+        settings=SimpleNamespace(num_measured=4, precision=0.05, prune_ratio=1.0, num_confirm_pairs=3),
+        noise=noise,
+        space=SimpleNamespace(build_config=lambda params: "config"),
+        write_dir=Path("/nonexistent"),
+        run=run,
+    )
+    ctx.get_stopping_rule = lambda **kw: SearchContext.get_stopping_rule(ctx, **kw)
+    ctx.trial_spec = lambda config, out_dir, **kw: SimpleNamespace(**kw)
+    rules = {}
+    for leader in (None, 0.8):
+        with pytest.raises(Measured) as measured:
+            confirm._measure_finalist(ctx, complete_row(3, 80.0, ratio=0.8), slower_than=leader)
+        rules[leader] = measured.value.args[0].stopping
+    assert rules[None].prune_above is None and rules[None].futile_above is None
+    assert rules[0.8].prune_above == 0.8 and rules[0.8].futile_above == 0.8 and rules[0.8].faster_below is None

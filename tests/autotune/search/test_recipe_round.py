@@ -108,3 +108,21 @@ def test_not_measured_where_there_is_no_final_round_or_no_model_to_read(monkeypa
             "emitted": "search",
         }
         assert ctx.phases == [f"not measured against torchtitan's recipe: {why}"]
+
+
+def test_the_recipe_round_stops_once_the_answer_is_known():
+    """[Note: beating the recipe]: clearly faster or clearly slower than the recipe ends the
+    measurement after one block where the box's noise is known; a tie runs every pair."""
+    from autotune.search.context import SearchContext
+    from autotune.trials.sequential import PairNoise, decide
+
+    noise = PairNoise()
+    for _ in range(4):
+        noise.observe([1.0, 1.0, 1.1, 1.1])  # 3 df each, a pair spread of about 5.5%
+    ctx = SimpleNamespace(settings=SimpleNamespace(num_measured=4, precision=0.05, prune_ratio=1.2), noise=noise)
+    ctx.get_stopping_rule = lambda **kw: SearchContext.get_stopping_rule(ctx, **kw)
+    rule = recipe_round.get_recipe_rule(ctx, 6)
+    assert (rule.max_blocks, rule.faster_below, rule.prune_above, rule.futile_above) == (3, 1.0, 1.0, None)
+    assert decide(rule, [0.78, 0.80]) == "faster"
+    assert decide(rule, [1.0, 1.02]) is None and decide(rule, [1.0, 1.02] * 3) in ("settled", "max_blocks")
+    assert decide(rule, [1.25, 1.3, 1.28, 1.27]) == "slower"  # above 1, not only above --prune-ratio's 1.2

@@ -136,6 +136,10 @@ def test_by_default_every_trial_pairs_with_the_defaults_and_must_beat_the_best(t
     assert [spec.stopping["prune_above"] for spec in stand_in.specs[1:]] == pytest.approx(
         [ctx.settings.prune_ratio * b for b in beat]
     )
+    # A trial unlikely to end below the best stops before its last block ([Note: futility]); the
+    # defaults trial measures the noise to its end.
+    assert [spec.stopping["futile_above"] for spec in stand_in.specs[1:]] == pytest.approx(beat)
+    assert stand_in.specs[0].stopping["futile_above"] is None
     assert rows[2].reference_drift == pytest.approx(0.0)  # the defaults' steps, against the defaults trial's
 
 
