@@ -190,6 +190,18 @@ def _describe_comparison(best_number: int | None, lowest: TrialRow | None, conf:
     return text
 
 
+def _with_final_trace(root: Path, best: TrialSummary, record: SearchRecord | None) -> TrialSummary:
+    """The config to emit as profiled in the recipe round, where its search trial took no trace
+    ([Note: the emitted config's trace] in :mod:`autotune.search.recipe`)."""
+    recipe = (record.recipe if record else None) or {}
+    if best.trace_metrics is not None or not recipe.get("profiled") or recipe.get("candidate") != "search":
+        return best
+    final = root / "final" / Path(recipe["dir"]).name
+    return (
+        load_trial(final, analyze_traces=False, feasible=best.feasible) if (final / "metrics.json").exists() else best
+    )
+
+
 def get_comparison(
     root: Path, trials: list[TrialSummary], record: SearchRecord | None, rows: list[TrialRow]
 ) -> Comparison | None:
@@ -204,6 +216,7 @@ def get_comparison(
     best = _load_compared(root, trials, best_row, best_number)
     if best is None:
         return None
+    best = _with_final_trace(root, best, record)
     default_row = (record.default if record else None) or next((r for r in rows if r.is_default), None)
     default_number = default_row.number if default_row else None
     default = _load_compared(root, trials, by_number.get(default_number, default_row), default_number)

@@ -37,6 +37,10 @@ class SearchContext:
     noise: PairNoise = field(default_factory=PairNoise)
     """The box's pair noise from this process's paired trials ([Note: pooled noise]; a resumed
     search starts it afresh)."""
+    profile_at_end: bool = False
+    """The config to emit is profiled once, in the recipe round, so search trials other than the
+    defaults' and the presearch's calibration trials skip their profiled windows ([Note: the
+    emitted config's trace] in :mod:`autotune.search.recipe`)."""
 
     def __post_init__(self) -> None:
         self.timeouts.fixed_s = self.settings.trial_timeout_s

@@ -254,11 +254,13 @@ def _measure(
     # The defaults against themselves measure the noise: nothing to decide but its precision.
     # Calibration trials are never pruned: the presearch reads their traces.
     rule = ctx.get_stopping_rule(prune=not (is_defaults or calibration), faster_below=None if is_defaults else beat)
-    # Traces are read from the defaults and the calibration trials (the presearch) and from a new
-    # best (the report): a trial that did not beat the best skips its profiled window.
+    # Traces are read from the defaults and the calibration trials (the presearch) and from the
+    # config to emit (the report): profiled at the end where the recipe round runs ([Note: the
+    # emitted config's trace]), else in its trial, so a trial that did not beat the best skips it.
+    profile = is_defaults or calibration or not ctx.profile_at_end
     profile_below = None if (is_defaults or calibration) else beat
     spec = ctx.trial_spec(
-        config, trial_dir, profile=True, reference=reference.config, stopping=rule, profile_below=profile_below
+        config, trial_dir, profile=profile, reference=reference.config, stopping=rule, profile_below=profile_below
     )
     result = ctx.run(spec)
     attrs: dict[str, Any] = {"stopped": result.metrics.stopped if result.metrics else None}

@@ -22,6 +22,22 @@ config slower than one the user already has. Two exceptions, each said in the re
 memory budget the recipe is measured but not emitted in its place (its peak was never held to
 the budget), and where the measurement fails the search's config stays, with the reason.
 
+[Note: the emitted config's trace]
+The report shows the config to emit beside the defaults: each one's trace, overlap and exposed
+communication per unit. Its trace used to come from its search trial, so every trial that beat
+the best so far ran a profiled window when it was measured (a warm-up step, two traced steps and
+the trace's export: 3-4 s of a 10 s trial on the README's main command, three or four times a
+search), and the final round could still pick a finalist that never was a best when it ran and
+so had no trace at all. Where the recipe round runs (``profiles_at_end``: a final round, and a
+recipe that differs from the defaults), the config to emit is profiled there instead, once,
+after its pairs against the recipe (the candidate's profiled window, as in any trial), and no
+other search trial profiles but the defaults trial and the presearch's calibration trials, whose
+traces the presearch reads. The record keeps ``profiled``; the report takes that trial's traces
+where the emitted config's search trial has none (:func:`autotune.report.load.get_comparison`).
+A search stopped before its final round (interrupted, or a worker that does not run it) has no
+trace of its best; a search without a recipe round profiles each new best as before. When the
+emitted config proves clearly slower than the recipe, that trial is pruned and profiles nothing.
+
 Not measured (``measured = false`` and the reason): a search without a final round
 (``--confirm-pairs 0``), a custom rank program (it builds its own model), a space that forces
 pipeline stages (torchtitan's recipe then drops reshard after forward; not built here), a
@@ -59,6 +75,11 @@ def get_recipe_config(ctx: SearchContext) -> tuple[RuntimeConfig | None, str | N
     if [dataclasses.astuple(u) for u in recipe.units] == [dataclasses.astuple(u) for u in defaults.units]:
         return None, "the recipe is FSDP2's defaults for this model (no embeddings or head outside its blocks)"
     return recipe, None
+
+
+def profiles_at_end(ctx: SearchContext) -> bool:
+    """Whether the recipe round will run and profile the config to emit ([Note: the emitted config's trace])."""
+    return ctx.settings.num_confirm_pairs > 0 and get_recipe_config(ctx)[0] is not None
 
 
 def run_recipe_round(
@@ -106,13 +127,16 @@ def _measure(ctx: SearchContext, config: RuntimeConfig, recipe: RuntimeConfig, n
     """``config`` paired with ``recipe`` as a finalist is paired with the defaults (``confirm._measure_finalist``)."""
     rule = get_recipe_rule(ctx, num_pairs)
     out_dir = ctx.write_dir / "final" / f"vs_{RECIPE_NAME}"
-    spec = ctx.trial_spec(config, out_dir, profile=False, num_pairs=num_pairs, stopping=rule, reference=recipe)
+    # the config to emit is profiled here, once ([Note: the emitted config's trace]); not the defaults (trial 0 was)
+    profile = config != ctx.default_config
+    spec = ctx.trial_spec(config, out_dir, profile=profile, num_pairs=num_pairs, stopping=rule, reference=recipe)
     result = ctx.run(spec)
     ok = result.metrics is not None and result.status in ("ok", "pruned")
     paired = result.metrics.paired if ok else {}
     return {
         "status": result.status,
         "reason": result.reason,
+        "profiled": bool(result.metrics and result.metrics.traces),
         "step_ms": result.step_ms,
         "recipe_step_ms": median_or_none(result.metrics.reference_step_ms_per_step) if result.metrics else None,
         "stopped": result.metrics.stopped if result.metrics else None,

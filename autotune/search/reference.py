@@ -10,7 +10,8 @@ Two ways to pair, ``--reference``:
 - ``defaults`` (the default): every trial against FSDP2's defaults, its ratio measured directly.
   The best so far still decides: the stopping rule ([Note: sequential measurement]) stops a trial
   once it is clearly faster than the best's ratio (a new best), prunes it once it is clearly
-  slower than that times ``prune_ratio``, and only a new best runs its profiled window;
+  slower than that times ``prune_ratio``, and only a new best runs its profiled window (none
+  where the config to emit is profiled at the end: [Note: the emitted config's trace]);
 - ``best``: every trial but the defaults trial and the presearch's calibration trials (whose
   steps the calibration reads beside the defaults') against the best trial so far, or the
   defaults while no trial has beaten them; its objective is its ratio to the best times the

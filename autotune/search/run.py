@@ -38,7 +38,7 @@ from autotune.search.predictions import summarize_predictions
 from autotune.search.preflight import preflight
 from autotune.search.presearch import PRESEARCH_ATTR, add_predictions, run_presearch
 from autotune.search.proxy import ModelPlan
-from autotune.search.recipe import run_recipe_round
+from autotune.search.recipe import profiles_at_end, run_recipe_round
 from autotune.search.reference import get_anchors
 from autotune.search.results import SearchRecord, TrialRow, pick_best, write_results
 from autotune.search.settings import SearchError, SearchReporter, SearchSettings, SilentReporter
@@ -111,6 +111,7 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
         ctx = SearchContext(
             study=study, space=space, settings=settings, plan=plan, reporter=reporter, pool=pool, own_dir=own_dir
         )
+        ctx.profile_at_end = profiles_at_end(ctx)  # [Note: the emitted config's trace]
         warm_up(ctx)
         try:
             run_presearch(ctx)  # --presearch sim: the defaults, calibration, the simulator's top-k enqueued

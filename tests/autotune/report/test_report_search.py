@@ -277,6 +277,32 @@ def test_best_is_the_emitted_trial_s_remeasured_dir(cpu_search, tmp_path):
     assert load_report(folder).best.name == "trial_0002"
 
 
+def test_the_emitted_config_s_trace_comes_from_the_recipe_round_where_its_trial_took_none(
+    cpu_search, cpu_summary, tmp_path
+):
+    """[Note: the emitted config's trace]: the search's trials skip their profiled windows and
+    the recipe round profiles the config to emit; the comparison shows that trace."""
+    folder = tmp_path / "s"
+    shutil.copytree(cpu_search, folder)
+    winner = folder / "trials/trial_0002/remeasured"
+    for trace in winner.glob("trace_rank*"):
+        trace.unlink()
+    _write_trial(winner, _rows()[2], None, [])
+    final = folder / "final" / "vs_torchtitan"
+    _write_trial(final, _rows()[2], _halve_exposed(cpu_summary), get_fixture_traces("cpu_tiny_2rank"))
+    record = SearchRecord.read(folder / "search.json")
+    record.recipe = {"name": "torchtitan", "measured": True, "candidate": "search", "emitted": "search"}
+    record.recipe |= {"dir": str(tmp_path / "elsewhere" / "final" / "vs_torchtitan"), "profiled": True}
+    record.write(folder / "search.json")
+    comparison = load_report(folder).comparison
+    assert comparison.best.path == final and comparison.best.trace_metrics is not None
+    assert (comparison.best_number, comparison.best_label) == (2, "best: trial 2 (emitted)")
+    # not profiled there: the trial's own dir, without a trace
+    record.recipe["profiled"] = False
+    record.write(folder / "search.json")
+    assert load_report(folder).comparison.best.path == winner
+
+
 def test_without_a_final_round_best_is_the_lowest_ratio(cpu_summary, tmp_path):
     folder = make_search_dir(
         tmp_path, _rows(), cpu_summary, get_fixture_traces("cpu_tiny_2rank"), winner=None, study=False

@@ -3,6 +3,7 @@ Pure functions: the measurement is replaced; no ranks."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -126,3 +127,28 @@ def test_the_recipe_round_stops_once_the_answer_is_known():
     assert decide(rule, [0.78, 0.80]) == "faster"
     assert decide(rule, [1.0, 1.02]) is None and decide(rule, [1.0, 1.02] * 3) in ("settled", "max_blocks")
     assert decide(rule, [1.25, 1.3, 1.28, 1.27]) == "slower"  # above 1, not only above --prune-ratio's 1.2
+
+
+def test_the_config_to_emit_is_profiled_in_the_recipe_round():
+    """[Note: the emitted config's trace]: the search's config is profiled after its pairs against the
+    recipe (the defaults are not: trial 0 was); the search profiles at the end only where this round runs."""
+    from autotune.trials.metrics import TrialMetrics
+
+    ctx = _ctx()
+    specs = []
+    ctx.get_stopping_rule = lambda **kw: recipe_round.StoppingRule(max_blocks=2)
+    ctx.write_dir = Path("/nonexistent")
+    ctx.trial_spec = lambda config, out_dir, **kw: specs.append(kw) or SimpleNamespace(**kw)
+    ctx.run = lambda spec: SimpleNamespace(
+        status="ok",
+        reason="",
+        step_ms=1.0,
+        metrics=TrialMetrics(status="ok", model="tiny", world_size=2, backend="gloo", traces=["trace_rank0.json.gz"]),
+    )
+    recipe, _ = recipe_round.get_recipe_config(ctx)
+    figures = recipe_round._measure(ctx, "searched", recipe, 4)
+    assert specs[-1]["profile"] and figures["profiled"]
+    recipe_round._measure(ctx, ctx.default_config, recipe, 4)
+    assert not specs[-1]["profile"]
+    assert recipe_round.profiles_at_end(ctx) and not recipe_round.profiles_at_end(_ctx(num_confirm_pairs=0))
+    assert not recipe_round.profiles_at_end(_ctx(rank_program="mine:program"))

@@ -140,7 +140,23 @@ def test_by_default_every_trial_pairs_with_the_defaults_and_must_beat_the_best(t
     # defaults trial measures the noise to its end.
     assert [spec.stopping["futile_above"] for spec in stand_in.specs[1:]] == pytest.approx(beat)
     assert stand_in.specs[0].stopping["futile_above"] is None
+    # Without a profile at the end, a trial that beats the best takes its profiled window.
+    assert all(spec.profile for spec in stand_in.specs)
     assert rows[2].reference_drift == pytest.approx(0.0)  # the defaults' steps, against the defaults trial's
+
+
+def test_with_the_emitted_config_profiled_at_the_end_only_the_defaults_trial_profiles(tmp_path, monkeypatch):
+    """[Note: the emitted config's trace]: the recipe round profiles the config to emit, so the
+    search's other trials skip their profiled windows; the defaults trial still takes one."""
+    from autotune.search import context
+
+    stand_in = StandIn({"trial_0000": (100.0, 100.0), "trial_0001": (50.0, 100.0), "trial_0002": (40.0, 100.0)})
+    monkeypatch.setattr(context, "run_trial", stand_in)
+    ctx = _ctx(tmp_path, optuna.create_study(), reference="defaults")
+    ctx.profile_at_end = True
+    for key in (None, "a", "b"):
+        _run(ctx, key)
+    assert [spec.profile for spec in stand_in.specs] == [True, False, False]
 
 
 def test_trials_after_the_first_decide_with_the_box_s_noise_pooled_from_them(tmp_path, monkeypatch):

@@ -100,8 +100,14 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     assert recipe["emitted"] == "search" and bool(recipe["reason"]) == (recipe["ratio"] >= 1)
     assert best.provenance.metrics["speedup_median_vs_torchtitan"] == pytest.approx(recipe["speedup_median"])
     assert (tmp_path / "final" / "vs_torchtitan" / "metrics.json").exists()
+    # The config to emit was profiled there, once ([Note: the emitted config's trace]): no search
+    # trial but the defaults' took a trace, and the report's best-vs-defaults reads that one.
+    assert [any((tmp_path / r.trial_dir).glob("trace_rank*")) for r in rows] == [True, False, False, False]
     # The search report shows it.
     report = load_report(tmp_path)
+    if conf["emitted"] == "best":
+        assert recipe["profiled"] and report.comparison.best.path == tmp_path / "final" / "vs_torchtitan"
+        assert report.comparison.best.trace_metrics is not None
     summary_rows = {row[0]: row[1] for row in get_tables(report)[0].rows}
     assert "all_gather" in summary_rows["checkpoint consolidation"] and summary_rows["model"] == "tiny"
     assert summary_rows["vs torchtitan's recipe"].startswith(f"the search's config {recipe['speedup_median']:.3f}x")
