@@ -12,8 +12,8 @@ A contested final round is measured once more before it is decided: when the lea
 settle within the precision and either its pairs spread wider than ``max_ratio_spread`` or a
 runner-up's median lies inside its interquartile range, the leader and those runners-up each
 get a second window of as many pairs, and each is ranked on all its pairs pooled (with the
-box's noise known, only the runners-up a second window could tell apart from the leader:
-:func:`get_contested`). Why: the
+box's noise known, only a noisy leader, or a leader with a runner-up a second window could show
+faster than it by more than the precision: :func:`get_contested`). Why: the
 lowest of a few noisy medians is
 biased low (the winner's curse). Measured in ``benchmarks/search_noise.py``: a final round
 whose reference slowed by a quarter under a package install emitted a winner at 1.42x with
@@ -162,7 +162,10 @@ def _measure_finalists(ctx: SearchContext, finalists: list[TrialRow]) -> tuple[l
         measured.append(_measure_finalist(ctx, row, slower_than=leader))
     noise = ctx.noise.get()
     contested = get_contested(
-        [m for m in measured if m["status"] == "ok"], ctx.settings.max_ratio_spread, noise[0] if noise else None
+        [m for m in measured if m["status"] == "ok"],
+        ctx.settings.max_ratio_spread,
+        noise[0] if noise else None,
+        ctx.settings.precision,
     )
     if contested:
         ctx.reporter.on_phase(
@@ -176,7 +179,9 @@ def _measure_finalists(ctx: SearchContext, finalists: list[TrialRow]) -> tuple[l
     return measured, contested
 
 
-def get_contested(measured: list[dict[str, Any]], max_spread: float, noise_sd: float | None = None) -> list[int]:
+def get_contested(
+    measured: list[dict[str, Any]], max_spread: float, noise_sd: float | None = None, precision: float = 0.05
+) -> list[int]:
     """The finalists to measure again: the leader and every runner-up whose median lies inside
     the leader's interquartile range, when the leader is noisy or has such a runner-up; else none.
     A leader whose ratio settled ([Note: sequential measurement]: its 90% interval within the
@@ -184,14 +189,15 @@ def get_contested(measured: list[dict[str, Any]], max_spread: float, noise_sd: f
     could resolve (measured, ``benchmarks/search_time.py`` on ``wide1024``: a settled 0.628 and
     a 0.636 each took a second window, 44 steps, to come out in the same order).
 
-    With the box's pair noise known (``noise_sd``, [Note: pooled noise]) the same holds for a
-    runner-up that is not: a second window of as many pairs resolves a gap of ``z * noise_sd *
-    sqrt((1/n_leader + 1/n_runner) / 2)`` (both windows pooled, 90% one-sided), and a closer
-    runner-up would come out of it as undecided as it went in; it is not measured again. The
-    leader still is, alone, where it had such a runner-up: the lowest of several noisy medians is
-    biased low (the winner's curse, above), and its second window is a measurement no selection
-    picked. (On this box's pairs, 7-11%, that band starts at 4-6% for six pairs each, about the
-    leader's quartiles; three second windows were a third of a search's wall time.)"""
+    With the box's pair noise known (``noise_sd``, [Note: pooled noise]) a leader that is not
+    noisy is measured again only with a runner-up that could change the choice by more than the
+    ``precision`` (:func:`could_be_faster`); a runner-up that cannot is a tie the round does not
+    spend a window on, and the leader is not measured again alone. What that leaves: where
+    runners-up tie with it, the leader's figure is the lowest of a few noisy ones (the winner's
+    curse), optimistic by about one standard error of a finalist's ratio at most (0.85 of it for
+    three exact ties: 4% at six pairs spreading 11%, this box's). Measured (``search_time.py`` on
+    ``small``, four runs that took windows): the windows cost 14-42 s of a 230-300 s search and
+    changed the emitted config once, between two configs 2% apart."""
     ranked = sorted((m for m in measured if m.get("ratio") is not None), key=lambda m: m["ratio"])
     if len(ranked) == 0 or ranked[0].get("stopped") == "settled":
         return []
@@ -200,16 +206,20 @@ def get_contested(measured: list[dict[str, Any]], max_spread: float, noise_sd: f
     noisy = leader.get("ratio_spread") is not None and leader["ratio_spread"] > max_spread
     if noisy or noise_sd is None:
         return [leader["trial"], *(m["trial"] for m in close)] if (close or noisy) else []
-    if not close:
-        return []
-    return [leader["trial"], *(m["trial"] for m in close if _resolvable(leader, m, noise_sd))]
+    contenders = [m["trial"] for m in close if could_be_faster(leader, m, noise_sd, precision)]
+    return [leader["trial"], *contenders] if contenders else []
 
 
-def _resolvable(leader: dict[str, Any], runner: dict[str, Any], noise_sd: float) -> bool:
-    """A second window each would tell the two apart: their log gap beyond ``Z_90`` standard errors of it."""
+def could_be_faster(leader: dict[str, Any], runner: dict[str, Any], noise_sd: float, precision: float) -> bool:
+    """A second window each could show ``runner`` faster than ``leader`` by more than ``precision``:
+    it may be (a chance of at least 10%: its log gap under ``Z_90`` standard errors of the gap less
+    the precision's log) and the two windows pooled would resolve a difference that size (``Z_90``
+    of their pooled standard errors within the precision's log). At this box's 11% pair spread and
+    six pairs each, the second condition fails: no window resolves 5%."""
     n_leader, n_runner = leader.get("num_pairs") or 1, runner.get("num_pairs") or 1
-    gap = math.log(runner["ratio"] / leader["ratio"])
-    return gap > Z_90 * noise_sd * math.sqrt((1 / n_leader + 1 / n_runner) / 2)
+    gap, zone = math.log(runner["ratio"] / leader["ratio"]), math.log(1 + precision)
+    spread = noise_sd * math.sqrt(1 / n_leader + 1 / n_runner)
+    return gap < Z_90 * spread - zone and Z_90 * spread / math.sqrt(2) < zone
 
 
 def pool_windows(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:

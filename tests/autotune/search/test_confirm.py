@@ -3,6 +3,7 @@ how a second window's pairs are pooled. Pure functions: no ranks."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,22 +53,38 @@ def test_a_settled_leader_is_not_contested_by_a_close_runner_up():
     assert get_contested([tight | {"stopped": "max_blocks"}, close], max_spread=0.10) == [1, 2]
 
 
-def test_with_the_box_s_noise_only_runners_up_a_second_window_could_separate_are_measured_again():
-    """[Note: pooled noise]: a runner-up inside the leader's range but closer than a second window
-    resolves at this box's noise is left as it is, the leader re-measured alone (the winner's
-    curse); one a second window could tell apart is measured again with it."""
+def test_with_the_box_s_noise_a_quiet_leader_takes_a_window_only_where_it_could_change_the_choice():
+    """[Note: pooled noise]: a runner-up inside the leader's range is measured again with the leader
+    only where it could be faster than the leader by more than the precision and a second window
+    each could show that much; a tie it cannot is left, and the leader is not measured again alone."""
     leader = _finalist(1, [0.70, 0.80, 0.75, 0.85, 0.72, 0.82])  # median of blocks 0.776, quartiles 0.763-0.784
     near = _finalist(2, [0.76, 0.79, 0.78, 0.79, 0.78, 0.77])  # 0.7% slower: inside the quartiles
     assert near["ratio"] <= leader["ratio_q75"]
     assert get_contested([leader, near], max_spread=0.10) == [1, 2]  # without the noise: both again
-    # Pairs spreading 8%: six pairs each resolve ~4% after a second window; 0.7% is a tie at this noise.
-    assert get_contested([leader, near], max_spread=0.10, noise_sd=0.08) == [1]
-    # On a quiet box (pairs spreading 0.5%) a second window tells them apart: both again.
-    assert get_contested([leader, near], max_spread=0.10, noise_sd=0.005) == [1, 2]
+    # Pairs spreading 8%: the runner-up may be 5% faster (a chance over 10%), and two windows each resolve 5%.
+    assert get_contested([leader, near], max_spread=0.10, noise_sd=0.08) == [1, 2]
+    # This box's 11%: two windows each resolve only 5.8%; no window, not even the leader's alone.
+    assert get_contested([leader, near], max_spread=0.10, noise_sd=0.11) == []
+    # A quiet box (pairs spreading 0.5%): 0.7% slower cannot be 5% faster: a tie at the precision.
+    assert get_contested([leader, near], max_spread=0.10, noise_sd=0.005) == []
+    assert get_contested([leader, near], max_spread=0.10, noise_sd=0.005, precision=0.001) == []
     # A noisy leader is contested with every close runner-up whatever the noise (bursts).
     noisy = _finalist(11, [0.556, 0.676, 0.831, 0.673, 1.111, 0.730])
     close = _finalist(10, [0.700, 1.000, 0.760, 0.780, 0.790, 0.800])
-    assert get_contested([noisy, close], max_spread=0.10, noise_sd=0.08) == [11, 10]
+    assert get_contested([noisy, close], max_spread=0.10, noise_sd=0.11) == [11, 10]
+
+
+def test_could_be_faster_needs_a_chance_of_a_difference_beyond_the_precision_and_its_resolution():
+    from autotune.search.confirm import Z_90, could_be_faster
+
+    leader = {"ratio": 0.80, "num_pairs": 6}
+    zone, spread = math.log(1.05), 0.08 * math.sqrt(2 / 6)
+    edge = 0.80 * math.exp(Z_90 * spread - zone)  # the gap at which the chance is 10%
+    assert could_be_faster(leader, {"ratio": edge * 0.999, "num_pairs": 6}, 0.08, 0.05)
+    assert not could_be_faster(leader, {"ratio": edge * 1.001, "num_pairs": 6}, 0.08, 0.05)
+    # More pairs resolve more: at 11% six pairs each do not resolve 5%, twelve each do.
+    assert not could_be_faster(leader, {"ratio": 0.80, "num_pairs": 6}, 0.11, 0.05)
+    assert could_be_faster(leader | {"num_pairs": 12}, {"ratio": 0.80, "num_pairs": 12}, 0.11, 0.05)
 
 
 def test_failed_finalists_are_ignored():
@@ -116,7 +133,9 @@ def test_a_failed_second_window_keeps_the_first_window_s_figures():
 def _final_round_ctx() -> SimpleNamespace:
     """What the final round reads of a search: 3 finalists, 2 pairs each, a 100-byte memory budget;
     a finalist's config is named by its param ``k``."""
-    settings = SimpleNamespace(num_finalists=3, num_confirm_pairs=2, max_ratio_spread=0.5, memory_budget_bytes=100)
+    settings = SimpleNamespace(
+        num_finalists=3, num_confirm_pairs=2, max_ratio_spread=0.5, memory_budget_bytes=100, precision=0.05
+    )
     return SimpleNamespace(
         settings=settings,
         reporter=SimpleNamespace(on_phase=lambda message: None),
