@@ -3,9 +3,10 @@
 A search ranks hundreds of configs from short trials; the emitted config is decided by a
 longer, second measurement of the ``num_finalists`` best distinct configs, each paired with
 the defaults on the same ranks ([Note: paired measurement]) with at most ``2 * num_confirm_pairs``
-pairs: each stops once its ratio is settled ([Note: sequential measurement]), and a finalist
+pairs: each stops once its ratio is settled ([Note: sequential measurement]), a finalist
 clearly slower than the leader so far (its whole interval above the leader's ratio, from its
-second block on) is pruned there. The finalist with the lowest median ratio wins; if even it is
+second block on) is pruned there, and one unlikely to end below the leader stops before its
+last block ([Note: futility]). The finalist with the lowest median ratio wins; if even it is
 not faster than the defaults (median ratio >= 1), the defaults are emitted, and the record says why.
 
 A contested final round is measured once more before it is decided: when the leader did not
