@@ -73,6 +73,17 @@ def _running_trial(db: Path, name: str, *, min_number: int = 0) -> optuna.trial.
     return next((t for t in trials if t.number >= min_number and "trial_dir" in t.user_attrs), None)
 
 
+def _running_and_finished(db: Path, name: str) -> tuple[optuna.trial.FrozenTrial, dict[int, float]] | None:
+    """From one read of the study: a running trial after the first (its ranks at work) and the
+    finished trials' values; None while no such trial runs."""
+    trials = _study(db, name).get_trials(deepcopy=False)
+    running = next(
+        (t for t in trials if t.state == States.RUNNING and t.number >= 1 and "trial_dir" in t.user_attrs), None
+    )
+    finished = {t.number: t.value for t in trials if t.state == States.COMPLETE}
+    return (running, finished) if running is not None else None
+
+
 def _rank_pids(parent: int) -> list[int]:
     """Live rank processes started by ``parent`` (``python -m autotune.trials.rank``)."""
     pids = []
@@ -128,9 +139,10 @@ def test_sigint_closes_the_running_trial_and_says_how_to_resume(tmp_path):
     proc = _start("search", *FAST, "--trials", "6", "--out", str(tmp_path), "--study-name", "i")
     db = tmp_path / "study.db"
     _wait_until(lambda: _study(db, "i").get_trials(states=(States.COMPLETE,)), 150, "a finished trial")
-    running = _wait_until(lambda: _running_trial(db, "i", min_number=1), 60, "a running trial")
-    ranks = _rank_pids(proc.pid)
-    finished = {t.number: t.value for t in _study(db, "i").get_trials() if t.state == States.COMPLETE}
+    ranks = _rank_pids(proc.pid)  # the pool's ranks, the same for every trial
+    # The signal right after the running trial is seen: a trial on ``tiny`` that stops after one
+    # block ([Note: futility]) lasts about a second, less than reading the process table took.
+    running, finished = _wait_until(lambda: _running_and_finished(db, "i"), 60, "a running trial")
     proc.send_signal(signal.SIGINT)
     out, err = _finish(proc, timeout_s=60)
     assert proc.returncode == 130
