@@ -199,10 +199,10 @@ class Interval:
         return (self.high - self.low) / 2 / self.center
 
 
-def get_interval(samples: list[float], noise_sd: float | None = None, noise_df: int = 0) -> Interval | None:
-    """The 90% Student-t interval of the samples' mean log ratio, back in ratio space; None under
-    two samples. With ``noise_sd`` (``noise_df`` >= 1) the samples' variance is pooled with it
-    ([Note: pooled noise]), and one sample is enough."""
+def _log_spread(samples: list[float], noise_sd: float | None, noise_df: int) -> tuple[float, float, int, int] | None:
+    """The samples' mean log ratio, its spread (pooled with ``noise_sd`` over ``noise_df`` degrees
+    of freedom where given), the spread's degrees of freedom and the number of samples; None under
+    two samples (one with a pool)."""
     logs = [math.log(x) for x in samples if x > 0]
     pooled = noise_sd is not None and noise_df >= 1
     if len(logs) < (1 if pooled else 2):
@@ -211,20 +211,34 @@ def get_interval(samples: list[float], noise_sd: float | None = None, noise_df: 
     squares, df = sum((x - mean) ** 2 for x in logs), len(logs) - 1
     if pooled:
         squares, df = squares + noise_df * noise_sd**2, df + noise_df
-    half = t_95(df) * math.sqrt(squares / df / len(logs))
-    return Interval(center=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), n=len(logs))
+    return mean, math.sqrt(squares / df), df, len(logs)
+
+
+def get_interval(samples: list[float], noise_sd: float | None = None, noise_df: int = 0) -> Interval | None:
+    """The 90% Student-t interval of the samples' mean log ratio, back in ratio space; None under
+    two samples. With ``noise_sd`` (``noise_df`` >= 1) the samples' variance is pooled with it
+    ([Note: pooled noise]), and one sample is enough."""
+    spread = _log_spread(samples, noise_sd, noise_df)
+    if spread is None:
+        return None
+    mean, sd, df, n = spread
+    half = t_95(df) * sd / math.sqrt(n)
+    return Interval(center=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), n=n)
+
+
+def _get_rule_noise(rule: StoppingRule, pair_ratios: list[float]) -> tuple[float | None, int]:
+    """The box's noise the rule pools the trial's pairs with, unless the trial's own pairs (from
+    two blocks on) spread wider: then none, their own decides ([Note: pooled noise])."""
+    if rule.noise_sd is None or rule.noise_df < MIN_NOISE_DF:
+        return None, 0
+    if len(pair_ratios) >= 4 and _log_sd(pair_ratios) > rule.noise_sd:
+        return None, 0
+    return rule.noise_sd, rule.noise_df
 
 
 def _get_rule_interval(rule: StoppingRule, pair_ratios: list[float]) -> Interval | None:
-    """The pooled interval where the rule has the box's noise, unless the trial's own pairs
-    (from two blocks on) spread wider: then their own ([Note: pooled noise])."""
-    own = get_interval(pair_ratios)
-    if rule.noise_sd is None or rule.noise_df < MIN_NOISE_DF:
-        return own
-    pooled = get_interval(pair_ratios, rule.noise_sd, rule.noise_df)
-    if own is not None and len(pair_ratios) >= 4 and _log_sd(pair_ratios) > rule.noise_sd:
-        return own
-    return pooled
+    """The trial's interval with the noise the rule takes (:func:`_get_rule_noise`)."""
+    return get_interval(pair_ratios, *_get_rule_noise(rule, pair_ratios))
 
 
 def confirms_slower(rule: StoppingRule, pair_ratios: list[float]) -> bool:
@@ -263,13 +277,9 @@ def is_unlikely(rule: StoppingRule, pair_ratios: list[float]) -> bool:
     most, n = 2 * rule.max_blocks, len(pair_ratios)
     if rule.futile_above is None or rule.noise_sd is None or rule.noise_df < MIN_NOISE_DF or not 0 < n < most:
         return False
-    logs = [math.log(x) for x in pair_ratios if x > 0]
-    mean = statistics.fmean(logs)
-    squares, df = sum((x - mean) ** 2 for x in logs), len(logs) - 1
-    if not (len(logs) >= 4 and _log_sd(pair_ratios) > rule.noise_sd):  # the spread _get_rule_interval takes
-        squares, df = squares + rule.noise_df * rule.noise_sd**2, df + rule.noise_df
+    mean, sd, df, n = _log_spread(pair_ratios, *_get_rule_noise(rule, pair_ratios))
     # the final mean's spread given the pairs so far: the pairs to come plus the error of the mean so far
-    spread = math.sqrt(squares / df) * math.sqrt((most - n) / (most * n))
+    spread = sd * math.sqrt((most - n) / (most * n))
     return spread > 0 and (mean - math.log(rule.futile_above)) / spread > t_90(df)
 
 

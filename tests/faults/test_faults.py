@@ -72,19 +72,21 @@ def _wait_until(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _is_running(trial: optuna.trial.FrozenTrial, min_number: int = 0) -> bool:
+    """RUNNING with its trial dir set (its ranks are at work)."""
+    return trial.state == States.RUNNING and trial.number >= min_number and "trial_dir" in trial.user_attrs
+
+
 def _running_trial(db: Path, name: str, *, min_number: int = 0) -> optuna.trial.FrozenTrial | None:
-    """A RUNNING trial whose trial dir is set (its ranks are at work)."""
-    trials = _study(db, name).get_trials(deepcopy=False, states=(States.RUNNING,))
-    return next((t for t in trials if t.number >= min_number and "trial_dir" in t.user_attrs), None)
+    """A running trial (:func:`_is_running`)."""
+    return next((t for t in _study(db, name).get_trials(deepcopy=False) if _is_running(t, min_number)), None)
 
 
 def _running_and_finished(db: Path, name: str) -> tuple[optuna.trial.FrozenTrial, dict[int, float]] | None:
-    """From one read of the study: a running trial after the first (its ranks at work) and the
-    finished trials' values; None while no such trial runs."""
+    """From one read of the study: a running trial after the first and the finished trials'
+    values; None while no such trial runs."""
     trials = _study(db, name).get_trials(deepcopy=False)
-    running = next(
-        (t for t in trials if t.state == States.RUNNING and t.number >= 1 and "trial_dir" in t.user_attrs), None
-    )
+    running = next((t for t in trials if _is_running(t, min_number=1)), None)
     finished = {t.number: t.value for t in trials if t.state == States.COMPLETE}
     return (running, finished) if running is not None else None
 
