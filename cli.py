@@ -215,7 +215,7 @@ def search(
     nproc: Annotated[int, typer.Option("--nproc", "-n", help="Ranks (world size) of every trial.")] = 2,
     trials: Annotated[
         int, typer.Option("--trials", "-t", help="Total trials in the study, the defaults trial included.")
-    ] = 16,
+    ] = 10,
     microbatches: Annotated[
         int, typer.Option("--microbatches", help="Gradient-accumulation microbatches per step.")
     ] = 2,

@@ -1,4 +1,5 @@
-"""The GPU check script's dry run: it runs here, without CUDA, as it will run on a GPU box up to the first CUDA call."""
+"""The benchmark scripts that run here: the GPU scripts' dry runs (without CUDA, as they will run on a GPU box up to
+the first CUDA call) and ``trial_budget.py`` on recorded searches."""
 
 from __future__ import annotations
 
@@ -121,3 +122,54 @@ def test_gpu_torchtitan_dry_run_builds_0_3_0_s_model_its_recipe_and_the_trial_sp
         "dry run: no trial ran",
     ]
     assert not list((tmp_path / "out").rglob("metrics.json"))  # nothing ran
+
+
+def _write_search(run_dir: Path, ratios: list[tuple[dict, float, str]], winner: int, model: str = "small") -> None:
+    """A finished search's ``results.json`` and ``search.json`` as a search writes them (the fields the script reads)."""
+    import json
+
+    run_dir.mkdir(parents=True)
+    rows = [
+        {"number": i, "params": params, "ratio": ratio, "state": "COMPLETE", "stopped": stopped, "is_default": i == 0}
+        for i, (params, ratio, stopped) in enumerate(ratios)
+    ]
+    (run_dir / "results.json").write_text(json.dumps({"schema_version": 1, "kind": "results", "trials": rows}))
+    finalists = [{"trial": winner, "ratio": ratios[winner][1], "status": "ok"}]
+    (run_dir / "search.json").write_text(
+        json.dumps({"model": model, "confirmation": {"winner": winner, "finalists": finalists}})
+    )
+
+
+def test_trial_budget_reads_recorded_searches_and_prices_a_budget_that_misses_the_good_knob(tmp_path):
+    """``trial_budget.py`` on searches where one knob value (``a = 1``) is 20% faster and comes at
+    trial 3: cut at 2 trials a search never emits it, cut at 4 it does; and searches of two models
+    are refused."""
+    slow, fast = {"a": 0, "b": 0}, {"a": 1, "b": 0}
+    dirs = []
+    for k, noise in enumerate((1.00, 1.02, 0.98)):
+        trials = [
+            ({"a": 0, "b": 0}, 1.0 * noise, "max_blocks"),
+            ({"a": 0, "b": 1}, 0.99 * noise, "max_blocks"),
+            (slow | {"b": 1}, 1.01 * noise, "unlikely"),
+            (fast, 0.80 * noise, "faster"),
+        ]
+        dirs.append(tmp_path / f"s{k}")
+        _write_search(dirs[-1], trials, winner=3)
+    script = [sys.executable, str(ROOT / "benchmarks" / "trial_budget.py")]
+    out = subprocess.run(
+        [*script, *map(str, dirs), "--budgets", "2,4", "--finalists", "1", "--draws", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "mmuF" in out.stdout and "emitted trial 3" in out.stdout
+    modelled = {
+        int(line.split()[0]): float(line.split()[-1]) for line in out.stdout.splitlines() if " trials: " in line
+    }
+    assert modelled[4] < 0.9 < modelled[2]
+    _write_search(tmp_path / "other", [({"a": 0, "b": 0}, 1.0, "max_blocks")], winner=0, model="wide")
+    mixed = subprocess.run(
+        [*script, str(dirs[0]), str(tmp_path / "other")], capture_output=True, text=True, timeout=120
+    )
+    assert mixed.returncode != 0 and "different models" in mixed.stderr

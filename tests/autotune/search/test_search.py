@@ -497,3 +497,31 @@ def test_a_bf16_search_runs_every_trial_in_bf16_and_emits_it(tmp_path, monkeypat
     assert all(load_config(p).mixed_precision == bf16 for p in configs), configs
     overlap = json.loads((trial_dirs[0] / "env.json").read_text())["overlap_env"]
     assert overlap["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
+def test_a_bare_autotune_search_runs_the_settings_defaults(monkeypatch):
+    """The README's main command (``autotune search``, no options) searches with ``SearchSettings``'
+    own defaults, the trial budget included (10: README, "Ten trials by default"): the CLI cannot
+    drift from the defaults the benchmarks and the library run."""
+    import dataclasses
+
+    from typer.testing import CliRunner
+
+    import cli
+
+    seen = {}
+
+    def fake_search_and_report(settings, reporter=None):
+        seen["settings"] = settings
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("autotune.pipeline.search_and_report", fake_search_and_report)
+    CliRunner().invoke(cli.app, ["search"])
+    bare, defaults = seen["settings"], SearchSettings()
+    differ = {
+        f.name: (getattr(bare, f.name), getattr(defaults, f.name))
+        for f in dataclasses.fields(SearchSettings)
+        if getattr(bare, f.name) != getattr(defaults, f.name)
+    }
+    assert differ == {}
+    assert bare.num_trials == 10 and bare.get_num_refine() == 3
