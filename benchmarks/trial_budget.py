@@ -112,8 +112,9 @@ def main() -> None:
         raise SystemExit(f"the searches are of {len(workloads)} different models; give one workload's run dirs")
     for d, (rows, search) in zip(args.run_dirs, searches):
         print(f"{str(d):40s} {stop_codes(rows):20s} emitted trial {(search.get('confirmation') or {}).get('winner')}")
-    model = AdditiveModel(get_samples(searches))
-    print(f"\nadditive model: {len(get_samples(searches))} ratios, residual spread {model.residual_sd:.1%}")
+    samples = get_samples(searches)
+    model = AdditiveModel(samples)
+    print(f"\nadditive model: {len(samples)} ratios, residual spread {model.residual_sd:.1%}")
     rng = np.random.default_rng(args.seed)
     for budget in (int(b) for b in args.budgets.split(",")):
         cells = []
