@@ -13,7 +13,7 @@ Reads the run dirs of finished searches of one workload (``results.json``, ``sea
    measurement's noise leaves, and its prediction stands in for a config's true ratio;
 3. per budget (``--budgets``) and number of finalists: the modelled ratio of the config the search
    would have emitted, had it stopped after that many trials. Each search's own trials, in their
-   order, are cut at the budget; its finalists are the best ones by their search ratio; the final
+   order, are cut at the budget; its finalists are those the search's final round takes; the final
    round is drawn around each finalist's modelled ratio at ``--final-sd`` (a six-pair window at the
    box's pair spread) and the lowest is taken, ``--draws`` times per search.
 
@@ -28,9 +28,15 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autotune.search.confirm import get_finalists  # noqa: E402
+from autotune.search.results import TrialRow  # noqa: E402
 
 STOP_CODES = {"faster": "F", "max_blocks": "m", "unlikely": "u", "slower": "s", "settled": "="}
 
@@ -84,13 +90,13 @@ def get_samples(searches: list[tuple[list[dict], dict]]) -> list[tuple[dict, flo
 def emitted_ratio(
     model: AdditiveModel, rows: list[dict], budget: int, finalists: int, final_sd: float, rng: np.random.Generator
 ) -> float:
-    """The modelled ratio of what a search cut at ``budget`` trials emits, one final round drawn."""
-    done = [r for r in rows if r["number"] < budget and r.get("ratio") and not r.get("is_default")]
-    done = [r for r in done if r["state"] == "COMPLETE"]
-    if not done:
+    """The modelled ratio of what a search cut at ``budget`` trials emits, one final round drawn;
+    the finalists are the ones the search's own final round would take (:func:`get_finalists`)."""
+    done = [TrialRow.from_dict(r, source="results.json") for r in rows if r["number"] < budget]
+    top = get_finalists(done, finalists)
+    if not top:
         return 1.0
-    top = sorted(done, key=lambda r: r["ratio"])[:finalists]
-    true = np.array([model.ratio(r["params"]) for r in top])
+    true = np.array([model.ratio(r.params) for r in top])
     drawn = true * np.exp(rng.normal(0.0, final_sd, len(true)))
     return float(true[int(drawn.argmin())])
 

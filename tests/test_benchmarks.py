@@ -130,7 +130,15 @@ def _write_search(run_dir: Path, ratios: list[tuple[dict, float, str]], winner: 
 
     run_dir.mkdir(parents=True)
     rows = [
-        {"number": i, "params": params, "ratio": ratio, "state": "COMPLETE", "stopped": stopped, "is_default": i == 0}
+        {
+            "number": i,
+            "status": "ok",
+            "params": params,
+            "ratio": ratio,
+            "state": "COMPLETE",
+            "stopped": stopped,
+            "is_default": i == 0,
+        }
         for i, (params, ratio, stopped) in enumerate(ratios)
     ]
     (run_dir / "results.json").write_text(json.dumps({"schema_version": 1, "kind": "results", "trials": rows}))
