@@ -6,7 +6,8 @@ collective; on emulated links, the defaults on raw loopback too) and two read fr
 replicated, HSDP Nx1: a shard group of one's plain copies; no gradient sync with
 ``defer_concat = false``: FSDP1-style concat's own labels), then measure a deterministic sample of configs across the search space (unprofiled, a few
 steps each, on one rank pool) and compare with the simulator's predictions: median absolute
-error and Spearman rank correlation. On the 2 nodes x 2 ranks cluster also: the mesh the
+error and Spearman rank correlation, and the noise floor: how far the measured ratios stray by
+their own pairs' noise, and the simulator's error net of it (:func:`get_noise_floor`). On the 2 nodes x 2 ranks cluster also: the mesh the
 simulator picks over the whole space and the one a real search picks, and their tuned/default
 step-time ratios.
 
@@ -148,6 +149,18 @@ def _nosync_params(space: SearchSpace) -> dict:
     }
 
 
+CALIBRATION_DIRS = ("cal_defaults", "cal_async", "cal_nosync", "cal_local", "cal_concat", "cal_raw")
+"""A setting's calibration trial dirs, in the order :func:`run_setting` runs them (the anchor first)."""
+
+
+def calibrate_recorded(paths: list[Path], work, *, fit_sync: bool):
+    """The profile of a setting's calibration trials (``paths``: the anchor, then the async trial, then
+    the others). The anchor's step is the defaults as timed in alternation with the async trial (the
+    profiled trial's own unprofiled steps run first, when the pool is least warm)."""
+    anchor, *extra = [read_calibration_trial(path) for path in paths]
+    return calibrate(work, anchor, extra=extra, anchor_step_s=extra[0].reference_step_s, fit_sync=fit_sync)
+
+
 def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path) -> dict:
     world, cluster = SETTINGS[setting]
     model = WORKLOADS[workload]
@@ -216,16 +229,7 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
             )
             result = run_trial(spec, pool=pool)
             assert result.ok, f"calibration trial {path}: {result.status} {result.reason}"
-        extra = [read_calibration_trial(path) for path, *_ in calibration[1:]]
-        # The anchor's step: the defaults as timed in alternation with the async trial (the profiled trial's own
-        # unprofiled steps run first, when the pool is least warm).
-        profile = calibrate(
-            work,
-            read_calibration_trial(anchor_dir),
-            extra=extra,
-            anchor_step_s=extra[0].reference_step_s,
-            fit_sync=args.fit_sync,
-        )
+        profile = calibrate_recorded([path for path, *_ in calibration], work, fit_sync=args.fit_sync)
         calibrate_s = time.monotonic() - started
         hardware = Hardware(load_cluster_profile(cluster or "cpu-gloo"), num_ranks=world, measured=profile)
         simulator = Simulator(work, hardware)
@@ -323,6 +327,7 @@ def run_setting(workload: str, setting: str, args: argparse.Namespace, out: Path
         if ok
         else None,
         **_rank_ceiling(ok),
+        **get_noise_floor(ok),
         "defaults_pair_ratio": next((r["measured_ratio"] for r in ok if r["params"] == defaults), None),
         "calibration": {
             "notes": profile.notes,
@@ -365,6 +370,36 @@ def _rank_ceiling(rows: list[dict]) -> dict:
         "sim_pair_spearman": sim,
         "spearman_ceiling": n * single / (1 + (n - 1) * single) if single > 0 else single,
     }
+
+
+def get_noise_floor(rows: list[dict], *, resamples: int = 400, seed: int = 0) -> dict:
+    """How far the measured ratios themselves stray, and the simulator's error net of it.
+
+    Each measured ratio is a trial's median ABBA block ratio over a few pairs ([Note: paired
+    measurement]), so it carries the pairs' noise: on a noisy day a perfect predictor would show
+    a median absolute error of several percent. Per config, the trial's figure (the median of
+    blocks, a block the mean of two consecutive pair ratios) is recomputed on bootstrap resamples
+    of its pair ratios; the median over configs and resamples of ``|resampled / measured - 1|`` is
+    the *noise floor*. It sees only the noise inside a trial (not load that moves between trials)
+    and a bootstrap of n pairs shrinks the variance by (n - 1) / n: a lower bound. With Gaussian
+    errors a median absolute error is 0.674 sigma, and independent errors add in quadrature, so the
+    simulator's own median absolute error is estimated as ``sqrt(observed^2 - floor^2)``.
+    """
+    rng = random.Random(seed)
+    deviations = []
+    for r in rows:
+        pairs = r.get("pair_ratios") or []
+        if len(pairs) < 2 or not r.get("measured_ratio"):
+            continue
+        for _ in range(resamples):
+            sample = [rng.choice(pairs) for _ in pairs]
+            blocks = [statistics.fmean(sample[k : k + 2]) for k in range(0, len(sample), 2)]
+            deviations.append(abs(statistics.median(blocks) / r["measured_ratio"] - 1))
+    if not deviations:
+        return {}
+    floor = statistics.median(deviations)
+    observed = _median_abs([r["predicted_ratio"] / r["measured_ratio"] - 1 for r in rows if r.get("measured_ratio")])
+    return {"noise_floor": floor, "net_ratio_error": max(0.0, observed**2 - floor**2) ** 0.5}
 
 
 def _median_abs(errors: list[float]) -> float | None:
@@ -466,6 +501,12 @@ def print_table(results: list[dict]) -> None:
             f"the anchor trial: {r['anchor_ms']:.0f} ms); load average before/after {r['load'][0]} / {r['load'][1]}"
         )
         print("  calibration: " + "; ".join(r["calibration"]["notes"]))
+        if "noise_floor" in r:
+            print(
+                f"  noise floor: the measured ratios stray {100 * r['noise_floor']:.1f}% (median, bootstrap of each trial's pairs: "
+                f"a lower bound); the simulator's own ratio error net of it: {100 * r['net_ratio_error']:.1f}% "
+                f"(observed {100 * r['ratio_median_abs_error']:.1f}%)"
+            )
         if "pair_spearman" in r:
             print(
                 f"  rank reliability of the measurements: one pair vs another of the same configs rho {r['pair_spearman']:.2f} "

@@ -181,3 +181,26 @@ def test_trial_budget_reads_recorded_searches_and_prices_a_budget_that_misses_th
         [*script, str(dirs[0]), str(tmp_path / "other")], capture_output=True, text=True, timeout=120
     )
     assert mixed.returncode != 0 and "different models" in mixed.stderr
+
+
+def test_sim_accuracy_noise_floor_grows_with_the_pairs_spread_and_nets_it_out_of_the_error():
+    """``sim_accuracy.get_noise_floor``: pairs that agree leave no floor, so the simulator's net error is the
+    observed one; pairs spread +-10% give a floor of a few percent, which the net error takes out in quadrature."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sim_accuracy import get_noise_floor
+
+    def rows(spread: float, error: float) -> list[dict]:
+        pairs = [1 - spread, 1.0, 1 + spread, 1.0]  # median of blocks (0.95, 1.05) -> 1.0
+        return [
+            {"pair_ratios": [0.6 * p for p in pairs], "measured_ratio": 0.6, "predicted_ratio": 0.6 * (1 + error)}
+            for _ in range(5)
+        ]
+
+    exact = get_noise_floor(rows(0.0, 0.04))
+    assert exact["noise_floor"] == 0.0 and abs(exact["net_ratio_error"] - 0.04) < 1e-9
+    noisy = get_noise_floor(rows(0.10, 0.04))
+    assert 0.01 < noisy["noise_floor"] < 0.04
+    assert abs(noisy["net_ratio_error"] - (0.04**2 - noisy["noise_floor"] ** 2) ** 0.5) < 1e-9
+    wide = get_noise_floor(rows(0.20, 0.04))
+    assert wide["noise_floor"] > noisy["noise_floor"] and wide["net_ratio_error"] < noisy["net_ratio_error"]
+    assert get_noise_floor([{"pair_ratios": [0.5], "measured_ratio": 0.5, "predicted_ratio": 0.5}]) == {}

@@ -22,16 +22,23 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
   without one (a hook that finds the unit unsharded), ``post_backward_accumulate`` /
   ``_reshard`` / ``_rs_wait`` (post-hook), ``post_backward_reduce`` (copy-in, post-reduce;
   the root's: its ``root_post_backward_callback``, which holds the root's whole post-backward
-  and ``finalize_backward``); per call, blocks and root apart: the median over every call of
-  every rank and profiled step, not the median of per-step means. A hook that allocates a
-  large buffer (the reduce's ``chunk_cat``, the unshard's all-gather output) now and then
-  hits a burst of page faults that multiplies that one call's time; on ``wide`` (raw loopback,
-  2 ranks) a profiled step with such bursts ran 2x the others, and the per-step means
-  priced a block's reduce at 34-42 ms on three runs of one day against 14-16 ms the day
-  before, which the compute scale then took out of compute (0.65 instead of 0.9-1.0) and
-  replicated configs, which skip that hook, came out 20% too fast. The median call is
-  8.6-10.2 ms on all five recorded runs (``sim_accuracy`` wide/raw: 4.6-13.9% -> 3.2-6.3%
-  ratio median error, replayed on the same trials).
+  and ``finalize_backward``); per call, blocks and root apart: the lower quartile
+  (``trace_costs.HOOK_QUANTILE``) over every call of every rank and profiled step, not a
+  per-step mean nor the median call. A hook that allocates a large buffer (the reduce's
+  ``chunk_cat`` and gloo's clone of the reduce-scatter input, the unshard's all-gather output)
+  runs now and then into a storm of page faults that multiplies that call's time; the profiled
+  window is where they cluster (``wide``, raw loopback, 2 ranks, 2026-11-28: the anchor's two
+  profiled steps ran 842 and 1266 ms against 509-650 ms unprofiled, with 10-50k page faults
+  against 2-37k, and a block's 18.7 MB ``chunk_cat`` took 47-68 ms instead of 2.5 ms). Per-step
+  means priced a block's reduce at 34-42 ms on three runs of one day against 14-16 ms the day
+  before, which the compute scale then took out of compute (0.65 instead of 0.9-1.0), and
+  replicated configs, which skip that hook, came out 20% too fast. The median call held on five
+  recorded runs (8.6-10.2 ms) but not on a sixth, whose storms hit 10 of rank 0's 16 reduce calls:
+  35.3 ms, a compute scale of 0.64 and replicated configs 20.8% too fast (``sim_accuracy`` wide /
+  raw ratio median error 15.7%). Clean calls spread little, so their lower quartile sits near
+  their median (``small``'s block reduce: 1.40 ms against 1.58 ms) and it stays clean while a
+  quarter of the calls are: 4.8 ms on that run, which replays at 4.7% (``benchmarks/sim_replay.py``
+  recalibrates recorded runs; figures in the README's simulator accuracy section).
 - *Hooks the anchor does not run* (``OPTIONAL_HOOK_KEYS``), from the first extra trial whose
   trace shows them: on a shard group of one (HSDP Nx1) FSDP2 unshards by a plain copy and
   reduces without a reduce-scatter (``unshard_local``/``reduce_local``: its pre-forward labels,

@@ -25,7 +25,7 @@ class CalibrationError(AutotuneError):
 
 @dataclass(kw_only=True)
 class TraceCosts:
-    """What one trial's traces say, per microbatch and unit (segments: medians over ranks and steps; hooks: the median call)."""
+    """What one trial's traces say, per microbatch and unit (segments: medians over ranks and steps; hooks: the lower quartile of their calls)."""
 
     segments: dict[str, float]
     hooks: dict[str, float]
@@ -155,6 +155,21 @@ def _spread_calls(total: float, calls: list[float]) -> list[float]:
     return [c + share for c in calls]
 
 
+HOOK_QUANTILE = 0.25
+"""The calls' quantile a hook is priced at ([Note: calibration]: page-fault storms in the profiled window)."""
+
+
+def _get_hook_price(calls: list[float]) -> float:
+    """A hook's seconds per call: the lower quartile of its calls over every rank and profiled step."""
+    if not calls:
+        return 0.0
+    ordered = sorted(calls)
+    position = HOOK_QUANTILE * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (position - low) * (ordered[high] - ordered[low])
+
+
 def get_trace_costs(
     events_by_rank: dict[int, Any], *, block_names: tuple[str, ...], num_microbatches: int, local: bool = False
 ) -> TraceCosts:
@@ -185,7 +200,9 @@ def get_trace_costs(
         raise CalibrationError("the traces hold no profiled step")
 
     def median(key: str) -> float:
-        values = [r[key] for r in rows if key in r] if key not in ALL_HOOK_KEYS else hook_calls.get(key, [])
+        if key in ALL_HOOK_KEYS:
+            return _get_hook_price(hook_calls.get(key, []))
+        values = [r[key] for r in rows if key in r]
         return statistics.median(values) if values else 0.0
 
     return TraceCosts(
