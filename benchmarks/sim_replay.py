@@ -24,7 +24,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sim_accuracy import CALIBRATION_DIRS, SETTINGS, WORKLOADS, calibrate_recorded, get_noise_floor  # noqa: E402
+from sim_accuracy import (  # noqa: E402
+    CALIBRATION_DIRS,
+    SETTINGS,
+    WORKLOADS,
+    _median_abs,
+    _p90_abs,
+    calibrate_recorded,
+    get_noise_floor,
+)
 
 from autotune.search.predictions import get_spearman  # noqa: E402
 from autotune.sim import Hardware, Simulator, get_model_work, trace_costs  # noqa: E402
@@ -38,10 +46,9 @@ def _figures(rows: list[dict], predicted: list[float]) -> dict:
     by_mesh: dict[str, list[float]] = {}
     for e, r in zip(errors, rows):
         by_mesh.setdefault("hsdp" if "hsdp" in r["params"]["mesh"] else "fsdp", []).append(e)
-    ordered = sorted(abs(e) for e in errors)
     return {
-        "median": statistics.median(ordered),
-        "p90": ordered[int(0.9 * (len(ordered) - 1))],
+        "median": _median_abs(errors),
+        "p90": _p90_abs(errors),
         "rho": get_spearman(predicted, [r["measured_ratio"] for r in rows]),
         **{f"mean_{mesh}": statistics.fmean(v) for mesh, v in sorted(by_mesh.items())},
     }
