@@ -1,10 +1,10 @@
-"""The layering the README's Architecture section states, and the length of functions, checked on
+"""The layering docs/architecture.md states, and the length of functions, checked on
 the source: an AST walk over every ``import X`` / ``from X import Y`` of ``autotune/``,
 ``fsdp_runtime/``, ``profiles/`` and ``cli.py`` (imports inside functions and under
 ``TYPE_CHECKING`` included).
 
-- Stage order: a module imports only from its own stage and the stages before it in the README's
-  ``Stages, upstream first:`` chain (nothing upstream imports downstream).
+- Stage order: a module imports only from its own stage and the stages before it in
+  docs/architecture.md's ``Stages, upstream first:`` chain (nothing upstream imports downstream).
 - No ``_private`` name (nor a name from a ``_private`` module) is imported from another stage.
 - ``fsdp_runtime`` imports only torch, the standard library and itself.
 - A name imported from another stage is in its package's ``__all__`` (``cli.py`` included).
@@ -32,9 +32,9 @@ MAX_FUNCTION_LINES = 60
 
 
 def get_stage_order(readme: str) -> list[str]:
-    """The README's ``Stages, upstream first: `a` -> `b` -> ...`` chain (``cli.py`` as ``cli``)."""
+    """docs/architecture.md's ``Stages, upstream first: `a` -> `b` -> ...`` chain (``cli.py`` as ``cli``)."""
     match = re.search(r"Stages, upstream first: ((?:`[\w.]+`\s*->\s*)+`[\w.]+`)", readme)
-    assert match, "README.md: no 'Stages, upstream first: `a` -> `b` ...' chain in its Architecture section"
+    assert match, "docs/architecture.md: no 'Stages, upstream first: `a` -> `b` ...' chain"
     return [name.removesuffix(".py") for name in re.findall(r"`([\w.]+)`", match.group(1))]
 
 
@@ -99,7 +99,7 @@ def check_imports(path: str, module: str, source: str, order: list[str], *, is_p
     problems = []
     stage = get_stage(module)
     if stage not in order:
-        return [f"{path}: stage {stage} is not in the README's stage order {order}"]
+        return [f"{path}: stage {stage} is not in the architecture's stage order {order}"]
     for line, target, names in iter_imports(module, ast.parse(source), is_package=is_package):
         top = target.split(".")[0]
         if stage == "fsdp_runtime" and top not in RUNTIME_ALLOWED:
@@ -108,7 +108,7 @@ def check_imports(path: str, module: str, source: str, order: list[str], *, is_p
             continue
         other = get_stage(target)
         if other not in order:
-            problems.append(f"{path}:{line}: imports {target}, whose stage {other} is not in the README's order")
+            problems.append(f"{path}:{line}: imports {target}, whose stage {other} is not in the architecture's order")
         elif order.index(other) > order.index(stage):
             problems.append(f"{path}:{line}: {stage} imports {target}, a later stage (imports run upstream only)")
         private = [p for p in target.split(".") if p.startswith("_")] + [n for n in names if n.startswith("_")]
@@ -141,9 +141,9 @@ def check_function_lengths(path: str, source: str, *, limit: int = MAX_FUNCTION_
 
 
 def test_imports_follow_the_readme_s_layering():
-    order = get_stage_order((REPO / "README.md").read_text(encoding="utf-8"))
+    order = get_stage_order((REPO / "docs" / "architecture.md").read_text(encoding="utf-8"))
     stages = {get_stage(get_module_name(p)) for p in iter_sources()} - {"autotune"}
-    assert stages <= set(order), f"stages missing from the README's order: {sorted(stages - set(order))}"
+    assert stages <= set(order), f"stages missing from the architecture's order: {sorted(stages - set(order))}"
     problems = [
         problem
         for path in iter_sources()
@@ -160,7 +160,7 @@ def test_imports_follow_the_readme_s_layering():
 
 
 def test_every_stage_names_its_public_surface():
-    order = get_stage_order((REPO / "README.md").read_text(encoding="utf-8"))
+    order = get_stage_order((REPO / "docs" / "architecture.md").read_text(encoding="utf-8"))
     assert [s for s in order if s != "cli" and get_all(s) is None] == []
 
 
@@ -197,7 +197,7 @@ ORDER = ["fsdp_runtime", "profiles", "autotune.artifacts", "autotune.search", "a
         ("autotune.plan.run", "from autotune.search.ranking import simulate_points\n", "not in its package's __all__"),
         ("fsdp_runtime.apply", "import numpy\n", "fsdp_runtime imports numpy"),
         ("fsdp_runtime.apply", "from profiles import load_model_profile\n", "a later stage"),
-        ("autotune.nowhere.x", "import os\n", "stage autotune.nowhere is not in the README's stage order"),
+        ("autotune.nowhere.x", "import os\n", "stage autotune.nowhere is not in the architecture's stage order"),
     ],
 )
 def test_each_layering_rule_catches_its_breach(module, source, fragment):
