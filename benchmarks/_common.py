@@ -1,5 +1,8 @@
-"""What several benchmarks share; imported by bare name (``from _common import ...``) after the
-benchmark has put the repository on ``sys.path``."""
+"""Helpers several scripts share: ``run_rank0`` (one function on fresh ranks) and ``with_keep_and_prefetch``.
+
+A benchmark imports it by bare name (``from _common import ...``: a script's own folder comes first on
+``sys.path``); a study or tool puts the repository root on ``sys.path`` and imports
+``benchmarks._common``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Trace-analysis throughput and memory: MB of chrome trace analysed per second by ``summarize_traces``.
+"""Prints the trace analysis' throughput (MB of chrome trace per second of ``summarize_traces``) and peak memory.
 
     python benchmarks/analysis_throughput.py                      # a generated ~50 MB CPU trace (one rank)
     python benchmarks/analysis_throughput.py --kind gpu --mb 50   # a generated ~50 MB GPU (NCCL) trace

@@ -1,4 +1,4 @@
-"""Full-state consolidation: time and memory (RSS rise) of all_gather vs broadcast vs DCP.
+"""Prints full-state consolidation's time and memory (RSS rise) per method: all_gather vs broadcast vs DCP.
 
     .venv/bin/python benchmarks/consolidation.py [--worlds 2 4] [--repeats 3] [--json out.json]
 
@@ -12,8 +12,8 @@ broadcast's, rank 0's RSS rise and how much of it is not the consolidated state 
 and the largest RSS rise of any other rank.
 
 Models: ``small`` (dim 256, 4 blocks, 4.3M params) and ``small`` at dim 1024 / FFN 3072
-(55M params, the feasibility study's "big"), with 16-token sequences to keep the one
-training step short (sequence length does not change the state's size).
+(55M params), with 16-token sequences to keep the one training step short (sequence length
+does not change the state's size).
 """
 
 from __future__ import annotations

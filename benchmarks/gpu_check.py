@@ -1,4 +1,4 @@
-"""The search on GPUs, checked in one go (issue 36): one model per GPU, warm ranks, seconds per trial.
+"""Runs a default search on GPUs in one go and prints each trial's seconds, peaks and models held, and the numerics.
 
     PYTHONPATH=. python benchmarks/gpu_check.py --dry-run      # anywhere: the plan, no CUDA call
     PYTHONPATH=. python benchmarks/gpu_check.py --out DIR      # on a GPU box: at most ~8 min on one H100/H200

@@ -1,4 +1,4 @@
-"""How well a device profile calibrated on one GPU trial predicts other configs on that GPU (issue 30).
+"""Prints how well a device profile calibrated on one GPU trial predicts other configs' steps on that GPU.
 
 On one GPU: measure FSDP2's defaults (bf16 params, fp32 reduce), calibrate a device profile on that
 trial alone ([Note: GPU calibration] in ``autotune/sim/gpu_calibrate.py``), then measure configs it

@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0's llama3 searched on one GPU: the emitted config against both baselines (issue 38).
+"""Searches torchtitan 0.3.0's llama3 on one GPU; prints the emitted config's speedup over both baselines.
 
     PYTHONPATH=. python benchmarks/gpu_torchtitan.py --dry-run      # anywhere: everything up to the first CUDA call
     PYTHONPATH=. python benchmarks/gpu_torchtitan.py --out DIR      # on a GPU box: a few minutes on one H100/H200

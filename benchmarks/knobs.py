@@ -1,4 +1,4 @@
-"""Step-time ratio of each FSDP2 knob alone versus FSDP2 defaults, measured in one run.
+"""Prints the step-time ratio of each FSDP2 knob alone to FSDP2's defaults, measured in one run.
 
     .venv/bin/python benchmarks/knobs.py [--model small] [--world 2] [--microbatches 4] [--pairs 3]
 

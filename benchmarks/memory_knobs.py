@@ -1,4 +1,6 @@
-"""Activation checkpointing and unit grouping under a memory budget (the memory knobs' benchmark).
+"""Prints the memory knobs' step and peak ratios, and a search under a memory budget against hand-written configs.
+
+Activation checkpointing and unit grouping under a memory budget.
 
 On a workload whose activations dominate the peak (the ``small`` shape at sequence
 ``--seq-len`` (512) x batch 4, 2 microbatches, 2 ranks):

@@ -1,4 +1,4 @@
-"""How long a search takes, and what it emits, quiet and with one core kept busy (issue 39).
+"""Prints how long a search takes and what it emits, quiet and with one core kept busy.
 
     .venv/bin/python benchmarks/search_time.py --out runs/search_time            # wide, 8 trials, --presearch sim
     .venv/bin/python benchmarks/search_time.py --runs quiet --model small --microbatches 2 --trials 16 \\
@@ -13,9 +13,9 @@ steps it ran (warm-up, pairs, settle and profiled steps, from rank 0's record), 
 why its pairs stopped and what it was paired with. Nothing here is timed by a test: the numbers
 are the measurement. Load (``os.getloadavg``) is printed before and after each run.
 
-The script only reads the run dir's JSON files and the ``SearchSettings`` fields every version
-since issue 31 has, so a checkout of an older commit runs it as it is (copy it there) for a
-before/after comparison.
+The script only reads the run dir's JSON files and sets ``SearchSettings`` fields that predate the
+pipeline-stage search (``--pp``), so a checkout of an older commit runs it as it is (copy it there)
+for a before/after comparison.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How well the calibrated step simulator predicts measured CPU trials ([Note: calibration]).
+"""Prints how well the calibrated step simulator predicts measured CPU trials ([Note: calibration]).
 
 For each workload x setting: calibrate on the defaults and calibration trials paired with
 them (unshard_async on: the CPU share; with ``--fit-sync``, no gradient sync: the wait per
@@ -39,7 +39,8 @@ from autotune.search import SearchSettings, SearchSpace, SilentReporter, describ
 from autotune.search.predictions import get_spearman as spearman  # noqa: E402
 from autotune.search.ranking import iter_space_params, rank_space  # noqa: E402
 from autotune.sim import Hardware, Simulator, get_model_work  # noqa: E402
-from autotune.sim.calibrate import calibrate, read_calibration_trial  # noqa: E402
+from autotune.sim.calibrate import calibrate  # noqa: E402
+from autotune.sim.calibration_trial import read_calibration_trial  # noqa: E402
 from autotune.trials import RankPool, TrialSpec, run_trial  # noqa: E402
 from profiles import load_cluster_profile  # noqa: E402
 from profiles.sources import load_model_source  # noqa: E402
@@ -57,8 +58,8 @@ WORKLOADS = {
         "batch_size": 1,
     },
 }
-# Added for issue 30 (the simulator far from its calibration points): ``wide4``, the kind of workload
-# that issue saw mispriced (wide, shallow, batch 1; run it with --microbatches 4 --grouping --ladder),
+# The simulator far from its calibration points (docs/benchmarks.md): ``wide4``, the kind of workload
+# it once mispriced (wide, shallow, batch 1; run it with --microbatches 4 --grouping --ladder),
 # and ``deep``, held out: never run while the pricing was changed, only to check it afterwards.
 WORKLOADS["wide4"] = {**WORKLOADS["wide"], "num_layers": 4}
 WORKLOADS["deep"] = {
@@ -71,8 +72,9 @@ WORKLOADS["deep"] = {
     "seq_len": 48,
     "batch_size": 2,
 }
-# Issue 31's workload: 4 blocks for 2 pipeline stages x 2 data-parallel ranks on 2x2 (run it with
-# --pp 1,2 --sample-pp 2 --microbatches 4: calibrated on the FSDP2 defaults, predicting pipeline configs).
+# The pipeline workload (docs/pipeline.md): 4 blocks for 2 pipeline stages x 2 data-parallel ranks on
+# 2x2 (run it with --pp 1,2 --sample-pp 2 --microbatches 4: calibrated on the FSDP2 defaults,
+# predicting pipeline configs).
 WORKLOADS["pipe"] = str(Path(__file__).resolve().parent / "models" / "pipe.toml")
 SETTINGS = {"raw": (2, None), "emulated": (2, "cpu-emulated-ib"), "2x2": (4, "cpu-emulated-ib")}
 NUM_MICROBATCHES = 2

@@ -1,5 +1,7 @@
-"""Per-trial overhead: fresh ranks versus a persistent RankPool, and a paired trial's reference
-on its own model versus the candidate's model switched in place.
+"""Prints a trial's fixed cost: fresh ranks vs the rank pool; ``--paired``: a reference on its own model vs in place.
+
+Fresh ranks versus a persistent RankPool, and (``--paired``) a paired trial's reference on its own
+model versus the candidate's model switched in place.
 
     .venv/bin/python benchmarks/trial_overhead.py [--model tiny] [--world 2] [--pairs 3]
     .venv/bin/python benchmarks/trial_overhead.py --paired [--model small] [--warmup 2]
@@ -40,7 +42,7 @@ from autotune.trials import (  # noqa: E402
     load_trial_config,
     run_trial,
 )
-from autotune.trials.program import PAIRED_MODELS_ENV  # noqa: E402
+from autotune.trials.sides import PAIRED_MODELS_ENV  # noqa: E402
 
 
 def _overhead_s(result: TrialResult) -> float:

@@ -24,8 +24,6 @@ from fsdp_runtime.config import (
     RuntimeConfig,
     UnitConfig,
     default_config,
-    validate_config,
-    validate_for_world,
 )
 from fsdp_runtime.consolidate import (
     CheckpointError,
@@ -46,6 +44,7 @@ from fsdp_runtime.serialize import (
     save_config,
 )
 from fsdp_runtime.switch import CONFIG_KNOBS_IN_PLACE, UNIT_KNOBS_IN_PLACE, get_structural_differences, switch_config
+from fsdp_runtime.validation import validate_config, validate_for_world
 
 __all__ = [
     "RECIPES",

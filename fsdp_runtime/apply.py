@@ -14,8 +14,9 @@ from fsdp_runtime._fsdp_private import EagerConcat
 from fsdp_runtime._torch_compat import get_unsupported_knobs, set_reduce_scatter_max_input_buffers, set_unshard_async
 from fsdp_runtime.blocks import find_block_names, find_parameters_outside, resolve_units
 from fsdp_runtime.checkpointing import CheckpointedForward, apply_checkpointing
-from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig, validate_config, validate_for_world
+from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig
 from fsdp_runtime.errors import ConfigError
+from fsdp_runtime.validation import validate_config, validate_for_world
 
 __all__ = ["AppliedFsdp", "apply_fsdp", "build_mesh", "find_block_names", "resolve_units"]
 

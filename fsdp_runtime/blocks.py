@@ -37,8 +37,9 @@ import warnings
 
 from torch import nn
 
-from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig, validate_config
+from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig
 from fsdp_runtime.errors import ConfigError
+from fsdp_runtime.validation import validate_config
 
 # Where the repeated blocks of common decoder implementations live.
 BLOCK_CONTAINERS = (

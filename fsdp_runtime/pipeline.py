@@ -63,15 +63,9 @@ from torch.distributed.pipelining import (
 from fsdp_runtime.accumulation import GradAccumulator
 from fsdp_runtime.apply import AppliedFsdp, apply_fsdp
 from fsdp_runtime.blocks import find_block_names, resolve_units, split_edge_modules
-from fsdp_runtime.config import (
-    ROOT_UNIT,
-    PipelineConfig,
-    RuntimeConfig,
-    UnitConfig,
-    validate_config,
-    validate_for_world,
-)
+from fsdp_runtime.config import ROOT_UNIT, PipelineConfig, RuntimeConfig, UnitConfig
 from fsdp_runtime.errors import ConfigError
+from fsdp_runtime.validation import validate_config, validate_for_world
 
 __all__ = ["AppliedPipeline", "Passthrough", "StageSplit", "TunedStage", "apply_pipeline", "split_stages"]
 

@@ -6,7 +6,7 @@
 
 Reading checks every value against the dataclass types of :mod:`fsdp_runtime.config`
 (unknown fields, wrong types and newer schema versions are errors naming the field path)
-and then runs :func:`~fsdp_runtime.config.validate_config`. TOML has no null: unset
+and then runs :func:`~fsdp_runtime.validation.validate_config`. TOML has no null: unset
 optional fields are omitted when writing and read back as ``None``, so both formats
 round-trip losslessly.
 """
@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fsdp_runtime._toml import dumps as dumps_toml
-from fsdp_runtime.config import SCHEMA_VERSION, PipelineConfig, RuntimeConfig, validate_config
+from fsdp_runtime.config import SCHEMA_VERSION, PipelineConfig, RuntimeConfig
 from fsdp_runtime.errors import ConfigError
 from fsdp_runtime.files import write_atomic
+from fsdp_runtime.validation import validate_config
 
 Format = Literal["toml", "json"]
 

@@ -46,7 +46,8 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_runtime._fsdp_private import EagerConcat
 from fsdp_runtime._torch_compat import set_reduce_scatter_max_input_buffers, set_unshard_async
 from fsdp_runtime.apply import AppliedFsdp, resolve_units, use_unshard_async
-from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig, validate_config
+from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig
+from fsdp_runtime.validation import validate_config
 
 __all__ = ["CONFIG_KNOBS_IN_PLACE", "UNIT_KNOBS_IN_PLACE", "get_structural_differences", "switch_config"]
 

@@ -157,7 +157,7 @@ class ClusterProfile:
             raise ValueError(f"ranks_per_node must be a positive integer, got {self.ranks_per_node!r}")
 
 
-def _read_toml(path: Path, kind: str) -> dict[str, Any]:
+def read_profile_toml(path: Path, kind: str) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
@@ -197,7 +197,7 @@ def _build(cls: type, data: dict[str, Any], path: str, source: str) -> Any:
 def load_model_profile(name_or_path: str) -> ModelProfile:
     """A built-in profile by name (``tiny``, ``small``, ``llama1b``, ``llama8b``, ``llama70b``) or a TOML path."""
     path = _resolve(name_or_path, "models", "model")
-    data = _read_toml(path, "model")
+    data = read_profile_toml(path, "model")
     shape = _build(LlamaShape, data.pop("shape", {}), "shape.", str(path))
     data.setdefault("description", "")
     return _build(ModelProfile, {**data, "shape": shape, "source": str(path)}, "", str(path))
@@ -205,7 +205,7 @@ def load_model_profile(name_or_path: str) -> ModelProfile:
 
 def load_cluster_profile(name_or_path: str) -> ClusterProfile:
     path = _resolve(name_or_path, "clusters", "cluster")
-    data = _read_toml(path, "cluster")
+    data = read_profile_toml(path, "cluster")
     links = {k: _build(LinkClass, v, f"links.{k}.", str(path)) for k, v in data.pop("links", {}).items()}
     if "accelerator" in data:
         data["accelerator"] = _build(AcceleratorSpec, data["accelerator"], "accelerator.", str(path))

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_runtime.errors import ConfigError
 from profiles.factory import DEFAULT_BATCH_SIZE, DEFAULT_SEQ_LEN, FactoryModel, ModelSourceError
 from profiles.hf import HFModel, find_config_file, get_default_seq_len
-from profiles.profile import ModelProfile, _read_toml, list_model_profiles, load_model_profile
+from profiles.profile import ModelProfile, list_model_profiles, load_model_profile, read_profile_toml
 from profiles.torchtitan import PREFIX as TORCHTITAN_PREFIX
 from profiles.torchtitan import TorchtitanModel, parse_torchtitan_ref
 
@@ -58,7 +58,7 @@ def load_model_source(model: str | dict[str, Any]) -> ModelSource:
         raise ModelSourceError(f"expected a model name, path or package.module:function, got {model!r}")
     path = Path(model).expanduser()
     if path.suffix == ".toml" and path.is_file():
-        data = _read_toml(path, "model")
+        data = read_profile_toml(path, "model")
         if "factory" in data or "hf_config" in data:
             return _load_wrapper(path, data)
         return load_model_profile(model)

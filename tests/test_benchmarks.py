@@ -1,15 +1,88 @@
-"""The benchmark scripts that run here: the GPU scripts' dry runs (without CUDA, as they will run on a GPU box up to
-the first CUDA call) and ``trial_budget.py`` on recorded searches."""
+"""The scripts of ``benchmarks/``, ``studies/`` and ``tools/``: what each folder holds, each script's one-line
+summary, and those that run here: the GPU benchmarks' dry runs (without CUDA, as they will run on a GPU box up to
+the first CUDA call) and ``studies/trial_budget.py`` on recorded searches."""
 
 from __future__ import annotations
 
+import ast
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT_DIRS = ("benchmarks", "studies", "tools")
+BENCHMARKS = {
+    "_common.py",
+    "analysis_throughput.py",
+    "consolidation.py",
+    "gpu_check.py",
+    "gpu_sim_accuracy.py",
+    "gpu_torchtitan.py",
+    "knobs.py",
+    "memory_knobs.py",
+    "search_time.py",
+    "sim_accuracy.py",
+    "trial_overhead.py",
+}
+"""The product's benchmarks: a study (a one-off question behind a design decision) goes to ``studies/``, a
+script that makes test fixtures to ``tools/``."""
+
+
+def get_summary_problem(path: Path) -> str | None:
+    """Why ``path``'s module docstring does not open with a one-line summary (one line that ends a sentence,
+    then a blank line or the docstring's end), or None when it does."""
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False)
+    if not doc:
+        return "no module docstring"
+    lines = doc.split("\n")
+    if not lines[0].strip() or lines[0] != lines[0].strip():
+        return "the docstring does not start on its first line"
+    if not lines[0].endswith((".", "?")):
+        return f"the first line does not end a sentence: {lines[0]!r}"
+    if len(lines) > 1 and lines[1].strip():
+        return f"the summary runs on past its first line: {lines[1]!r}"
+    return None
+
+
+def get_listed_scripts(readme: Path) -> set[str]:
+    """The scripts a folder's README lists: the first cell of each table row, ``| `name.py` |``."""
+    return set(re.findall(r"^\| `([\w.]+\.py)` \|", readme.read_text(encoding="utf-8"), flags=re.MULTILINE))
+
+
+@pytest.mark.parametrize("folder", SCRIPT_DIRS)
+def test_every_script_opens_with_a_one_line_summary_of_what_it_prints_or_does(folder):
+    scripts = sorted((ROOT / folder).glob("*.py"))
+    problems = {p.name: why for p in scripts if (why := get_summary_problem(p))}
+    assert scripts and not problems, problems
+
+
+@pytest.mark.parametrize("folder", SCRIPT_DIRS)
+def test_each_folder_s_readme_lists_exactly_its_scripts(folder):
+    scripts = {p.name for p in (ROOT / folder).glob("*.py")}
+    assert get_listed_scripts(ROOT / folder / "README.md") == scripts
+
+
+def test_benchmarks_holds_the_product_s_benchmarks_only():
+    assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == BENCHMARKS
+
+
+def test_the_summary_check_refuses_a_script_without_one(tmp_path):
+    cases = {
+        "none.py": "import sys\n",
+        "empty.py": '""""""\n',
+        "runs_on.py": '"""Prints the step time of each knob\nalone, against the defaults."""\n',
+        "no_sentence.py": '"""Prints the step time of each knob\n\nalone."""\n',
+    }
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        assert get_summary_problem(tmp_path / name), name
+    (tmp_path / "good.py").write_text('"""Prints the step time of each knob alone.\n\nMore here."""\n')
+    assert get_summary_problem(tmp_path / "good.py") is None
 
 
 def test_gpu_check_dry_run_plans_the_run_and_tabulates_a_recorded_trial(tmp_path):
@@ -163,7 +236,7 @@ def test_trial_budget_reads_recorded_searches_and_prices_a_budget_that_misses_th
         ]
         dirs.append(tmp_path / f"s{k}")
         _write_search(dirs[-1], trials, winner=3)
-    script = [sys.executable, str(ROOT / "benchmarks" / "trial_budget.py")]
+    script = [sys.executable, str(ROOT / "studies" / "trial_budget.py")]
     out = subprocess.run(
         [*script, *map(str, dirs), "--budgets", "2,4", "--finalists", "1", "--draws", "5"],
         capture_output=True,

@@ -32,7 +32,9 @@ FIGURES_META = "autotune-figures"
 _STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
 td:first-child,th:first-child,td.text{text-align:left}h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em}
-caption{font-weight:bold;text-align:left}p.absent{color:#a33}p.lead{font-weight:bold}"""
+caption{font-weight:bold;text-align:left}p.absent{color:#a33}p.lead{font-weight:bold}
+table.one-line td{white-space:nowrap}table.one-line caption{max-width:calc(100vw - 5em)}
+td[title]{cursor:help;text-decoration:underline dotted #999}"""
 
 
 def get_timeline_figure(report: Report) -> go.Figure | None:
@@ -137,15 +139,22 @@ def get_figures(report: Report) -> dict[str, go.Figure]:
 _NUMBER = re.compile(r"^[-+]?[\d.,]+(x|%| MB)?\*?$|^-$")
 
 
-def _cell_html(value: str) -> str:
-    return f"<td>{html.escape(value)}</td>" if _NUMBER.match(value) else f"<td class='text'>{html.escape(value)}</td>"
+def _cell_html(value: str, title: str | None = None) -> str:
+    attrs = "" if _NUMBER.match(value) else " class='text'"
+    if title is not None:
+        attrs += f" title='{html.escape(title, quote=True)}'"
+    return f"<td{attrs}>{html.escape(value)}</td>"
 
 
 def _table_html(table: ReportTable) -> str:
-    """Numbers right-aligned, text (knobs, notes) left-aligned."""
+    """Numbers right-aligned, text (knobs, notes) left-aligned; a cell's full text (``cell_titles``) on hover."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in table.columns)
-    body = "".join("<tr>" + "".join(_cell_html(v) for v in row) + "</tr>" for row in table.rows)
-    return f"<table><caption>{html.escape(table.title)}</caption><tr>{head}</tr>{body}</table>"
+    body = "".join(
+        "<tr>" + "".join(_cell_html(v, table.cell_titles.get((i, j))) for j, v in enumerate(row)) + "</tr>"
+        for i, row in enumerate(table.rows)
+    )
+    kind = " class='one-line'" if table.one_line else ""
+    return f"<table{kind}><caption>{html.escape(table.title)}</caption><tr>{head}</tr>{body}</table>"
 
 
 def get_search_sections(report: Report) -> list[FigureSection]:

@@ -186,6 +186,11 @@ class ReportTable:
     title: str
     columns: list[str]
     rows: list[list[str]] = field(default_factory=list)
+    cell_titles: dict[tuple[int, int], str] = field(default_factory=dict)
+    """``(row, column)`` -> the full text of a cell that shows less (a trial's knobs as the change from
+    the defaults, a cut note); the HTML report shows it on hover."""
+    one_line: bool = False
+    """The HTML report keeps each row on one line (its cells do not wrap)."""
 
 
 @dataclass(kw_only=True)

@@ -7,8 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.report.formatting import fmt
 from autotune.report.model import OVERHEAD_TOLERANCE, Comparison, Report, ReportTable, TrialSummary
-from autotune.report.trials_table import describe_status, get_search_trials_table
-from autotune.search import SearchRecord, TrialRow, describe_params
+from autotune.report.trials_table import (
+    NOTE_CHARS,
+    cut,
+    describe_knobs,
+    describe_status,
+    get_default_params,
+    get_search_trials_table,
+)
+from autotune.search import SearchRecord, TrialRow
 
 if TYPE_CHECKING:
     from autotune.search import SearchSummary
@@ -245,17 +252,20 @@ def get_final_round_table(conf: dict[str, Any] | None, recipe: dict[str, Any] | 
     if not finalists and against_recipe is None:
         return None
     unit = "blocks" if (conf or {}).get("estimator", "blocks") == "blocks" else "pairs"
-    title = f"Final round: each finalist vs the defaults (ratio = median of {unit})"
+    title = (
+        f"Final round: each finalist vs the defaults (ratio = median of {unit}; by order: the reference or the "
+        "candidate first, and the gap between; switch cost: candidate/reference)"
+    )
     table = ReportTable(
         title=title + ("; last row: against torchtitan's recipe" if against_recipe else ""),
-        columns=["trial", "/baseline", "IQR", "ref first", "cand first", "order gap", "switch cost c/r", "windows"],
+        columns=["trial", "/baseline", "IQR", "ref 1st", "cand 1st", "gap", "switch c/r", "windows"],
     )
     for f in sorted(finalists, key=lambda f: f["ratio"]):
         name = str(f["trial"]) + (" (emitted)" if f["trial"] == conf.get("winner") else "")
         table.rows.append([name, *_round_figures(f)])
     if against_recipe is not None:
-        who = "the defaults" if against_recipe.get("candidate") == "defaults" else "the search's config"
-        table.rows.append([f"{who} / torchtitan's recipe", *_round_figures(against_recipe)])
+        who = "defaults" if against_recipe.get("candidate") == "defaults" else "search's config"
+        table.rows.append([f"{who} / recipe", *_round_figures(against_recipe)])
     return table
 
 
@@ -271,7 +281,7 @@ def _round_figures(f: dict[str, Any]) -> list[str]:
         fmt(first, "x"),
         fmt(second, "x"),
         fmt(gap, "pct"),
-        f"{fmt(cost.get('candidate'), 'pct')} / {fmt(cost.get('reference'), 'pct')}",
+        f"{fmt(cost.get('candidate'), 'pct')}/{fmt(cost.get('reference'), 'pct')}",
         str(f.get("windows", 1)),
     ]
 
@@ -285,26 +295,24 @@ def _describe_anchor(trial: str, anchor: dict[str, Any]) -> str:
 
 
 def get_search_rows_table(rows: list[TrialRow], best: TrialRow | None) -> ReportTable:
-    """Every trial of a search with its knobs (the terminal summary of ``autotune search``);
-    ``prof``: profiler overhead (profiled / unprofiled step); exposed and overlap as traced."""
+    """Every trial of a search, the terminal summary of ``autotune search``, made for 100 columns: its
+    ratio to the defaults with the spread of its pairs, and its knobs as the change from the defaults
+    trial's with its note (why it failed or was pruned) on a line below; every figure and knob is in
+    the report and ``results.csv``."""
     table = ReportTable(
-        title="trials",
-        columns=["trial", "status", "/defaults", "spread", "step ms", "prof", "peak", "exposed ms", "overlap", "knobs"],
+        title="trials (* the best; knobs: what differs from FSDP2's defaults; every figure: the report)",
+        columns=["trial", "status", "/defaults", "spread", "knobs / note"],
     )
+    defaults = get_default_params(rows)
     for row in rows:
-        mark = " *" if best and row.number == best.number else (" (defaults)" if row.is_default else "")
+        knobs = describe_knobs(row.params, defaults)
         table.rows.append(
             [
-                f"{row.number}{mark}",
+                f"{row.number}{' *' if best and row.number == best.number else ''}",
                 describe_status(row),
                 fmt(row.ratio, "x"),
                 fmt(row.ratio_spread, "pct"),
-                fmt(row.step_ms),
-                fmt(row.profiler_overhead, "over"),
-                fmt(row.process_peak_bytes, "mb"),
-                fmt(row.exposed_comm_ms),
-                fmt(row.overlap_ratio, "pct"),
-                describe_params(row.params),
+                f"{knobs}\nnote: {cut(row.reason, NOTE_CHARS)}" if row.reason else knobs,
             ]
         )
     return table

@@ -17,9 +17,10 @@ from autotune.search.ranking import KnobFactory, RankedPoint, get_forward_key, i
 from autotune.search.results import SearchRecord, TrialRow, pick_best, read_results
 from autotune.search.run import SearchSummary, describe_interrupted, run_search
 from autotune.search.settings import SAMPLERS, SearchError, SearchReporter, SearchSettings, SilentReporter
-from autotune.search.space import SearchSpace, describe_params
+from autotune.search.space import DEFAULTS_DESCRIPTION, SearchSpace, describe_params, describe_params_diff
 
 __all__ = [
+    "DEFAULTS_DESCRIPTION",
     "SAMPLERS",
     "KnobFactory",
     "ModelPlan",
@@ -35,6 +36,7 @@ __all__ = [
     "check_mesh",
     "describe_interrupted",
     "describe_params",
+    "describe_params_diff",
     "get_forward_key",
     "get_plan_hint",
     "iter_memory_variants",

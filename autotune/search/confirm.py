@@ -16,7 +16,7 @@ get a second window of as many pairs, and each is ranked on all its pairs pooled
 box's noise known, only a noisy leader, or a leader with a runner-up a second window could show
 faster than it by more than the precision: :func:`get_contested`). Why: the
 lowest of a few noisy medians is
-biased low (the winner's curse). Measured in ``benchmarks/search_noise.py``: a final round
+biased low (the winner's curse). Measured in ``studies/search_noise.py``: a final round
 whose reference slowed by a quarter under a package install emitted a winner at 1.42x with
 pairs from 0.90x to 1.80x, while its runner-up measured a tight 1.22x; re-measured side by side
 later, the winner was 1.24x.
@@ -131,14 +131,14 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
             "emitted": "search",
             "winner": None,
             "memory": why,
-            **_speedups(None),
+            **get_speedups_over_defaults(None),
         }
     if not ranked or (ranked[0]["ratio"] >= 1.0 and defaults_fit):
         # Not one finalist beats the defaults side by side: the search's ranking was noise.
         return ctx.default_config, record | {
             "emitted": "defaults",
             "winner": None,
-            **_speedups(ranked[0] if ranked else None),
+            **get_speedups_over_defaults(ranked[0] if ranked else None),
         }
     winner = ranked[0]
     row = next(r for r in finalists if r.number == winner["trial"])
@@ -147,7 +147,7 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
         "emitted": "best",
         "winner": winner["trial"],
         **slower,
-        **_speedups(winner),
+        **get_speedups_over_defaults(winner),
     }
 
 
@@ -275,8 +275,10 @@ def pool_windows(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
     )
 
 
-def _speedups(figures: dict[str, Any] | None) -> dict[str, Any]:
-    """Speedup over the defaults (defaults / config time): the inverse of the pair ratios."""
+def get_speedups_over_defaults(figures: dict[str, Any] | None) -> dict[str, Any]:
+    """Speedup over the defaults (defaults / config time): the inverse of the pair ratios of
+    ``figures`` (a finalist's, as :func:`pool_windows` gives them; None: no finalist). The recipe's
+    round (:mod:`autotune.search.recipe`) states its speedups the same way."""
     if not figures or figures.get("ratio") is None:
         return {"speedup_median": None, "speedup_min": None, "speedup_max": None, "speedups": []}
     return {

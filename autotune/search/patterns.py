@@ -1,6 +1,6 @@
 """Block patterns of the search space: how a pattern parameter expands over units, and the
-one-line description of a point (see [Note: search-space parametrization] in
-:mod:`autotune.search.space`)."""
+one-line description of a point, whole or as its change from the defaults (see [Note: search-space
+parametrization] in :mod:`autotune.search.space`)."""
 
 from __future__ import annotations
 
@@ -77,17 +77,22 @@ def get_reshard_value(choice: str, index: int, num_blocks: int, shard: int) -> b
     return divisor
 
 
-_SHORT = {
+_SHORT = {  # in the space's order (SearchSpace.suggest asks them in it); the mesh comes first, unnamed
+    "pp": "pp",
     "forward_prefetch": "fwd",
     "backward_prefetch": "bwd",
     "reshard_after_forward": "raf",
     "reduce_scatter_buffers": "rsbuf",
+    "reduce_dtype": "reduce",
     "unshard_async": "async",
+    "pp_schedule": "sched",
+    "pp_virtual": "v",
     "nosync_blocks": "nosync",
     "nosync_level_fsdp": "level",
     "nosync_level_hsdp": "level",
     "keep_unsharded": "keep",
     "defer_concat": "defer",
+    "every_keep_unsharded": "everykeep",
     "blocks_per_unit": "group",
     "ac_units": "ac",
     "ac_kind": "ackind",
@@ -96,21 +101,47 @@ _SHORT = {
     "root_sync_hsdp": "rootsync",
     "root_keep_unsharded": "rootkeep",
     "root_split": "split",
-    "reduce_dtype": "reduce",
-    "pp": "pp",
-    "pp_schedule": "sched",
-    "pp_virtual": "v",
-    "every_keep_unsharded": "everykeep",
 }
+_ORDER = {short: i for i, short in enumerate(["mesh", *dict.fromkeys(_SHORT.values())])}
+DEFAULTS_DESCRIPTION = "defaults"
+"""What :func:`describe_params_diff` says of a point equal to the defaults."""
+
+
+def _get_knobs(params: dict[str, Any]) -> dict[str, str]:
+    """Short name -> shown value, in the space's order (names it does not know last, as given). A
+    parameter named per mesh or degree (``mesh_pp2``, ``reshard_after_forward_shard4``,
+    ``pp2_schedule``, ``root_sync_hsdp``) takes its knob's name, so that points compare knob by knob."""
+    knobs = {}
+    for key, value in params.items():
+        if key == "mesh" or key.startswith("mesh_pp"):
+            short = "mesh"
+        elif key.startswith("reshard_after_forward"):
+            short = "raf"
+        else:
+            short = "sched" if key.endswith("_schedule") else _SHORT.get(key, key)
+        knobs[short] = str(value).lower() if isinstance(value, bool) else str(value)
+    return dict(sorted(knobs.items(), key=lambda item: _ORDER.get(item[0], len(_ORDER))))
+
+
+def _join(knobs: dict[str, str]) -> str:
+    return " ".join(value if short == "mesh" else f"{short}={value}" for short, value in knobs.items())
 
 
 def describe_params(params: dict[str, Any]) -> str:
-    """A compact one-line description of a trial's knobs, for tables."""
-    pp = params.get("pp", 1)
-    parts = [str(params.get(get_mesh_key(pp), params.get("mesh", "?")))]
-    for key, value in params.items():
-        if key not in ("mesh", get_mesh_key(pp)) and not (key == "pp" and value == 1):
-            short = "raf" if key.startswith("reshard_after_forward") else _SHORT.get(key, key)
-            short = "sched" if key.endswith("_schedule") else short
-            parts.append(f"{short}={str(value).lower() if isinstance(value, bool) else value}")
-    return " ".join(parts)
+    """A compact one-line description of a point's every knob, for tables: the mesh, then
+    ``short=value`` in the space's order (``pp=1`` left out)."""
+    knobs = _get_knobs(params)
+    if knobs.get("pp") == "1":
+        del knobs["pp"]
+    return _join({"mesh": knobs.pop("mesh", "?"), **knobs})
+
+
+def describe_params_diff(params: dict[str, Any], defaults: dict[str, Any]) -> str:
+    """Only the knobs where ``params`` differs from ``defaults`` (the defaults trial's params), as
+    :func:`describe_params` writes them: ``hsdp:2x1 fwd=depth2 nosync=all level=last``; a knob the
+    defaults do not set (one asked only under another's choice) counts as changed, one that
+    ``params`` leaves out as the defaults'. :data:`DEFAULTS_DESCRIPTION` when nothing differs."""
+    knobs, base = _get_knobs(params), _get_knobs(defaults)
+    base.setdefault("pp", "1")
+    changed = {short: value for short, value in knobs.items() if base.get(short) != value}
+    return _join(changed) if changed else DEFAULTS_DESCRIPTION

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.search.calibration_trials import run_calibration_trials
 from autotune.search.ranking import RankedPoint, get_simulated_space, rank_space
 from autotune.search.settings import SearchError
-from autotune.search.space import SearchSpace, describe_params
+from autotune.search.space import SearchSpace, describe_params_diff
 from autotune.sim import (
     CalibrationError,
     CalibrationTrial,
@@ -134,7 +134,8 @@ def run_presearch(ctx: SearchContext) -> None:
     }
     study.set_user_attr(PRESEARCH_ATTR, summary)
     best = (
-        f"{describe_params(chosen[0].params)} at {chosen[0].prediction.step_s / predictor.default_step_s:.3f}x"
+        f"{describe_params_diff(chosen[0].params, ctx.space.get_default_params())} at "
+        f"{chosen[0].prediction.step_s / predictor.default_step_s:.3f}x"
         if chosen
         else "none"
     )

@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from autotune.search.confirm import _speedups
+from autotune.search.confirm import get_speedups_over_defaults
 from autotune.search.context import SearchContext
 from autotune.trials import median_or_none
 from autotune.trials.sequential import StoppingRule
@@ -147,7 +147,7 @@ def _measure(ctx: SearchContext, config: RuntimeConfig, recipe: RuntimeConfig, n
 
 def get_speedups(figures: dict[str, Any]) -> dict[str, Any]:
     """Speedup over the recipe (recipe / config time): the inverse of the pair ratios, as the final round's
-    speedup over the defaults is (``confirm._speedups``)."""
+    speedup over the defaults is (:func:`~autotune.search.confirm.get_speedups_over_defaults`)."""
     if figures.get("ratio") is None:
         return {"speedup_median": None, "speedups": []}
-    return _speedups(figures)
+    return get_speedups_over_defaults(figures)

@@ -2,10 +2,10 @@
 
 [Note: measured against the best]
 Every trial is paired with a reference ([Note: paired measurement]). The defaults are the
-slowest config of most searches (6.4 s a step against 2.2 s for the winner on issue 39's
-communication-heavy workload), so re-measuring them in every trial is the largest single cost
-of a search; and the question a trial must answer is "is this faster than the best so far?".
-Two ways to pair, ``--reference``:
+slowest config of most searches (6.4 s a step against 2.2 s for the winner on a
+communication-heavy workload on 2 CPU ranks, the kind ``benchmarks/models/wide1024.toml`` is), so
+re-measuring them in every trial is the largest single cost of a search; and the question a trial
+must answer is "is this faster than the best so far?". Two ways to pair, ``--reference``:
 
 - ``defaults`` (the default): every trial against FSDP2's defaults, its ratio measured directly.
   The best so far still decides: the stopping rule ([Note: sequential measurement]) stops a trial
@@ -57,8 +57,8 @@ DRIFT_LIMIT = 0.25
 """Relative change of the reference's median step beyond which its ratio to the defaults is measured
 again. Not lower: on a quiet box (load 0.3-2.6, ``benchmarks/search_time.py`` on ``wide``) a
 reference's step moved 18% between two trials with the load unchanged (997 ms as a candidate,
-1,202 ms as the next trial's reference, 1,040 ms in its anchor), where issue 39's busy core moved
-the defaults' step 73% (6.4 to 11.1 s)."""
+1,202 ms as the next trial's reference, 1,040 ms in its anchor), where one core kept busy moved
+that communication-heavy workload's defaults step 73% (6.4 to 11.1 s)."""
 ANCHORS_ATTR = "anchors"
 
 

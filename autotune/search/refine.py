@@ -2,7 +2,7 @@
 
 [Note: refinement]
 A dozen TPE trials over ~9 categorical knobs sample little more than at random: two
-TPE-only searches of one workload (``benchmarks/search_noise.py``, small, 4 microbatches, 12
+TPE-only searches of one workload (``studies/search_noise.py``, small, 4 microbatches, 12
 trials) emitted configs measured at 1.23x and 1.12x the defaults, each holding some of the knobs
 that pay (one skipped gradient sync on all blocks and kept them unsharded, the other only
 on the second half). So the last ``num_refine`` trials of a search are not sampled: each
@@ -30,8 +30,8 @@ value's marginal median carries the other knobs it happened to be sampled with. 
 slower for other reasons (median 0.824 vs 0.804, 0.809 vs 0.759, 0.872 vs 0.709): ranked by
 medians, that move comes last and is never tried, although a hand-written config with it beat
 every emitted one by 1.4-3.1% head to head
-(``test_a_value_sampled_with_slow_knobs_is_not_blamed_for_them``; the README's search section
-has where the fit ranks it on those studies). Why unmeasured values first: a short TPE phase
+(``test_a_value_sampled_with_slow_knobs_is_not_blamed_for_them``; docs/studies.md, "Search noise",
+has those studies). Why unmeasured values first: a short TPE phase
 can miss the value that pays most altogether. In a ``search_noise`` study (seed 1, 18
 trials, whole default space) no trial sampled "no sync on all blocks", every donor carried
 "no sync on every second block", and six refinement trials of donor moves then knob moves in

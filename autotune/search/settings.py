@@ -38,11 +38,12 @@ class SearchSettings:
     world_size: int = 2
     num_trials: int = 10
     """Total trials in the study (across resumes and workers), the defaults trial included. Why 10
-    (16 before): on the README's main command (``small``, 2 ranks, this box's 11% pair noise) six
-    searches of 10 trials took 130-183 s (median 157) and emitted 1.21-1.33x the defaults, three of
-    16 alternating with them 191-219 s and 1.31-1.39x, where twelve earlier 16-trial searches had
-    spread 1.18-1.38x: after the fourth trial a clearly faster config is rare (4 of 36 recorded
-    searches), and the later trials are mostly ties of the best the final round cannot tell apart (README, "Ten trials by default")."""
+    (16 before): on the README's main command (``small``, 2 ranks, 11% pair noise on a 2-core CPU
+    box, 2026-11-28) six searches of 10 trials took 130-183 s (median 157) and emitted 1.21-1.33x
+    the defaults, three of 16 alternating with them 191-219 s and 1.31-1.39x, where twelve earlier
+    16-trial searches had spread 1.18-1.38x: after the fourth trial a clearly faster config is rare
+    (4 of 36 recorded searches), and the later trials are mostly ties of the best the final round
+    cannot tell apart (docs/studies.md, "Trial budget"; docs/benchmarks.md, "Search time")."""
     num_microbatches: int = 2
     out_dir: Path = Path("runs/search")
     storage: str | None = None

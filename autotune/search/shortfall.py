@@ -2,8 +2,9 @@
 
 A search that ends with fewer measured trials than ``--trials``, with failed trials, with
 enqueued trials never run or without some of the presearch's calibration trials still emits a
-config, but the user must know it rests on less than they asked for (issue 39: a search on a
-busy box emitted a 1.62x calibration config where a quiet one found 2.95x, and said nothing).
+config, but the user must know it rests on less than they asked for (a search of a
+communication-heavy workload on a 2-core box with one core kept busy emitted a 1.62x calibration
+config where a quiet one found 2.95x, and said nothing).
 """
 
 from __future__ import annotations

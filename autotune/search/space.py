@@ -87,7 +87,9 @@ from typing import Any
 import optuna
 
 from autotune.search.patterns import (
+    DEFAULTS_DESCRIPTION,
     describe_params,
+    describe_params_diff,
     get_mesh_key,
     get_prefetch_lists,
     get_reshard_value,
@@ -98,7 +100,7 @@ from autotune.search.patterns import (
 )
 from fsdp_runtime import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, PipelineConfig, RuntimeConfig, UnitConfig
 
-__all__ = ["SearchSpace", "describe_params"]
+__all__ = ["DEFAULTS_DESCRIPTION", "SearchSpace", "describe_params", "describe_params_diff"]
 
 PREFETCH_CHOICES = ("implicit", "depth1", "depth2", "depth3", "paired")
 NOSYNC_PATTERNS = ("none", "all", "every_2nd", "first_half", "second_half")

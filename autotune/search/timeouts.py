@@ -3,7 +3,7 @@
 [Note: trial timeouts]
 A trial's time limit exists to kill a hung collective, not a slow box. A fixed limit did both:
 on a 2-core box with one core kept busy, the defaults' step grew from 6.4 to 11.1 s and two of a
-search's three calibration trials hit the fixed 180 s limit although nothing was stuck (issue 39).
+search's three calibration trials hit the fixed 180 s limit although nothing was stuck.
 So, unless ``--trial-timeout`` fixes one, a trial's limit follows what this box measured:
 
 - every finished run of the search (the unrecorded warm-up first, a defaults run) gives its wall

@@ -7,8 +7,9 @@ below its usable memory a predicted peak is safe: [Note: memory margin]) -> :mod
 (per-unit durations and sizes under one mesh) -> :mod:`~autotune.sim.knobs` (a runtime
 config indexed by unit) -> :mod:`~autotune.sim.timeline` (streams, links, host, memory
 ledger) -> :mod:`~autotune.sim.schedule` ([Note: FSDP2 step schedule]) ->
-:mod:`~autotune.sim.predict` (:func:`simulate`) -> :mod:`~autotune.sim.pipeline` (pipeline stages with FSDP2
-inside each: [Note: pipeline schedules]). On a machine at hand,
+:mod:`~autotune.sim.predict` (:func:`simulate`; what it predicts: :mod:`~autotune.sim.prediction`) ->
+:mod:`~autotune.sim.pipeline` (pipeline stages with FSDP2 inside each: [Note: pipeline schedules];
+a config's stages: :mod:`~autotune.sim.pipeline_stages`). On a machine at hand,
 :mod:`~autotune.sim.calibrate` fits a :class:`MeasuredProfile` (:mod:`~autotune.sim.measured`)
 from trials' traces ([Note: calibration]) that prices the same schedule in place of a GPU
 profile's datasheet figures; on a GPU, :mod:`~autotune.sim.gpu_calibrate` fits a
@@ -20,7 +21,8 @@ itself imports only ``fsdp_runtime``, ``profiles`` and torch; calibration (and
 (upstream stages). The search stage may import this one, never the reverse.
 """
 
-from autotune.sim.calibrate import CalibrationError, CalibrationTrial, calibrate, read_calibration_trial
+from autotune.sim.calibrate import calibrate
+from autotune.sim.calibration_trial import CalibrationTrial, read_calibration_trial
 from autotune.sim.device_profile import DeviceProfile, DeviceProfileError
 from autotune.sim.gpu_calibrate import (
     GpuTrial,
@@ -42,15 +44,12 @@ from autotune.sim.margin import (
 )
 from autotune.sim.measured import CollectiveFit, MeasuredProfile
 from autotune.sim.model_work import ModelWork, get_model_work
-from autotune.sim.pipeline import (
-    PipelinePrediction,
-    PipelineSimulator,
-    PipelineSpec,
-    StagePrediction,
-    get_pipeline_spec,
-)
+from autotune.sim.pipeline import PipelineSimulator
 from autotune.sim.pipeline_order import SCHEDULES, get_pipeline_order, time_order
-from autotune.sim.predict import Simulator, StepPrediction, UnitPrediction, simulate
+from autotune.sim.pipeline_stages import PipelineSpec, get_pipeline_spec
+from autotune.sim.predict import Simulator, simulate
+from autotune.sim.prediction import PipelinePrediction, StagePrediction, StepPrediction, UnitPrediction
+from autotune.sim.trace_costs import CalibrationError
 
 __all__ = [
     "SCHEDULES",

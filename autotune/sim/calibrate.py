@@ -37,8 +37,8 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
   35.3 ms, a compute scale of 0.64 and replicated configs 20.8% too fast (``sim_accuracy`` wide /
   raw ratio median error 15.7%). Clean calls spread little, so their lower quartile sits near
   their median (``small``'s block reduce: 1.40 ms against 1.58 ms) and it stays clean while a
-  quarter of the calls are: 4.8 ms on that run, which replays at 4.7% (``benchmarks/sim_replay.py``
-  recalibrates recorded runs; figures in the README's simulator accuracy section).
+  quarter of the calls are: 4.8 ms on that run, which replays at 4.7% (``studies/sim_replay.py``
+  recalibrates recorded runs; figures in docs/benchmarks.md, "Simulator accuracy", and docs/studies.md).
 - *Hooks the anchor does not run* (``OPTIONAL_HOOK_KEYS``), from the first extra trial whose
   trace shows them: on a shard group of one (HSDP Nx1) FSDP2 unshards by a plain copy and
   reduces without a reduce-scatter (``unshard_local``/``reduce_local``: its pre-forward labels,
@@ -79,7 +79,7 @@ ran) and the per-rank traces, read through :class:`autotune.analysis.FsdpTraceAn
   collective the saving is ~8% of the step, and 3-4 pairs spread 4-9%. *Off by default*
   (``fit_sync``): the fit absorbs whatever else the simulator gets wrong about that trial, and
   with eager concat and a shard group of one's copies priced from their own labels
-  ``sim_accuracy`` predicts better without it (figures in the README's simulator accuracy section).
+  ``sim_accuracy`` predicts better without it (figures in docs/benchmarks.md, "Simulator accuracy").
 - *CPU share of an asynchronous collective* (``cpu_share``): gloo's worker thread shares the
   cores with compute, so an asynchronous all-gather slows the compute it overlaps. Fitted
   (bisection on [0, 1.5]) so that the simulator predicts a calibration trial with
@@ -93,92 +93,22 @@ the predicted ones, and contention that depends on the config beyond the one sha
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotune.sim.calibration_trial import CalibrationTrial, is_local, load_trace_costs
 from autotune.sim.costs import get_padded_numel
 from autotune.sim.hardware import Hardware, get_dtype_bytes
 from autotune.sim.measured import LOCAL_HOOK_KEYS, OPTIONAL_HOOK_KEYS, CollectiveFit, MeasuredProfile
 from autotune.sim.model_work import ModelWork
 from autotune.sim.predict import Simulator
 from autotune.sim.probes import measure_add_bytes_per_s, measure_page_fault_s
-from autotune.sim.trace_costs import CalibrationError, TraceCosts, get_trace_costs
-from fsdp_runtime import ROOT_UNIT, RuntimeConfig, load_config, validate_for_world
-from profiles import ClusterProfile, load_cluster_profile
+from autotune.sim.trace_costs import TraceCosts
+from fsdp_runtime import ROOT_UNIT, validate_for_world
+from profiles import load_cluster_profile
 
 REAL_DOMINATES = 1.15
 """An emulated collective says what its real transfer costs only above this multiple of its modelled time."""
-
-
-@dataclass(kw_only=True)
-class CalibrationTrial:
-    """One finished trial read back for calibration."""
-
-    path: Path
-    config: RuntimeConfig
-    world_size: int
-    step_s: float
-    """Median unprofiled step (the slowest rank per step)."""
-    cluster: ClusterProfile | None
-    """The cluster whose links the trial emulated; None: raw links."""
-    traces: list[Path] = field(default_factory=list)
-    ratio: float | None = None
-    """Measured against another config in alternating pairs ([Note: paired measurement]): the
-    median step-time ratio to it (None: unpaired, or paired with itself)."""
-    reference_step_s: float | None = None
-    """That reference's median step in the same pairs."""
-
-    @property
-    def emulated(self) -> bool:
-        return self.cluster is not None and any(link.emulated for link in self.cluster.links.values())
-
-
-def read_calibration_trial(path: str | Path) -> CalibrationTrial:
-    """A trial dir (``metrics.json``, ``config.toml``, traces) as calibration input."""
-    from autotune.trials import TrialMetrics
-
-    path = Path(path)
-    metrics = TrialMetrics.read(path / "metrics.json")
-    if metrics.status != "ok" or not metrics.step_ms:
-        raise CalibrationError(
-            f"{path}: trial status {metrics.status} ({metrics.reason or 'no step time'}): only a finished trial calibrates"
-        )
-    if not metrics.traces:
-        raise CalibrationError(
-            f"{path}: the trial has no traces (it ran without the profiler): calibration reads FSDP2's labels from them"
-        )
-    cluster = load_cluster_profile(metrics.cluster) if metrics.cluster else None
-    reference = metrics.reference_step_ms_per_step
-    paired = (
-        reference
-        and metrics.paired.get("ratio") is not None
-        and statistics.median(reference) != statistics.median(metrics.step_ms_per_step)
-    )
-    return CalibrationTrial(
-        path=path,
-        config=load_config(path / "config.toml"),
-        world_size=metrics.world_size,
-        step_s=metrics.step_ms / 1e3,
-        cluster=cluster,
-        traces=[path / t for t in metrics.traces],
-        ratio=metrics.paired["ratio"] if paired else None,
-        reference_step_s=statistics.median(reference) / 1e3 if paired else None,
-    )
-
-
-def load_trace_costs(trial: CalibrationTrial, work: ModelWork, *, local: bool = False) -> TraceCosts:
-    from autotune.analysis import FsdpTraceAnalysis
-
-    events = FsdpTraceAnalysis(trial.traces).events
-    return get_trace_costs(
-        events, block_names=work.block_names, num_microbatches=trial.config.num_microbatches, local=local
-    )
-
-
-def _is_local(trial: CalibrationTrial) -> bool:
-    """The trial ran on a shard group of one (HSDP Nx1): FSDP2 unshards and reduces by plain copies."""
-    return trial.world_size > 1 and validate_for_world(trial.config, trial.world_size)[1] == 1
 
 
 # -- collectives ----------------------------------------------------------------------------
@@ -330,7 +260,7 @@ def _read_all_trials(
     hooks = dict(costs.hooks)
     hook_sources: dict[str, Path] = {}
     for trial in extra:
-        trial_costs = load_trace_costs(trial, work, local=_is_local(trial))
+        trial_costs = load_trace_costs(trial, work, local=is_local(trial))
         points += get_collective_points(trial, trial_costs, work)
         if trial.world_size != anchor.world_size:
             continue

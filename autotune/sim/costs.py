@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.sim.hardware import Group, Hardware, get_dtype_bytes, get_group
+from autotune.sim.hardware import Group, Hardware, SimError, get_dtype_bytes, get_group
+from autotune.sim.knobs import Knobs
 from autotune.sim.measured import LOCAL_HOOK_KEYS
 from autotune.sim.model_work import ModelWork
 from autotune.sim.probes import get_grouping_fault_seconds, get_mmap_threshold_bytes
@@ -146,6 +147,45 @@ def get_mesh_costs(
         unit_num_blocks=counts,
         unit_checkpointing=kinds,
     )
+
+
+class MeshCostCache:
+    """:func:`get_mesh_costs` of one model on one cluster, computed once per mesh, dtypes, unit grouping
+    and checkpointing (what a config's knobs change about the prices); the simulator of a step and
+    each pipeline stage hold one."""
+
+    def __init__(self, work: ModelWork, hardware: Hardware, *, activation_checkpointing: bool = False) -> None:
+        self.work, self.hardware, self.ac = work, hardware, activation_checkpointing
+        self._costs: dict[tuple[Any, ...], MeshCosts] = {}
+
+    def get(self, knobs: Knobs) -> MeshCosts:
+        """The prices of ``knobs``' mesh; a param dtype other than the one the work was traced in is refused."""
+        if knobs.param_dtype != self.work.dtype:
+            raise SimError(
+                f"mixed_precision.param_dtype is {knobs.param_dtype} but the workload was traced in {self.work.dtype}",
+                field="mixed_precision.param_dtype",
+            )
+        key = (
+            knobs.replicate,
+            knobs.shard,
+            knobs.param_dtype,
+            knobs.reduce_dtype,
+            knobs.unit_blocks,
+            knobs.checkpointing,
+        )
+        if key not in self._costs:
+            self._costs[key] = get_mesh_costs(
+                self.work,
+                self.hardware,
+                replicate=knobs.replicate,
+                shard=knobs.shard,
+                param_dtype=knobs.param_dtype,
+                reduce_dtype=knobs.reduce_dtype,
+                activation_checkpointing=self.ac,
+                unit_blocks=knobs.unit_blocks,
+                checkpointing=knobs.checkpointing,
+            )
+        return self._costs[key]
 
 
 def _get_compute_costs(work: ModelWork, hardware: Hardware, counts: list[int], kinds: list[str]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ holds the ranks ``r x dp .. r x dp + dp - 1`` (``dp = world / pp``), and each st
 root over that data-parallel mesh. The model's blocks are cut into ``pp x v`` stages (``v``
 virtual stages per pp rank; stage ``s`` on pp rank ``s % pp``, torch's looped placement); the
 first stage also holds the embeddings, the last the final norm, the output head and the loss.
-A stage's FSDP units are the config's units whose blocks it holds, its root the stage module.
+A stage's FSDP units are the config's units whose blocks it holds, its root the stage module
+(the cut: :mod:`autotune.sim.pipeline_stages`).
 
 What one step costs is found by running the schedule, not by a formula:
 
@@ -29,8 +30,8 @@ What one step costs is found by running the schedule, not by a formula:
    backward is not the step's last (torch's ``PipelineStage`` says so to FSDP2 with
    ``set_is_last_backward(False)``), so FSDP2's final callback does not make the compute
    stream wait: a ``sync = "every"`` unit's reduce-scatter of microbatch i runs while the
-   stage computes *other* microbatches' forwards and backwards (the overlap Paddle #57446
-   built by hand for 1F1B), and is waited for only when the reduce-scatter buffers run out
+   stage computes *other* microbatches' forwards and backwards (the overlap PaddlePaddle's
+   pull request 57446 built by hand for 1F1B), and is waited for only when the reduce-scatter buffers run out
    or after the stage's last backward. A ``sync = "last"`` unit reduces once, in the stage's
    last backward, where that backward's remaining units hide all but its tail; it holds the
    stage's unsharded gradients across microbatches instead. (torch's stage on its own turns
@@ -67,178 +68,28 @@ collectives; a rank's virtual stages share one stream per kind of collective.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from autotune.sim.costs import ORIG_BYTES
+from autotune.sim.costs import ORIG_BYTES, MeshCostCache
 from autotune.sim.hardware import Hardware
 from autotune.sim.knobs import Knobs, resolve_knobs
-from autotune.sim.model_work import ModelWork, PassWork
-from autotune.sim.pipeline_order import INTERLEAVED, SCHEDULES, Action, get_pipeline_order, run_order
-from autotune.sim.predict import Simulator, StepPrediction, UnitPrediction, _group_name
+from autotune.sim.model_work import ModelWork
+from autotune.sim.pipeline_order import Action, get_pipeline_order, run_order
+from autotune.sim.pipeline_stages import (
+    PipelineSpec,
+    check_pipeline,
+    get_pipeline_spec,
+    get_stage_work,
+    get_weight_seconds,
+    slice_knobs,
+    split_units,
+)
+from autotune.sim.prediction import PipelinePrediction, StagePrediction, UnitPrediction, get_group_name
 from autotune.sim.schedule import GRADS, StepSchedule
 from autotune.sim.timeline import COMPUTE, MemoryLedger, Timeline
-from fsdp_runtime import ROOT_UNIT, RuntimeConfig
+from fsdp_runtime import RuntimeConfig
 from fsdp_runtime.errors import ConfigError
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineSpec:
-    """A config's pipeline (schema 3's ``mesh.pp`` and ``[pipeline]``, read by :func:`get_pipeline_spec`)."""
-
-    pp: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    blocks_per_stage: tuple[int, ...] | None = None
-    """Blocks of each stage, in stage order; None: an even split."""
-    num_microbatches: int = 1
-    """The schedule's ``n_microbatches`` (the config's ``num_microbatches``)."""
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.virtual_stages
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "pp": self.pp,
-            "schedule": self.schedule,
-            "virtual_stages": self.virtual_stages,
-            "blocks_per_stage": list(self.blocks_per_stage) if self.blocks_per_stage else None,
-            "num_microbatches": self.num_microbatches,
-        }
-
-
-def get_pipeline_spec(config: RuntimeConfig) -> PipelineSpec:
-    """The pipeline a config asks for (schema 3's ``mesh.pp`` and ``[pipeline]``; read with defaults, so
-    that a config object without them is one without a pipeline)."""
-    pipeline = getattr(config, "pipeline", None)
-    blocks = getattr(pipeline, "blocks_per_stage", None)
-    return PipelineSpec(
-        pp=getattr(config.mesh, "pp", 1),
-        schedule=getattr(pipeline, "schedule", "1f1b"),
-        virtual_stages=getattr(pipeline, "virtual_stages", 1),
-        blocks_per_stage=tuple(blocks) if blocks else None,
-        num_microbatches=config.num_microbatches,
-    )
-
-
-def check_pipeline(spec: PipelineSpec, num_blocks: int) -> list[range]:
-    """The blocks of each stage; a pipeline the schedule or the model cannot run is refused in one line."""
-    if spec.schedule not in SCHEDULES:
-        raise ConfigError(
-            "pipeline.schedule", f"unknown schedule {spec.schedule!r}", fix=f"one of {', '.join(SCHEDULES)}"
-        )
-    if spec.pp < 1:
-        raise ConfigError("mesh.pp", f"must be >= 1, got {spec.pp}")
-    interleaved = spec.schedule in INTERLEAVED
-    if interleaved != (spec.virtual_stages >= 2):
-        need = ">= 2" if interleaved else "1"
-        raise ConfigError(
-            "pipeline.virtual_stages",
-            f"is {spec.virtual_stages}, schedule {spec.schedule!r} needs {need}",
-            fix="interleaved schedules hold >= 2 stages per pp rank, gpipe and 1f1b one",
-        )
-    if spec.schedule == "1f1b" and spec.num_microbatches < spec.pp:
-        raise ConfigError(
-            "num_microbatches",
-            f"is {spec.num_microbatches}, 1f1b needs at least mesh.pp = {spec.pp} (torch refuses fewer)",
-        )
-    rounds = max(1, spec.num_microbatches // spec.pp)
-    if interleaved and spec.num_microbatches % rounds:
-        raise ConfigError(
-            "num_microbatches",
-            f"{spec.num_microbatches} is not a multiple of its {rounds} rounds of mesh.pp = {spec.pp} (torch's interleaved schedules)",
-        )
-    return _get_stage_ranges(spec, num_blocks)
-
-
-def _get_stage_ranges(spec: PipelineSpec, num_blocks: int) -> list[range]:
-    stages = spec.num_stages
-    if spec.blocks_per_stage is None:  # the field and words of fsdp_runtime.pipeline's own check
-        if num_blocks % stages:
-            raise ConfigError(
-                "mesh.pp",
-                f"{num_blocks} blocks do not split evenly into {stages} stages (mesh.pp {spec.pp} x "
-                f"pipeline.virtual_stages {spec.virtual_stages})",
-                fix=f"choose stages dividing {num_blocks}, or list pipeline.blocks_per_stage",
-            )
-        sizes: tuple[int, ...] = (num_blocks // stages,) * stages
-    else:
-        sizes = spec.blocks_per_stage
-        if len(sizes) != stages or sum(sizes) != num_blocks or min(sizes) < 1:
-            raise ConfigError(
-                "pipeline.blocks_per_stage",
-                f"{list(sizes)} does not give each of the {stages} stages >= 1 of the model's {num_blocks} blocks",
-                fix="one positive count per stage, summing to the blocks",
-            )
-    starts = [sum(sizes[:s]) for s in range(stages)]
-    return [range(start, start + size) for start, size in zip(starts, sizes)]
-
-
-# -- action orders --------------------------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class StagePrediction:
-    """One pipeline stage over a step (its pp rank's figures where the rank's stages share them)."""
-
-    stage: int
-    rank: int
-    """The pp rank holding it."""
-    blocks: str
-    """Its blocks (``layers.0-9``)."""
-    compute_s: float
-    """Its forwards' and backwards' compute over the step."""
-    comm_s: float
-    """Its FSDP2 collectives over the step."""
-    exposed_comm_s: float
-    """What its compute waited for them."""
-    optimizer_s: float
-    max_in_flight: int
-    """The most microbatches whose activations it held at once."""
-    bubble_fraction: float
-    """Of its rank: the share of the step the rank's compute stream idled."""
-    peak_memory_bytes: float
-    """Of its rank."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "rank": self.rank,
-            "blocks": self.blocks,
-            "compute_ms": 1e3 * self.compute_s,
-            "comm_ms": 1e3 * self.comm_s,
-            "exposed_comm_ms": 1e3 * self.exposed_comm_s,
-            "optimizer_ms": 1e3 * self.optimizer_s,
-            "max_in_flight": self.max_in_flight,
-            "bubble_fraction": self.bubble_fraction,
-            "peak_memory_gib": self.peak_memory_bytes / 2**30,
-        }
-
-
-@dataclass(kw_only=True)
-class PipelinePrediction(StepPrediction):
-    """A step of a pipeline: the slowest rank's step, the largest rank's peak and exposed communication;
-    ``units`` are the stages."""
-
-    pipeline: PipelineSpec
-    bubble_fraction: float
-    """The mean over pp ranks of the share of the step a rank idled."""
-    p2p_s: float
-    """Seconds of one point-to-point transfer between two stages (the slowest boundary)."""
-    stages: list[StagePrediction] = field(default_factory=list)
-
-    def to_metrics(self) -> dict[str, float]:
-        return {**super().to_metrics(), "predicted_bubble_fraction": self.bubble_fraction}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **super().to_dict(),
-            "pipeline": self.pipeline.to_dict(),
-            "bubble_fraction": self.bubble_fraction,
-            "p2p_ms": 1e3 * self.p2p_s,
-            "stages": [s.to_dict() for s in self.stages],
-        }
 
 
 class _RankLedger(MemoryLedger):
@@ -322,7 +173,7 @@ class PipelineSimulator:
         self.peak_flops = (
             hardware.get_peak_flops(work.dtype) if hardware.measured is None or hardware.cluster.accelerator else 0.0
         )
-        self._simulators: dict[tuple[Any, ...], Simulator] = {}
+        self._stage_costs: dict[tuple[Any, ...], MeshCostCache] = {}
 
     def get_dp_hardware(self, pp: int) -> Hardware:
         """The cluster as one stage's data-parallel mesh sees it: ``world / pp`` ranks, pp outermost."""
@@ -357,7 +208,7 @@ class PipelineSimulator:
         hardware = self.get_dp_hardware(spec.pp)
         stages = [
             self._build_stage(s, units, ranges[s], spec, knobs, hardware)
-            for s, units in enumerate(_split_units(knobs, ranges, self.work.block_names))
+            for s, units in enumerate(split_units(knobs, ranges, self.work.block_names))
         ]
         run = _PipelineRun(stages, spec)
         order = get_pipeline_order(spec.schedule, spec.pp, spec.virtual_stages, spec.num_microbatches)
@@ -371,13 +222,13 @@ class PipelineSimulator:
     ) -> _Stage:
         first, last = index == 0, index == spec.num_stages - 1
         key = (spec.pp, first, last, len(blocks))
-        if key not in self._simulators:
-            work = _get_stage_work(self.work, self.work.block_names[blocks.start : blocks.stop], first=first, last=last)
-            self._simulators[key] = Simulator(work, hardware, activation_checkpointing=self.ac)
-        simulator = self._simulators[key]
-        stage_knobs = _slice_knobs(knobs, units, blocks.start)
-        costs = simulator.get_costs(stage_knobs)
-        work = simulator.work
+        if key not in self._stage_costs:
+            work = get_stage_work(self.work, self.work.block_names[blocks.start : blocks.stop], first=first, last=last)
+            self._stage_costs[key] = MeshCostCache(work, hardware, activation_checkpointing=self.ac)
+        stage_costs = self._stage_costs[key]
+        stage_knobs = slice_knobs(knobs, units, blocks.start)
+        costs = stage_costs.get(stage_knobs)
+        work = stage_costs.work
         schedule = _StageSchedule(
             stage_knobs,
             costs,
@@ -386,7 +237,7 @@ class PipelineSimulator:
             activation_checkpointing=self.ac,
             root_head_fraction=work.root_head_fraction,
         )
-        schedule.weight_s = _get_weight_seconds(work, hardware, costs.backward_s, costs.unit_num_blocks)
+        schedule.weight_s = get_weight_seconds(work, hardware, costs.backward_s, costs.unit_num_blocks)
         tail = work.activations.tail_peak - work.activations.block_saved - work.activations.head if last else 0.0
         schedule.saved_per_microbatch = schedule.act_head + schedule.act_saved + max(tail, 0.0)
         return _Stage(
@@ -499,112 +350,6 @@ class _PipelineRun:
                 stage.schedule.run_optimizer()
 
 
-def _split_units(knobs: Knobs, ranges: list[range], block_names: tuple[str, ...]) -> list[list[int]]:
-    """The units (indices into ``knobs``' non-root units) each stage holds; a unit across two stages is refused."""
-    stage_of = {b: s for s, blocks in enumerate(ranges) for b in blocks}
-    groups = knobs.unit_blocks or tuple((b,) for b in range(len(block_names)))
-    units: list[list[int]] = [[] for _ in ranges]
-    for u, blocks in enumerate(groups):
-        first, last = stage_of[blocks[0]], stage_of[blocks[-1]]
-        if first != last:
-            raise ConfigError(
-                "units",
-                f"a unit holds {block_names[blocks[0]]}..{block_names[blocks[-1]]}, blocks of pipeline stages {first} and {last}",
-                fix="group only blocks of one stage (pipeline.blocks_per_stage)",
-            )
-        units[first].append(u)
-    return units
-
-
-def _slice_knobs(knobs: Knobs, units: list[int], first_block: int) -> Knobs:
-    """One stage's knobs: its units, then the root (the stage module); prefetch stays within the stage."""
-    root = len(knobs.sync) - 1
-    keep = [*units, root]
-    index = {u: i for i, u in enumerate(keep)}
-
-    def pick(values: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(values[u] for u in keep)
-
-    def targets(lists: tuple[tuple[int, ...] | None, ...]) -> tuple[tuple[int, ...] | None, ...]:
-        return tuple(None if t is None else tuple(index[v] for v in t if v in index) for t in pick(lists))
-
-    return dataclasses.replace(
-        knobs,
-        reshard_after_forward=pick(knobs.reshard_after_forward),
-        forward_prefetch=targets(knobs.forward_prefetch),
-        backward_prefetch=targets(knobs.backward_prefetch),
-        sync=pick(knobs.sync),
-        reshard_after_backward=pick(knobs.reshard_after_backward),
-        defer_concat=pick(knobs.defer_concat),
-        unit_blocks=None
-        if knobs.unit_blocks is None
-        else tuple(tuple(b - first_block for b in knobs.unit_blocks[u]) for u in units),
-        checkpointing=None if knobs.checkpointing is None else pick(knobs.checkpointing),
-    )
-
-
-def _get_stage_work(work: ModelWork, blocks: tuple[str, ...], *, first: bool, last: bool) -> ModelWork:
-    """The model as one stage holds it: its blocks; the embeddings on the first stage, the norm, output
-    head and loss on the last; a later stage's input is a block's input."""
-    head, tail = _split_root_shapes(work)
-    nothing = PassWork()
-    kept = {"block"} | ({"head"} if first else set()) | ({"tail"} if last else set())
-    a = work.activations
-    return dataclasses.replace(
-        work,
-        block_names=blocks,
-        param_shapes={
-            **{b: work.param_shapes[b] for b in blocks},
-            ROOT_UNIT: (head if first else ()) + (tail if last else ()),
-        },
-        root_head_fraction=work.root_head_fraction if first and last else float(first),
-        work={key: value if key[0] in kept else nothing for key, value in work.work.items()},
-        activations=dataclasses.replace(
-            a,
-            head=a.head if first else a.block_input,
-            # not the last stage: its output is kept for the backward and its gradient arrives
-            tail_peak=a.tail_peak if last else a.block_saved + a.block_input,
-        ),
-    )
-
-
-def _split_root_shapes(work: ModelWork) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-    """The root's parameters (registered in module order) cut where the head's share of elements ends:
-    (embeddings, norm + output head). Tied embeddings have no head share: all go to the last stage."""
-    shapes = work.param_shapes[ROOT_UNIT]
-    sizes = [_numel(s) for s in shapes]
-    target, total = work.root_head_fraction * sum(sizes), 0
-    for i, size in enumerate(sizes):
-        if total >= target * (1 - 1e-9):
-            return shapes[:i], shapes[i:]
-        total += size
-    return shapes, ()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _get_weight_seconds(
-    work: ModelWork, hardware: Hardware, backward_s: list[float], counts: list[int] | None
-) -> list[float]:
-    """Per unit, what zero bubble's W computes: the weight-gradient GEMMs, half of a backward's GEMM
-    FLOPs (dW beside dX) in each block and the output head (the embeddings' backward is added to the root's W)."""
-    block, tail = work.work["block", "backward"], work.work["tail", "backward"]
-    counts = counts or [1] * (len(backward_s) - 1)
-    if hardware.cluster.accelerator is not None:
-        rate = hardware.get_gemm_flops_per_s(work.dtype)
-        per_block, root = 0.5 * block.gemm_flops / rate, 0.5 * tail.gemm_flops / rate
-        return [min(c * per_block, s) for c, s in zip(counts, backward_s)] + [min(root, backward_s[-1])]
-    # a measured CPU profile has no GEMM rate: the GEMMs' share of the FLOPs
-    share = 0.5 * block.gemm_flops / block.flops if block.flops else 0.0
-    tail_share = 0.5 * tail.gemm_flops / tail.flops if tail.flops else 0.0
-    return [share * s for s in backward_s[:-1]] + [tail_share * backward_s[-1]]
-
-
 def _describe_blocks(names: tuple[str, ...], blocks: range) -> str:
     first, last = names[blocks.start], names[blocks.stop - 1]
-    return first if first == last else _group_name(first, last)
+    return first if first == last else get_group_name(first, last)

@@ -1,100 +1,17 @@
-"""``simulate``: one training step of a runtime config on a cluster -> a :class:`StepPrediction`."""
+"""``simulate``: one training step of a runtime config on a cluster -> a :class:`StepPrediction`
+(:mod:`autotune.sim.prediction`); a config with pipeline stages is handed to
+:class:`~autotune.sim.pipeline.PipelineSimulator`, which runs this schedule inside each stage."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
-from autotune.sim.costs import MeshCosts, get_mesh_costs
-from autotune.sim.hardware import Hardware, SimError
+from autotune.sim.costs import MeshCostCache, MeshCosts
+from autotune.sim.hardware import Hardware
 from autotune.sim.knobs import Knobs, resolve_knobs
 from autotune.sim.model_work import ModelWork
+from autotune.sim.pipeline import PipelineSimulator
+from autotune.sim.prediction import StepPrediction, UnitPrediction, get_group_name
 from autotune.sim.schedule import StepSchedule
 from fsdp_runtime import ROOT_UNIT, RuntimeConfig
-
-
-@dataclass(kw_only=True)
-class UnitPrediction:
-    name: str
-    comm_s: float
-    """Seconds of this unit's collectives (all-gathers, reduce-scatters, all-reduces) per step."""
-    exposed_s: float
-    """Seconds the compute stream waited for them."""
-
-    @property
-    def overlap(self) -> float | None:
-        return None if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_s / self.comm_s)
-
-
-@dataclass(kw_only=True)
-class StepPrediction:
-    """What the simulator predicts for one optimizer step on one rank."""
-
-    step_s: float
-    compute_s: float
-    """Seconds the compute stream was busy (kernels, copies, the optimizer)."""
-    comm_s: float
-    exposed_comm_s: float
-    tokens_per_s_per_device: float
-    mfu: float
-    """Model FLOPs (as FlopCounterMode counts them) per second / the device's dense peak (0 without one: a measured CPU profile)."""
-    peak_memory_bytes: float
-    memory_capacity_bytes: float
-    memory_breakdown: dict[str, float] = field(default_factory=dict)
-    units: list[UnitPrediction] = field(default_factory=list)
-    phase_peaks: dict[str, float] = field(default_factory=dict)
-    """Peak memory in each phase (``forward``, ``backward``, ``optimizer``)."""
-    memory_edge_bytes: float | None = None
-    """The largest safe peak: ``memory_capacity_bytes`` less the margin ([Note: memory margin]); None: no margin (CPU)."""
-
-    @property
-    def fits(self) -> bool:
-        return self.peak_memory_bytes <= self.memory_capacity_bytes
-
-    @property
-    def at_edge(self) -> bool:
-        """Fits the usable memory, but not with the margin: it may still run out of memory."""
-        return self.fits and self.memory_edge_bytes is not None and self.peak_memory_bytes > self.memory_edge_bytes
-
-    @property
-    def is_safe(self) -> bool:
-        return self.fits and not self.at_edge
-
-    @property
-    def memory_headroom_bytes(self) -> float:
-        return self.memory_capacity_bytes - self.peak_memory_bytes
-
-    def describe_memory(self) -> str:
-        """``peak 91.2 GiB > 77.6 GiB usable (activations 71.0, ...)``."""
-        parts = ", ".join(
-            f"{k.replace('_', ' ')} {v / 2**30:.1f}"
-            for k, v in sorted(self.memory_breakdown.items(), key=lambda kv: -kv[1])[:4]
-        )
-        relation = "<=" if self.fits else ">"
-        edge = (
-            f", at the edge (safe below {self.memory_edge_bytes / 2**30:.1f} GiB)"
-            if self.at_edge and self.memory_edge_bytes is not None
-            else ""
-        )
-        return f"peak {self.peak_memory_bytes / 2**30:.1f} GiB {relation} {self.memory_capacity_bytes / 2**30:.1f} GiB usable{edge} ({parts})"
-
-    def to_metrics(self) -> dict[str, float]:
-        return {
-            "predicted_step_ms": 1e3 * self.step_s,
-            "predicted_tokens_per_s_per_device": self.tokens_per_s_per_device,
-            "predicted_mfu": self.mfu,
-            "predicted_exposed_comm_ms": 1e3 * self.exposed_comm_s,
-            "predicted_peak_memory_gib": self.peak_memory_bytes / 2**30,
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **self.to_metrics(),
-            "fits": self.fits,
-            "at_edge": self.at_edge,
-            "memory_breakdown_gib": {k: v / 2**30 for k, v in self.memory_breakdown.items()},
-            "units": [{"name": u.name, "comm_ms": 1e3 * u.comm_s, "exposed_ms": 1e3 * u.exposed_s} for u in self.units],
-        }
 
 
 class Simulator:
@@ -107,42 +24,15 @@ class Simulator:
         self.peak_flops = (
             hardware.get_peak_flops(work.dtype) if hardware.measured is None or hardware.cluster.accelerator else 0.0
         )
-        self._costs: dict[tuple[Any, ...], MeshCosts] = {}
+        self._costs = MeshCostCache(work, hardware, activation_checkpointing=activation_checkpointing)
         margin = hardware.memory_margin
         self.memory_edge_bytes = margin.edge_bytes if margin is not None else None
 
     def get_costs(self, knobs: Knobs) -> MeshCosts:
-        if knobs.param_dtype != self.work.dtype:
-            raise SimError(
-                f"mixed_precision.param_dtype is {knobs.param_dtype} but the workload was traced in {self.work.dtype}",
-                field="mixed_precision.param_dtype",
-            )
-        key = (
-            knobs.replicate,
-            knobs.shard,
-            knobs.param_dtype,
-            knobs.reduce_dtype,
-            knobs.unit_blocks,
-            knobs.checkpointing,
-        )
-        if key not in self._costs:
-            self._costs[key] = get_mesh_costs(
-                self.work,
-                self.hardware,
-                replicate=knobs.replicate,
-                shard=knobs.shard,
-                param_dtype=knobs.param_dtype,
-                reduce_dtype=knobs.reduce_dtype,
-                activation_checkpointing=self.ac,
-                unit_blocks=knobs.unit_blocks,
-                checkpointing=knobs.checkpointing,
-            )
-        return self._costs[key]
+        return self._costs.get(knobs)
 
     def simulate(self, config: RuntimeConfig) -> StepPrediction:
         if getattr(config.mesh, "pp", 1) > 1:  # schema 3's pipeline: [Note: pipeline schedules]
-            from autotune.sim.pipeline import PipelineSimulator  # it builds on this module
-
             return PipelineSimulator(self.work, self.hardware, activation_checkpointing=self.ac).simulate(config)
         knobs = resolve_knobs(
             config, self.work.block_names, world_size=self.hardware.world_size, device=self.hardware.cluster.device
@@ -195,7 +85,7 @@ class Simulator:
         names = (
             [
                 *(
-                    _group_name(self.work.block_names[b[0]], self.work.block_names[b[-1]])
+                    get_group_name(self.work.block_names[b[0]], self.work.block_names[b[-1]])
                     if len(b) > 1
                     else self.work.block_names[b[0]]
                     for b in knobs.unit_blocks
@@ -249,14 +139,3 @@ def simulate(
 ) -> StepPrediction:
     """Predict one step of ``config`` (see [Note: FSDP2 step schedule])."""
     return Simulator(work, hardware, activation_checkpointing=activation_checkpointing).simulate(config)
-
-
-def _group_name(first: str, last: str) -> str:
-    """A grouped unit's name as the search space writes it: ``layers.0-1`` (else ``first-last``)."""
-    prefix, _, start = first.rpartition(".")
-    other, _, end = last.rpartition(".")
-    return (
-        f"{prefix}.{start}-{end}"
-        if prefix and prefix == other and start.isdecimal() and end.isdecimal()
-        else f"{first}-{last}"
-    )

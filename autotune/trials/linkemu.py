@@ -25,7 +25,7 @@ time the link model says the transfer would end:
   gloo work has completed, every rank of the group has issued it, so the board holds every
   issue time. Holding each rank to its *own* issue time + modelled instead lets a rank that
   arrived early leave early and compute while its peers still sleep, with the cores less
-  contended, which a real cluster never does (the README's simulator accuracy section has
+  contended, which a real cluster never does (docs/benchmarks.md, "Simulator accuracy", has
   what that did to ``sim_accuracy``'s 4-rank rows). Where no board is shared (ranks on other
   hosts under torchrun, or a board slot not written), the ranks this process can see stand
   in: at worst its own issue time.

@@ -74,28 +74,28 @@ Measured (``benchmarks/trial_overhead.py --paired``, pooled, 2 ranks, no reshard
 per trial; 1.38x, per pair 1.27-1.49), 2.83 and 2.30 s on ``small`` (2 pairs; 1.23x).
 
 [Note: switch cost]
-Two configs trained in alternation on the same ranks do not leave each other alone: the
-first step of a config after a step of the other is slower than its next ones. Measured by
-``benchmarks/switch_cost.py`` (2 ranks, a wide and shallow Llama, dim 512, 2 blocks, batch 1,
-4 microbatches, links emulated as ``cpu-emulated-ib``; the defaults against ``sync = "last"``
+Two configs trained in alternation on the same ranks do not leave each other alone: the first
+step of a config after a step of the other is slower than its next ones. Measured by
+``studies/switch_cost.py`` (2 ranks, a wide and shallow Llama, dim 512, 2 blocks, batch 1, 4
+microbatches, links emulated as ``cpu-emulated-ib``; the defaults against ``sync = "last"``
 with reshard after backward, in runs of 3 steps): the step right after a switch took 8-10%
-longer than the settled steps of the same config on *both* sides, and most of it was CPU
-time of the training thread (+95 ms of 1,140 ms), not waiting; its size varies from run to
-run and with the configs (0-10% of a step in the README's table, 40% on issue 27's finalists). Two controls locate it:
-the same config against a second model of the *same* config (``--gap twin``) pays nothing,
-and one config alone with an idle pause as long as the other side's run in its place
-(``--gap sleep``) pays nothing. So it is neither the second model's presence nor idleness
-(sockets, threads, CPU frequency) but the *other config's* state: its allocations have
-another shape (sizes and lifetimes of unsharded parameters, gradient buffers, reduce-scatter
-inputs), so the heap hands the first step after a switch other, colder memory than its
-own previous step left (page faults stay few: 0-2,900 per step, under 6 ms; this box has
-no hardware counters to show the cache misses themselves). With one measured step per side
-per pair, ABBA puts the switched step on the candidate in even pairs and on the reference
-in odd ones, so pair ratios alternate with their position (0.975 vs 0.818 in the run above;
-issue 27 saw 0.55 vs 0.36 on a communication-heavy search) and their median lands anywhere
-between the modes. Real training never switches configs, so the settle step is the right
-fix, not a correction: the cost is paid but not measured, and the block ratio cancels what
-order effect remains.
+longer than the settled steps of the same config on *both* sides, and most of it was CPU time
+of the training thread (+95 ms of 1,140 ms), not waiting; its size varies from run to run and
+with the configs (0-10% of a step in docs/studies.md's table, 40% on a communication-heavy
+search's finalists). Two controls locate it: the same config against a second model of the
+*same* config (``--gap twin``) pays nothing, and one config alone with an idle pause as long as
+the other side's run in its place (``--gap sleep``) pays nothing. So it is neither the second
+model's presence nor idleness (sockets, threads, CPU frequency) but the *other config's* state:
+its allocations have another shape (sizes and lifetimes of unsharded parameters, gradient
+buffers, reduce-scatter inputs), so the heap hands the first step after a switch other, colder
+memory than its own previous step left (page faults stay few: 0-2,900 per step, under 6 ms;
+this box has no hardware counters to show the cache misses themselves). With one measured step
+per side per pair, ABBA puts the switched step on the candidate in even pairs and on the
+reference in odd ones, so pair ratios alternate with their position (0.975 vs 0.818 in the run
+above; 0.55 vs 0.36 on that communication-heavy search's finalists) and their median lands
+anywhere between the modes. Real training never switches configs, so the settle step is the
+right fix, not a correction: the cost is paid but not measured, and the block ratio cancels
+what order effect remains.
 
 The search's objective is the median ratio (lower is faster), chained to the defaults where the
 reference is the search's best so far ([Note: measured against the best] in

@@ -6,7 +6,7 @@
 
 [Note: rank pool]
 A fresh 2-rank trial costs ~4-6 s before its first step (import torch, spawn re-import,
-process-group set-up, exit; shared/FINDINGS.md); a search runs hundreds. The pool keeps
+process-group set-up, exit; measured on a 2-core CPU box, torch 2.13.0+cpu); a search runs hundreds. The pool keeps
 N ranks alive between jobs, launched like ranks of :func:`autotune.trials.launch.run_ranks` (never fork;
 each rank ``python -m autotune.trials.rank pool`` in its own session; the parent owns the
 ``TCPStore`` on port 0). The ranks initialise the default process group once; every job

@@ -4,11 +4,11 @@
 A trial used to run a fixed number of pairs, and the search re-ran it with twice the pairs
 when it was pruned or spread too wide; the final round then ran a fixed number of pairs per
 finalist and a second window for each contested one. Most of those steps decided nothing:
-a config twice as fast as its reference is known to be faster after one block (issue 39's
-final round re-measured three finalists for 6 pairs each, then again, although the winner's
-lead was clear early). So a paired trial (:func:`autotune.trials.paired.run_pairs`) now looks
-at its ratios after every ABBA block of two pairs and stops as soon as the question it was
-asked is answered:
+a config twice as fast as its reference is known to be faster after one block (a search on a
+2-core box with one core kept busy re-measured three finalists for 6 pairs each in its final round,
+then again, although the winner's lead was clear early). So a paired trial
+(:func:`autotune.trials.paired.run_pairs`) now looks at its ratios after every ABBA block of two
+pairs and stops as soon as the question it was asked is answered:
 
 - *The interval.* From the pair ratios so far (an even number at every look, so each ABBA
   order is half of them and the mean holds no order effect; what order effect the settle steps
@@ -57,7 +57,7 @@ freedom is not used.
 Every rank decides on the same numbers (each step's slowest-rank time is all-reduced before
 it is recorded), so every rank stops after the same block without a vote.
 
-*Error rates*, from ``benchmarks/stopping_rule.py`` (a Monte Carlo of the search's rule: at
+*Error rates*, from ``studies/stopping_rule.py`` (a Monte Carlo of the search's rule: at
 most 4 pairs, precision 5%, faster below the best, pruned above it; pair log-ratios drawn around
 the true ratio (to the best) with spread sigma; 20,000 trials per case). Optional stopping (a
 look after every block) makes the real rates larger than the nominal 5% per side; these are
@@ -111,7 +111,7 @@ where a config near the recipe must be measured to the end to say which of the t
 not pruned: it keeps its ratio, the sampler and the choice of finalists see it, and it skips its
 profiled window as any trial that did not beat the best.
 
-*Error rates* (``benchmarks/stopping_rule.py``, 20,000 trials per case, pooled noise of 24
+*Error rates* (``studies/stopping_rule.py``, 20,000 trials per case, pooled noise of 24
 degrees of freedom, 4 pairs at most, sigma 9%): a tie with the best stops ``unlikely`` in 13%
 (3.62 pairs on average, against 3.88 without), a config 5% slower in 25% (3.41 pairs against
 3.91), 10% slower in 28% (3.20 against 3.75); a config 5% faster than the best is lost to it in

@@ -1,6 +1,6 @@
 """Several nodes run one trial under torchrun::
 
-    autotune trial --model small --config cfg.toml --nproc 16 --out /shared/t0 --write-spec spec.json
+    autotune trial --model small --config cfg.toml --nproc 16 --out /nfs/runs/t0 --write-spec spec.json
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m autotune.trials.torchrun --spec spec.json
 

@@ -1,8 +1,8 @@
 """``all_gather`` consolidation: sharded tensors packed into buckets, one all-gather each.
 
 [Note: all_gather consolidation]
-The seed (fairscale #595) replaced per-rank broadcasts of optimizer state with
-all-gathers and measured 10x faster consolidation on GPUs. Here the idea is pushed one
+fairscale's pull request facebookresearch/fairscale#595 replaced per-rank broadcasts of
+optimizer state with all-gathers and measured 10x faster consolidation on GPUs. Here the idea is pushed one
 step further: instead of one collective per tensor, each rank packs its local shards of
 many tensors into one flat byte buffer (a "bucket", at most ``bucket_bytes`` of gathered
 output) and the bucket is gathered with a single all-gather.

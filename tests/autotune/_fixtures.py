@@ -16,7 +16,7 @@ def get_fixture_traces(case: str) -> list[Path]:
     if not traces:
         pytest.fail(
             f"fixture {folder} is missing or has no trace_rank*.json[.gz]: regenerate it "
-            "(benchmarks/record_traces.py for recorded CPU traces, tests/autotune/_trace_builders.py for the GPU one)",
+            "(tools/record_traces.py for recorded CPU traces, tests/autotune/_trace_builders.py for the GPU one)",
             pytrace=False,
         )
     return traces

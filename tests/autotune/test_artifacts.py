@@ -403,7 +403,9 @@ def test_trial_spec_v1_reads_as_an_unpaired_trial():
 
 def test_the_architecture_page_names_the_versions_the_code_writes():
     """docs/architecture.md lists each artifact with its schema version."""
-    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text(encoding="utf-8").split())
+    text = " ".join(
+        (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text(encoding="utf-8").split()
+    )
     for name, record in [
         ("autotune.trials.TrialMetrics", TrialMetrics),
         ("autotune.search.SearchRecord", SearchRecord),

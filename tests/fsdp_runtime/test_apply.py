@@ -206,7 +206,7 @@ def test_a_config_applied_to_a_submodule_is_refused():
 
 
 def test_an_hf_config_applied_to_the_inner_model_is_refused(tmp_path):
-    """The issue's case: a config searched on LlamaForCausalLM, applied to ``model.model`` (lm_head left out)."""
+    """The mistake this refuses: a config searched on LlamaForCausalLM, applied to ``model.model`` (lm_head left out)."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:

@@ -10,7 +10,7 @@ from torch import nn
 
 from fsdp_runtime import config_from_dict
 
-REL_TOL = 1e-5  # sync = "last" / HSDP sum in another order (README: "Math")
+REL_TOL = 1e-5  # sync = "last" / HSDP sum in another order (docs/config.md, "Math")
 
 
 def order_preserving(config) -> bool:

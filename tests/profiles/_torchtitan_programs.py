@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-UNSHARDED_REL_TOL = 1e-4  # FSDP vs a single process without it (README: "Math")
+UNSHARDED_REL_TOL = 1e-4  # FSDP vs a single process without it (docs/config.md, "Math")
 
 
 def get_readme_example() -> str:

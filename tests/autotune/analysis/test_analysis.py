@@ -2,7 +2,7 @@
 
 Correctness of the CPU figures on real traces is tested against ground truth in
 ``test_analysis_truth.py`` (rank programs whose overlap is known by construction). The
-recorded fixture ``cpu_tiny_2rank`` (``python benchmarks/record_traces.py tests/data/cpu_tiny_2rank
+recorded fixture ``cpu_tiny_2rank`` (``python tools/record_traces.py tests/data/cpu_tiny_2rank
 --model tiny --layers 2``) is checked here only for what does not need golden numbers: the
 invariants, the collectives FSDP2 issues, agreement with the raw gloo spans, the summary.
 """

@@ -3,7 +3,7 @@ P2P split off the FSDP collectives, the bubble, each stage's figures.
 
 Synthetic traces whose right answers are worked out in each test's docstring, then two real
 4-rank trials (``tiny``, ``mesh.pp = 2``, 4 microbatches, ``--cluster cpu-emulated-ib``)
-stripped to the events the analysis reads by ``benchmarks/strip_trace.py``:
+stripped to the events the analysis reads by ``tools/strip_trace.py``:
 ``tests/data/cpu_pp2_1f1b`` (1F1B) and ``tests/data/cpu_pp2_interleaved`` (interleaved 1F1B, 2
 virtual stages); the stripped traces give the full traces' figures (checked when made).
 """

@@ -10,7 +10,7 @@ out: a collective issued in the profiler's untraced warm-up step, or one still i
 when the window closes, belongs to no traced step there): times within ``±max(10 ms, 15%)``
 of the expected value, ratios within ``±0.15``, counts exact. Why: the ranks share 2 cores
 with whatever else runs on the box, and every "known" duration ends with a sleep whose
-wake-up the scheduler may delay. Measured at load average 5.6-7.2 (other sessions' work):
+wake-up the scheduler may delay. Measured at load average 5.6-7.2 (other processes' work):
 single steps ran up to 10 ms long (a 40 ms collective measured 50.2 ms), the medians over
 5 steps stayed within 1.2 ms of the construction; 10 ms is still far below the gaps the
 cases tell apart (D = 40 ms against 0, C = 80 ms against D). Compute is an op that sleeps

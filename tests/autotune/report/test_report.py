@@ -316,7 +316,7 @@ def _one_rank_trial(trial_dir: Path, trace_metrics: dict, *, steps: list[float],
 
 
 def test_a_trace_scale_from_disagreeing_steps_is_not_applied_and_the_report_says_why(trial_dir, tmp_path):
-    """The issue's case: a world-1 trial on a busy box, unprofiled steps 141 and 412 ms, profiled 29.4 ms:
+    """The case behind the check: a world-1 trial on a busy box, unprofiled steps 141 and 412 ms, profiled 29.4 ms:
     the per-rank scale would be 276.5 / 29.4 = 9.4x."""
     raw = json.loads((trial_dir / "metrics.json").read_text())["trace_metrics"]
     _one_rank_trial(tmp_path / "t", raw, steps=[141.0, 412.0], profiled=[29.4, 29.4])
@@ -371,7 +371,7 @@ def test_trace_scales_apply_only_from_agreeing_steps_in_a_plausible_range(
 
 
 def test_search_tables_show_each_trial_s_profiler_overhead(trial_dir, tmp_path):
-    from autotune.report import get_search_rows_table
+    from autotune.report.trials_table import get_search_trials_table
 
     raw = json.loads((trial_dir / "metrics.json").read_text())["trace_metrics"]
     _profiled_trial(tmp_path / "s" / "trials" / "t0", raw)
@@ -382,7 +382,8 @@ def test_search_tables_show_each_trial_s_profiler_overhead(trial_dir, tmp_path):
     assert (by_name["t0"][prof], by_name["t1"][prof]) == ("+25%", "-")
     assert by_name["t0"][exposed].endswith("*") and not by_name["t1"][exposed].endswith("*")
     assert table.title.endswith("* trace times scaled to the unprofiled step")
-    rows = get_search_rows_table([complete_row(0, 100.0, profiler_overhead=1.18)], None)
+    # a search's own rows: the report's trials table (the terminal's leaves it to the report, for 100 columns)
+    rows = get_search_trials_table([complete_row(0, 100.0, profiler_overhead=1.18)])
     assert rows.rows[0][rows.columns.index("prof")] == "+18%"
 
 
@@ -455,17 +456,17 @@ def test_tables_piped_to_a_log_keep_their_rows_on_one_line(monkeypatch, capsys):
     unless COLUMNS says otherwise."""
     from rich.table import Table
 
-    import cli
+    from autotune.cli import render
 
     knobs = (
         "hsdp:2x1 fwd=depth3 bwd=depth1 raf=false rsbuf=2 async=on nosync=all level=last keep=true defer=true group=4"
     )
     monkeypatch.delenv("COLUMNS", raising=False)
-    console = cli.make_console()
-    assert not console.is_terminal and console.width == cli.PIPED_WIDTH
+    console = render.make_console()
+    assert not console.is_terminal and console.width == render.PIPED_WIDTH
     table = Table("trial", "status", "ratio", "knobs")
     table.add_row("14", "ok", "0.761x", knobs)
     console.print(table)
     assert knobs in capsys.readouterr().out  # one line, unbroken
     monkeypatch.setenv("COLUMNS", "100")
-    assert cli.make_console().width == 100
+    assert render.make_console().width == 100

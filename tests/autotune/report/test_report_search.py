@@ -5,6 +5,7 @@ small Optuna study (no rank launches)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import html
 import re
 import shutil
@@ -232,8 +233,8 @@ def test_trials_table_shows_knobs_noise_attempts_and_origin(cpu_search):
     # the final round with each finalist's order figures ([Note: switch cost]), fastest first
     assert "median of blocks" in final.title
     assert final.rows == [
-        ["2 (emitted)", "0.900x", "0.880-0.930", "0.920x", "0.880x", "4.5%", "9.0% / 8.0%", "1"],
-        ["1", "0.970x", "-", "-", "-", "-", "- / -", "1"],
+        ["2 (emitted)", "0.900x", "0.880-0.930", "0.920x", "0.880x", "4.5%", "9.0%/8.0%", "1"],
+        ["1", "0.970x", "-", "-", "-", "-", "-/-", "1"],
     ]
     rows = {row[0]: dict(zip(trials.columns, row)) for row in trials.rows}
     assert list(rows) == ["0 (defaults)", "1 (lowest ratio)", "2 (emitted)", "3"]
@@ -244,7 +245,13 @@ def test_trials_table_shows_knobs_noise_attempts_and_origin(cpu_search):
         "7.0%",
         "2 (first: pruned 1.520x)",
     )
-    assert emitted["knobs"] == "fsdp fwd=depth2 raf=false" and emitted["made from"] == "sampled"
+    # knobs: what differs from the defaults trial's; every knob in the HTML cell's title
+    assert emitted["knobs"] == "fwd=depth2 raf=false" and emitted["made from"] == "sampled"
+    assert rows["0 (defaults)"]["knobs"] == "defaults" and rows["1 (lowest ratio)"]["knobs"] == (
+        "hsdp:2x1 fwd=depth1 raf=false"
+    )
+    knobs = trials.columns.index("knobs")
+    assert trials.cell_titles[2, knobs] == "fsdp fwd=depth2 raf=false" and trials.one_line
     assert rows["1 (lowest ratio)"]["status"] == "ok (noisy)"
     assert rows["3"]["made from"] == "trial 1 + forward_prefetch=depth2 (from trial 2)" and rows["3"][
         "note"
@@ -325,6 +332,26 @@ def test_search_page_draws_every_figure_once_with_plotly_inline(cpu_page, cpu_su
     assert lead.index("trial 2") < lead.index("trial 1")  # the emitted trial named first
 
 
+def test_the_trials_table_of_the_page_is_one_line_per_trial_with_every_knob_on_hover(cpu_page):
+    """The page's trials table: one line per trial (its cells do not wrap), a trial's knobs as the
+    change from the defaults', every knob in the cell's title; a long note cut, whole on hover."""
+    page = cpu_page.read_text()
+    table = re.search(r"<table class='one-line'><caption>4 trials .*?</table>", page).group(0)
+    assert "<td class='text' title='fsdp fwd=depth2 raf=false'>fwd=depth2 raf=false</td>" in table
+    assert "<td class='text' title='fsdp fwd=implicit raf=true'>defaults</td>" in table
+    assert "table.one-line td{white-space:nowrap}" in page
+
+
+def test_a_long_note_is_cut_in_the_trials_table_and_whole_in_its_title():
+    from autotune.report.trials_table import NOTE_CHARS, get_search_trials_table
+
+    reason = "trial failed: " + "RuntimeError: a very long message from the ranks " * 3
+    table = get_search_trials_table([*_rows()[:1], dataclasses.replace(_rows()[3], reason=reason)])
+    note = table.columns.index("note")
+    assert len(table.rows[1][note]) <= NOTE_CHARS and table.rows[1][note].endswith("…")
+    assert table.cell_titles[1, note] == reason and (0, note) not in table.cell_titles
+
+
 def test_best_vs_defaults_figures(cpu_search, cpu_summary):
     compare = get_search_sections(load_report(cpu_search))[0]
     units = compare.figures["compare_units"]
@@ -388,7 +415,7 @@ def test_a_finished_search_reports_its_own_rows_and_study_storage(cpu_search, tm
     )
     write_search_report(summary, storage=f"journal:{journal}", study_name="elsewhere")
     page = (folder / "report" / "report.html").read_text()
-    assert summary.record.report_error is None and "fsdp fwd=depth2 raf=false" in page and "2 (emitted)" in page
+    assert summary.record.report_error is None and "fwd=depth2 raf=false" in page and "2 (emitted)" in page
     assert "study &#x27;elsewhere&#x27;: 4 trials, 3 completed" in page and "data-absent='optuna_" not in page
 
 
@@ -532,7 +559,7 @@ def test_the_summary_shows_the_precision_and_the_environment_line():
 
 
 def test_the_summary_says_what_was_not_measured_and_which_references_were_anchored():
-    """A search's shortfall (issue 39: a busy box stopped a search after half its trials, silently)
+    """A search's shortfall (a search on a busy box once stopped after half its trials, silently)
     and its drift anchors are rows of the summary and lines of the terminal's outcome."""
     from types import SimpleNamespace
 
@@ -617,9 +644,95 @@ def test_the_final_round_table_ends_with_the_round_against_torchtitan_s_recipe()
     conf = {"estimator": "blocks", "finalists": finalists, "winner": 4}
     table = get_final_round_table(conf, recipe)
     assert table.title.endswith("; last row: against torchtitan's recipe")
-    assert [row[0] for row in table.rows] == ["4 (emitted)", "7", "the search's config / torchtitan's recipe"]
+    assert [row[0] for row in table.rows] == ["4 (emitted)", "7", "search's config / recipe"]
     last = dict(zip(table.columns, table.rows[-1]))
-    assert (last["/baseline"], last["ref first"], last["cand first"]) == ("0.932x", "0.932x", "0.932x")
+    assert (last["/baseline"], last["ref 1st"], last["cand 1st"]) == ("0.932x", "0.932x", "0.932x")
     # Without a recipe round (or one that did not measure), the finalists only.
     skipped = {"name": "torchtitan", "measured": False, "reason": "no final round ran"}
     assert get_final_round_table(conf, skipped).rows == get_final_round_table(conf).rows == table.rows[:2]
+
+
+# A real search's params: every knob of the space, the defaults trial's and a sampled trial's
+SEARCH_DEFAULTS = {
+    "mesh": "fsdp",
+    "forward_prefetch": "implicit",
+    "backward_prefetch": "implicit",
+    "reshard_after_forward": "true",
+    "reduce_scatter_buffers": 1,
+    "unshard_async": "off",
+    "nosync_blocks": "none",
+    "blocks_per_unit": 1,
+    "root_reshard_after_forward": "false",
+    "root_sync_fsdp": "every",
+    "root_split": "none",
+}
+SAMPLED = SEARCH_DEFAULTS | {
+    "mesh": "hsdp:2x1",
+    "forward_prefetch": "depth2",
+    "backward_prefetch": "paired",
+    "reshard_after_forward": "false",
+    "nosync_blocks": "second_half",
+    "nosync_level_fsdp": "last",
+    "keep_unsharded": True,
+    "defer_concat": True,
+    "blocks_per_unit": 4,
+    "root_reshard_after_forward": "true",
+}
+SAMPLED_DIFF = (
+    "hsdp:2x1 fwd=depth2 bwd=paired raf=false nosync=second_half level=last keep=true defer=true group=4 rootraf=true"
+)
+
+
+def test_a_search_s_terminal_output_fits_100_columns(monkeypatch):
+    """What ``autotune search`` prints at the end (trials, final round, outcome) and a trial's progress
+    line, on a 100-column terminal: no line longer, the knobs as the change from the defaults (whole
+    ``knob=value`` words, two lines at most), the final round's figures unbroken on one line each."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from autotune.cli import render
+
+    out, err = Console(width=100, record=True), Console(width=100, record=True)
+    monkeypatch.setattr(render, "console", out)
+    monkeypatch.setattr(render, "err_console", err)
+    long_note = "slower than 1.3x the best in both windows; " * 4
+    rows = [
+        complete_row(0, 954.7, ratio=0.996, ratio_spread=0.089, is_default=True, params=SEARCH_DEFAULTS),
+        complete_row(1, 814.1, ratio=0.803, ratio_spread=0.01, params=SAMPLED),
+        TrialRow(number=2, state="PRUNED", status="pruned", reason=long_note, noisy=True, params=SAMPLED),
+    ]
+    recipe = SearchRecord.read(DATA / "artifacts" / "search_v10.json").recipe
+    record = SearchRecord(model="small", stopped_because="reached 3 trials", recipe=recipe)
+    summary = SimpleNamespace(
+        rows=rows,
+        best=rows[1],
+        confirmation=_confirmation(2) | {"speedup_q25": 1.05, "speedup_q75": 1.2},
+        record=record,
+        plan=SimpleNamespace(is_proxy=False),
+        best_config_path=Path("runs/search/best.toml"),
+        out_dir=Path("runs/search"),
+        report_paths=[Path("runs/search/report/report.html")],
+    )
+    render.print_search_summary(summary)
+    progress = render.SearchProgress()
+    progress.task = progress.progress.add_task("search", total=3, best="")
+    progress.on_trial_end(rows[2], rows[1])
+    lines = out.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 100, "\n".join(lines)
+    header = next(i for i, line in enumerate(lines) if "knobs / note" in line)
+    column = lines[header].index("knobs / note")
+    end = next(i for i in range(header, len(lines)) if not lines[i].strip())
+    cells = [line[column:].strip() for line in lines[header + 2 : end]]
+    assert cells[0] == "defaults" and " ".join(cells[1:4]) == SAMPLED_DIFF  # whole words, three lines
+    assert " ".join(cells[4:7]) == SAMPLED_DIFF and cells[7].startswith("note: slower than 1.3x")
+    assert re.fullmatch(r"\s+0\s+ok\s+0\.996x\s+8\.9%\s+defaults\s*", lines[header + 2])
+    assert any(
+        re.fullmatch(
+            r"\s+2 \(emitted\)\s+0\.900x\s+0\.880-0\.930\s+0\.920x\s+0\.880x\s+4\.5%\s+9\.0%/8\.0%\s+1\s*", line
+        )
+        for line in lines
+    ), "\n".join(lines)
+    (progress_line,) = err.export_text().splitlines()
+    assert len(progress_line) <= 100 and progress_line.startswith("trial   2: pruned - slower than 1.3x")
+    assert progress_line.endswith("…")

@@ -63,8 +63,9 @@ def _row(number: int, state: str, **fields) -> TrialRow:
 
 
 def test_enqueued_trials_do_not_use_the_budget(monkeypatch):
-    """The busy-box search of issue 39: the defaults, three calibration trials (two failed), four
-    enqueued presearch picks; 8 rows for 8 trials. Every enqueued trial must still run."""
+    """A search on a 2-core box with one core kept busy (``--presearch sim``): the defaults, three
+    calibration trials (two failed), four enqueued presearch picks; 8 rows for 8 trials. Every
+    enqueued trial must still run."""
     from autotune.search import loop
 
     rows = [

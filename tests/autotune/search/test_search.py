@@ -501,7 +501,7 @@ def test_a_bf16_search_runs_every_trial_in_bf16_and_emits_it(tmp_path, monkeypat
 
 def test_a_bare_autotune_search_runs_the_settings_defaults(monkeypatch):
     """The README's main command (``autotune search``, no options) searches with ``SearchSettings``'
-    own defaults, the trial budget included (10: README, "Ten trials by default"): the CLI cannot
+    own defaults, the trial budget included (10: docs/studies.md, "Trial budget"): the CLI cannot
     drift from the defaults the benchmarks and the library run."""
     import dataclasses
 

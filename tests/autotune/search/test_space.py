@@ -7,7 +7,7 @@ import dataclasses
 import optuna
 import pytest
 
-from autotune.search import SearchSpace, describe_params
+from autotune.search import SearchSpace, describe_params, describe_params_diff
 from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, default_config, validate_config, validate_for_world
 
 BLOCKS = tuple(f"layers.{i}" for i in range(4))
@@ -24,6 +24,39 @@ def test_defaults_point_is_fsdp2_defaults():
     assert config == expected
     gpu = _space(device_type="cuda")
     assert gpu.build_config(gpu.get_default_params()) == default_config(list(BLOCKS), num_microbatches=2)
+
+
+def test_a_trial_s_knobs_are_described_as_the_change_from_the_defaults():
+    """Tables show a trial's knobs as what differs from the defaults trial's params, in the space's
+    order whatever the params' own; a knob named per mesh (the reshard choice of a shard group of 4
+    or 2, the HSDP sync level) compares as that knob; a knob asked only under another's choice counts
+    as changed."""
+    space = _space(grouping=True, root_knobs=True)
+    defaults = space.get_default_params()
+    assert describe_params(defaults) == (
+        "fsdp fwd=implicit bwd=implicit raf=true rsbuf=1 async=off nosync=none group=1 rootraf=false rootsync=every"
+    )
+    trial = {
+        "root_reshard_after_forward": "true",
+        "nosync_level_hsdp": "replica_last",
+        "keep_unsharded": False,
+        "reduce_scatter_buffers": 1,
+        "nosync_blocks": "all",
+        "reshard_after_forward": "true",
+        "backward_prefetch": "paired",
+        "mesh": "hsdp:2x2",
+        "forward_prefetch": "implicit",
+        "unshard_async": "off",
+        "blocks_per_unit": 2,
+        "root_sync_hsdp": "every",
+    }
+    assert describe_params_diff(trial, defaults) == (
+        "hsdp:2x2 bwd=paired nosync=all level=replica_last keep=false group=2 rootraf=true"
+    )
+    assert (
+        describe_params_diff(defaults, defaults) == describe_params_diff({**defaults, "pp": 1}, defaults) == "defaults"
+    )
+    assert describe_params_diff({**defaults, "pp": 2, "pp2_schedule": "gpipe"}, defaults) == "pp=2 sched=gpipe"
 
 
 def test_mesh_choices_are_every_factorization():

@@ -15,20 +15,12 @@ from _search_fixtures import nosync_params
 
 from autotune.search import SearchSpace
 from autotune.sim import Hardware, Simulator, get_model_work
-from autotune.sim.calibrate import (
-    CalibrationTrial,
-    _fit_sync,
-    _memory_speed,
-    _predict,
-    calibrate,
-    fit_collective,
-    get_trace_costs,
-    read_calibration_trial,
-)
+from autotune.sim.calibrate import _fit_sync, _memory_speed, _predict, calibrate, fit_collective
+from autotune.sim.calibration_trial import CalibrationTrial, read_calibration_trial
 from autotune.sim.costs import get_padded_numel
 from autotune.sim.hardware import get_group
 from autotune.sim.measured import LOCAL_HOOK_KEYS, CollectiveFit, MeasuredProfile
-from autotune.sim.trace_costs import TraceCosts
+from autotune.sim.trace_costs import TraceCosts, get_trace_costs
 from autotune.trials import TrialSpec, run_trial
 from profiles import load_cluster_profile, load_model_profile
 

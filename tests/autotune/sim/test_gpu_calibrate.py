@@ -310,7 +310,7 @@ def test_device_bound_trials_take_their_run_s_profiler_factors_from_their_launch
 
 
 def test_calibrated_on_l8b4_the_llama1b_trials_are_within_5_percent():
-    """Issue 37's proof: a profile from the l8b4 trace (another run, another width) predicts every
+    """The GPU calibration's cross-check: a profile from the l8b4 trace (another run, another width) predicts every
     llama1b trial within 5%, selective AC included (-12.2% with the constant profiler factor)."""
     profile = _profile(L8B4)
     for other in (LLAMA1B, LLAMA1B_GSA, LLAMA1B_FULL, LLAMA1B_SELECTIVE):

@@ -1,7 +1,7 @@
 """Predicted peak memory per rank vs torch's FSDPMemTracker on fake tensors (world 8, six configs).
 
 Tolerance: the simulator is within [-1%, +5%] of the tracker on every config (measured: 0% to
-+3.2% on the ``small`` profile, see the README's simulator section). It errs high where it
++3.2% on the ``small`` profile, see docs/simulator.md). It errs high where it
 combines a block's backward peak, extrapolated from one traced block, with buffers the tracker
 sees at a slightly different moment.
 """

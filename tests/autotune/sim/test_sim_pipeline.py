@@ -21,7 +21,8 @@ from autotune.sim import (
     time_order,
 )
 from autotune.sim.model_work import PassWork
-from autotune.sim.pipeline import _StageSchedule, check_pipeline
+from autotune.sim.pipeline import _StageSchedule
+from autotune.sim.pipeline_stages import check_pipeline
 from fsdp_runtime import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, PipelineConfig, RuntimeConfig, UnitConfig
 from fsdp_runtime.errors import ConfigError
 from profiles import load_cluster_profile, load_model_profile

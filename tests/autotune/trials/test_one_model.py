@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 
 from autotune.trials import TrialSpec, run_ranks
-from autotune.trials.program import PAIRED_MODELS_ENV
+from autotune.trials.sides import PAIRED_MODELS_ENV
 from fsdp_runtime import default_config
 from profiles import load_model_source
 

@@ -36,7 +36,7 @@ def one_rank_group():
 
 class _Clock:
     """Step times of stand-in trainings: ``ms``, plus ``SWITCH_MS`` when the previous step was
-    another training's (the cost measured by benchmarks/switch_cost.py, exaggerated)."""
+    another training's (the cost measured by studies/switch_cost.py, exaggerated)."""
 
     def __init__(self) -> None:
         self.last = None

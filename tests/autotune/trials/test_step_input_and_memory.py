@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from autotune.trials import build_training, program, training
+from autotune.trials import build_training, program, rank_memory, training
 from fsdp_runtime import config_to_dict, default_config
 from profiles import load_model_profile
 
@@ -62,11 +62,11 @@ def test_each_trial_s_cuda_peak_is_its_own(monkeypatch):
     cuda = torch.device("cuda", 0)
     counter.allocate(10 * 2**30)  # an earlier trial of the pool's rank peaked at 10 GiB
     counter.free(10 * 2**30)
-    program.reset_device_memory(cuda)
+    rank_memory.reset_device_memory(cuda)
     assert counter.emptied == 1
     counter.allocate(3 * 2**30)  # this trial: 3 GiB
-    assert program._get_peak_bytes(cuda, rss=None) == 3 * 2**30
-    memory = program._get_memory(cuda, None, candidate_peak=2 * 2**30)
+    assert rank_memory.get_peak_bytes(cuda, rss=None) == 3 * 2**30
+    memory = rank_memory.get_memory(cuda, None, candidate_peak=2 * 2**30)
     assert memory == {
         "source": "cuda_max_allocated",
         "peak_bytes": 2 * 2**30,
@@ -74,7 +74,7 @@ def test_each_trial_s_cuda_peak_is_its_own(monkeypatch):
         "trial_peak_bytes": 3 * 2**30,
         "reserved_peak_bytes": 3 * 2**30 + 2**20,
     }
-    program.reset_device_memory(torch.device("cpu"))  # nothing to reset on CPU
+    rank_memory.reset_device_memory(torch.device("cpu"))  # nothing to reset on CPU
     assert counter.emptied == 1
 
 
@@ -89,7 +89,7 @@ def test_a_cpu_trial_s_peak_rss_is_the_kernel_s_high_water_mark_reset_at_its_sta
     mib = 2**20
     earlier = _touch(400 * mib)  # an earlier trial of the pool's rank peaked higher
     del earlier
-    with program._RssSampler() as rss:
+    with rank_memory.RssSampler() as rss:
         if not rss.kernel_peak:
             pytest.skip("/proc/self/clear_refs cannot be written here")
         assert not any(t.name == "autotune-rss" for t in threading.enumerate())
@@ -97,8 +97,8 @@ def test_a_cpu_trial_s_peak_rss_is_the_kernel_s_high_water_mark_reset_at_its_sta
         spike = _touch(256 * mib)
         del spike
         assert rss.peak_bytes >= rss.baseline_bytes + 250 * mib > rss.read()
-    monkeypatch.setattr(program, "reset_high_water_mark", lambda: False)
-    with program._RssSampler() as sampled:
+    monkeypatch.setattr(rank_memory, "reset_high_water_mark", lambda: False)
+    with rank_memory.RssSampler() as sampled:
         assert not sampled.kernel_peak and any(t.name == "autotune-rss" for t in threading.enumerate())
         held = _touch(256 * mib)
         time.sleep(0.05)  # ten sampling intervals

@@ -132,7 +132,7 @@ def test_trial_records_cpu_time_and_page_faults_of_unprofiled_and_profiled_steps
 
 _HEAP_PROBE = """
 import json, ctypes, os, torch
-from autotune.trials.program import PREFAULT_BYTES, prefault_heap, tune_heap
+from autotune.trials.rank_memory import PREFAULT_BYTES, prefault_heap, tune_heap
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 libc = tune_heap(torch.device("cpu"))

@@ -1,6 +1,6 @@
-"""The final round of one or more searches, pair by pair and by position in the ABBA sequence.
+"""Prints the final round of one or more searches pair by pair and by position in the ABBA sequence.
 
-    .venv/bin/python benchmarks/pair_positions.py runs/search [runs/other ...]
+    .venv/bin/python studies/pair_positions.py runs/search [runs/other ...]
 
 For each finalist of each search's ``search.json``: its pair ratios at odd and even positions
 (pairs 1, 3, 5, ... run the reference first; 2, 4, 6, ... the candidate first; each window of

@@ -1,16 +1,16 @@
-"""Profiler overhead per search config, profiler setting and allocator: profiled vs unprofiled steps, alternating.
+"""Prints the profiler's overhead per search config, profiler setting and allocator: profiled vs unprofiled steps.
 
-    .venv/bin/python benchmarks/profiler_overhead.py [--workloads small,wide] [--configs defaults,async_prefetch,nosync_all,raf_false]
+    .venv/bin/python studies/profiler_overhead.py [--workloads small,wide] [--configs defaults,async_prefetch,nosync_all,raf_false]
         [--variants plain,today,shapes,stack,itt] [--extended defaults] [--allocators glibc,trial] [--rounds 4] [--trial-rounds 2] [--block 2]
 
 Runtime: ``--workloads small --rounds 3``: ~40 minutes at load 6-10 on 2 cores (8 launches,
 16 trials); ``wide`` steps are ~3 s quiet, 11-14 s at load 5.
 
 What it runs. Per workload (``small``: the small profile; ``wide``: small with dim 1024,
-16/8 heads, ffn 2816, seq 64, batch 1, the wide shallow model of issue 10), per config
+16/8 heads, ffn 2816, seq 64, batch 1: a wide, shallow, communication-heavy model), per config
 that a search trials (built with ``SearchSpace.build_config``, world 2, 4 microbatches,
 CPU) and per allocator setting of the ranks (``glibc``: its defaults; ``trial``: what a trial
-does, ``tune_heap`` and ``prefault_heap`` in ``autotune/trials/program.py``; ``notrim``: only
+does, ``tune_heap`` and ``prefault_heap`` in ``autotune/trials/rank_memory.py``; ``notrim``: only
 the thresholds, trim 16 GiB and mmap 32 MiB, through ``GLIBC_TUNABLES``; ``thp``:
 ``glibc.malloc.hugetlb=1``), one launch of 2 ranks (allocators in ABBA order over configs):
 after warm-up steps, every *round* runs one block of each variant, in an order rotated by
@@ -43,7 +43,7 @@ What it prints.
    today's overhead, the trial-like peak RSS and the RSS after the last block.
 6. Real trials (``--trial-rounds``, ``small``): each config paired with the defaults and
    profiled once, per allocator, as a search runs it; ``metrics.json``'s overhead figures
-   (``benchmarks/_profiler_trials.py``). A trial's only window grows a fresh heap: its page
+   (``studies/_profiler_trials.py``). A trial's only window grows a fresh heap: its page
    faults are the first window's, which the probe's repeated windows no longer show.
 """
 
@@ -114,7 +114,7 @@ WHERE_FROM = ("plain", "today", "shapes", "stack", "itt")
 """Every config runs these: what each profiler setting adds (shapes, stacks, the callbacks alone)."""
 ALLOCATORS: dict[str, tuple[str, dict[str, str]]] = {  # name -> (the probe's heap argument, the ranks' environment)
     "glibc": ("glibc", {}),  # glibc's defaults: dynamic mmap and trim thresholds
-    "trial": ("trial", {}),  # what a trial does (autotune/trials/program.py tune_heap, prefault_heap)
+    "trial": ("trial", {}),  # what a trial does (autotune/trials/rank_memory.py tune_heap, prefault_heap)
     "notrim": (
         "glibc",
         {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=17179869184:glibc.malloc.mmap_threshold=33554432"},

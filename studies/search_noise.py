@@ -1,4 +1,4 @@
-"""Does background load change what the search emits? (issue: trustworthy measurement)
+"""Prints whether background load changes what the search emits: three searches, their configs re-measured.
 
 Runs the same search three times on one workload: quiet (seed 0), and with a busy loop
 loading one core (seeds 1 and 2). Then re-measures each emitted config and a few
@@ -14,7 +14,7 @@ directly against the fastest hand-written ones (``--head-to-head-top``) and agai
 search's, paired on the same ranks in the same interleaved rounds, and prints those ratios
 with their spread.
 
-    python benchmarks/search_noise.py --trials 12 --out runs/search_noise
+    python studies/search_noise.py --trials 12 --out runs/search_noise
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ HAND_WRITTEN = {
         "keep_unsharded": True,
         "reshard_after_forward": "false",
     },
-    # The same with the root's knobs (searched since issue 15): the root unit skips sync and stays unsharded too.
+    # The same with the root's knobs (searched since config schema 2): the root unit skips sync and stays unsharded too.
     "replicate + no sync + keep unsharded, no reshard, root too": {
         **_REPLICATE_NOSYNC,
         "keep_unsharded": True,

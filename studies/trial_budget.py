@@ -1,9 +1,9 @@
-"""How many trials a workload's search needs, from searches already recorded (issue 39).
+"""Prints how many trials a workload's search needs, from searches already recorded (no trial runs).
 
-    .venv/bin/python benchmarks/trial_budget.py runs/search_time/*/quiet [--budgets 8,10,12,16]
+    .venv/bin/python studies/trial_budget.py runs/search_time/*/quiet [--budgets 8,10,12,16]
 
 Reads the run dirs of finished searches of one workload (``results.json``, ``search.json``; e.g.
-``search_time.py``'s), runs nothing, and prints:
+``benchmarks/search_time.py``'s), runs nothing, and prints:
 
 1. per search, each trial's stop reason in order (``F``: clearly faster than the best so far,
    ``m``: its most pairs, ``u``: unlikely to beat the best, ``s``: pruned as slower, ``=``: settled;
@@ -19,7 +19,7 @@ Reads the run dirs of finished searches of one workload (``results.json``, ``sea
 
 A budget whose modelled ratio is within the model's own error of the largest budget's is as good
 here; the model sees no interaction between knobs, so it is a lead, not a proof: the measured
-searches (``search_time.py --trials``) decide. Every search read must be of the same workload.
+searches (``benchmarks/search_time.py --trials``) decide. Every search read must be of the same workload.
 """
 
 from __future__ import annotations

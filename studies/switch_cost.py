@@ -1,6 +1,6 @@
-"""What a step pays for following a step of another config on the same ranks (the switch cost).
+"""Prints what a step pays for following a step of another config on the same ranks (the switch cost).
 
-    .venv/bin/python benchmarks/switch_cost.py [--model wide] [--candidate reshard|keep] [--runs 8]
+    .venv/bin/python studies/switch_cost.py [--model wide] [--candidate reshard|keep] [--runs 8]
         [--run-length 4] [--gap switch|twin|sleep] [--cluster cpu-emulated-ib]
 
 One launch of 2 ranks builds the defaults (R) and a candidate (C) side by side, as a paired
@@ -33,15 +33,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _common import run_rank0  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from autotune.trials import build_training  # noqa: E402
+from benchmarks._common import run_rank0  # noqa: E402
 from fsdp_runtime import config_to_dict, default_config  # noqa: E402
 from profiles import load_model_profile  # noqa: E402
 
-WIDE = Path(__file__).resolve().parent / "models" / "wide.toml"
+WIDE = ROOT / "benchmarks" / "models" / "wide.toml"
 
 
 def get_candidate(blocks: list[str], kind: str, num_microbatches: int) -> dict:
@@ -72,7 +72,8 @@ def rank_main(
     import torch.distributed as dist
 
     from autotune.trials import LinkEmulator
-    from autotune.trials.program import timed_step, tune_heap
+    from autotune.trials.program import timed_step
+    from autotune.trials.rank_memory import tune_heap
     from profiles import load_cluster_profile
 
     tune_heap(torch.device("cpu"))
@@ -110,13 +111,14 @@ def estimators_main(
     rank: int, world_size: int, *, model: str, configs: dict, pairs: int, rounds: int, warmup: int, cluster: str | None
 ) -> list[dict]:
     """The paired measurement itself on the same two models: per round, ``pairs`` ABBA pairs of
-    one-step sides (``settle=False``, the measurement before issue 27) and ``pairs`` pairs with
+    one-step sides (``settle=False``, the measurement before settle steps: [Note: switch cost]) and ``pairs`` pairs with
     settle steps, the two in alternating order; each window's pair times."""
     import torch
 
     from autotune.trials import LinkEmulator
     from autotune.trials.paired import Side, run_pairs, step_side
-    from autotune.trials.program import timed_step, tune_heap
+    from autotune.trials.program import timed_step
+    from autotune.trials.rank_memory import tune_heap
     from profiles import load_cluster_profile
 
     device = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Section 6 of ``benchmarks/profiler_overhead.py``: real trials, as a search runs them.
+"""Section 6 of ``studies/profiler_overhead.py`` (not run directly): real trials, as a search runs them.
 
 Each trial is ``autotune.trials.run_trial`` on fresh ranks, the config paired with the defaults
 (ABBA, :mod:`autotune.trials.paired`), then one profiled window: exactly a search trial, with
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.trials import TrialSpec, run_trial
-from autotune.trials.program import NO_HEAP_TUNING_ENV
+from autotune.trials.rank_memory import NO_HEAP_TUNING_ENV
 from fsdp_runtime import config_from_dict
 
 

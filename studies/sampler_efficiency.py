@@ -1,6 +1,6 @@
-"""Trials needed to come within 2% of the grid's best: TPE vs random, same budget.
+"""Prints the trials TPE and random sampling need to come within 2% of a measured grid's best, same budget.
 
-    .venv/bin/python benchmarks/sampler_efficiency.py [--model tiny] [--world 2] [--budget 30] [--seeds 20]
+    .venv/bin/python studies/sampler_efficiency.py [--model tiny] [--world 2] [--budget 30] [--seeds 20]
 
 1. Enumerates a space small enough to measure completely (72 points) (prefetch patterns, which blocks
    skip gradient sync, keep-unsharded, async unshard; FSDP mesh) and measures every point

@@ -1,15 +1,15 @@
-"""The sequential stopping rule's error rates and cost, by Monte Carlo ([Note: sequential measurement]).
+"""Prints the sequential stopping rule's error rates and cost, by Monte Carlo ([Note: sequential measurement]).
 
-    .venv/bin/python benchmarks/stopping_rule.py [--trials 5000] [--seed 0]   (the Note quotes --trials 20000)
+    .venv/bin/python studies/stopping_rule.py [--trials 5000] [--seed 0]   (the Note quotes --trials 20000)
 
 Each simulated trial draws pair ratios ``true * exp(N(0, sigma))`` (sigma: the pairs' log-ratio
-spread; 2-5% on this box's paired trials, the README's search tables) and runs the search's rule
+spread; 2-5% in paired trials on a 2-core CPU box, docs/benchmarks.md) and runs the search's rule
 (``SearchSettings`` defaults: at most 6 pairs, precision 5%, faster below 1.0, pruned above 1.0
 from the second block) through :func:`autotune.trials.sequential.decide`, as ``run_pairs`` does
 after every block. Printed per (sigma, true ratio): how often the trial ended ``faster``,
 ``slower`` (pruned), ``settled`` or at ``max_blocks``, and the mean pairs it ran. A second
 table adds a burst: one block's two candidate steps slowed by 1.5x (a load spike on adjacent
-steps), for the false-prune rate under it. Then both again with the box's noise pooled from
+steps), for the false-prune rate under it. Then both again with the machine's noise pooled from
 earlier trials ([Note: pooled noise]), as a search passes it once it has measured two paired
 trials: each simulated trial gets a pooled spread estimated from ``--noise-df`` degrees of
 freedom of the same sigma (``sigma * sqrt(chi2(df) / df)``, so the estimate's own error is in

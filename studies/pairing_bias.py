@@ -1,8 +1,10 @@
-"""Does a paired trial measure a config's ratio to the defaults as each config runs alone?
+"""Prints a config's ratio to the defaults as each runs alone and as a paired trial measures it.
 
-    .venv/bin/python benchmarks/pairing_bias.py [--workload wide] [--rounds 6] [--pairs 3] [--steps 6]
+Does a paired trial measure a config's ratio to the defaults as each config runs alone?
 
-``sim_accuracy.py`` and the search take a config's speed from paired trials ([Note: paired
+    .venv/bin/python studies/pairing_bias.py [--workload wide] [--rounds 6] [--pairs 3] [--steps 6]
+
+``benchmarks/sim_accuracy.py`` and the search take a config's speed from paired trials ([Note: paired
 measurement] in ``autotune/trials/paired.py``): the config and the defaults alternate on the same
 ranks. What a user runs is the config alone. This benchmark measures the same candidates both
 ways, on one rank pool, in rounds: per round and candidate, an unpaired trial of the defaults, an
@@ -27,14 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sim_accuracy import NUM_MICROBATCHES, SETTINGS, WORKLOADS, _spec, get_ladder  # noqa: E402
 
 from autotune.search import SearchSpace, describe_params  # noqa: E402
 from autotune.sim import get_model_work  # noqa: E402
 from autotune.trials import RankPool, run_trial  # noqa: E402
+from benchmarks.sim_accuracy import NUM_MICROBATCHES, SETTINGS, WORKLOADS, _spec, get_ladder  # noqa: E402
 from profiles.sources import load_model_source  # noqa: E402
 
 CANDIDATES = {"rep": 1, "rep_nosync": 5, "nosync": 2}

@@ -1,6 +1,6 @@
-"""Recorded ``sim_accuracy.py`` runs, re-calibrated and re-predicted by this checkout (no trial runs).
+"""Prints recorded ``benchmarks/sim_accuracy.py`` runs re-calibrated and re-predicted by this checkout (no trial runs).
 
-    .venv/bin/python benchmarks/sim_replay.py RUN_DIR [RUN_DIR ...]
+    .venv/bin/python studies/sim_replay.py RUN_DIR [RUN_DIR ...]
 
 A run dir is ``sim_accuracy.py --out``'s: ``results.json`` and, per workload and setting, the
 calibration trial dirs (``cal_*``) and the measured configs' dirs (``config_NNN``). Each setting is
@@ -21,10 +21,11 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sim_accuracy import (  # noqa: E402
+from autotune.search.predictions import get_spearman  # noqa: E402
+from autotune.sim import Hardware, Simulator, get_model_work, trace_costs  # noqa: E402
+from benchmarks.sim_accuracy import (  # noqa: E402
     CALIBRATION_DIRS,
     SETTINGS,
     WORKLOADS,
@@ -33,9 +34,6 @@ from sim_accuracy import (  # noqa: E402
     calibrate_recorded,
     get_noise_floor,
 )
-
-from autotune.search.predictions import get_spearman  # noqa: E402
-from autotune.sim import Hardware, Simulator, get_model_work, trace_costs  # noqa: E402
 from fsdp_runtime import load_config  # noqa: E402
 from profiles import load_cluster_profile  # noqa: E402
 from profiles.sources import load_model_source  # noqa: E402

@@ -1,10 +1,10 @@
-"""Record small CPU/gloo FSDP2 chrome traces (one per rank) under ``torch.profiler``.
+"""Records small CPU/gloo FSDP2 chrome traces (one per rank) under ``torch.profiler``: the analysis tests' fixtures.
 
 Regenerates the committed fixtures of the trace-analysis golden tests, and the bigger
 trace of ``benchmarks/analysis_throughput.py``::
 
-    python benchmarks/record_traces.py tests/data/cpu_tiny_2rank --model tiny --layers 2
-    python benchmarks/record_traces.py /tmp/small --model small --steps 3
+    python tools/record_traces.py tests/data/cpu_tiny_2rank --model tiny --layers 2
+    python tools/record_traces.py /tmp/small --model small --steps 3
 
 Each rank trains ``--warmup`` unprofiled steps, then ``--steps`` profiled steps (CPU
 activity, ``ProfilerStep#N`` annotations, memory events), and writes
@@ -70,7 +70,7 @@ def main() -> int:
     config = {"schema_version": 1, "unshard_async": args.unshard_async, "num_microbatches": args.microbatches}
     model = args.model if args.layers is None else {"name": args.model, "num_layers": args.layers}
     run = run_ranks(
-        "benchmarks.record_traces:record_rank",
+        "tools.record_traces:record_rank",
         world_size=args.world_size,
         kwargs={
             "model": model,

@@ -1,4 +1,4 @@
-"""Rank program of ``benchmarks/profiler_overhead.py``: blocks of unprofiled and profiled steps, alternating.
+"""Rank program of ``studies/profiler_overhead.py`` (not run directly): unprofiled and profiled blocks, alternating.
 
 Kept in its own module so the ranks (``python -m autotune.trials.rank``) import it by name
 (``_profiler_probe:alternate``) without importing the benchmark's command line.
@@ -66,7 +66,7 @@ def _rss() -> int:
 
 class PeakRss:
     """The resident set size sampled every 5 ms, after ``malloc_trim``: what a trial reports as
-    ``process_peak_bytes`` (``autotune/trials/program.py``, [Note: what a trial measures])."""
+    ``process_peak_bytes`` (``autotune/trials/rank_memory.py``, [Note: a trial's peak memory])."""
 
     def __init__(self) -> None:
         import ctypes
@@ -226,7 +226,7 @@ def alternate(
     import torch
 
     from autotune.trials import build_training
-    from autotune.trials.program import prefault_heap, tune_heap
+    from autotune.trials.rank_memory import prefault_heap, tune_heap
 
     device = torch.device("cpu")
     libc = tune_heap(device) if heap == "trial" else None

@@ -1,6 +1,6 @@
-"""Strip a trial's rank traces to the events the trace analysis reads: small test fixtures.
+"""Strips a trial's rank traces to the events the trace analysis reads: small test fixtures.
 
-    python benchmarks/strip_trace.py /work/pp-traces/pp2-1f1b-tiny tests/data/cpu_pp2_1f1b
+    python tools/strip_trace.py runs/pp2-1f1b-tiny/trial_0000 tests/data/cpu_pp2_1f1b   # TRIAL_DIR OUT_DIR
 
 Keeps the training thread's top-level CPU ops (their union is that of every op: the compute)
 and its communication ops at any depth (``c10d::``, ``gloo:``, waits), every ``ProfilerStep#``,
