@@ -53,7 +53,15 @@ def print_tables(tables: Any) -> None:
 
     for table in tables:
         columns = [Column(c, overflow="fold") for c in table.columns]
-        rich_table = Table(*columns, title=table.title, title_justify="left", box=box.SIMPLE_HEAD)
+        # one space between columns and none at the edges: the final round fits 80 columns unfolded
+        rich_table = Table(
+            *columns,
+            title=table.title,
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            collapse_padding=True,
+        )
         for row in table.rows:
             rich_table.add_row(*row)
         console.print(rich_table)

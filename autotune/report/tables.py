@@ -254,14 +254,14 @@ def get_final_round_table(conf: dict[str, Any] | None, recipe: dict[str, Any] | 
     unit = "blocks" if (conf or {}).get("estimator", "blocks") == "blocks" else "pairs"
     title = (
         f"Final round: each finalist vs the defaults (ratio = median of {unit}; by order: the reference or the "
-        "candidate first, and the gap between; switch cost: candidate/reference)"
+        "candidate first, and the gap between; switch cost: candidate/reference; * emitted)"
     )
     table = ReportTable(
         title=title + ("; last row: against torchtitan's recipe" if against_recipe else ""),
         columns=["trial", "/baseline", "IQR", "ref 1st", "cand 1st", "gap", "switch c/r", "windows"],
     )
     for f in sorted(finalists, key=lambda f: f["ratio"]):
-        name = str(f["trial"]) + (" (emitted)" if f["trial"] == conf.get("winner") else "")
+        name = str(f["trial"]) + (" *" if f["trial"] == conf.get("winner") else "")
         table.rows.append([name, *_round_figures(f)])
     if against_recipe is not None:
         who = "defaults" if against_recipe.get("candidate") == "defaults" else "search's config"

@@ -18,7 +18,7 @@ from _required import skip_unless_required
 from _search_fixtures import complete_row
 
 from autotune.analysis import summarize_traces
-from autotune.report import get_tables, load_report, write_report
+from autotune.report import get_final_round_table, get_tables, load_report, write_report
 from autotune.report.browser import check_page, find_chromium
 from autotune.report.hta import CPU_TRACES_LINE
 from autotune.report.html import FIGURES_META, get_search_sections
@@ -231,9 +231,9 @@ def test_trials_table_shows_knobs_noise_attempts_and_origin(cpu_search):
     summary, final, trials = get_tables(load_report(cpu_search))
     assert trials.columns == TRIALS_COLUMNS
     # the final round with each finalist's order figures ([Note: switch cost]), fastest first
-    assert "median of blocks" in final.title
+    assert "median of blocks" in final.title and "* emitted" in final.title
     assert final.rows == [
-        ["2 (emitted)", "0.900x", "0.880-0.930", "0.920x", "0.880x", "4.5%", "9.0%/8.0%", "1"],
+        ["2 *", "0.900x", "0.880-0.930", "0.920x", "0.880x", "4.5%", "9.0%/8.0%", "1"],
         ["1", "0.970x", "-", "-", "-", "-", "-/-", "1"],
     ]
     rows = {row[0]: dict(zip(trials.columns, row)) for row in trials.rows}
@@ -633,7 +633,6 @@ def test_the_summary_and_the_terminal_give_the_speedup_over_torchtitan_s_recipe(
 def test_the_final_round_table_ends_with_the_round_against_torchtitan_s_recipe():
     """The recipe's round has the finalists' figures (ratio, quartiles, orders, switch costs): the
     final-round table shows them as its last row, named by what was measured against the recipe."""
-    from autotune.report.tables import get_final_round_table
     from autotune.trials.paired import summarize_pairs
 
     recipe = SearchRecord.read(DATA / "artifacts" / "search_v10.json").recipe
@@ -644,7 +643,7 @@ def test_the_final_round_table_ends_with_the_round_against_torchtitan_s_recipe()
     conf = {"estimator": "blocks", "finalists": finalists, "winner": 4}
     table = get_final_round_table(conf, recipe)
     assert table.title.endswith("; last row: against torchtitan's recipe")
-    assert [row[0] for row in table.rows] == ["4 (emitted)", "7", "search's config / recipe"]
+    assert [row[0] for row in table.rows] == ["4 *", "7", "search's config / recipe"]
     last = dict(zip(table.columns, table.rows[-1]))
     assert (last["/baseline"], last["ref 1st"], last["cand 1st"]) == ("0.932x", "0.932x", "0.932x")
     # Without a recipe round (or one that did not measure), the finalists only.
@@ -728,11 +727,17 @@ def test_a_search_s_terminal_output_fits_100_columns(monkeypatch):
     assert " ".join(cells[4:7]) == SAMPLED_DIFF and cells[7].startswith("note: slower than 1.3x")
     assert re.fullmatch(r"\s+0\s+ok\s+0\.996x\s+8\.9%\s+defaults\s*", lines[header + 2])
     assert any(
-        re.fullmatch(
-            r"\s+2 \(emitted\)\s+0\.900x\s+0\.880-0\.930\s+0\.920x\s+0\.880x\s+4\.5%\s+9\.0%/8\.0%\s+1\s*", line
-        )
+        re.fullmatch(r"\s*2 \*\s+0\.900x\s+0\.880-0\.930\s+0\.920x\s+0\.880x\s+4\.5%\s+9\.0%/8\.0%\s+1\s*", line)
         for line in lines
     ), "\n".join(lines)
+    # on an 80-column terminal too the final round's rows stay whole (one space between columns)
+    narrow = Console(width=80, record=True)
+    monkeypatch.setattr(render, "console", narrow)
+    render.print_tables([get_final_round_table(summary.confirmation)])
+    assert any(
+        re.fullmatch(r"\s*2 \*\s+0\.900x\s+0\.880-0\.930\s+0\.920x\s+0\.880x\s+4\.5%\s+9\.0%/8\.0%\s+1\s*", line)
+        for line in narrow.export_text().splitlines()
+    ), narrow.export_text()
     (progress_line,) = err.export_text().splitlines()
     assert len(progress_line) <= 100 and progress_line.startswith("trial   2: pruned - slower than 1.3x")
     assert progress_line.endswith("…")
