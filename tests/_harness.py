@@ -84,7 +84,7 @@ def reference_losses(
 
 
 def _collective_kinds() -> dict[Any, str]:
-    """CommDebugMode's op packets (c10d ops and functional collectives) -> the kinds the tests assert on."""
+    """The op packets of c10d's collectives (c10d ops and functional collectives) -> the kinds the tests assert on."""
     c10d, funcol = torch.ops.c10d, torch.ops.c10d_functional
     return {
         c10d._allgather_base_: "all_gather",
@@ -104,39 +104,53 @@ def _collective_kinds() -> dict[Any, str]:
     }
 
 
-# Collectives are counted by torch's CommDebugMode (a dispatch mode: it sees every c10d op,
-# however FSDP2 reaches it). Measured on torch 2.13, tiny model, 2 microbatches: it counts
-# every all-gather, every reduce-scatter (also with set_requires_gradient_sync(False) on
-# non-final microbatches) and HSDP's replica all-reduce (also with replica_last), exactly
-# as many as a monkeypatch of the torch.distributed functions FSDP2 calls. But one
-# CommDebugMode cannot span a training step: its module tracker registers a forward hook
-# per module call and removes only the last one per module name, so the second forward of
-# any module inside one context raises IndexError (reproduced on a bare nn.Linear called
-# twice). Hence a fresh CommDebugMode per microbatch (each module runs forward once in it),
-# entered inside the accumulator's microbatch context, which holds the microbatch's forward
-# and backward (FSDP2's root post-backward callback included). The model build and the
-# optimizer step issue no collectives (measured: the per-microbatch sum equals a whole-run
-# count of the torch.distributed functions).
+class _CollectiveCounter(TorchDispatchMode):
+    """Counts c10d ops by kind while active: a dispatch mode sees every c10d op, however FSDP2
+    reaches it (no module tracker: stages run each module once per microbatch, which
+    CommDebugMode's tracker does not survive, and its hooks keep every model it saw alive)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds = _collective_kinds()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func.overloadpacket
+        if packet in self.kinds or str(packet).startswith(("c10d.", "_c10d_functional.")):
+            kind = self.kinds.get(packet, str(packet))
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+# Collectives are counted by a dispatch mode (``_CollectiveCounter``): it sees every c10d op,
+# however FSDP2 reaches it. Measured on torch 2.13, tiny model, 2 microbatches: it counts every
+# all-gather, every reduce-scatter (also with set_requires_gradient_sync(False) on non-final
+# microbatches) and HSDP's replica all-reduce (also with replica_last), as many as torch's
+# CommDebugMode and a monkeypatch of the torch.distributed functions FSDP2 calls. Not
+# CommDebugMode itself: its module tracker's hooks keep every model it saw alive (measured:
+# each config's whole model and ~19k objects stayed after the training was deleted), which a
+# pooled rank would carry from job to job, slower each time; it also took nearly twice the
+# counter's time. One counter per microbatch, entered inside the accumulator's microbatch
+# context, which holds the microbatch's forward and backward (FSDP2's root post-backward
+# callback included): the model build and the optimizer step issue no collectives (measured:
+# the per-microbatch sum equals a whole-run count of the torch.distributed functions).
 @contextlib.contextmanager
 def count_collectives(training: Training) -> Iterator[dict[str, int]]:
     """Count, by kind, the collectives of ``training``'s microbatches (forward + backward) while active.
 
-    Kinds: ``all_gather``, ``reduce_scatter``, ``all_reduce``; any other collective is
+    Kinds: ``all_gather``, ``reduce_scatter``, ``all_reduce``; any other c10d op is
     counted under its op name, so nothing is silently dropped.
     """
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    kinds = _collective_kinds()
     counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     accumulator = training.accumulator
     original = accumulator.microbatch
 
     @contextlib.contextmanager
     def counted_microbatch(index: int) -> Iterator[None]:
-        with original(index), CommDebugMode() as mode:
+        counter = _CollectiveCounter()
+        with original(index), counter:
             yield
-        for op, n in mode.get_comm_counts().items():
-            kind = kinds.get(op, str(op))
+        for kind, n in counter.counts.items():
             counts[kind] = counts.get(kind, 0) + n
 
     accumulator.microbatch = counted_microbatch  # type: ignore[method-assign]
@@ -224,23 +238,6 @@ def train_switched(
     return results
 
 
-class _CollectiveCounter(TorchDispatchMode):
-    """Counts c10d ops by kind over a whole pipeline step (no module tracker: stages run each
-    module once per microbatch, which CommDebugMode's tracker does not survive)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kinds = _collective_kinds()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        packet = func.overloadpacket
-        if packet in self.kinds or str(packet).startswith(("c10d.", "_c10d_functional.")):
-            kind = self.kinds.get(packet, str(packet))
-            self.counts[kind] = self.counts.get(kind, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def train_pipeline_configs(
     rank: int, world_size: int, *, model: str, configs: list[dict[str, Any]], num_steps: int, seed: int = 0
 ) -> list[dict[str, Any]]:
@@ -268,3 +265,14 @@ def train_pipeline_configs(
         )
         del training
     return results
+
+
+def drop_kept_model(rank: int, world_size: int) -> None:
+    """Rank program: forget the warm reference a pooled rank kept from an earlier search's trials
+    ([Note: a warm reference] in :mod:`autotune.trials.kept`) and return its memory, so that the
+    next search starts as on ranks of its own."""
+    from autotune.trials import kept
+    from autotune.trials.rank_memory import release_free_memory
+
+    kept.drop()
+    release_free_memory()

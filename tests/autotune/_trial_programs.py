@@ -109,3 +109,22 @@ def forget_kept_on_rank1(rank: int, world_size: int, *, spec: dict) -> dict:
     if rank == 1:
         kept.drop()
     return run_trial_rank(rank, world_size, spec=spec)
+
+
+def with_paired_models(rank: int, world_size: int, *, spec: dict, paired_models: str | None) -> dict:
+    """The real trial with ``AUTOTUNE_PAIRED_MODELS`` set to ``paired_models`` (None: unset) for it
+    alone, as a rank started so would see it: a pooled rank keeps the environment it started with."""
+    import os
+
+    from autotune.trials.program import run_trial_rank
+    from autotune.trials.sides import PAIRED_MODELS_ENV
+
+    before = os.environ.pop(PAIRED_MODELS_ENV, None)
+    if paired_models is not None:
+        os.environ[PAIRED_MODELS_ENV] = paired_models
+    try:
+        return run_trial_rank(rank, world_size, spec=spec)
+    finally:
+        os.environ.pop(PAIRED_MODELS_ENV, None)
+        if before is not None:
+            os.environ[PAIRED_MODELS_ENV] = before

@@ -251,25 +251,9 @@ def test_a_study_locked_past_the_timeout_loses_no_measurement(tmp_path):
 
 
 # -- bad input: one line, non-zero exit, nothing created -------------------------------
-# ``cli.main()`` in-process (the same entry point as the console script, error mapping
-# included): a subprocess per case would spend most of its time importing torch.
-
-
-@pytest.fixture
-def cli_main(capsys, monkeypatch):
-    def run(*args: str) -> subprocess.CompletedProcess:
-        import cli
-
-        monkeypatch.setattr(sys, "argv", ["autotune", *args])
-        code = 0
-        try:
-            cli.main()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        captured = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
-
-    return run
+# ``cli.main()`` in-process (``cli_main`` in tests/conftest.py: the same entry point as the
+# console script, error mapping included): a subprocess per case would spend most of its time
+# importing torch.
 
 
 def _refused(result: subprocess.CompletedProcess, *needles: str) -> None:

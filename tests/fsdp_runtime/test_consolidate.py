@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from autotune.search.consolidation import consolidation_timing
-from autotune.trials import Training, build_training, run_ranks
+from autotune.trials import RankPool, Training, build_training, run_ranks
 from fsdp_runtime import (
     CheckpointError,
     ConfigError,
@@ -61,7 +61,7 @@ _TARGET = f"{__name__}:{{}}"
 
 
 # ---------------------------------------------------------------------------
-# Rank programs (run in each rank's process by run_ranks)
+# Rank programs (run in each rank's process by run_ranks or a rank pool)
 
 
 def _check_config(
@@ -224,10 +224,22 @@ def _assert_config_ok(per_rank: list[dict[str, Any]], world_size: int, what: str
 
 
 def _run_checks(
-    world_size: int, configs: dict[str, dict], tmp_path: Path, *, check_failures: bool, timeout_s: float
+    world_size: int,
+    configs: dict[str, dict],
+    tmp_path: Path,
+    *,
+    check_failures: bool,
+    timeout_s: float,
+    pool: RankPool | None = None,
 ) -> list[dict]:
+    """``_checks`` on ``pool`` (warm ranks) or, without one, on fresh ranks, whose RSS figures start
+    from a process that ran nothing before; either way the hard limit kills every rank's tree."""
     kwargs = {"configs": configs, "ckpt_dir": str(tmp_path), "check_failures": check_failures}
-    run = run_ranks(_TARGET.format("_checks"), world_size=world_size, kwargs=kwargs, timeout_s=timeout_s)
+    if pool is None:
+        run = run_ranks(_TARGET.format("_checks"), world_size=world_size, kwargs=kwargs, timeout_s=timeout_s)
+    else:
+        assert pool.world_size == world_size
+        run = pool.run(_TARGET.format("_checks"), kwargs, timeout_s=timeout_s)
     assert run.ok, f"{run.status}: {run.reason}\n" + "\n".join(run.stderr_tails)
     return run.results
 
@@ -275,10 +287,10 @@ def test_world2_fsdp_methods_agree_reload_resumes_and_failures_are_collective(tm
     assert rise1 < timing["state_bytes"] / 2, (rise1, timing["state_bytes"])
 
 
-def test_world4_fsdp_and_hsdp_methods_agree_and_reload_resumes(tmp_path: Path) -> None:
+def test_world4_fsdp_and_hsdp_methods_agree_and_reload_resumes(tmp_path: Path, pool4) -> None:
     """FSDP (with an empty shard) compares methods only; HSDP also reloads, from memory."""
     results = _run_checks(
-        4, {"fsdp": (FSDP, None), "hsdp": (HSDP, "memory")}, tmp_path, check_failures=False, timeout_s=180
+        4, {"fsdp": (FSDP, None), "hsdp": (HSDP, "memory")}, tmp_path, check_failures=False, timeout_s=180, pool=pool4
     )
     assert "reloaded" in results[0]["hsdp"]
     for name in ("fsdp", "hsdp"):

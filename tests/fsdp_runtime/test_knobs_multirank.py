@@ -32,7 +32,7 @@ import pytest
 from _harness import reference_losses
 
 from autotune.search import SearchSpace
-from autotune.trials import run_ranks
+from autotune.trials import RankPool
 from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, config_to_dict, default_config, get_unsupported_knobs
 from profiles import load_model_profile
 
@@ -104,16 +104,17 @@ def _prefetch(config: RuntimeConfig, depth: int) -> RuntimeConfig:
     return dataclasses.replace(config, units=units)
 
 
-def _run(world_size: int, configs: dict[str, RuntimeConfig], timeout_s: float = 240) -> dict[str, list[dict]]:
-    run = run_ranks(
+def _run(pool: RankPool, configs: dict[str, RuntimeConfig], timeout_s: float = 240) -> dict[str, list[dict]]:
+    """Every config in turn in one job on the session's pool (each from a fresh build and seed); the
+    job's hard limit kills every rank's tree."""
+    run = pool.run(
         "_harness:train_configs",
-        world_size=world_size,
-        kwargs={"model": "tiny", "configs": [config_to_dict(c) for c in configs.values()], "num_steps": NUM_STEPS},
+        {"model": "tiny", "configs": [config_to_dict(c) for c in configs.values()], "num_steps": NUM_STEPS},
         timeout_s=timeout_s,
     )
     assert run.ok, f"{run.status}: {run.reason}\n{run.stderr_tails}"
     # results[rank][config index] -> per config: [rank0 result, rank1 result, ...]
-    return {name: [run.results[r][i] for r in range(world_size)] for i, name in enumerate(configs)}
+    return {name: [run.results[r][i] for r in range(pool.world_size)] for i, name in enumerate(configs)}
 
 
 def _losses(result: list[dict]) -> list[list[float]]:
@@ -127,7 +128,7 @@ def _assert_close(a: list[list[float]], b: list[list[float]], rtol: float) -> No
 
 
 @pytest.fixture(scope="module")
-def world2() -> dict[str, list[dict]]:
+def world2(pool2) -> dict[str, list[dict]]:
     base = _config()
     last = _with_units(base, sync="last")
     configs = {
@@ -165,7 +166,7 @@ def world2() -> dict[str, list[dict]]:
     }
     if not RS_BUFFERS:  # apply_fsdp refuses it there: one refused config would fail the whole run
         del configs["rs_buffers2"]
-    return _run(2, configs)
+    return _run(pool2, configs)
 
 
 @pytest.mark.multirank
@@ -248,7 +249,7 @@ def test_fsdp_matches_single_process_reference(world2):
 
 
 @pytest.mark.multirank
-def test_world4_hsdp_and_int_reshard():
+def test_world4_hsdp_and_int_reshard(pool4):
     base = _config()
     hsdp = dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, kind="hsdp", replicate=2, shard=2))
     configs = {
@@ -262,7 +263,7 @@ def test_world4_hsdp_and_int_reshard():
         "hsdp_all_last": _point(4, **HSDP_LAST),
         "hsdp_all_last_grouped_ac": _point(4, **HSDP_LAST, blocks_per_unit=2, ac_units="first_half", ac_kind="full"),
     }
-    results = _run(4, configs, timeout_s=400)
+    results = _run(pool4, configs, timeout_s=400)
     # Grouping at FSDP world 4: bitwise as measured (see the module docstring).
     assert _losses(results["grouped2"]) == _losses(results["default"])
     assert results["grouped2"][0]["collectives"]["reduce_scatter"] == (2 + 1) * NUM_MICROBATCHES * NUM_STEPS
@@ -366,9 +367,9 @@ BF16_PARAMS_RTOL = 1e-3
 
 
 @pytest.mark.multirank
-def test_bf16_reduction_stays_within_tolerance_of_fp32_reduction():
+def test_bf16_reduction_stays_within_tolerance_of_fp32_reduction(pool2):
     results = _run(
-        2,
+        pool2,
         {
             "fp32": _precision_point("float32", "float32"),
             "bf16_fp32": _precision_point("bfloat16", "float32"),

@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 
-from autotune.trials import run_ranks
+from autotune.trials import RankPool
 from fsdp_runtime import MeshConfig, PipelineConfig, RuntimeConfig, config_to_dict, default_config
 
 NUM_STEPS = 3
@@ -46,26 +46,26 @@ def _tuned(config: RuntimeConfig) -> RuntimeConfig:
     return dataclasses.replace(config, units=units)
 
 
-def _run(world_size: int, target: str, configs: dict[str, RuntimeConfig]) -> dict[str, list[dict]]:
-    run = run_ranks(
+def _run(pool: RankPool, target: str, configs: dict[str, RuntimeConfig]) -> dict[str, list[dict]]:
+    """Every config in turn in one job on a session pool; the job's hard limit kills every rank's tree."""
+    run = pool.run(
         target,
-        world_size=world_size,
-        kwargs={"model": "tiny", "configs": [config_to_dict(c) for c in configs.values()], "num_steps": NUM_STEPS},
+        {"model": "tiny", "configs": [config_to_dict(c) for c in configs.values()], "num_steps": NUM_STEPS},
         timeout_s=240,
     )
     assert run.ok, f"{run.status}: {run.reason}\n{run.stderr_tails}"
-    return {name: [run.results[r][i] for r in range(world_size)] for i, name in enumerate(configs)}
+    return {name: [run.results[r][i] for r in range(pool.world_size)] for i, name in enumerate(configs)}
 
 
 @pytest.fixture(scope="module")
-def unstaged() -> dict[str, list[dict]]:
-    return _run(2, "_harness:train_pipeline_configs", {"every": BASE, "last": LAST})
+def unstaged(pool2) -> dict[str, list[dict]]:
+    return _run(pool2, "_harness:train_pipeline_configs", {"every": BASE, "last": LAST})
 
 
 @pytest.fixture(scope="module")
-def staged() -> dict[str, list[dict]]:
+def staged(pool4) -> dict[str, list[dict]]:
     return _run(
-        4,
+        pool4,
         "_harness:train_pipeline_configs",
         {
             "gpipe": _staged(BASE, "gpipe"),

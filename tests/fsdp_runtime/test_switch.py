@@ -14,7 +14,6 @@ import dataclasses
 
 import pytest
 
-from autotune.trials import run_ranks
 from fsdp_runtime import (
     RuntimeConfig,
     UnitConfig,
@@ -63,7 +62,7 @@ NOSYNC = _with_blocks(_config(), sync="last", defer_concat=False)
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
+def runs(pool2) -> dict[str, list[dict]]:
     d, k, n = (config_to_dict(c) for c in (DEFAULTS, KEEPING, NOSYNC))
     named = {
         "fresh_defaults": {"build": d, "steps": [d] * 4},
@@ -72,12 +71,8 @@ def runs() -> dict[str, list[dict]]:
         "fresh_nosync": {"build": n, "steps": [n] * 3},
         "switched_nosync": {"build": d, "steps": [n, n, d]},
     }
-    run = run_ranks(
-        "_harness:train_switched",
-        world_size=2,
-        kwargs={"model": "tiny", "runs": list(named.values())},
-        timeout_s=240,
-    )
+    # One job on the session's pool (each run from a fresh build and seed); its hard limit kills every rank's tree.
+    run = pool2.run("_harness:train_switched", {"model": "tiny", "runs": list(named.values())}, timeout_s=240)
     assert run.ok, f"{run.status}: {run.reason}\n{run.stderr_tails}"
     return {name: [run.results[r][i] for r in range(2)] for i, name in enumerate(named)}
 

@@ -10,7 +10,6 @@ import them by name: ``test_sources:regressor``); the rank program is ``_model_p
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -447,15 +446,6 @@ def test_search_with_a_factory_that_does_not_import_exits_2_before_any_file(tmp_
 
 # ---------------------------------------------------------------------------
 # Search end to end, then the emitted config in a plain training loop
-
-
-@pytest.fixture
-def shared_pool(pool2, monkeypatch):
-    """The searches run on the session's 2-rank pool (ranks, and transformers in them, start once)."""
-    from autotune.search import run
-
-    monkeypatch.setattr(run, "open_pool", lambda settings: contextlib.nullcontext(pool2))
-    return pool2
 
 
 @pytest.mark.multirank

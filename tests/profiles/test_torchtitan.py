@@ -10,7 +10,6 @@ where it does not) and the unsharded model's within 1e-4, and the README's examp
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -161,19 +160,24 @@ SEARCH = {
 }
 
 
-@pytest.fixture
-def shared_pool(pool2, monkeypatch):
-    from autotune.search import run
-
-    monkeypatch.setattr(run, "open_pool", lambda settings: contextlib.nullcontext(pool2))
-    return pool2
+def _shorter(tmp_path) -> str:
+    """torchtitan's debugmodel as its registry builds it (its widths, blocks and loss), trained on
+    1 x 32 tokens per microbatch instead of its 4 x 128: what is under test is that a config searched
+    on it applies and trains, not how fast; a step takes a tenth of the time."""
+    path = tmp_path / "debugmodel.toml"
+    path.write_text(f'name = "debugmodel-short"\nfactory = "{LLAMA}"\nseq_len = 32\nbatch_size = 1\n')
+    source = load_model_source(str(path))
+    assert isinstance(source, TorchtitanModel) and source.ref == LLAMA
+    assert (source.name, source.seq_len, source.batch_size) == ("debugmodel-short", 32, 1)
+    return str(path)
 
 
 @pytest.mark.multirank
 def test_search_emit_apply_and_train_a_torchtitan_model(tmp_path, shared_pool):
     from autotune.search import SearchSettings, run_search
 
-    summary = run_search(SearchSettings(model=LLAMA, out_dir=tmp_path / "run", **SEARCH))
+    model = _shorter(tmp_path)
+    summary = run_search(SearchSettings(model=model, out_dir=tmp_path / "run", **SEARCH))
     assert summary.best is not None, [(r.number, r.status, r.reason) for r in summary.rows]
     assert summary.record.recipe == {
         "name": "torchtitan",
@@ -183,7 +187,7 @@ def test_search_emit_apply_and_train_a_torchtitan_model(tmp_path, shared_pool):
     }
     best = load_config(tmp_path / "run" / "best.toml")
     blocks = [m for u in best.units for m in u.get_modules() if m.startswith("layers.")]
-    assert blocks == [f"layers.{i}" for i in range(6)] and best.provenance.model == LLAMA
+    assert blocks == [f"layers.{i}" for i in range(6)] and best.provenance.model == "debugmodel-short"
     base = RuntimeConfig(num_microbatches=best.num_microbatches, mixed_precision=best.mixed_precision)
     recipe = get_torchtitan_config(load_model_source(LLAMA).build(device="meta"), base)
     configs = {
@@ -191,7 +195,7 @@ def test_search_emit_apply_and_train_a_torchtitan_model(tmp_path, shared_pool):
         "emitted_in_order": config_to_dict(without_order_changes(best)),
         "recipe": config_to_dict(recipe),
     }
-    run = shared_pool.run("_torchtitan_programs:train_torchtitan", {"model": LLAMA, "configs": configs}, timeout_s=150)
+    run = shared_pool.run("_torchtitan_programs:train_torchtitan", {"model": model, "configs": configs}, timeout_s=150)
     assert run.ok, run.reason
     for losses in run.results:
         # bitwise: prefetch, reshard, async unshard, grouping, split edges keep the order of sums
@@ -204,7 +208,7 @@ def test_search_emit_apply_and_train_a_torchtitan_model(tmp_path, shared_pool):
     # The README's example (apply_fsdp where torchtitan calls its own) trains exactly as the emitted config.
     readme = shared_pool.run(
         "_torchtitan_programs:run_readme_example",
-        {"model": LLAMA, "config_path": str(tmp_path / "run" / "best.toml")},
+        {"model": model, "config_path": str(tmp_path / "run" / "best.toml")},
         timeout_s=90,
     )
     assert readme.ok, readme.reason

@@ -28,17 +28,16 @@ from _truth_programs import C_LONG_MS, C_SHORT_MS, C_STEP_MS, CASES, D_MS, ISSUE
 
 from autotune.analysis import FsdpTraceAnalysis, summarize_traces
 from autotune.analysis._events import get_label_unit
-from autotune.trials import run_ranks
 
 pytestmark = pytest.mark.multirank
 
 TIMEOUT_S = 90
-"""Hard wall-clock limit of the one launch that runs every case (the launcher kills every rank's tree)."""
+"""Hard wall-clock limit of the one job that runs every case (the pool kills every rank's tree)."""
 ABS_MS, REL, RATIO = 10.0, 0.15, 0.15
 
 
 @pytest.fixture(scope="module")
-def traces(tmp_path_factory) -> Path:
+def traces(tmp_path_factory, pool2) -> Path:
     # One retry, for a rank killed by a signal only: CI saw rank 0 die of SIGSEGV, then of SIGABRT
     # ("corrupted double-linked list"), inside torch 2.13's CPU profiler when a case left a gloo
     # collective in flight as the profiler stopped (1 launch in 6 of 20 crossing cases here; the
@@ -46,12 +45,7 @@ def traces(tmp_path_factory) -> Path:
     # analysis of the traces, not that crash, and a second one still fails them.
     for attempt in range(2):
         out = tmp_path_factory.mktemp("truth")
-        run = run_ranks(
-            "_truth_programs:run_cases",
-            world_size=2,
-            kwargs={"out_dir": str(out), "cases": list(CASES)},
-            timeout_s=TIMEOUT_S,
-        )
+        run = pool2.run("_truth_programs:run_cases", {"out_dir": str(out), "cases": list(CASES)}, timeout_s=TIMEOUT_S)
         if run.ok or "killed by SIG" not in run.reason or attempt == 1:
             break
     assert run.ok, f"{run.status}: {run.reason}\n" + "\n".join(run.stderr_tails)

@@ -197,8 +197,8 @@ def test_cli_plan_emits_a_config_for_llama8b_units(tmp_path):
         (("--pp", "3"), "error: --pp: PP degree 3 does not divide the world size 8 and the model's 32 blocks"),
     ],
 )
-def test_cli_plan_bad_input_is_one_line(args, message, tmp_path):
-    done = _cli(*args, "--out", str(tmp_path / "out"))
+def test_cli_plan_bad_input_is_one_line(args, message, tmp_path, cli_main):
+    done = cli_main("plan", *args, "--out", str(tmp_path / "out"))  # in-process: the console script's entry point
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(message)
     assert not (tmp_path / "out").exists()

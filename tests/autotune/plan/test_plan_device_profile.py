@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from autotune.plan import PlanSettings, run_plan
 from autotune.sim import DeviceProfile
 from fsdp_runtime import load_config
@@ -25,16 +27,23 @@ def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     )
 
 
-def test_calibrate_then_plan_with_the_measured_profile(tmp_path):
-    trial = get_gpu_trial(L8B4)
-    done = _cli("calibrate", str(trial), "--out", str(tmp_path / "h200.toml"))
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """``autotune calibrate`` on the H200 trial, run once for the module as the console script
+    runs (its own process): the device profile written and what the command printed."""
+    out = tmp_path_factory.mktemp("calibrated") / "h200.toml"
+    return out, _cli("calibrate", str(get_gpu_trial(L8B4)), "--out", str(out))
+
+
+def test_calibrate_then_plan_with_the_measured_profile(tmp_path, calibrated):
+    path, done = calibrated
     assert done.returncode == 0, done.stderr
     assert (
         "NVIDIA H200: GEMM 791 TFLOP/s" in done.stdout and "measured 377.3 ms (-1.6%)" in done.stdout
     )  # idle scaled to the unprofiled step: [Note: GPU calibration]
     # the memory margin's simulator-error share, checked on the trial (+0.24% on this one)
     assert "CUDA max allocated 50.31 GiB (+0.24%: within the plan's 0.84% margin" in done.stdout
-    profile = DeviceProfile.read(tmp_path / "h200.toml")
+    profile = DeviceProfile.read(path)
     assert profile.measured_on["model"] == "l8b4" and profile.torch.startswith("2.11")
 
     settings = dict(model="tiny", cluster="h200-node", num_nodes=1, num_workers=1, memory_knobs=False)
@@ -48,9 +57,7 @@ def test_calibrate_then_plan_with_the_measured_profile(tmp_path):
 
         def on_advance(self, count: int) -> None: ...
 
-    measured = run_plan(
-        PlanSettings(**settings, out_dir=tmp_path / "m", device_profile=tmp_path / "h200.toml"), reporter=Reporter()
-    )
+    measured = run_plan(PlanSettings(**settings, out_dir=tmp_path / "m", device_profile=path), reporter=Reporter())
     datasheet = run_plan(PlanSettings(**settings, out_dir=tmp_path / "d"))
     assert any(line.startswith("prices measured on NVIDIA H200") for line in lines)
     assert any("datasheet: collectives" in line for line in lines)
@@ -60,25 +67,17 @@ def test_calibrate_then_plan_with_the_measured_profile(tmp_path):
     assert any(note.startswith("prices measured on NVIDIA H200") for note in notes)
 
 
-def test_a_device_profile_of_another_gpu_or_precision_is_refused_in_one_line(tmp_path):
-    trial = get_gpu_trial(L8B4)
-    assert _cli("calibrate", str(trial), "--out", str(tmp_path / "h200.toml")).returncode == 0
+def test_a_device_profile_of_another_gpu_or_precision_is_refused_in_one_line(tmp_path, calibrated, cli_main):
+    # In-process (``cli.main()``, the console script's entry point): the refusals need no process of their own.
+    path, done = calibrated
+    assert done.returncode == 0, done.stderr
     for args, message in (
         (("--cluster", "h100-node"), "error: --device-profile: device profile"),
         (("--cluster", "h200-node", "--param-dtype", "float32"), "error: --device-profile: device profile"),
     ):
-        done = _cli(
-            "plan",
-            "--model",
-            "tiny",
-            *args,
-            "--device-profile",
-            str(tmp_path / "h200.toml"),
-            "--out",
-            str(tmp_path / "o"),
-        )
+        done = cli_main("plan", "--model", "tiny", *args, "--device-profile", str(path), "--out", str(tmp_path / "o"))
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith(message) and len(done.stderr.strip().splitlines()) == 1
         assert not (tmp_path / "o").exists()
-    done = _cli("calibrate", str(tmp_path), "--out", str(tmp_path / "x.toml"))
+    done = cli_main("calibrate", str(tmp_path), "--out", str(tmp_path / "x.toml"))
     assert done.returncode == 2 and "not a trial dir" in done.stderr and not (tmp_path / "x.toml").exists()

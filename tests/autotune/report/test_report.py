@@ -7,7 +7,6 @@ import inspect
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -390,14 +389,7 @@ def test_search_tables_show_each_trial_s_profiler_overhead(trial_dir, tmp_path):
 # --------------------------------------------------------------------------- any directory of chrome traces
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    repo = Path(__file__).resolve().parents[3]
-    return subprocess.run(
-        [sys.executable, "-c", "import cli; cli.main()", *args], cwd=repo, capture_output=True, text=True, timeout=300
-    )
-
-
-def test_cli_report_on_a_dir_of_traces_with_foreign_names(tmp_path):
+def test_cli_report_on_a_dir_of_traces_with_foreign_names(tmp_path, cli_main):
     """``autotune report DIR`` on traces named as other tools name them, one per rank, beside other JSON."""
     import gzip
 
@@ -415,7 +407,7 @@ def test_cli_report_on_a_dir_of_traces_with_foreign_names(tmp_path):
     (folder / "losses.json").write_text("[1.5, 1.25]")
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
 
-    result = _run_cli("report", str(folder), "--json")
+    result = cli_main("report", str(folder), "--json")  # in-process: the console script's entry point
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)["trace_metrics"]
     assert summary["num_ranks"] == 3
@@ -432,7 +424,7 @@ def test_cli_report_on_a_dir_of_traces_with_foreign_names(tmp_path):
             )
         assert got["overlap_ratio_time_weighted"] == pytest.approx(want["overlap_ratio_time_weighted"], abs=1e-12)
 
-    result = _run_cli("report", str(folder))
+    result = cli_main("report", str(folder))
     assert result.returncode == 0, result.stderr
     assert (folder / "report" / "report.html").exists()
     assert before == {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "report"}  # traces untouched

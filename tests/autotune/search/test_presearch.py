@@ -23,7 +23,7 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "data" / "artifacts"
 
 
 @pytest.mark.multirank
-def test_presearch_measures_the_simulators_top_k_and_records_predicted_vs_measured(tmp_path):
+def test_presearch_measures_the_simulators_top_k_and_records_predicted_vs_measured(tmp_path, shared_pool):
     settings = SearchSettings(
         out_dir=tmp_path, num_trials=7, num_confirm_pairs=1, presearch="sim", presearch_top_k=2, **FAST
     )

@@ -23,7 +23,6 @@ from autotune.pipeline import search_and_report
 from autotune.report import get_tables, load_report
 from autotune.search import SearchError, SearchSettings, SearchSpace, SilentReporter, TrialRow, pick_best, run_search
 from autotune.search.loop import plateaued
-from autotune.trials import run_ranks
 from fsdp_runtime import config_to_dict, load_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -34,7 +33,7 @@ def _settings(out: Path, **kw) -> SearchSettings:
 
 
 @pytest.mark.multirank
-def test_search_emits_a_config_that_applies_and_trains(tmp_path):
+def test_search_emits_a_config_that_applies_and_trains(tmp_path, shared_pool):
     # No pruning (an unreachable prune ratio): every trial completes, so the final round has finalists.
     settings = _settings(tmp_path, num_trials=4, num_confirm_pairs=1, memory_budget_bytes=2**40, prune_ratio=1e9)
     summary = search_and_report(settings)
@@ -113,18 +112,15 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path):
     assert summary_rows["vs torchtitan's recipe"].startswith(f"the search's config {recipe['speedup_median']:.3f}x")
     assert (tmp_path / "report" / "report.html").exists() and search_json["report_error"] is None
     # The emitted config applies with fsdp_runtime unchanged and trains.
-    run = run_ranks(
-        "_harness:train_losses",
-        world_size=2,
-        kwargs={"model": "tiny", "config": config_to_dict(best), "num_steps": 2},
-        timeout_s=90,
+    run = shared_pool.run(
+        "_harness:train_losses", {"model": "tiny", "config": config_to_dict(best), "num_steps": 2}, timeout_s=90
     )
     assert run.ok, run.reason
     assert all(len(losses) == 2 and all(0 < x < 20 for x in losses) for losses in run.results)
 
 
 @pytest.mark.multirank
-def test_failed_trials_are_recorded_and_do_not_stop_the_search(tmp_path):
+def test_failed_trials_are_recorded_and_do_not_stop_the_search(tmp_path, shared_pool):
     # Seed 1 samples explicit forward prefetch in trials 1 and 2 (a seed whose samples all lack it tests nothing).
     summary = run_search(
         _settings(
@@ -144,7 +140,7 @@ def test_failed_trials_are_recorded_and_do_not_stop_the_search(tmp_path):
 
 
 @pytest.mark.multirank
-def test_a_burst_does_not_prune_a_config_but_a_slow_config_is_pruned(tmp_path):
+def test_a_burst_does_not_prune_a_config_but_a_slow_config_is_pruned(tmp_path, shared_pool):
     # Rank 1 sleeps (_search_programs.burst_or_slow) in every candidate step of trial 1, and in
     # the candidate steps of trial 2's first block only. Two blocks at most, pruned from the second.
     settings = _settings(
@@ -177,7 +173,8 @@ def test_a_burst_does_not_prune_a_config_but_a_slow_config_is_pruned(tmp_path):
 def test_a_slow_rank_makes_a_trial_slow_not_failed_and_a_hang_is_still_killed(tmp_path, monkeypatch):
     """[Note: trial timeouts]: trial 1's rank 1 sleeps in every step (a busy box), trial 2's hangs.
     Limits follow what this box measured; a fixed limit the size of a clean trial would have
-    failed trial 1."""
+    failed trial 1. The search starts ranks of its own (not the session's warm pool): its first
+    run, started cold, is what prices the limits."""
     from _search_programs import SLOW_RANK_S
 
     from autotune.search import timeouts

@@ -13,7 +13,7 @@ from fsdp_runtime import MeshConfig, PipelineConfig, default_config, load_config
 
 
 @pytest.mark.multirank
-def test_a_search_with_pipeline_degrees_measures_and_emits_a_staged_config(tmp_path):
+def test_a_search_with_pipeline_degrees_measures_and_emits_a_staged_config(tmp_path, shared_pool4):
     settings = SearchSettings(
         out_dir=tmp_path,
         **{**FAST, "world_size": 4, "num_microbatches": 4},

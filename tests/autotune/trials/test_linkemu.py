@@ -208,13 +208,11 @@ def late_peer_rank(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.multirank
-def test_a_transfer_starts_when_the_last_rank_issues_it():
+def test_a_transfer_starts_when_the_last_rank_issues_it(pool2):
     """On a real link no rank leaves a collective before the last one has joined and the
     transfer has run: rank 0, early by LATE_S, is held to rank 1's issue + the modelled time
     (the old rule, its own issue + modelled, released it as soon as gloo completed)."""
-    from autotune.trials import run_ranks
-
-    run = run_ranks("test_linkemu:late_peer_rank", world_size=2, timeout_s=60)
+    run = pool2.run("test_linkemu:late_peer_rank", timeout_s=60)
     assert run.ok, (run.status, run.reason)
     early, late = run.results
     for call_early, call_late in zip(early["calls"], late["calls"], strict=True):
@@ -264,10 +262,8 @@ def late_receiver_rank(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.multirank
-def test_a_pipeline_send_and_its_receive_are_held_to_the_link_between_them():
-    from autotune.trials import run_ranks
-
-    run = run_ranks("test_linkemu:late_receiver_rank", world_size=2, timeout_s=60)
+def test_a_pipeline_send_and_its_receive_are_held_to_the_link_between_them(pool2):
+    run = pool2.run("test_linkemu:late_receiver_rank", timeout_s=60)
     assert run.ok, (run.status, run.reason)
     sender, receiver = run.results
     # Both leave at the later post + the link's time: the sender waits for the late receiver too.

@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 
-from autotune.trials import run_ranks
 from fsdp_runtime import MeshConfig, UnitConfig, config_to_dict, default_config
 from profiles import load_model_profile
 
@@ -16,17 +15,16 @@ pytestmark = pytest.mark.multirank
 BLOCKS = list(load_model_profile("tiny").block_names)
 
 
-def test_a_sharded_build_trains_as_a_full_build():
+def test_a_sharded_build_trains_as_a_full_build(pool2):
     grouped = [UnitConfig(name="layers.0-1", modules=BLOCKS[:2]), *default_config(BLOCKS[2:]).units]
     configs = {
         "fsdp": default_config(BLOCKS, num_microbatches=2),
         "hsdp": dataclasses.replace(default_config(BLOCKS), mesh=MeshConfig(kind="hsdp", replicate=2)),
         "grouped": dataclasses.replace(default_config(BLOCKS), units=grouped),
     }
-    run = run_ranks(
+    run = pool2.run(
         "_harness:train_full_and_sharded",
-        world_size=2,
-        kwargs={"model": "tiny", "configs": [config_to_dict(c) for c in configs.values()], "num_steps": 3},
+        {"model": "tiny", "configs": [config_to_dict(c) for c in configs.values()], "num_steps": 3},
         timeout_s=180,
     )
     assert run.ok, f"{run.status}: {run.reason}\n{run.stderr_tails}"
