@@ -12,11 +12,24 @@ On the GPU box, with every GPU it sees (``--nproc``, default all), from a source
    GPU, which a paired trial holding two models could not search;
 2. *a default search* on it (``--trials``, the search's own defaults otherwise) through the
    API (typer is not on the GPU box), in one warm NCCL rank pool;
-3. *numerics*: the defaults in bf16 against fp32 on a 2-block model (losses of 4 steps,
-   within 2%: bf16 keeps 8 bits of mantissa, 0.4% per rounding), and one model switched in
-   place to no reshard after forward + prefetch one block ahead against a fresh build of that
-   config (bf16, 4 steps; bitwise on CPU, within 0.1% here: GPU kernels may pick other
-   algorithms for other memory layouts);
+3. *numerics* (:mod:`autotune.trials.numerics`, its [Note: numerics checks]; fresh NCCL ranks,
+   a 2-block model of the same shape and full vocabulary), each a structured result, all in
+   ``results.json``:
+   - *memorisation*: the same batch every step (rows alternating two tokens, so that the next
+     token depends on the one before the current one), 48 AdamW steps at 1e-4, in fp32 and in
+     bf16 params / fp32 reduce. Asserts, per run and rank, that the last loss is at most half the
+     first, and at most half the batch's context-free floor (the least loss of any model that
+     sees only the current token: a model whose blocks are skipped cannot pass); and that at
+     every step ``|L_bf16 - L_fp32| <= 3 * 2**-8 * sqrt(r) * (L_fp32[s] + the fp32 curve's travel
+     so far)``, with ``r = 3 * (10 * blocks + 2)`` bf16 roundings on a value's path (2**-8: bf16's
+     8 significant bits; 3: three standard deviations of a sum of independent roundings);
+   - *switch*: FSDP2's defaults switched in place after a step to no reshard after forward +
+     prefetch one block ahead, against a fresh build of that, fp32, 4 steps, deterministic
+     algorithms. Asserts losses bitwise equal on every rank and step, the per-step counts of
+     all-gathers and reduce-scatters after the switch equal the fresh build's, and the two
+     configs' counts differ (the defaults gather every block again in backward), so that a
+     switch that did nothing fails. With one GPU it runs on 2 gloo ranks on the CPU (tiny Llama):
+     FSDP2 issues no collectives on one rank;
 4. *one table*: per trial its status, ratio to the defaults, wall time, the time of its steps
    (measured, settle and profiled, both sides), the fixed cost (wall minus steps: start of the
    job, build, warm-up steps, profiler stop and export, result collection), the candidate's
@@ -26,8 +39,11 @@ On the GPU box, with every GPU it sees (``--nproc``, default all), from a source
 
 ``--dry-run`` makes no CUDA call: it checks the imports the GPU run needs, sizes the model for
 ``--gpu-gib`` of memory, builds the search's settings, plan and space and every config it
-starts from, builds the numerics trials' specs, and prints the table of a recorded trial dir
-(``--recorded``), so the script is known to run before a GPU minute is spent on it.
+starts from, builds the numerics checks' configs, and prints the table of a recorded trial dir
+(``--recorded``), so the script is known to run before a GPU minute is spent on it. ``--part``
+runs the search only or the numerics only (default: both). ``results.json`` holds each numerics
+check as ``numerics.<name>``: ``passed``, every criterion with its value and limit, the loss
+curves; ``numerics_passed`` is all of them, and the script exits 1 after writing it when one failed.
 """
 
 from __future__ import annotations
@@ -47,18 +63,28 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import with_keep_and_prefetch  # noqa: E402
-
 from autotune.search import SearchSettings  # noqa: E402
-from autotune.trials import TrialMetrics, TrialSpec  # noqa: E402
-from fsdp_runtime import MixedPrecisionConfig, config_to_dict  # noqa: E402
+from autotune.trials import TrialMetrics  # noqa: E402
+from autotune.trials.numerics import (  # noqa: E402
+    BF16,
+    FP32,
+    ONE_RANK,
+    MemoriseTask,
+    check_memorisation,
+    check_switch,
+    get_default_config,
+    keep_and_prefetch,
+)
 
-BF16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
-FP32 = MixedPrecisionConfig()
 BASE_MODEL = "llama8b"
 NEEDED = {"optuna": "optuna", "hta": "traceinsight"}
 """Modules the GPU run imports beyond torch, and the wheel that brings each."""
-BF16_RTOL, SWITCH_RTOL = 2e-2, 1e-3
+NUMERICS_MODEL = {"name": BASE_MODEL, "num_layers": 2}
+MEMORISE = MemoriseTask(lr=1e-4, num_steps=48)
+"""For 4096 wide: on CPU a width of 64 memorised at 5e-3 and of 1024 at 3e-4 (lr x width ~0.3); more steps
+than the CPU tests' 32, for room (a GPU step here takes milliseconds)."""
+SWITCH = dataclasses.replace(MEMORISE, num_steps=4)
+ONE_GPU_SWITCH_MODEL = {"name": "tiny", "num_layers": 2}
 DEFAULT_RECORDED = ROOT / "tests" / "data" / "gpu_traces" / "h200-l8b4-defaults"
 
 
@@ -151,77 +177,37 @@ def plan_search(settings: SearchSettings, gpu_bytes: int) -> list[str]:
     ]
 
 
-def numerics_specs(args: argparse.Namespace, out: Path) -> dict[str, TrialSpec]:
-    """The trials of the numerics check: fp32 and bf16 defaults, unpaired, 4 steps each, on 2 blocks."""
-    from autotune.trials import load_trial_config
-
-    model = {"name": BASE_MODEL, "num_layers": 2, "seq_len": args.seq_len // 2}
-    base = load_trial_config(None, model)
-    specs = {}
-    for name, mp in (("fp32", FP32), ("bf16", BF16)):
-        specs[name] = TrialSpec(
-            model=model,
-            config=dataclasses.replace(base, mixed_precision=mp),
-            world_size=args.nproc,
-            out_dir=out / "numerics" / name,
-            num_warmup=0,
-            num_measured=4,
-            profile=False,
-            timeout_s=600,
-            backend="nccl",
-        )
-    return specs
-
-
-def switch_check(rank: int, world_size: int, *, model: dict, build: dict, switched: dict) -> dict:
-    """Rank program: 4 steps of a fresh build of ``switched``, then of a build of ``build``
-    switched in place to it before its first step; both runs' losses."""
-    from autotune.trials import build_training
-    from autotune.trials.program import _get_device
-
-    device = _get_device("nccl", rank)
-    fresh = build_training(rank, world_size, model=model, config=switched, device=device)
-    fresh_losses = [fresh.step(s) for s in range(4)]
-    del fresh
-    one = build_training(rank, world_size, model=model, config=build, device=device)
-    one.use_config(switched)
-    return {"fresh": fresh_losses, "switched": [one.step(s) for s in range(4)]}
-
-
-def max_rel_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
-
-
-def run_numerics(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    from autotune.trials import run_ranks, run_trial
-
-    specs = numerics_specs(args, out)
-    results = {name: run_trial(spec) for name, spec in specs.items()}
-    losses = {name: r.metrics.ranks[0].losses if r.ok else [] for name, r in results.items()}
-    bf16 = max_rel_diff(losses["bf16"], losses["fp32"]) if all(losses.values()) else None
-    bf16_config = specs["bf16"].config
-    switch = run_ranks(
-        "gpu_check:switch_check",
-        world_size=args.nproc,
-        kwargs={
-            "model": specs["bf16"].model,
-            "build": config_to_dict(bf16_config),
-            "switched": config_to_dict(with_keep_and_prefetch(bf16_config)),
-        },
-        timeout_s=600,
-        backend="nccl",
+def numerics_plan(nproc: int) -> list[str]:
+    """What the numerics checks will run on ``nproc`` GPUs, one line each; builds their configs (no CUDA call)."""
+    switch_model, ranks = (
+        (NUMERICS_MODEL, f"{nproc} NCCL ranks") if nproc >= 2 else (ONE_GPU_SWITCH_MODEL, "2 gloo ranks")
     )
-    switched = max_rel_diff(switch.results[0]["switched"], switch.results[0]["fresh"]) if switch.ok else None
-    return {
-        "bf16_vs_fp32": {"max_rel_diff": bf16, "rtol": BF16_RTOL, "ok": bf16 is not None and bf16 <= BF16_RTOL},
-        "switched_vs_fresh": {
-            "max_rel_diff": switched,
-            "rtol": SWITCH_RTOL,
-            "ok": switched is not None and switched <= SWITCH_RTOL,
-            "failure": None if switch.ok else f"{switch.status}: {switch.reason}",
-        },
-        "losses": {**losses, **({"switch": switch.results[0]} if switch.ok else {})},
-    }
+    fp32 = get_default_config(switch_model, FP32)
+    keep_and_prefetch(fp32)
+    m = MEMORISE
+    return [
+        f"numerics memorisation: {NUMERICS_MODEL} on {nproc} NCCL rank(s), fp32 then {BF16.param_dtype}/"
+        f"{BF16.reduce_dtype}, {m.num_steps} steps at lr {m.lr:g} on {m.rows}x{m.length} tokens per rank",
+        f"numerics switch: {switch_model} on {ranks}, fp32, {SWITCH.num_steps} steps: {len(fp32.units)} units"
+        " switched in place after a step to no reshard after forward + prefetch one block ahead, vs a fresh build",
+    ]
+
+
+def run_numerics(nproc: int) -> dict[str, Any]:
+    """Both numerics checks on fresh ranks, NCCL on ``nproc`` GPUs (the switch on 2 gloo ranks with
+    one GPU: FSDP2 issues no collectives on one rank); each one's structured result."""
+    memorisation = check_memorisation(NUMERICS_MODEL, world_size=nproc, backend="nccl", task=MEMORISE, timeout_s=600)
+    if nproc >= 2:
+        switch = check_switch(NUMERICS_MODEL, world_size=nproc, backend="nccl", task=SWITCH, timeout_s=600)
+        where = f"{nproc} NCCL ranks"
+    else:
+        switch = check_switch(ONE_GPU_SWITCH_MODEL, world_size=2, task=SWITCH, timeout_s=600)
+        where = f"2 gloo ranks on CPU, {ONE_GPU_SWITCH_MODEL} (one GPU: {ONE_RANK})"
+    results = {}
+    for check, ranks in ((memorisation, f"{nproc} NCCL ranks"), (switch, where)):
+        print(check.describe(), flush=True)
+        results[check.name] = {**check.to_dict(), "ranks": ranks}
+    return results
 
 
 def get_trial_row(trial_dir: Path) -> dict[str, Any]:
@@ -284,11 +270,39 @@ def get_search_rows(search_dir: Path) -> list[dict[str, Any]]:
 
 
 def gpu_run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The parts ``--part`` asks for, on every GPU ``--nproc`` names; what results.json holds.
+
+    The numerics first (a minute; they decide whether anything after them can be trusted), then
+    the search; results.json is written after each, so a run stopped in the search (a GPU
+    suite's time slice) keeps the numerics, and the search's trial dirs stay under ``--out``."""
+    import torch
+
+    args.nproc = args.nproc or torch.cuda.device_count()
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "nproc": args.nproc,
+        "part": args.part,
+    }
+    if args.part in ("all", "numerics"):
+        results["numerics"] = run_numerics(args.nproc)
+        results["numerics_passed"] = all(check["passed"] for check in results["numerics"].values())
+        write_results(results, out)
+    if args.part in ("all", "search"):
+        results.update(search_run(args, out))
+        write_results(results, out)
+    return results
+
+
+def write_results(results: dict[str, Any], out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+
+
+def search_run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     import torch
 
     from autotune.search import run_search
 
-    args.nproc = args.nproc or torch.cuda.device_count()
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory
     model, predicted = size_model(
         gpu_bytes=gpu_bytes, fill=args.fill, nproc=args.nproc, seq_len=args.seq_len, cluster=args.cluster
@@ -300,11 +314,7 @@ def gpu_run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     search_s = time.monotonic() - started
     rows = get_search_rows(settings.out_dir)
     print(format_table(rows), flush=True)
-    numerics = run_numerics(args, out)
     return {
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "nproc": args.nproc,
         "model": model,
         "predicted_peak_gib": predicted / 2**30,
         "gpu_gib": gpu_bytes / 2**30,
@@ -312,8 +322,6 @@ def gpu_run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "best": {"trial": summary.best.number, "ratio": summary.best.ratio} if summary.best else None,
         "best_config": str(summary.best_config_path) if summary.best_config_path else None,
         "trials": rows,
-        "numerics": {k: v for k, v in numerics.items() if k != "losses"},
-        "losses": numerics["losses"],
     }
 
 
@@ -333,8 +341,7 @@ def dry_run(args: argparse.Namespace, out: Path) -> None:
     stand_in = types.SimpleNamespace(total_memory=gpu_bytes, name=f"dry run: {args.gpu_gib:.0f} GiB")
     with mock.patch("torch.cuda.get_device_properties", lambda device=0: stand_in):
         print("\n".join(plan_search(search_settings(model, args, out), gpu_bytes)))
-    for name, spec in numerics_specs(args, out).items():
-        print(f"numerics {name}: {spec.model}, {spec.config.mixed_precision}, {spec.num_measured} steps")
+    print("\n".join(numerics_plan(nproc)))
     if args.recorded is not None and (args.recorded / "metrics.json").exists():
         print(f"the table of a recorded trial dir ({args.recorded}):")
         print(format_table([get_trial_row(args.recorded)]))
@@ -354,6 +361,9 @@ def main() -> None:
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="dry run: one GPU's memory (an H100's by default)")
     parser.add_argument("--cluster", default="h100-node", help="cluster profile the model is sized with")
     parser.add_argument("--recorded", type=Path, default=DEFAULT_RECORDED, help="dry run: a trial dir to tabulate")
+    parser.add_argument(
+        "--part", choices=("all", "search", "numerics"), default="all", help="the search, the numerics, or both"
+    )
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu_check_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -361,9 +371,10 @@ def main() -> None:
         dry_run(args, out)
         return
     results = gpu_run(args, out)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(results["numerics"], indent=2))
     print(f"written: {out / 'results.json'}")
+    if results.get("numerics_passed") is False:
+        failed = [name for name, check in results["numerics"].items() if not check["passed"]]
+        sys.exit(f"numerics check failed: {', '.join(failed)} (criteria and figures in results.json)")
 
 
 if __name__ == "__main__":

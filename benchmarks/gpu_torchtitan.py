@@ -7,14 +7,19 @@ torchtitan 0.3.0 comes from ``--torchtitan DIR`` (default ``.venv/torchtitan-0.3
 installs it with ``--no-deps``; put first on ``sys.path`` and on ``PYTHONPATH``, so the trial ranks
 import it too), else from the installed torchtitan, which must then be 0.3.0 (0.2.2's models are
 the ones that train on CPU: [Note: torchtitan models]). Beside torch (a CUDA build, with triton):
-optuna, traceinsight, tyro and spmd_types (the last two in DIR or installed).
+optuna, traceinsight, tyro and spmd_types (the last two in DIR or installed); the wheels a GPU box
+lacks: ``benchmarks/gpu_suite.py``.
 
 1. *the model*: ``torchtitan:llama3/FLAVOR`` of 0.3.0's registry, built as its trainer builds it
-   (flex attention, the masks passed by the loss hook); the largest flavor of ``FLAVORS`` whose two
-   copies (a paired trial holds the candidate and its reference) fit ``--fill`` of one GPU fully
-   sharded (:func:`autotune.trials.get_min_gpu_bytes`, bf16 params): 1B on an H100 or H200;
-   ``--flavor`` picks one. It trains at ``--seq-len`` x ``--batch-size`` per rank (4096 x 1: a
-   model TOML naming the registry's flavor, ``model.toml`` under ``--out``), not the bare
+   (flex attention, the masks passed by the loss hook, built once per batch shape); the largest
+   flavor of ``FLAVORS`` whose one model fits ``--fill`` of one GPU fully sharded
+   (:func:`autotune.trials.get_min_gpu_bytes`, bf16 params; the rest is for activations). One
+   model, because a trial holds one per GPU: the reference's knobs switched in place on the
+   candidate's model, or, where the two differ in structure (torchtitan's recipe has a unit more
+   than the defaults), the two models built in turn ([Note: models built in turn] in
+   ``autotune/trials/in_turn.py``). 1B on an H100 (3B's 50 GiB is over 60% of 80 GiB), 3B on an
+   H200; ``--flavor`` picks one. It trains at ``--seq-len`` x ``--batch-size`` per rank (4096 x 1:
+   a model TOML naming the registry's flavor, ``model.toml`` under ``--out``), not the bare
    name's 128 x 4, whose steps a GPU runs in milliseconds.
 2. *a search* of ``--trials`` trials (the defaults first) in bf16 params / fp32 reduce, 2
    microbatches, with the final round against FSDP2's defaults and against torchtitan's recipe.
@@ -88,7 +93,8 @@ def check_imports() -> list[str]:
 
 
 def pick_flavor(*, gpu_bytes: int, fill: float, nproc: int) -> tuple[str, int]:
-    """The largest of :data:`FLAVORS` whose two models fit ``fill`` of one GPU fully sharded; and its bytes."""
+    """The largest of :data:`FLAVORS` whose model (one per GPU: a trial holds no second one) fits
+    ``fill`` of one GPU fully sharded; and its bytes."""
     from autotune.trials import get_min_gpu_bytes
     from profiles import load_model_source
 
@@ -99,7 +105,7 @@ def pick_flavor(*, gpu_bytes: int, fill: float, nproc: int) -> tuple[str, int]:
         num_params = source.get_num_params()
         blocks = [sum(p.numel() for p in model.get_submodule(b).parameters()) for b in source.block_names]
         largest = max(*blocks, num_params - sum(blocks))  # a block, or what the root holds
-        need = 2 * get_min_gpu_bytes(num_params, largest, nproc, BF16)
+        need = get_min_gpu_bytes(num_params, largest, nproc, BF16)
         if need > fill * gpu_bytes:
             break
         best = (flavor, need)
@@ -226,7 +232,7 @@ def gpu_run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "torchtitan": TORCHTITAN,
         "nproc": args.nproc,
         "model": settings.model,
-        "two_models_gib": None if need is None else need / 2**30,
+        "model_gib": None if need is None else need / 2**30,
         "search_s": time.monotonic() - started,
         "best": {"trial": summary.best.number, "ratio": summary.best.ratio} if summary.best else None,
         "best_config": str(summary.best_config_path) if summary.best_config_path else None,
@@ -245,7 +251,7 @@ def dry_run(args: argparse.Namespace, out: Path) -> None:
         (args.flavor, 0) if args.flavor else pick_flavor(gpu_bytes=gpu_bytes, fill=args.fill, nproc=args.nproc)
     )
     print(
-        f"flavor: {FAMILY}/{flavor} (two models {need / 2**30:.1f} GiB of {args.gpu_gib:.0f} GiB, fill {args.fill:.0%}),"
+        f"flavor: {FAMILY}/{flavor} (one model {need / 2**30:.1f} GiB of {args.gpu_gib:.0f} GiB, fill {args.fill:.0%}),"
         f" seq_len {args.seq_len} x batch {args.batch_size} per rank"
     )
     settings = search_settings(flavor, args, out)
@@ -273,7 +279,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--confirm-pairs", type=int, default=3, help="the final round's pairs (x2 against the recipe)")
     parser.add_argument("--flavor", choices=FLAVORS, default=None, help="default: the largest that fits --fill")
-    parser.add_argument("--fill", type=float, default=0.6, help="two models' sharded state, as a share of one GPU")
+    parser.add_argument(
+        "--fill", type=float, default=0.6, help="one model's sharded training state, as a share of one GPU"
+    )
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (torchtitan's configs: 8192)")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank and microbatch")
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="dry run: one GPU's memory (an H100's by default)")

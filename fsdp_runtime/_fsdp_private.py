@@ -66,7 +66,7 @@ def _grad_slots(param_group: Any) -> list[tuple[Any, torch.Tensor, str]]:
     """The (fsdp_param, gradient, slot) triples holding this unit's unsharded grads."""
     slots = []
     for fsdp_param in param_group.fsdp_params:
-        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+        if _torch_compat.has_accumulated_grad_slot(fsdp_param) and fsdp_param.unsharded_accumulated_grad is not None:
             slots.append((fsdp_param, fsdp_param.unsharded_accumulated_grad, "accumulated"))
         elif hasattr(fsdp_param, "_unsharded_param") and fsdp_param._unsharded_param.grad is not None:
             slots.append((fsdp_param, fsdp_param._unsharded_param.grad, "grad"))
@@ -134,10 +134,12 @@ class EagerConcat:
             offset += numel
             if earlier.dtype == grad.dtype:
                 grad.add_(earlier)
-            else:
+            elif _torch_compat.has_accumulated_grad_slot(fsdp_param):
                 # Reduce dtype wider than the grads: accumulate in the wider dtype, as FSDP2 does.
                 fsdp_param.unsharded_accumulated_grad = earlier + grad
                 fsdp_param._unsharded_param.grad = None
+            else:  # 2.15: the wider gradient is the parameter's own .grad (its grad_dtype left open for it)
+                fsdp_param._unsharded_param.grad = earlier + grad
         if offset != self.flat.numel():
             raise RuntimeError(
                 "eager concat: the sync microbatch produced gradients for a different set of "
@@ -148,3 +150,22 @@ class EagerConcat:
 
 def iter_fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def run_pending_post_backwards(module: nn.Module) -> int:
+    """Run the post-backward (the reduce-scatter) of every unit under ``module`` whose backward
+    left it pending; returns how many ran.
+
+    torch 2.15's pipeline stages put FSDP2 under manual backward finalization: a unit whose
+    post-backward hook did not fire in a microbatch's backward (a stage's root, whose inputs need
+    no gradient) is marked pending and reduced only at the step's ``finalize_backward``, whatever
+    its sync level. Running the pending ones after each microbatch's backward, as
+    ``finalize_backward`` itself does at the end, keeps a unit that syncs every microbatch
+    syncing every microbatch. Before 2.15 nothing is ever pending (no such attribute)."""
+    ran = 0
+    for fsdp_module in iter_fsdp_modules(module):
+        for group in get_param_groups(fsdp_module):
+            if getattr(group, "_post_backward_pending", False) and group.reduce_grads:
+                group.post_backward()
+                ran += 1
+    return ran

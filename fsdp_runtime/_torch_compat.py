@@ -16,17 +16,23 @@ wheels; only what this project touches:
   Before it FSDP2 kept exactly one buffer, so a config asking for 1 is met on every release.
 - ``FSDPModule._set_unshard_async_op``: every release read (added in 2.6, pytorch #135523);
   private, so probed like a setter that may go.
+- ``FSDPParam.unsharded_accumulated_grad``: through 2.14 an attribute, the gradients accumulated
+  in the reduce dtype when it is wider than the parameters' (set and cleared by FSDP2 and by
+  eager concat); in 2.15 a read-only property returning the unsharded parameter's ``.grad``
+  (FSDP2 keeps no buffer of its own for it). Probed on the class, as a property or not.
 - The same in all four: ``_get_fsdp_state``, ``set_requires_gradient_sync`` /
   ``set_requires_all_reduce`` / ``set_reshard_after_backward`` (keyword ``recurse``),
   ``set_modules_to_{forward,backward}_prefetch``, ``fully_shard`` of a module list with an int
   ``reshard_after_forward``, ``FSDPState._states_to_{forward,backward}_prefetch``; per param group
   ``post_backward`` (called through the instance, so a per-instance wrapper takes effect),
-  ``reduce_grads``, ``fsdp_params``, ``_with_fqn``; per ``FSDPParam``
-  ``unsharded_accumulated_grad`` and ``_unsharded_param``.
+  ``reduce_grads``, ``fsdp_params``, ``_with_fqn``; per ``FSDPParam`` ``_unsharded_param``.
 
-2.15 was not read (the machine this was written on installs up to 2.14.1). Nothing here parses
-a version string: each branch is taken by what the object has, so a 2.15 with either layout
-takes its branch, and one with neither fails with one line naming the attribute.
+2.15.0 has every other name above in the 2.14.1 layout (read from its wheel; found by running the
+tests under it). CI runs the tests of the
+paths a GPU run takes under 2.11.0, 2.14.1 and 2.15.0 besides the pinned 2.13.0 (``./dev torch``,
+the ``torch_matrix`` marker), so pyproject's range is those releases. Nothing here parses a
+version string: each branch is taken by what the object has, so a later release with either
+layout takes its branch, and one with neither fails with one line naming the attribute.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ from torch.distributed.fsdp import FSDPModule
 
 MIN_TORCH = "2.11"
 """The oldest torch whose FSDP2 layout this module covers (pyproject's floor)."""
+TESTED_TORCH = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
+"""The releases CI runs the GPU run's paths under: the pinned CPU wheel's and ``.ci/run``'s matrix."""
+BELOW_TORCH = "2.16"
+"""pyproject's ceiling: the first release no test has run under."""
 REDUCE_SCATTER_BUFFERS_SINCE = "2.13"
 """``FSDPModule.set_reduce_scatter_max_input_buffers``: pytorch #186000, first released in 2.13."""
 UNSHARD_ASYNC_SINCE = "2.6"
@@ -92,6 +102,14 @@ def get_param_groups(state: Any) -> list[Any]:
         f"torch {torch.__version__}: {type(state).__name__} has neither _fsdp_param_groups (torch >= 2.12) "
         f"nor _fsdp_param_group (torch 2.11); fsdp_runtime reads FSDP2's param groups from one of them"
     )
+
+
+def has_accumulated_grad_slot(fsdp_param: Any) -> bool:
+    """Whether an ``FSDPParam`` keeps gradients accumulated in the reduce dtype apart from its
+    parameter's ``.grad`` ([Note: torch versions]): an attribute through 2.14; since 2.15 a
+    read-only property returning the unsharded parameter's ``.grad``, which must be neither read
+    as a second slot nor set."""
+    return not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property)
 
 
 def set_unshard_async(module: Any, enabled: bool) -> None:

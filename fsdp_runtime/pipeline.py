@@ -60,6 +60,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from fsdp_runtime._fsdp_private import run_pending_post_backwards
 from fsdp_runtime.accumulation import GradAccumulator
 from fsdp_runtime.apply import AppliedFsdp, apply_fsdp
 from fsdp_runtime.blocks import find_block_names, resolve_units, split_edge_modules
@@ -251,6 +252,8 @@ class TunedStage(PipelineStage):
         # next action (another microbatch's forward), as torch's own stage allows.
         self.submod.set_is_last_backward(last_backward)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        if not last_backward:  # the last one's are the step's finalize_backward's (torch 2.15)
+            run_pending_post_backwards(self.submod)
         return grads, None
 
 
@@ -291,10 +294,17 @@ class AppliedPipeline:
         ``inputs`` are read on the rank holding the first stage and ``target`` on the one
         holding the last; returns the summed scaled microbatch losses there, ``None`` elsewhere."""
         losses: list[torch.Tensor] = []
-        args = inputs if self.holds_first else ()
-        self.schedule.step(*args, target=target if self.holds_last else None, losses=losses)
+        # torch 2.11's stages check an input's strides against the shapes they were built for,
+        # so a view such as ``batch[:, :-1]`` (strides of the full batch) is refused there.
+        args = tuple(_contiguous(x) for x in inputs) if self.holds_first else ()
+        target = _contiguous(target) if self.holds_last else None
+        self.schedule.step(*args, target=target, losses=losses)
         self.microbatch_losses = losses
         return torch.stack([loss.detach() for loss in losses]).sum() if self.holds_last else None
+
+
+def _contiguous(x: Any) -> Any:
+    return x.contiguous() if isinstance(x, torch.Tensor) else x
 
 
 def build_pipeline_mesh(config: RuntimeConfig, device_type: str) -> DeviceMesh:

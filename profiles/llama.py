@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from profiles.chunked_init import count_chunks, draw_rows, get_local_rows
+
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class LlamaShape:
@@ -149,28 +151,39 @@ class Llama(nn.Module):
         if shape.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def init_weights(self, seed: int) -> None:
-        """Deterministic init, identical on every rank for the same seed. Parameters already
-        sharded (DTensors: a model built on the meta device, sharded, then materialised with
-        ``to_empty``) get their own shard of the very values a full build has: each full
-        parameter is drawn on the host in the same order, one at a time, and each rank keeps
-        its shard (no communication)."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
+    def init_weights(self, seed: int) -> int:
+        """Deterministic init, identical on every rank and every mesh for the same seed: norm
+        weights 1, the rest ``N(0, 0.02^2)`` (``wo``/``w2`` scaled by ``1 / sqrt(2 * layers)``),
+        drawn in row chunks with a generator each ([Note: chunked init] in
+        :mod:`profiles.chunked_init`). Parameters already sharded (DTensors: a model built on the
+        meta device, sharded, then materialised with ``to_empty``) get their own rows of the very
+        values a full build has, drawing only the chunks that overlap them (no communication).
+        Returns how many random numbers this rank drew."""
+        from torch.distributed.tensor import DTensor
 
-        gen = torch.Generator().manual_seed(seed)
         std = 0.02
+        chunk, drawn = 0, 0
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
                     continue
                 scale = std / math.sqrt(2 * self.shape.num_layers) if name.endswith(("wo.weight", "w2.weight")) else std
-                full = torch.randn(param.shape, generator=gen) * scale
-                if isinstance(param, DTensor):
-                    full = distribute_tensor(
-                        full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-                    )
-                param.copy_(full)
+                local = param.to_local() if isinstance(param, DTensor) else param  # aliases the parameter
+                # drawn straight into a host fp32 shard; elsewhere (a GPU) on the host, then copied
+                direct = local.device.type == "cpu" and local.dtype == torch.float32 and local.is_contiguous()
+                values, n = draw_rows(
+                    param.shape,
+                    get_local_rows(param),
+                    seed=seed,
+                    first_chunk=chunk,
+                    scale=scale,
+                    out=local if direct else None,
+                )
+                if not direct:
+                    local.copy_(values)
+                chunk, drawn = chunk + count_chunks(param.shape), drawn + n
+        return drawn
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

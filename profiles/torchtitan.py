@@ -22,7 +22,12 @@ Its registry is another API: ``model_registry(flavor)`` in the family's ``__init
 are the keys of ``<family>_configs``. Its trainer passes ``positions`` and ``attention_masks =
 model.get_attention_masks(positions)`` to every forward of a flex or varlen model
 (``post_dataloading_process``); the loss hook does the same (:func:`get_forward_kwargs`; one
-document per row: positions ``0..seq_len-1``), so a GPU trial trains as its trainer does.
+document per row: positions ``0..seq_len-1``), so a GPU trial trains as its trainer does. Its
+trainer builds them per batch because a batch's documents change; here they are always one per
+row, so positions and masks depend on the batch's shape and device only: the hook builds them
+once per shape and device and keeps them with the model (:class:`ForwardKwargsCache`), in its
+first step, a warm-up step (trials take 2 by default): a timed step times the model, not
+``create_block_mask``.
 
 Only what the models need is imported. 0.2.2: importing ``torchtitan`` itself (its ``__init__``
 registers float8 converters, which import the MoE Triton kernels: no ``triton`` in a CPU
@@ -229,13 +234,36 @@ def get_forward_kwargs(model: nn.Module, inputs: torch.Tensor) -> dict[str, Any]
     return {"positions": positions, "attention_masks": model.get_attention_masks(positions=positions)}
 
 
-def torchtitan_loss(model: nn.Module, batch: torch.Tensor, *, attention_masks: bool = False) -> torch.Tensor:
+class ForwardKwargsCache:
+    """:func:`get_forward_kwargs` once per inputs' shape and device: one document per row makes them
+    depend on nothing else ([Note: torchtitan models]). Kept with the model (the loss hook holds it),
+    so a model built in turn builds its own and frees them with itself."""
+
+    def __init__(self) -> None:
+        self.built: dict[tuple[tuple[int, ...], str], dict[str, Any]] = {}
+
+    def get(self, model: nn.Module, inputs: torch.Tensor) -> dict[str, Any]:
+        key = (tuple(inputs.shape), str(inputs.device))
+        if key not in self.built:
+            self.built[key] = get_forward_kwargs(model, inputs)
+        return self.built[key]
+
+
+def torchtitan_loss(
+    model: nn.Module,
+    batch: torch.Tensor,
+    *,
+    attention_masks: bool = False,
+    masks: ForwardKwargsCache | None = None,
+) -> torch.Tensor:
     """torchtitan's loss on its model's output, per token; ``attention_masks``: the model takes them
-    (0.3.0: :func:`get_forward_kwargs`) ([Note: torchtitan models])."""
+    (0.3.0: :func:`get_forward_kwargs`, from ``masks`` when given) ([Note: torchtitan models])."""
     from torchtitan.components.loss import cross_entropy_loss
 
     inputs, labels = batch[:, :-1], batch[:, 1:]
-    kwargs = get_forward_kwargs(model, inputs) if attention_masks else {}
+    kwargs = {}
+    if attention_masks:
+        kwargs = masks.get(model, inputs) if masks is not None else get_forward_kwargs(model, inputs)
     return cross_entropy_loss(model(inputs, **kwargs), labels) / labels.numel()
 
 
@@ -250,8 +278,11 @@ class TorchtitanModel(FactoryModel):
         if torch.device(device).type != "meta":
             self.check_device_type(torch.device(device).type)
         model = call_factory(functools.partial(_build, self.ref, self.seq_len), self.ref, device=device, seed=seed)
-        # the loss hook trials call; 0.3.0's models take attention masks
-        model.compute_autotune_loss = functools.partial(torchtitan_loss, model, attention_masks=get_release() >= (0, 3))
+        # the loss hook trials call; 0.3.0's models take attention masks, built once per batch shape
+        masked = get_release() >= (0, 3)
+        model.compute_autotune_loss = functools.partial(
+            torchtitan_loss, model, attention_masks=masked, masks=ForwardKwargsCache() if masked else None
+        )
         return model
 
     def check_device_type(self, device_type: str) -> None:

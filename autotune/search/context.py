@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.search.timeouts import TrialTimeouts, count_steps
-from autotune.trials import PairNoise, StoppingRule, TrialResult, TrialSpec, run_trial
-from fsdp_runtime import RuntimeConfig
+from autotune.search.timeouts import TrialTimeouts, count_builds, count_steps
+from autotune.trials import (
+    PAIRED_MODELS_ENV,
+    PairNoise,
+    StoppingRule,
+    TrialResult,
+    TrialSpec,
+    get_default_backend,
+    run_trial,
+)
+from fsdp_runtime import RuntimeConfig, get_structural_differences
 
 if TYPE_CHECKING:
     import optuna
@@ -74,7 +83,10 @@ class SearchContext:
         s = self.settings
         extra = {"rank_program": s.rank_program} if s.rank_program else {}
         reference = (reference or self.default_config) if paired else None
-        limit_s = self._get_timeout_s(num_pairs, paired=paired, self_paired=reference == config, profile=profile)
+        in_turn = reference is not None and builds_in_turn(config, reference)
+        limit_s = self._get_timeout_s(
+            num_pairs, paired=paired, self_paired=reference == config, profile=profile, in_turn=in_turn
+        )
         return TrialSpec(
             model=self.plan.trial_model,
             config=config,
@@ -106,20 +118,24 @@ class SearchContext:
         return result
 
     def get_trial_timeout_s(self) -> float:
-        """The limit of a search trial of the standard length (every pair, profiled)."""
-        return self._get_timeout_s(None, paired=True, self_paired=False, profile=True)
+        """The limit of a search trial of the standard length (every pair, profiled; its models
+        built in turn where trials may build them so: the longest a trial may take)."""
+        return self._get_timeout_s(None, paired=True, self_paired=False, profile=True, in_turn=may_build_in_turn())
 
-    def _get_timeout_s(self, num_pairs: int | None, *, paired: bool, self_paired: bool, profile: bool) -> float:
-        """The limit of a trial of this search that runs at most these steps ([Note: trial timeouts])."""
+    def _get_timeout_s(
+        self, num_pairs: int | None, *, paired: bool, self_paired: bool, profile: bool, in_turn: bool = False
+    ) -> float:
+        """The limit of a trial of this search that runs at most these steps and builds at most
+        these models ([Note: trial timeouts])."""
         s = self.settings
-        steps = count_steps(
-            num_warmup=s.num_warmup,
-            num_pairs=num_pairs or s.num_measured,
-            paired=paired,
-            self_paired=self_paired,
-            profiled=s.num_profiled if profile else 0,
-        )
-        return self.timeouts.get(steps)
+        counts = {
+            "num_pairs": num_pairs or s.num_measured,
+            "paired": paired,
+            "self_paired": self_paired,
+            "profiled": s.num_profiled if profile else 0,
+            "in_turn": in_turn,
+        }
+        return self.timeouts.get(count_steps(num_warmup=s.num_warmup, **counts), count_builds(**counts))
 
     def get_stopping_rule(
         self, *, prune: bool, faster_below: float | None = 1.0, num_pairs: int | None = None, futility: bool = True
@@ -142,3 +158,17 @@ class SearchContext:
             noise_df=noise[1] if noise is not None else 0,
             futile_above=(faster_below or 1.0) if prune and futility else None,
         )
+
+
+def may_build_in_turn() -> bool:
+    """Trials may build their two models in turn: on CUDA, or where ``AUTOTUNE_PAIRED_MODELS``
+    asks for it ([Note: models built in turn] in :mod:`autotune.trials.in_turn`)."""
+    asked = os.environ.get(PAIRED_MODELS_ENV)
+    return asked == "turn" or (asked is None and get_default_backend() == "nccl")
+
+
+def builds_in_turn(config: RuntimeConfig, reference: RuntimeConfig) -> bool:
+    """A trial of ``config`` against ``reference`` may build its models in turn: they may, and the
+    two differ in structure. Compared as given (the ranks compare them resolved against the
+    model), so units that would resolve alike count as different: a longer limit, never a shorter one."""
+    return reference != config and may_build_in_turn() and bool(get_structural_differences(config, reference))

@@ -63,6 +63,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autotune.sim.fitted import GPU_STEP, H200_LLAMA1B_FULL, H200_LLAMA1B_GSA, H200_LLAMA1B_SELECTIVE, Fitted
 from autotune.sim.kernel_costs import KernelCosts
 from autotune.sim.trace_costs import CalibrationError
 
@@ -73,6 +74,14 @@ DEFAULT_RATIOS = {
     "recompute_selective": 1.74,
 }
 """Host path over the block forward's (see [Note: host path]: H200, llama1b, profiled)."""
+DEFAULT_RATIOS_FIT = Fitted(
+    name="host_path.DEFAULT_RATIOS",
+    value=DEFAULT_RATIOS,
+    fit_on=(H200_LLAMA1B_GSA, H200_LLAMA1B_FULL, H200_LLAMA1B_SELECTIVE),
+    how="profiled host per block pass of the full and selective AC trials over the gsa defaults trial's "
+    "block forward (4.13 ms), recompute = (AC backward - gsa backward) over the same",
+    figure=GPU_STEP,
+)
 _FORWARD_KEY = {"none": "block_forward", "full": "checkpoint_forward", "selective": "selective_forward"}
 _RECOMPUTE_KEY = {"full": "recompute_full", "selective": "recompute_selective"}
 _BACKWARD_HOOKS = ("pre_hook", "post_hook", "reduce")
@@ -81,11 +90,25 @@ PROFILER_FACTOR = 0.64
 """The profiler's factor on the host-bound H200 trial (``h200-llama1b-selective-ac``, see [Note: host path]):
 used where every trial of a calibration was device-bound, its own factor only a looser bound, and
 no plain trial's launches were counted (else ``LAUNCH_US`` gives that run's factor)."""
+PROFILER_FACTOR_FIT = Fitted(
+    name="host_path.PROFILER_FACTOR",
+    value=PROFILER_FACTOR,
+    fit_on=(H200_LLAMA1B_SELECTIVE,),
+    how="(step - training thread CPU) / profiled backward host of the host-bound trial",
+    figure=GPU_STEP,
+)
 LAUNCH_US = {"forward": 34.8, "backward": 40.2}
 """Unprofiled host microseconds per device op a plain block's forward and backward launch (hooks
 included) on the H200 host: ``PROFILER_FACTOR`` times the traced host per launch of the defaults
 trial profiled in the same run as the host-bound trial (``h200-llama1b-gsa-defaults``: 54.3 and
 62.9 us over 76 and 128 launches per block and microbatch; see [Note: host path])."""
+LAUNCH_US_FIT = Fitted(
+    name="host_path.LAUNCH_US",
+    value=LAUNCH_US,
+    fit_on=(H200_LLAMA1B_GSA, H200_LLAMA1B_SELECTIVE),
+    how="PROFILER_FACTOR (the selective trial's) x the gsa defaults trial's traced host per launch",
+    figure=GPU_STEP,
+)
 
 
 @dataclass(frozen=True)

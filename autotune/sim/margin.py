@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autotune.sim.fitted import GPU_MEMORY, GSA_CASE, H200_L8B4, H200_LLAMA1B, Fitted
+
 _GIB = 2**30
 
 SIMULATOR_MEMORY_ERROR = 0.0084
@@ -58,6 +60,20 @@ fragmentation costs at the edge."""
 ALLOCATOR_FRAGMENTATION_SOURCE = (
     "measured: max reserved / max allocated - 1 on one H200 (gpu_sim_accuracy.py, 2026-11-27; "
     "tests/data/gpu_traces/README.md): 8.1% with full checkpointing, 5.8% with selective"
+)
+SIMULATOR_MEMORY_ERROR_FIT = Fitted(
+    name="margin.SIMULATOR_MEMORY_ERROR",
+    value=SIMULATOR_MEMORY_ERROR,
+    fit_on=(H200_LLAMA1B, H200_L8B4),
+    how="the larger |predicted peak / CUDA max allocated - 1| of the two trials",
+    figure=GPU_MEMORY,
+)
+ALLOCATOR_FRAGMENTATION_FIT = Fitted(
+    name="margin.ALLOCATOR_FRAGMENTATION",
+    value=ALLOCATOR_FRAGMENTATION,
+    fit_on=(f"{GSA_CASE}full checkpointing", f"{GSA_CASE}selective checkpointing"),
+    how="the larger max_memory_reserved / max_memory_allocated - 1 at the two trials' end",
+    figure=GPU_MEMORY,
 )
 
 

@@ -11,6 +11,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from autotune.sim.fitted import CPU_STEP, Fitted
 from autotune.sim.measured import HOOK_KEYS, OPTIONAL_HOOK_KEYS, SEGMENT_KEYS
 from fsdp_runtime import ROOT_UNIT
 from fsdp_runtime.errors import AutotuneError
@@ -157,6 +158,14 @@ def _spread_calls(total: float, calls: list[float]) -> list[float]:
 
 HOOK_QUANTILE = 0.25
 """The calls' quantile a hook is priced at ([Note: calibration]: page-fault storms in the profiled window)."""
+HOOK_QUANTILE_FIT = Fitted(
+    name="trace_costs.HOOK_QUANTILE",
+    value=HOOK_QUANTILE,
+    fit_on=("small/raw", "wide/raw"),
+    how="chosen over the median call by replaying recorded sim_accuracy.py runs of small and wide on raw "
+    "loopback, 2 ranks (studies/sim_replay.py; docs/studies.md, sim replay)",
+    figure=CPU_STEP,
+)
 
 
 def _get_hook_price(calls: list[float]) -> float:

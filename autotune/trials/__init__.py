@@ -32,6 +32,7 @@ from autotune.trials.precision import (
     resolve_precision,
 )
 from autotune.trials.sequential import PairNoise, StoppingRule
+from autotune.trials.sides import PAIRED_MODELS_ENV
 from autotune.trials.spec import DEFAULT_RANK_PROGRAM, TrialSpec, TrialSpecError, get_default_backend
 from autotune.trials.training import Training, build_training, resolve_profile
 from autotune.trials.trial import check_trial_machine, load_trial_config, resolve_trial_config, run_trial
@@ -41,6 +42,7 @@ __all__ = [
     "get_default_backend",
     "DEFAULT_PRECISION",
     "OVERLAP_ENV",
+    "PAIRED_MODELS_ENV",
     "PRECISION_DTYPES",
     "MachineError",
     "PrecisionError",

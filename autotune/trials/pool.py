@@ -50,6 +50,8 @@ from autotune.trials.launch import (
     remove_stale_temp_dirs,
     spawn_ranks,
 )
+from autotune.trials.rank import get_pool_torch_problem
+from fsdp_runtime.errors import AutotuneError
 
 _FAIL_GRACE_S = 1.0  # after a rank dies, how long its peers may run on to report their own error
 _CHECK_EVERY_S = 0.1  # how often the parent asks the store for a job's results (the ranks: every 5 ms)
@@ -63,6 +65,9 @@ class RankPool:
     def __init__(
         self, world_size: int, *, backend: str = "gloo", num_threads: int | None = None, pg_timeout_s: float = 600.0
     ) -> None:
+        problem = get_pool_torch_problem()
+        if problem:
+            raise AutotuneError(problem)
         self.world_size = world_size
         self.backend = backend
         self.num_threads = num_threads or max(1, (os.cpu_count() or 1) // world_size)

@@ -113,6 +113,39 @@ def _release_job_groups(before: list[object]) -> None:
     _clear_sharding_caches()
 
 
+POOL_TORCH = "2.11 to 2.15"
+"""The torch releases whose private names below the pool was run with (CI's torch matrix)."""
+
+
+def get_pool_torch_problem() -> str | None:
+    """One line naming what of torch's private surface the pool needs and this torch lacks (None: all there).
+
+    A warm pool releases a job's process groups (``distributed_c10d._world.pg_map``) and DTensor's
+    sharding caches (``torch.distributed.tensor.debug._clear_sharding_prop_cache``) after every job;
+    both are private, so a torch without them is refused before any rank starts, not after a trial."""
+    import torch
+    from torch.distributed import distributed_c10d
+    from torch.distributed.tensor import debug
+
+    missing = [
+        name
+        for name, there in (
+            (
+                "torch.distributed.distributed_c10d._world.pg_map",
+                hasattr(getattr(distributed_c10d, "_world", None), "pg_map"),
+            ),
+            ("torch.distributed.tensor.debug._clear_sharding_prop_cache", hasattr(debug, "_clear_sharding_prop_cache")),
+        )
+        if not there
+    ]
+    if not missing:
+        return None
+    return (
+        f"the rank pool needs {' and '.join(missing)}, which torch {torch.__version__} lacks "
+        f"(torch {POOL_TORCH} have them)"
+    )
+
+
 def _clear_sharding_caches() -> None:
     """Forget DTensor sharding propagation results computed for the last job's meshes.
 

@@ -20,6 +20,8 @@ from fsdp_runtime import ConfigError, RuntimeConfig, UnitConfig, apply_fsdp, def
 from fsdp_runtime._fsdp_private import get_param_groups
 from profiles import build_model, load_model_profile
 
+pytestmark = pytest.mark.torch_matrix
+
 
 @pytest.fixture(scope="module", autouse=True)
 def single_rank_group():

@@ -14,6 +14,8 @@ from torch.utils._pytree import tree_flatten
 from fsdp_runtime.checkpointing import CheckpointedForward, apply_checkpointing
 from profiles import build_model, load_model_profile
 
+pytestmark = pytest.mark.torch_matrix
+
 KINDS = ("none", "selective", "full")
 
 

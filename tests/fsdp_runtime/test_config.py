@@ -27,6 +27,8 @@ from fsdp_runtime import (
     validate_for_world,
 )
 
+pytestmark = pytest.mark.torch_matrix
+
 DATA = Path(__file__).parents[1] / "data" / "configs"
 BLOCKS = [f"layers.{i}" for i in range(4)]
 

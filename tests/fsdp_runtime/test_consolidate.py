@@ -38,7 +38,7 @@ from fsdp_runtime import (
 from fsdp_runtime import consolidate as consolidate_module
 from fsdp_runtime.consolidate import CHECKPOINT_VERSION
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.torch_matrix]
 
 MODEL = {"name": "tiny", "dim": 30, "num_heads": 5, "num_kv_heads": 1, "ffn_hidden_dim": 75, "vocab_size": 101}
 TIMING_MODEL = {"name": "tiny", "dim": 256}

@@ -36,6 +36,8 @@ from autotune.trials import RankPool
 from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, config_to_dict, default_config, get_unsupported_knobs
 from profiles import load_model_profile
 
+pytestmark = pytest.mark.torch_matrix
+
 NUM_STEPS = 3
 NUM_MICROBATCHES = 2
 BLOCKS = [f"layers.{i}" for i in range(load_model_profile("tiny").shape.num_layers)]

@@ -12,6 +12,8 @@ from fsdp_runtime import ConfigError, MeshConfig, PipelineConfig, RuntimeConfig,
 from fsdp_runtime.pipeline import Passthrough, build_stage_module, get_stage_config, split_stages
 from profiles import build_model, load_model_profile
 
+pytestmark = pytest.mark.torch_matrix
+
 BLOCKS = [f"layers.{i}" for i in range(4)]
 
 

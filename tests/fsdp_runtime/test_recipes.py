@@ -20,6 +20,8 @@ from fsdp_runtime import (
 )
 from profiles import build_model, load_model_profile, load_model_source
 
+pytestmark = pytest.mark.torch_matrix
+
 
 def _units(model: torch.nn.Module) -> list[tuple[str, list[str] | None, bool | None, str]]:
     return [(u.name, u.modules, u.reshard_after_forward, u.sync) for u in get_torchtitan_units(model)]

@@ -26,6 +26,8 @@ from fsdp_runtime import (
 )
 from profiles import build_model, load_model_profile
 
+pytestmark = pytest.mark.torch_matrix
+
 BLOCKS = [f"layers.{i}" for i in range(load_model_profile("tiny").shape.num_layers)]
 RS_BUFFERS = "reduce_scatter_max_input_buffers" not in get_unsupported_knobs()
 

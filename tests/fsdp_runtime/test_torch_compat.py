@@ -17,6 +17,8 @@ from fsdp_runtime import _torch_compat as compat
 from fsdp_runtime._fsdp_private import get_param_groups
 from profiles import build_model, load_model_profile
 
+pytestmark = pytest.mark.torch_matrix
+
 # -- stand-ins of each release's layout ([Note: torch versions])
 
 
@@ -122,7 +124,19 @@ def test_unshard_async_setter_with_and_without_it():
 def test_the_package_floor_is_the_oldest_layout_covered():
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     (torch_req,) = [d for d in pyproject["project"]["dependencies"] if d.split(">")[0].strip() == "torch"]
-    assert torch_req.replace(" ", "") == f"torch>={compat.MIN_TORCH}"
+    assert torch_req.replace(" ", "") == f"torch>={compat.MIN_TORCH},<{compat.BELOW_TORCH}"
+    assert compat.TESTED_TORCH[0].startswith(compat.MIN_TORCH + ".")
+
+
+def test_ci_runs_every_tested_torch_and_the_ceiling_is_the_next_release():
+    """The range pyproject gives is what CI runs: the pinned CPU wheel and ``.ci/run``'s matrix."""
+    root = Path(__file__).resolve().parents[2]
+    (pin,) = [line.split("==")[1] for line in (root / "requirements-cpu.txt").read_text().splitlines() if "==" in line]
+    (loop,) = [line for line in (root / ".ci" / "run").read_text().splitlines() if line.startswith("for version in")]
+    matrix = loop.removeprefix("for version in").split(";")[0].split()
+    assert sorted([pin, *matrix]) == sorted(compat.TESTED_TORCH)
+    newest = max(compat.TESTED_TORCH, key=lambda v: tuple(map(int, v.split("."))))
+    assert compat.BELOW_TORCH == f"2.{int(newest.split('.')[1]) + 1}"
 
 
 # -- the installed torch, real FSDP on a one-rank gloo group
@@ -181,3 +195,24 @@ def test_async_unshard_without_its_setter_refuses_on_and_leaves_auto_off(monkeyp
         apply_fsdp(_tiny(), RuntimeConfig(unshard_async="on"))
     applied = apply_fsdp(_tiny(), RuntimeConfig(unshard_async="auto"), device_type="cpu")
     assert not any(g.unshard_async_op for m in applied.units.values() for g in get_param_groups(m))
+
+
+def test_the_accumulated_grad_slot_is_read_only_where_torch_keeps_none():
+    """Through 2.14 ``FSDPParam.unsharded_accumulated_grad`` is an attribute eager concat reads and
+    clears; in 2.15 a read-only property returning the parameter's ``.grad`` (setting it raises)."""
+
+    class Attribute:  # <= 2.14: set in __init__
+        def __init__(self) -> None:
+            self.unsharded_accumulated_grad = None
+
+    class Property:  # 2.15
+        @property
+        def unsharded_accumulated_grad(self):
+            return None
+
+    assert compat.has_accumulated_grad_slot(Attribute())
+    assert not compat.has_accumulated_grad_slot(Property())
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    installed = isinstance(getattr(FSDPParam, "unsharded_accumulated_grad", None), property)
+    assert installed == (tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) >= (2, 15))

@@ -23,6 +23,8 @@ from _torchtitan_programs import UNSHARDED_REL_TOL
 from fsdp_runtime import RuntimeConfig, config_to_dict, get_torchtitan_config, get_torchtitan_units, load_config
 from profiles import ModelSourceError, TorchtitanModel, load_model_source
 
+pytestmark = pytest.mark.torch_matrix
+
 LLAMA = "torchtitan:llama3/debugmodel"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,11 +79,14 @@ def test_qwen3_s_tied_head_is_grouped_with_the_embeddings():
 
 
 def test_the_models_import_no_trainer_dependencies():
-    """torchtitan's package __init__s pull datasets, tensorboard, wandb (and triton): none is imported."""
+    """torchtitan's package __init__s pull datasets, tensorboard, wandb (and triton): none is imported
+    (beyond what torch's compiler imports: ``torch._dynamo`` imports triton where it is installed, as
+    beside a CUDA build of torch 2.15)."""
     code = (
-        "import sys; from profiles import load_model_source; "
+        "import sys, torch, torch._dynamo; before = set(sys.modules); from profiles import load_model_source; "
         f"load_model_source({LLAMA!r}).build(device='meta'); "
-        "print(sorted(m for m in ('datasets', 'tensorboard', 'wandb', 'triton', 'torchdata') if m in sys.modules))"
+        "print(sorted(m for m in ('datasets', 'tensorboard', 'wandb', 'triton', 'torchdata') "
+        "if m in sys.modules and m not in before))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
@@ -142,6 +147,41 @@ def test_the_loss_hook_passes_positions_and_the_model_s_attention_masks():
     model.calls.clear()
     torchtitan_loss(model, batch)  # 0.2.2's SDPA models: tokens alone
     assert [c[0] for c in model.calls] == ["forward"] and model.calls[0][2:] == (None, None)
+
+
+def test_the_loss_hook_builds_the_masks_once_per_batch_shape_and_device():
+    """One document per row: positions and masks depend on the batch's shape and device alone, so the
+    hook's cache builds them at the first step (a warm-up step), and every later step, timed, reuses
+    them; another shape builds its own (0.3.0's real masks: test_torchtitan030)."""
+    import torch
+
+    from profiles.torchtitan import ForwardKwargsCache, load_registry, torchtitan_loss
+
+    load_registry("llama3")  # torchtitan's packages entered without their __init__ (the loss imports from them)
+
+    class StandIn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(16, 16)
+            self.built, self.passed = [], []
+
+        def get_attention_masks(self, *, positions):
+            self.built.append(object())  # a mask of its own each time it is built
+            return self.built[-1]
+
+        def forward(self, tokens, positions=None, attention_masks=None):
+            self.passed.append((tuple(positions.shape), attention_masks))
+            return self.embedding(tokens)
+
+    model, cache = StandIn(), ForwardKwargsCache()
+    batch = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        torchtitan_loss(model, batch, attention_masks=True, masks=cache)
+    assert len(model.built) == 1 and all(masks is model.built[0] for _, masks in model.passed)
+    torchtitan_loss(model, batch[:1], attention_masks=True, masks=cache)
+    assert len(model.built) == 2 and model.passed[-1] == ((1, 5), model.built[1])
+    torchtitan_loss(model, batch, attention_masks=True)  # no cache: built again, as before
+    assert len(model.built) == 3
 
 
 # Two trials (the defaults, one sampled), no final round: the model is what is under test here.

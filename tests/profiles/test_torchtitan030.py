@@ -17,11 +17,15 @@ import textwrap
 import pytest
 from _torchtitan030 import run_with_030
 
+pytestmark = pytest.mark.torch_matrix
+
 MODEL = "torchtitan:llama3/debugmodel"
 
 CHECKS = {
     "registry": """
         import json, sys
+        import torch, torch._dynamo  # what torch's compiler imports (triton, where installed) is not torchtitan's doing
+        torch_imported = set(sys.modules)
         from fsdp_runtime import get_torchtitan_units
         from profiles import load_model_source
         from profiles.torchtitan import get_installed_version
@@ -41,7 +45,8 @@ CHECKS = {
             }
         result["seq_len"] = source.seq_len
         result["imported"] = sorted(
-            m for m in ("datasets", "tensorboard", "wandb", "triton", "torchdata", "torchtitan.trainer") if m in sys.modules
+            m for m in ("datasets", "tensorboard", "wandb", "triton", "torchdata", "torchtitan.trainer")
+            if m in sys.modules and m not in torch_imported
         )
         print(json.dumps(result))
         """,
@@ -76,15 +81,27 @@ CHECKS = {
         model = source.build(device="meta")  # on CPU it refuses to train; its forward runs without grad
         model.to_empty(device="cpu")
         batch = torch.randint(0, 2048, (2, source.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        built, passed = [], []  # the masks the model built, and those each forward was given
+        get_masks = model.get_attention_masks
+        model.get_attention_masks = lambda **kw: built.append(get_masks(**kw)) or built[-1]
+        model.register_forward_pre_hook(lambda m, a, kw: passed.append(kw.get("attention_masks")), with_kwargs=True)
         with torch.no_grad():
             model.init_weights()
-            loss = model.compute_autotune_loss(batch).item()
+            losses = [model.compute_autotune_loss(batch).item() for _ in range(3)]  # three steps
+            model.compute_autotune_loss(batch[:1])  # another batch shape
             try:
                 model(batch[:, :-1])
                 maskless = "ran"
             except AssertionError as e:
                 maskless = str(e)
-        print(json.dumps({"loss": loss, "maskless": maskless}))
+        print(json.dumps({
+            "loss": losses[0],
+            "same_loss": len(set(losses)) == 1,
+            "built": len(built),
+            "passed_built": [next(i for i, b in enumerate(built) if b is p) for p in passed[:4]],
+            "mask_type": type(built[0]).__name__,
+            "maskless": maskless,
+        }))
         """,
 }
 
@@ -178,6 +195,15 @@ def test_the_loss_hook_passes_0_3_0_s_attention_masks(checked):
     out = _result(checked, "loss_hook")
     assert 0 < out["loss"] < 20, out  # about ln(2048) = 7.6 at initialisation
     assert out["maskless"].startswith("attention_masks must be instance of BlockMask")
+
+
+def test_the_loss_hook_builds_0_3_0_s_masks_once_per_batch_shape(checked):
+    """One document per row: the masks depend on the batch's shape alone, so three steps of one
+    shape build them once (in the first, a warm-up step: not in a timed step) and pass the same
+    BlockMask to every forward; another shape builds its own."""
+    out = _result(checked, "loss_hook")
+    assert (out["mask_type"], out["built"], out["same_loss"]) == ("BlockMask", 2, True), out
+    assert out["passed_built"] == [0, 0, 0, 1]
 
 
 def test_training_0_3_0_s_models_on_cpu_is_refused_in_one_line(checked, cli_out):

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import optuna
 import pytest
@@ -18,7 +15,6 @@ from autotune.sim.knobs import resolve_knobs
 from fsdp_runtime import MixedPrecisionConfig, load_config
 from profiles import load_model_profile
 
-REPO = Path(__file__).resolve().parents[3]
 BF16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
 LLAMA8B_BLOCKS = tuple(load_model_profile("llama8b").block_names)
 
@@ -134,18 +130,11 @@ def test_plan_settings_errors_name_the_setting(tmp_path):
         PlanSettings(out_dir=tmp_path / "file")
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", "import cli; cli.main()", "plan", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def test_cli_plan_emits_a_config_for_llama8b_units(tmp_path):
-    done = _cli(
+def test_cli_plan_emits_a_config_for_llama8b_units(tmp_path, cli_main):
+    # In-process (``cli.main()``, the console script's entry point): a process of its own would
+    # spend seconds importing the CLI first.
+    done = cli_main(
+        "plan",
         "--model",
         "llama8b",
         "--cluster",
@@ -198,7 +187,7 @@ def test_cli_plan_emits_a_config_for_llama8b_units(tmp_path):
     ],
 )
 def test_cli_plan_bad_input_is_one_line(args, message, tmp_path, cli_main):
-    done = cli_main("plan", *args, "--out", str(tmp_path / "out"))  # in-process: the console script's entry point
+    done = cli_main("plan", *args, "--out", str(tmp_path / "out"))
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(message)
     assert not (tmp_path / "out").exists()

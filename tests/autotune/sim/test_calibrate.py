@@ -486,3 +486,27 @@ def test_calibration_from_real_trials_reproduces_its_anchor_and_fits_the_cpu_sha
         "eager concat" in note for note in profile.notes
     )
     assert any("anchor" in note for note in profile.notes) and MeasuredProfile.from_dict(profile.to_dict()) == profile
+
+
+def test_the_cpu_accuracy_figure_leaves_out_the_settings_hook_quantile_was_chosen_on():
+    """[Note: fit and held-out sets]: ``trace_costs.HOOK_QUANTILE`` was chosen by replaying recorded
+    ``sim_accuracy.py`` runs of ``small`` and ``wide`` on raw loopback; ``sim_accuracy.py``'s accuracy figure
+    (``results.json`` ``held_out``) pools the other settings only, the fit set's apart."""
+    from autotune.sim.fit_split import CPU_HELD_OUT, get_fit_trials, is_cpu_held_out
+    from autotune.sim.fitted import CPU_STEP
+    from autotune.sim.trace_costs import HOOK_QUANTILE_FIT
+    from benchmarks.sim_accuracy import summarize_split
+
+    assert set(HOOK_QUANTILE_FIT.fit_on) == {"small/raw", "wide/raw"} <= get_fit_trials(CPU_STEP)
+    assert not set(CPU_HELD_OUT) & get_fit_trials(CPU_STEP)
+
+    def result(workload: str, setting: str, error: float) -> dict:
+        row = {"status": "ok", "measured_ms": 10.0, "measured_ratio": 1.0, "predicted_ratio": 1.0 + error}
+        split = "held out" if is_cpu_held_out(workload, setting) else "fit set"
+        return {"workload": workload, "setting": setting, "split": split, "rows": [row, row]}
+
+    results = [result("small", "raw", 0.01), result("wide", "raw", 0.02), result("small", "emulated", 0.30)]
+    held, fit = summarize_split(results, "held out"), summarize_split(results, "fit set")
+    assert held["settings"] == ["small/emulated"] and held["ratio_median_abs_error"] == pytest.approx(0.30)
+    assert fit["settings"] == ["small/raw", "wide/raw"] and fit["ratio_median_abs_error"] == pytest.approx(0.015)
+    assert not [s for s in held["settings"] if s in get_fit_trials(CPU_STEP)]

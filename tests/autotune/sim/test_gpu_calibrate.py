@@ -1,4 +1,8 @@
-"""GPU calibration on the two real H200 trials: attribution, the fit, its accuracy, the profile file."""
+"""GPU calibration on the real H200 trials: attribution, the fit, its accuracy, the profile file.
+
+Accuracy is asserted on held-out trials only ([Note: fit and held-out sets]: ``_held_out``); where a
+test predicts a trial some constant of ``host_path`` was read off (or another run of its config), it
+says so (``_fit_set``): that checks the calibration reproduces its fit set, not that it generalizes."""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from autotune.sim import (
     load_kernel_costs,
     read_gpu_trial,
 )
+from autotune.sim.fit_split import GPU_HELD_OUT, GPU_RECORDED, is_held_out
+from autotune.sim.fitted import GPU_STEP
 from profiles import load_cluster_profile
 from profiles.sources import load_model_source
 from tests._gpu_traces import L8B4, LLAMA1B, LLAMA1B_FULL, LLAMA1B_GSA, LLAMA1B_SELECTIVE, get_gpu_trial
@@ -37,6 +43,19 @@ def _load(name: str):
 def _predict(name: str, profile: DeviceProfile | None) -> float:
     trial, work, _ = _load(name)
     return Simulator(work, Hardware(H200, num_ranks=1, device=profile)).simulate(trial.config).step_s / trial.step_s
+
+
+def _held_out(name: str) -> str:
+    """``name``, asserted held out: a trial no fitted constant (nor its config) was read off."""
+    config = next(r.config for r in GPU_RECORDED if r.name == name)
+    assert name in GPU_HELD_OUT and is_held_out(name, GPU_STEP, config), f"{name} is in a fitted constant's fit set"
+    return name
+
+
+def _fit_set(name: str) -> str:
+    """``name``, asserted in the fit set: its error is a reproduction check, not an accuracy figure."""
+    assert name not in GPU_HELD_OUT, name
+    return name
 
 
 def _profile(name: str) -> DeviceProfile:
@@ -60,13 +79,20 @@ def test_kernel_costs_attribute_every_kernel_of_the_step():
     assert costs.get("unshard_local.", ("copy",)) > 0 and costs.get("reduce_local.") > 0
 
 
-@pytest.mark.parametrize(("anchor", "other"), [(L8B4, LLAMA1B), (LLAMA1B, L8B4)])
-def test_a_profile_calibrated_on_one_trial_predicts_the_other_within_5_percent(anchor, other):
+@pytest.mark.parametrize("anchor", [LLAMA1B, LLAMA1B_GSA])
+def test_a_profile_calibrated_on_one_trial_predicts_the_held_out_trial_within_5_percent(anchor):
+    """The held-out trial dir (l8b4: another model, 4 blocks of width 4096, head dim 128) from either
+    llama1b defaults trial (-2.3% and -1.6%); each reproduces its own trial within 2%."""
     profile = _profile(anchor)
     assert abs(_predict(anchor, profile) - 1) < 0.02  # its own trial within 2%
-    assert (
-        abs(_predict(other, profile) - 1) < 0.05
-    )  # another model: 16 blocks of width 2048, head dim 64, tied embeddings
+    assert abs(_predict(_held_out(L8B4), profile) - 1) < 0.05
+
+
+def test_a_profile_calibrated_on_the_held_out_trial_reproduces_the_fit_set():
+    """Fit set: llama1b's defaults are the config ``LAUNCH_US`` was read off (another run of it)."""
+    profile = _profile(L8B4)
+    assert abs(_predict(L8B4, profile) - 1) < 0.02
+    assert abs(_predict(_fit_set(LLAMA1B), profile) - 1) < 0.05
 
 
 def test_the_rates_hold_across_models():
@@ -242,23 +268,27 @@ def test_the_profiler_s_slowdown_stays_out_of_the_fit():
     assert busy[LLAMA1B] == pytest.approx(busy[LLAMA1B_GSA], rel=0.01)
     profile = _profile(LLAMA1B_GSA)
     assert abs(_predict(LLAMA1B_GSA, profile) - 1) < 0.02
-    for other in (L8B4, LLAMA1B, LLAMA1B_FULL):
-        assert abs(_predict(other, profile) - 1) < 0.05, other
+    assert abs(_predict(_held_out(L8B4), profile) - 1) < 0.05
+    for other in (LLAMA1B, LLAMA1B_FULL):  # the fit set: reproduced, not judged
+        assert abs(_predict(_fit_set(other), profile) - 1) < 0.05, other
 
 
 def test_the_host_path_prices_host_bound_configs():
-    """[Note: host path]: calibrated on the defaults trial alone (device-bound), the profile predicts
+    """[Note: host path]: calibrated on the defaults trial alone (device-bound), the profile reproduces
     selective checkpointing, which the host bounds, within 5% (-9.7% with block floors alone) and
     keeps its own trial and full checkpointing within 2%; without the host path the selective
-    step falls back under the device's time."""
+    step falls back under the device's time. All three are the fit set of ``host_path``'s constants
+    (``PROFILER_FACTOR``, ``LAUNCH_US`` and the ratios were read off them): a reproduction check,
+    not an accuracy figure; the held-out cases are ``gpu_sim_accuracy.py``'s
+    (``test_the_gpu_accuracy_figure_is_over_held_out_cases_only``)."""
     profile = _profile(LLAMA1B_GSA)
     assert set(profile.host_path_us) >= {"block_forward", "block_backward", "selective_forward", "recompute_selective"}
     assert any(
         "capped at this run's 0.64 / 0.64 by launches" in note for note in profile.notes
     )  # its own factor: a bound
-    assert abs(_predict(LLAMA1B_GSA, profile) - 1) < 0.02
-    assert abs(_predict(LLAMA1B_FULL, profile) - 1) < 0.02
-    assert abs(_predict(LLAMA1B_SELECTIVE, profile) - 1) < 0.05
+    assert abs(_predict(_fit_set(LLAMA1B_GSA), profile) - 1) < 0.02
+    assert abs(_predict(_fit_set(LLAMA1B_FULL), profile) - 1) < 0.02
+    assert abs(_predict(_fit_set(LLAMA1B_SELECTIVE), profile) - 1) < 0.05
     assert _predict(LLAMA1B_SELECTIVE, profile.replace(host_path_us={})) < 0.92
 
 
@@ -310,11 +340,13 @@ def test_device_bound_trials_take_their_run_s_profiler_factors_from_their_launch
 
 
 def test_calibrated_on_l8b4_the_llama1b_trials_are_within_5_percent():
-    """The GPU calibration's cross-check: a profile from the l8b4 trace (another run, another width) predicts every
-    llama1b trial within 5%, selective AC included (-12.2% with the constant profiler factor)."""
+    """A profile from the l8b4 trace (another run, another width) reproduces every llama1b trial within 5%,
+    selective AC included (-12.2% with the constant profiler factor). Every llama1b trial is in the fit set
+    of ``host_path``'s constants: this checks that they carry to another run's calibration, not that they
+    carry to configs they were not read off."""
     profile = _profile(L8B4)
     for other in (LLAMA1B, LLAMA1B_GSA, LLAMA1B_FULL, LLAMA1B_SELECTIVE):
-        assert abs(_predict(other, profile) - 1) < 0.05, other
+        assert abs(_predict(_fit_set(other), profile) - 1) < 0.05, other
 
 
 def test_a_trial_that_timed_its_host_path_calibrates_it_without_the_profiler_s_factor(tmp_path):
@@ -336,3 +368,38 @@ def test_a_trial_that_timed_its_host_path_calibrates_it_without_the_profiler_s_f
     assert profile.host_path_us["block_backward"] == pytest.approx(5000)
     assert profile.host_path_us["selective_forward"] == pytest.approx(2500 * DEFAULT_RATIOS["selective_forward"])
     assert any("timed by 1 trial(s) on an unprofiled step" in note for note in profile.notes)
+
+
+def test_the_gpu_accuracy_figure_is_over_held_out_cases_only(tmp_path):
+    """``gpu_sim_accuracy.py --dry-run`` (calibrated on its recorded ``case_00``) against the recorded run's
+    steps: the accuracy figure (``results.json`` ``held_out``, also ``median_abs_error``) is over held-out
+    cases only, the fit set's apart; the held-out median is within 5% (1.0% over 7 on the H200 run of
+    2026-11-27), though its one case with selective checkpointing (seq 4096, 4 microbatches) reads +7.7%."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from autotune.sim.fit_split import get_fit_trials
+    from autotune.sim.fitted import GSA_CASE
+
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu_sim_accuracy.py", "--dry-run", "--out", str(tmp_path)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    held, fit = results["held_out"], results["fit_set"]
+    assert [f"{GSA_CASE}{case}" for case in held["cases"]] == sorted(n for n in GPU_HELD_OUT if n.startswith(GSA_CASE))
+    for case in held["cases"]:
+        config = next(r.config for r in GPU_RECORDED if r.name == f"{GSA_CASE}{case}")
+        assert is_held_out(f"{GSA_CASE}{case}", GPU_STEP, config) and f"{GSA_CASE}{case}" not in get_fit_trials(
+            GPU_STEP
+        )
+    assert set(fit["cases"]) == {"defaults (calibration)", "full checkpointing", "selective checkpointing"}
+    assert results["median_abs_error"] == results["held_out_median_abs_error"] == held["median_abs_error"]
+    assert held["median_abs_error"] < 0.05 and held["max_abs_error"] < 0.10
+    assert "held out: median absolute error over 7 configs" in done.stdout

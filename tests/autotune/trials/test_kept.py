@@ -18,7 +18,7 @@ from autotune.trials.kept import get_live_bytes
 from autotune.trials.training import build_training
 from fsdp_runtime import default_config
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.torch_matrix]
 
 UNITS = [f"layers.{i}" for i in range(4)]
 WORLD = 2

@@ -22,7 +22,7 @@ from autotune.trials.sides import PAIRED_MODELS_ENV
 from fsdp_runtime import default_config
 from profiles import load_model_source
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.torch_matrix]
 
 BIG = {"name": "tiny", "dim": 1024, "ffn_hidden_dim": 3072, "vocab_size": 32768, "num_layers": 1}
 UNITS = ["layers.0"]

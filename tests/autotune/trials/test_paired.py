@@ -22,6 +22,8 @@ from autotune.trials.paired import (
     summarize_pairs,
 )
 
+pytestmark = pytest.mark.torch_matrix
+
 CANDIDATE_MS, REFERENCE_MS, SWITCH_MS = 30.0, 60.0, 20.0
 TRUE_RATIO = CANDIDATE_MS / REFERENCE_MS
 

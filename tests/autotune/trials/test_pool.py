@@ -13,7 +13,7 @@ from fsdp_runtime import MeshConfig, config_to_dict, default_config
 from profiles import load_model_profile
 
 UNITS = load_model_profile("tiny").unit_names
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.torch_matrix]
 
 
 def _spec(tmp_path, name: str, config, *, world_size: int = 2, **overrides) -> TrialSpec:
@@ -178,3 +178,18 @@ def test_pool_consolidates_after_an_hsdp_job(pool2, tmp_path):
     run = pool2.run("autotune.search.consolidation:consolidation_timing", kwargs, timeout_s=120)
     assert run.ok, f"{run.status}: {run.reason}"
     assert run.results[0]["state_bytes"] > 0 and all(s[0] > 0 for s in run.results[0]["seconds"].values())
+
+
+def test_a_torch_without_the_pool_s_private_helpers_is_refused_before_any_rank_starts(monkeypatch):
+    """The pool clears DTensor's sharding caches after every job through a private helper of
+    ``torch.distributed.tensor.debug``: a torch without it is refused in one line naming the
+    releases that have it, not after the first trial."""
+    from torch.distributed.tensor import debug
+
+    from fsdp_runtime.errors import AutotuneError
+
+    monkeypatch.delattr(debug, "_clear_sharding_prop_cache")
+    with pytest.raises(AutotuneError) as refused:
+        RankPool(2)
+    message = str(refused.value)
+    assert "\n" not in message and "_clear_sharding_prop_cache" in message and "torch 2.11 to 2.15" in message

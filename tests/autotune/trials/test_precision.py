@@ -26,6 +26,8 @@ from autotune.trials import (
 from autotune.trials.trialdir import write_trial_dir
 from fsdp_runtime import MixedPrecisionConfig, default_config, save_config
 
+pytestmark = pytest.mark.torch_matrix
+
 BF16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
 FP32 = MixedPrecisionConfig(param_dtype="float32", reduce_dtype="float32")
 GIB = 2**30

@@ -9,6 +9,8 @@ import pytest
 from autotune.trials import TrialSpec
 from fsdp_runtime import MixedPrecisionConfig
 
+pytestmark = pytest.mark.torch_matrix
+
 
 def test_trial_config_torchtitan_builds_the_recipe_for_the_model(tmp_path, monkeypatch):
     import cli

@@ -13,6 +13,8 @@ from autotune.trials import build_training, program, rank_memory, training
 from fsdp_runtime import config_to_dict, default_config
 from profiles import load_model_profile
 
+pytestmark = pytest.mark.torch_matrix
+
 
 def test_a_timed_step_makes_its_input_before_the_timing_and_trains_the_same(one_rank_group, monkeypatch):
     config = config_to_dict(default_config(load_model_profile("tiny").unit_names, num_microbatches=2))
