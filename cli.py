@@ -17,11 +17,13 @@ from typing import Annotated
 import typer
 
 from autotune.cli import (
+    CompareProgress,
     PlanProgress,
     SearchProgress,
     console,
     err_console,
     options,
+    print_compare,
     print_device_profile,
     print_error,
     print_plan,
@@ -252,6 +254,55 @@ def trial(
         print_trial_summary(result)
     if result.status not in ("ok", "pruned"):
         raise typer.Exit(1)
+
+
+@app.command()
+def compare(
+    configs: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="CONFIG",
+            help="Runtime configs (.toml/.json, e.g. a search's best.toml), or the words defaults (FSDP2's, as the search's defaults trial) and torchtitan (its recipe); the first is the baseline.",
+            show_default=False,
+        ),
+    ],
+    model: options.TrialModel,
+    nproc: options.TrialNproc = 2,
+    rounds: options.Rounds = None,
+    until_ci: options.UntilCi = None,
+    steps: options.Steps = 8,
+    warmup: options.Warmup = 3,
+    microbatches: options.CompareMicrobatches = None,
+    timeout: options.Timeout = 120.0,
+    cluster: options.EmulatedCluster = None,
+    backend: options.Backend = None,
+    seed: options.Seed = 0,
+    param_dtype: options.ParamDtype = None,
+    reduce_dtype: options.ReduceDtype = None,
+    out: options.CompareOut = Path("runs/compare"),
+) -> None:
+    """Run configs alone, each on fresh ranks as a training job runs it, in rounds; their speedups over the first with 90% intervals."""
+    from autotune.compare import CompareSettings, run_compare
+
+    settings = CompareSettings(
+        model=model,
+        configs=configs,
+        world_size=nproc,
+        num_rounds=rounds,
+        until_ci_pct=until_ci,
+        num_warmup=warmup,
+        num_measured=steps,
+        num_microbatches=microbatches,
+        timeout_s=timeout,
+        cluster=cluster,
+        backend=backend,
+        seed=seed,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        out_dir=out,
+    )
+    record, path = run_compare(settings, reporter=CompareProgress())
+    print_compare(record, path)
 
 
 @app.command()

@@ -1,7 +1,8 @@
 """Versioned JSON artifacts: every JSON file autotune writes is read and written here.
 
 [Note: artifacts]
-Each artifact (``metrics.json`` of a trial, ``search.json`` of a search, a trial spec, ``plan.json``) is a
+Each artifact (``metrics.json`` of a trial, ``search.json`` of a search, a trial spec, ``plan.json``,
+``compare.json``) is a
 dataclass in the stage that produces it, with a ``KIND`` and a ``SCHEMA_VERSION``; its
 ``to_dict()`` carries both, and its ``read(path)`` goes through :func:`read_artifact`,
 which refuses, with one line naming the file:

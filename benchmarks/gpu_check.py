@@ -6,15 +6,10 @@
 On the GPU box, with every GPU it sees (``--nproc``, default all), from a source checkout
 (no install: the machine's own torch, plus optuna and traceinsight from carried wheels):
 
-1. *the model*: Llama 3.1 8B's block shape, full vocabulary, ``--seq-len`` tokens, with as many
-   blocks as keep the simulator's predicted peak of one model (FSDP2's defaults, bf16 params,
-   fp32 reduce, 2 microbatches) under ``--fill`` (0.6) of one GPU's memory: a job sized to its
-   GPU, which a paired trial holding two models could not search;
-2. *a default search* on it (``--trials``, the search's own defaults otherwise) through the
-   API (typer is not on the GPU box), in one warm NCCL rank pool;
-3. *numerics* (:mod:`autotune.trials.numerics`, its [Note: numerics checks]; fresh NCCL ranks,
-   a 2-block model of the same shape and full vocabulary), each a structured result, all in
-   ``results.json``:
+1. *numerics*, first (a minute; they say whether anything after them can be trusted;
+   :mod:`autotune.trials.numerics`, its [Note: numerics checks]; fresh NCCL ranks,
+   a 2-block model of Llama 3.1 8B's block shape and full vocabulary), each a structured
+   result, written to ``results.json`` before the search starts:
    - *memorisation*: the same batch every step (rows alternating two tokens, so that the next
      token depends on the one before the current one), 48 AdamW steps at 1e-4, in fp32 and in
      bf16 params / fp32 reduce. Asserts, per run and rank, that the last loss is at most half the
@@ -30,6 +25,12 @@ On the GPU box, with every GPU it sees (``--nproc``, default all), from a source
      configs' counts differ (the defaults gather every block again in backward), so that a
      switch that did nothing fails. With one GPU it runs on 2 gloo ranks on the CPU (tiny Llama):
      FSDP2 issues no collectives on one rank;
+2. *the model*: Llama 3.1 8B's block shape, full vocabulary, ``--seq-len`` tokens, with as many
+   blocks as keep the simulator's predicted peak of one model (FSDP2's defaults, bf16 params,
+   fp32 reduce, 2 microbatches) under ``--fill`` (0.6) of one GPU's memory: a job sized to its
+   GPU, which a paired trial holding two models could not search;
+3. *a default search* on it (``--trials``, the search's own defaults otherwise) through the
+   API (typer is not on the GPU box), in one warm NCCL rank pool;
 4. *one table*: per trial its status, ratio to the defaults, wall time, the time of its steps
    (measured, settle and profiled, both sides), the fixed cost (wall minus steps: start of the
    job, build, warm-up steps, profiler stop and export, result collection), the candidate's

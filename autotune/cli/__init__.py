@@ -7,11 +7,13 @@ errors to exit codes."""
 from autotune.cli import options
 from autotune.cli.render import (
     PIPED_WIDTH,
+    CompareProgress,
     PlanProgress,
     SearchProgress,
     console,
     err_console,
     make_console,
+    print_compare,
     print_device_profile,
     print_error,
     print_plan,
@@ -22,12 +24,14 @@ from autotune.cli.render import (
 
 __all__ = [
     "PIPED_WIDTH",
+    "CompareProgress",
     "PlanProgress",
     "SearchProgress",
     "console",
     "err_console",
     "make_console",
     "options",
+    "print_compare",
     "print_device_profile",
     "print_error",
     "print_plan",

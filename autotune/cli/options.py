@@ -331,3 +331,37 @@ CalibrateCluster = Annotated[
         "--cluster", help="Cluster profile of that GPU, for the check (default: by the GPU's name).", field="cluster"
     ),
 ]
+
+# --------------------------------------------------------------------------- autotune compare
+
+Rounds = Annotated[
+    int | None,
+    option(
+        "--rounds",
+        help="Rounds; each config runs once per round, alone, the order rotating and reversing. Default: 4; with --until-ci the most rounds, default 16.",
+        show_default=False,
+        field="num_rounds",
+    ),
+]
+UntilCi = Annotated[
+    float | None,
+    option(
+        "--until-ci",
+        metavar="PCT",
+        help="Stop after an even round once every speedup's 90% interval is within +-PCT% (relative half-width).",
+        field="until_ci_pct",
+    ),
+]
+CompareMicrobatches = Annotated[
+    int | None,
+    option(
+        "--microbatches",
+        help="Microbatches of the defaults and torchtitan configs; default: the config files' own (they must agree), else 1.",
+        show_default=False,
+        field="num_microbatches",
+    ),
+]
+CompareOut = Annotated[
+    Path,
+    option("--out", "-o", help="Where compare.json and each run's trial dir (roundR/I-NAME) go.", field="out_dir"),
+]

@@ -16,11 +16,13 @@ from rich.markup import escape
 
 __all__ = [
     "PIPED_WIDTH",
+    "CompareProgress",
     "PlanProgress",
     "SearchProgress",
     "console",
     "err_console",
     "make_console",
+    "print_compare",
     "print_device_profile",
     "print_error",
     "print_plan",
@@ -237,6 +239,39 @@ def print_plan(result) -> None:
     print_tables([t for t in (get_pipeline_table(result), get_unit_table(result)) if t is not None])
     for line in get_plan_lines(result):
         console.print(line, highlight=False, soft_wrap=True)
+
+
+# --------------------------------------------------------------------------- autotune compare
+
+
+class CompareProgress:
+    """Progress for ``autotune compare``: a config's notes, and a line per run as it ends."""
+
+    def on_note(self, message: str) -> None:
+        err_console.print(f"note: {message}", highlight=False, markup=False, soft_wrap=True)
+
+    def on_run(self, round_number: int, max_rounds: int, label: str, result) -> None:
+        from autotune.report import fmt
+
+        peak = result.process_peak_bytes
+        err_console.print(
+            f"round {round_number}/{max_rounds}: {label} {fmt(result.step_ms)} ms"
+            + (f", peak {peak / 2**20:,.0f} MB" if peak is not None else "")
+            + f" ({result.wall_s:.1f} s)",
+            highlight=False,
+            markup=False,
+            no_wrap=True,
+            overflow="ellipsis",
+        )
+
+
+def print_compare(record, path) -> None:
+    """A comparison: per config its step, peak and speedup over the first; a line per verdict; where it went."""
+    from autotune.compare import get_compare_lines, get_compare_table
+
+    print_tables([get_compare_table(record)])
+    for line in get_compare_lines(record, path):  # wrapped at the console's width
+        console.print(line, highlight=False, markup=False)
 
 
 # --------------------------------------------------------------------------- autotune calibrate

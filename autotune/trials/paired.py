@@ -28,7 +28,9 @@ one rank job:
   side's switch cost (its settle steps' median over its measured steps' median, minus one)
   are recorded beside it, so a report can show whether the order still matters;
 - pruning: with a stopping rule ([Note: sequential measurement]) after every block, from the
-  second on, or on a third pair confirming a slow first block ([Note: pooled noise]); without
+  second on, or on a third pair confirming a slow first block ([Note: pooled noise]), where no
+  burst over two adjacent steps of the schedule can have made the call ([Note: burst
+  windows]; the order itself: [Note: pair schedule] in :mod:`autotune.trials.pair_schedule`); without
   one (``prune_if_ratio_above``, trials outside a search), after the first
   ``PRUNE_AFTER_PAIRS`` pairs (one block), only if *every* one of them is above the limit;
 - the defaults trial pairs the defaults with themselves (one model, alternate steps, no
@@ -113,7 +115,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from autotune.trials.sequential import StoppingRule, confirms_slower, decide
+from autotune.trials.pair_schedule import get_burst_windows, get_pair_order, get_pair_schedule
+from autotune.trials.sequential import StoppingRule, look
 
 PRUNE_AFTER_PAIRS = 2
 """Pairs after which the ranks decide on pruning."""
@@ -202,13 +205,6 @@ def step_side(side: Side, device: torch.device, timed_step: Any, *, settle: bool
     return ms
 
 
-def get_pair_order(index: int, first: str = "reference") -> tuple[str, str]:
-    """ABBA: even pairs run ``first`` first (the reference unless the candidate stepped last: its
-    model switched in place), odd pairs the other side."""
-    order = ("reference", "candidate") if first == "reference" else ("candidate", "reference")
-    return order if index % 2 == 0 else order[::-1]
-
-
 def run_pairs(
     sides: dict[str, Side],
     *,
@@ -222,31 +218,35 @@ def run_pairs(
     first: str = "reference",
     on_first_step: Any = None,
 ) -> str | None:
-    """Alternate the two sides for ``num_pairs`` pairs, a settle step first wherever the ranks
-    switch from one model to the other (``last``: the side that stepped before the first pair;
-    ``settle=False``: the measurement before [Note: switch cost], for tests and benchmarks that
-    compare the two; ``first``: the side of the even pairs that steps first; ``on_first_step``:
-    called after the first pair's first measured step). With ``stopping``, after every ABBA block the rule decides whether the
-    trial has measured enough ([Note: sequential measurement]; ``num_pairs`` is then the most it
-    runs). Returns why it stopped early (``pruned``; with ``stopping``, the rule's reason; None:
-    it ran every pair)."""
-    for i in range(num_pairs):
-        for name in get_pair_order(i, first):
-            if settle and sides[name] is not sides[last]:
-                step_side(sides[name], device, timed_step, settle=True)
-            step_side(sides[name], device, timed_step)
-            if on_first_step is not None and i == 0 and name == first:
-                on_first_step()
-            last = name
+    """Alternate the two sides for ``num_pairs`` pairs in the order of :func:`get_pair_schedule`
+    ([Note: pair schedule]), a settle step first wherever the ranks switch from one model to the
+    other (``last``: the side that stepped before the first pair; ``settle=False``: the
+    measurement before [Note: switch cost], for tests and benchmarks that compare the two;
+    ``first``: the side of the even pairs that steps first; ``on_first_step``: called after the
+    first pair's first measured step). With ``stopping``, after every pair the rule looks
+    (:func:`autotune.trials.sequential.look`: after every ABBA block, and on the pair confirming
+    the first; [Note: sequential measurement]), knowing where a burst over two adjacent steps
+    reaches ([Note: burst windows]); ``num_pairs`` is then the most it runs. Returns why it
+    stopped early (``pruned``; with ``stopping``, the rule's reason; None: it ran every pair)."""
+    self_paired = sides["reference"] is sides["candidate"]
+    schedule = get_pair_schedule(num_pairs, first=first, last=last, settle=settle, self_paired=self_paired)
+    windows = get_burst_windows(schedule)
+    for step in schedule:
+        step_side(sides[step.side], device, timed_step, settle=step.kind == "settle")
+        if on_first_step is not None and step.pair == 0 and step.kind == "measured" and step.side == first:
+            on_first_step()
+        if not step.ends_pair:
+            continue
         ratios = get_ratios(*get_pair_steps(sides))
         if stopping is not None:
-            if (i + 1) % 2 == 0 or i + 1 == num_pairs:
-                reason = decide(stopping, ratios)
-                if reason is not None:
-                    return reason
-            elif confirms_slower(stopping, ratios):  # a third pair confirming a slow first block
-                return "slower"
-        elif prune_if_ratio_above is not None and i + 1 == PRUNE_AFTER_PAIRS and min(ratios) > prune_if_ratio_above:
+            reason = look(stopping, ratios, windows, num_pairs)
+            if reason is not None:
+                return reason
+        elif (
+            prune_if_ratio_above is not None
+            and step.pair + 1 == PRUNE_AFTER_PAIRS
+            and min(ratios) > prune_if_ratio_above
+        ):
             return "pruned"
     return None
 

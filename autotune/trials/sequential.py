@@ -23,10 +23,12 @@ pairs and stops as soon as the question it was asked is answered:
 - *Slower.* An interval wholly above ``prune_above`` (the search's ``prune_ratio``, 1.0 by
   default: clearly slower than the best) prunes the trial, but only from
   ``min_blocks_to_prune`` blocks on (2; with the box's noise pooled, a confirming third pair
-  may prune: below): one burst of load on a block's two adjacent candidate steps (ref, cand,
-  cand, ref) must not prune a config, and a burst inflates the spread of two blocks instead of
-  shifting both. Before that block such an interval is not called settled either (a burst can
-  be as tight as a real difference): the next block decides.
+  may prune: below): one burst of load on a block's two adjacent candidate steps must not
+  prune a config, and a burst inflates the spread of two blocks instead of shifting both.
+  Before that block such an interval is not called settled either (a burst can be as tight as
+  a real difference): the next block decides.
+- *Burst windows.* Faster and slower are called only where no single burst over two adjacent
+  steps of the schedule that ran can have made the call ([Note: burst windows], below).
 - *Settled.* An interval whose relative half-width is at most ``precision`` stops the trial
   whatever the thresholds (except as just said): more blocks would only resolve differences
   below the precision.
@@ -43,13 +45,13 @@ than 1.35x (bursts, about 1%). So where the search has measured paired trials be
 rule takes the spread pooled over their pairs (``noise_sd``, ``noise_df`` degrees of freedom:
 each trial's log-ratios about its own mean, the last ``NOISE_WINDOW`` trials) together with
 the trial's own pairs, a pooled-variance t interval: after one block it is ~3x narrower than
-the trial's own, so faster and settled are called after one block far more often. Pruning
-keeps its guard against a burst, cheaper: a first block whose pooled interval lies wholly
-above ``prune_above`` is *confirmed* by one more pair (3 steps, not the second block's 6),
-and the trial is pruned there if that pair alone is above ``prune_above`` by one pooled
-spread and the three pairs' pooled interval still lies above it; otherwise the second block
-decides as before. A burst on the first block's candidate steps does not reach the third
-pair's. Two guards more: from the second block on, where the trial's own pairs spread wider
+the trial's own, so faster and settled are called after one block far more often (where the
+burst windows let it: [Note: burst windows]). A first block whose pooled interval lies wholly
+above ``prune_above`` (held back: ``min_blocks_to_prune``), or wholly below ``faster_below``
+where its burst windows refused the call, may be *confirmed* by one more pair (3 steps, not the
+second block's 6): the trial stops there as slower or faster if the three pairs' interval still
+lies beyond the limit and, each burst window's pairs left out in turn, so do the pairs it did not
+reach; otherwise the second block decides. Two guards more: from the second block on, where the trial's own pairs spread wider
 than the pooled figure (a config noisier than the box, or a burst in one block), its own
 interval decides, as without a pool; and a pool of fewer than ``MIN_NOISE_DF`` degrees of
 freedom is not used.
@@ -82,10 +84,64 @@ burst on the first block's candidate steps prunes a tie in 17% (3.4% on its own 
 if the first block pruned unconfirmed): the third pair is above the best by one spread in
 about one trial in six. Bursts that size were about 1% of the recorded trials.
 
+These figures drew independent pairs and a burst on pairs 0 and 1 only; the rates per pair
+order, with bursts anywhere, are in [Note: burst windows].
+
 A wrong "faster" makes a config within the noise of the best the best too early (the next
 trials are compared with it, and the final round re-measures the finalists against the
 defaults); a wrong "slower" loses a config within the noise of the best. Settled and pruned
 stops both end the trial; they differ in its status only.
+
+[Note: burst windows]
+The burst guard above was written for the reference leading every even pair (ref, cand | cand,
+ref), where a block's two candidate steps stand together and the third pair's do not. Since a
+warm reference (switched in place or kept) lets the candidate lead, the steps run ``c0 r_s r0 r1
+c_s c1 c2 r_s r2 ...`` ([Note: pair schedule] in :mod:`autotune.trials.pair_schedule`): ``c1 c2``
+join the first block's second pair to the pair that confirmed it, so one burst over two
+adjacent steps made a tie look slow after one block and then "confirmed" it, and ``r0 r1``
+fill the first block's reference steps, so one burst made a tie "faster" after one block: a
+false best whose ratio then bars every later trial (``prune_above``, futility). With the pool,
+even one slowed reference step in the first block made a tie faster (a 1.5x step shifts the
+mean of two pairs by 0.2 in log, the pooled half-width is 0.11).
+
+So ``run_pairs`` hands the rule its schedule's *burst windows*
+(:func:`~autotune.trials.pair_schedule.get_burst_windows`: for every two adjacent steps, the
+pairs whose candidate step, and those whose reference step, a burst over both would slow), and
+a call stands only where no one window can have made it: for every window that slows the side
+the call leans on (the candidate's for slower, the reference's for faster), the pairs it did
+not reach must still lie beyond the limit, their mean taken with the rule's spread of all the
+pairs (a burst in them widens it) and a t quantile for its degrees of freedom. Where a window
+reaches every pair so far (``r0 r1`` in a first block led by the candidate), the call waits for
+a pair it does not reach: the confirming third pair, or the second block. A call so refused is
+not called settled either. Without a pool, or with no windows (``windows=[]``), the rule is the
+one above; a pure call without a schedule takes the reference-first one.
+
+*Error rates*, ``studies/stopping_rule.py`` (4,000 trials per case: the search's rule of 4
+pairs, pooled noise of 24 degrees of freedom, futility on; every step of the schedule, settle
+and warm-up steps included, drawn from an AR(1) series whose lag-1 autocorrelation, -0.04, is
+that of the recorded per-step series in ``tests/data/gpu_traces/*/metrics.json`` and
+``tests/data/artifacts/metrics_v11.json``, scaled to a pair spread of 9%; a burst slows two
+adjacent steps 1.5x). A tie pruned / called faster, before -> after the windows:
+
+- candidate first (in place, kept): no burst 2.3% / 7.3% -> 0.7% / 0.3%; a burst anywhere
+  12.4% / 27.6% -> 1.0% / 1.1%; at its worst place (``c1 c2``; ``r0 r1``) 89% / 100% -> 5.0% / 4.5%;
+- reference first (own model): no burst 1.8% / 7.8% -> 0.4% / 0.8%; anywhere 5.9% / 26.9% ->
+  1.4% / 1.8%; worst (``c0 c1``; ``r0`` alone) 20.8% / 88.8% -> 4.5% / 6.5%;
+- models built in turn (warm-up steps between): no burst 2.6% / 7.8% -> 0.5% / 1.1%; anywhere
+  3.9% / 21.4% -> 0.7% / 2.0%; worst 21.5% / 88.8% -> 4.7% / 6.7%.
+
+So no burst position prunes a tie more often than the interval's nominal 5% per side, nor calls
+it faster more often than the rule did without a burst (7.3-7.8%); with adjacent steps
+correlated at 0.5 (``--rho 0.5``, 1,500 trials) the worst places give 5.3-6.5% / 4.7-9.5%,
+highest built in turn, whose pair steps stand further apart than the pooled spread assumes. A real speedup lost (pruned or
+``unlikely``) without a burst is unchanged: 5% faster 3.5-4.2% -> 3.4-3.6%, 10% faster 0.3-0.5%
+-> 0.3-0.5%; with a burst anywhere 5.4-14.8% -> 4.9-8.3% (5%) and 3.5-12.5% -> 3.2-8.7% (10%).
+The cost: a tie runs 11.2 steps on average where it ran 10.9 (20.7 against 20.1 built in turn),
+and a config twice as fast stops after 3 pairs (9 steps, not 6) where the candidate leads: its
+first block cannot tell it from a burst on ``r0 r1``. A burst still moves the trial's figure
+(the median of two block ratios is their mean): a 10% faster config's ratio ends not below the
+best in 19-35% of trials with a burst anywhere before, 23-40% after (fewer stop early, before the
+burst), 1-1.5% without a burst; that is the figure's to answer, not the rule's.
 
 [Note: futility]
 Most of a search's trials are neither clearly faster than the best so far nor clearly slower:
@@ -127,6 +183,8 @@ import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from autotune.trials.pair_schedule import Window, get_burst_windows, get_pair_schedule
 
 T_95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753)
 """Student t's 95th percentile for 1..15 degrees of freedom (a 90% two-sided interval)."""
@@ -241,29 +299,64 @@ def _get_rule_interval(rule: StoppingRule, pair_ratios: list[float]) -> Interval
     return get_interval(pair_ratios, *_get_rule_noise(rule, pair_ratios))
 
 
-def confirms_slower(rule: StoppingRule, pair_ratios: list[float]) -> bool:
-    """After an odd pair: it confirms that the block before it was clearly slower, so the trial
-    is pruned there ([Note: pooled noise]): the pool is in use, the look before this pair could
-    not yet prune (``min_blocks_to_prune``) although its interval lay above ``prune_above``, this
-    pair alone lies above ``prune_above`` by one pooled spread, and every pair's interval still
-    lies above it."""
-    if rule.prune_above is None or rule.noise_sd is None or rule.noise_df < MIN_NOISE_DF:
-        return False
-    if len(pair_ratios) % 2 == 0 or len(pair_ratios) < 3:
-        return False
-    before = pair_ratios[:-1]
-    if len(before) // 2 >= rule.min_blocks_to_prune:
-        return False  # that look could prune on its own
-    looked = _get_rule_interval(rule, before)
+def _holds_without_bursts(rule: StoppingRule, pair_ratios: list[float], windows: list[Window], slower: bool) -> bool:
+    """A call (``slower``, else faster) that no single two-step burst can have made ([Note: burst
+    windows]): for every window of the schedule that slows the steps of the side the call leans
+    on (the candidate's for slower, the reference's for faster), the pairs it did not reach still
+    lie wholly beyond the limit, their mean taken with the rule's spread of every pair."""
+    logs = [math.log(x) for x in pair_ratios]
+    _, sd, df, _ = _log_spread(pair_ratios, *_get_rule_noise(rule, pair_ratios))
+    limit = math.log(rule.prune_above if slower else rule.faster_below)
+    for window in windows:
+        reached = window[0 if slower else 1] & set(range(len(logs)))
+        if not reached:
+            continue
+        rest = [x for i, x in enumerate(logs) if i not in reached]
+        if not rest:
+            return False
+        mean, half = statistics.fmean(rest), t_95(df) * sd / math.sqrt(len(rest))
+        if (mean - half <= limit) if slower else (mean + half >= limit):
+            return False
+    return True
+
+
+def _get_windows(pair_ratios: list[float], windows: list[Window] | None) -> list[Window]:
+    """The burst windows ``run_pairs`` hands over; None: those of the reference leading (a pure decision)."""
+    return get_burst_windows(get_pair_schedule(len(pair_ratios))) if windows is None else windows
+
+
+def confirms(rule: StoppingRule, pair_ratios: list[float], windows: list[Window] | None = None) -> str | None:
+    """After the pair that follows the first block: ``slower`` or ``faster`` where it confirms what
+    that block's look held back ([Note: burst windows]), else None. Only with the pool in use;
+    the look before held its interval wholly beyond a limit (above ``prune_above`` before
+    ``min_blocks_to_prune``, or beyond either where its burst windows refused the call), and
+    the pairs so far, each window's pairs left out in turn, still lie beyond it."""
+    if rule.noise_sd is None or rule.noise_df < MIN_NOISE_DF or len(pair_ratios) != 3:
+        return None
+    windows = _get_windows(pair_ratios, windows)
+    looked = _get_rule_interval(rule, pair_ratios[:-1])
     now = _get_rule_interval(rule, pair_ratios)
-    limit = rule.prune_above
-    return (
-        looked is not None
-        and looked.low > limit
-        and pair_ratios[-1] > limit * math.exp(rule.noise_sd)
-        and now is not None
-        and now.low > limit
-    )
+    if rule.prune_above is not None and looked.low > rule.prune_above and now.low > rule.prune_above:
+        return "slower" if _holds_without_bursts(rule, pair_ratios, windows, slower=True) else None
+    if rule.faster_below is not None and looked.high < rule.faster_below and now.high < rule.faster_below:
+        return "faster" if _holds_without_bursts(rule, pair_ratios, windows, slower=False) else None
+    return None
+
+
+def confirms_slower(rule: StoppingRule, pair_ratios: list[float], windows: list[Window] | None = None) -> bool:
+    """After an odd pair: it confirms that the first block was clearly slower, so the trial is
+    pruned there (:func:`confirms`)."""
+    return confirms(rule, pair_ratios, windows) == "slower"
+
+
+def look(rule: StoppingRule, pair_ratios: list[float], windows: list[Window] | None, num_pairs: int) -> str | None:
+    """What ``run_pairs`` asks after every pair (``num_pairs``: the most it runs): the rule's
+    decision after a block or the last pair (:func:`decide`), a confirmation after the pair that
+    follows the first block (:func:`confirms`); None: go on."""
+    n = len(pair_ratios)
+    if n % 2 == 0 or n == num_pairs:
+        return decide(rule, pair_ratios, windows)
+    return confirms(rule, pair_ratios, windows)
 
 
 def _log_sd(samples: list[float]) -> float:
@@ -283,26 +376,33 @@ def is_unlikely(rule: StoppingRule, pair_ratios: list[float]) -> bool:
     return spread > 0 and (mean - math.log(rule.futile_above)) / spread > t_90(df)
 
 
-def decide(rule: StoppingRule, pair_ratios: list[float]) -> str | None:
+def decide(rule: StoppingRule, pair_ratios: list[float], windows: list[Window] | None = None) -> str | None:
     """After a block: why the trial stops (``faster``, ``slower``, ``settled``, ``unlikely``, ``max_blocks``), or None to go on.
 
-    ``pair_ratios`` are the trial's candidate/reference ratios so far, pair by pair."""
+    ``pair_ratios`` are the trial's candidate/reference ratios so far, pair by pair; ``windows``
+    the reach of a two-step burst in the schedule that ran them (:func:`get_burst_windows`; None:
+    the reference leading; empty: no burst guard)."""
     num_blocks = (len(pair_ratios) + 1) // 2
     if num_blocks < rule.min_blocks:
         return None
+    windows = _get_windows(pair_ratios, windows)
+    at_most = "max_blocks" if num_blocks >= rule.max_blocks else None
     interval = _get_rule_interval(rule, pair_ratios)
     if interval is not None:
         if rule.faster_below is not None and interval.high < rule.faster_below:
-            return "faster"
+            # one burst on adjacent reference steps can make a tie look faster: the pairs it did not reach must agree
+            return "faster" if _holds_without_bursts(rule, pair_ratios, windows, slower=False) else at_most
         if rule.prune_above is not None and interval.low > rule.prune_above:
             # clearly slower: pruned from min_blocks_to_prune on, and not called settled before (one burst of load
             # can fill a block); the next block decides
-            return "slower" if num_blocks >= rule.min_blocks_to_prune else None
+            if num_blocks < rule.min_blocks_to_prune:
+                return None
+            return "slower" if _holds_without_bursts(rule, pair_ratios, windows, slower=True) else at_most
         if interval.half_width <= rule.precision:
             return "settled"
     if is_unlikely(rule, pair_ratios):
         return "unlikely"
-    return "max_blocks" if num_blocks >= rule.max_blocks else None
+    return at_most
 
 
 @dataclass

@@ -22,6 +22,7 @@ import pytest
 from _artifact_fixtures import ARTIFACTS, load_fixture, write_json
 
 from autotune.analysis import SUMMARY_SCHEMA_VERSION
+from autotune.compare import CompareRecord
 from autotune.plan import PlanRecord
 from autotune.report import get_tables, load_report
 from autotune.search import SearchRecord, TrialRow, read_results
@@ -59,6 +60,7 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         ("search_v10.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v4.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
         ("plan_v3.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
+        ("compare_v1.json", "compare_summary", CompareRecord.SCHEMA_VERSION),
     ]:
         data = load_fixture(name)
         assert (data["kind"], data["schema_version"]) == (kind, version), name
@@ -411,5 +413,6 @@ def test_the_architecture_page_names_the_versions_the_code_writes():
         ("autotune.search.SearchRecord", SearchRecord),
         ("autotune.trials.TrialSpec", TrialSpec),
         ("autotune.plan.PlanRecord", PlanRecord),
+        ("autotune.compare.CompareRecord", CompareRecord),
     ]:
         assert f"(`{name}`, v{record.SCHEMA_VERSION}" in text, name

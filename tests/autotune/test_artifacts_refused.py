@@ -14,6 +14,7 @@ from _artifact_fixtures import assert_refused, load_fixture, write_json
 
 from autotune.analysis import SUMMARY_SCHEMA_VERSION
 from autotune.artifacts import ArtifactError
+from autotune.compare import CompareRecord
 from autotune.plan import PlanRecord
 from autotune.search import SearchRecord, read_results
 from autotune.trials import TrialMetrics, TrialSpec, TrialSpecError
@@ -37,6 +38,15 @@ class Reader:
 
 
 READERS = [
+    Reader(
+        "CompareRecord.read",
+        "compare_summary",
+        CompareRecord.SCHEMA_VERSION,
+        "compare.json",
+        "compare_v1.json",
+        CompareRecord.read,
+        "plan_v2.json",
+    ),
     Reader(
         "TrialMetrics.read",
         "trial_metrics",

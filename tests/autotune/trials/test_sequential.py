@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.trials.paired import Side, StepTiming, run_pairs
-from autotune.trials.sequential import StoppingRule, decide, get_interval
+from autotune.trials.sequential import StoppingRule, confirms, decide, get_interval
 from autotune.trials.spec import TrialSpec, TrialSpecError
 
 SEARCH_RULE = StoppingRule(max_blocks=3, precision=0.05, faster_below=1.0, prune_above=1.0)
@@ -279,3 +279,97 @@ def test_futility_stops_more_ties_early_the_further_above_the_best():
 
     tie, slower, faster = share_unlikely(1.0), share_unlikely(1.1), share_unlikely(0.9)
     assert 0.05 < tie < 0.20 and slower > 2 * tie and faster < 0.02
+
+
+# [Note: burst windows]: one burst of load over two adjacent steps of the schedule that runs.
+BOX_RULE = dataclasses.replace(POOLED_RULE, noise_sd=0.09, futile_above=1.0)
+"""The search's rule, 4 pairs at most, on a box whose pairs spread 9%."""
+
+
+class _BurstClock:
+    """Every step 60 ms times its side's ``scale``, the steps at ``burst`` (their place in the trial) 1.5x."""
+
+    def __init__(self, burst: set[int]) -> None:
+        self.burst, self.steps = burst, 0
+
+    def timed_step(self, training, step, device, emulator=None) -> StepTiming:
+        ms = 60.0 * training["scale"] * (1.5 if self.steps in self.burst else 1.0)
+        self.steps += 1
+        return StepTiming(ms=ms, loss=0.0, cpu_ms=0.0, page_faults=0)
+
+
+def _run_burst(first: str, burst: set[int], scale: float = 1.0, rule: StoppingRule = BOX_RULE):
+    sides = {"candidate": Side(training={"scale": scale}), "reference": Side(training={"scale": 1.0})}
+    clock = _BurstClock(burst)
+    stopped = run_pairs(
+        sides,
+        num_pairs=4,
+        device=torch.device("cpu"),
+        timed_step=clock.timed_step,
+        prune_if_ratio_above=None,
+        stopping=rule,
+        first=first,
+        last=first,
+    )
+    return stopped, len(sides["candidate"].step_ms)
+
+
+@pytest.mark.parametrize(
+    ("first", "burst", "wrong"),
+    [
+        # the candidate leads (c0 r_s r0 r1 c_s c1 c2 r_s r2 r3 c_s c3): c1 c2 slow the first
+        # block's second pair and the pair that would confirm it; r0 r1 fill the first block
+        ("candidate", {5, 6}, "slower"),
+        ("candidate", {2, 3}, "faster"),
+        # the reference leads (r0 c_s c0 c1 r_s r1 r2 c_s c2 c3 r_s r3): c0 c1 fill the first
+        # block; r1 r2 reach its second pair and the next
+        ("reference", {2, 3}, "slower"),
+        ("reference", {5, 6}, "faster"),
+    ],
+)
+def test_a_burst_over_two_adjacent_steps_neither_prunes_a_tie_nor_makes_it_the_best(
+    first, burst, wrong, one_rank_group
+):
+    """A tie with the best, every step equal but two adjacent ones 1.5x: it runs its four pairs."""
+    stopped, pairs = _run_burst(first, burst)
+    assert stopped != wrong
+    assert (stopped, pairs) == ("max_blocks", 4)
+
+
+@pytest.mark.parametrize("first", ["candidate", "reference"])
+def test_a_clear_winner_and_a_clear_loser_still_stop_early(first, one_rank_group):
+    """Twice as fast stops as faster before its last block (the candidate leading: on the third
+    pair, its reference steps r0 r1 adjacent; the reference leading: after the first block); a
+    config 30% slower is pruned on the confirming third pair either way: even the pairs no one
+    window reaches (the first alone, where c1 c2 reach the second and third) lie above the best."""
+    assert _run_burst(first, set(), scale=0.5) == ("faster", 3 if first == "candidate" else 2)
+    assert _run_burst(first, set(), scale=1.3) == ("slower", 3)
+
+
+def test_the_guard_leaves_out_the_pairs_one_window_reaches():
+    from autotune.trials.pair_schedule import get_burst_windows, get_order_schedule
+
+    kept = get_burst_windows(get_order_schedule("kept", 4))
+    own = get_burst_windows(get_order_schedule("own", 4))
+    # r0 r1 slowed where the candidate leads: the first block alone says nothing robust
+    burst = [1 / 1.5, 1 / 1.5]
+    assert decide(BOX_RULE, burst, windows=[]) == "faster"  # without the guard
+    assert decide(BOX_RULE, burst, windows=kept) is None
+    # one pair's reference step slowed (r1, the reference leading): the other pair must agree
+    assert decide(BOX_RULE, [1.0, 1 / 1.5], windows=[]) == "faster"
+    assert decide(BOX_RULE, [1.0, 1 / 1.5], windows=own) is None
+    assert decide(BOX_RULE, [0.5, 0.5], windows=own) == "faster"
+    # c1 c2 slowed where the candidate leads: the third pair does not confirm the first block
+    assert confirms_slower_unguarded([1.0, 1.5, 1.5])
+    assert confirms(BOX_RULE, [1.0, 1.5, 1.5], kept) is None
+    assert confirms(BOX_RULE, [1.3, 1.3, 1.3], own) == "slower"
+
+
+def confirms_slower_unguarded(ratios: list[float]) -> bool:
+    """The confirmation as it was: any third pair above the best by one pooled spread."""
+    pool = (BOX_RULE.noise_sd, BOX_RULE.noise_df)
+    return (
+        get_interval(ratios[:2], *pool).low > 1.0
+        and ratios[2] > math.exp(BOX_RULE.noise_sd)
+        and get_interval(ratios, *pool).low > 1.0
+    )
