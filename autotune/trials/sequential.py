@@ -49,9 +49,10 @@ the trial's own, so faster and settled are called after one block far more often
 burst windows let it: [Note: burst windows]). A first block whose pooled interval lies wholly
 above ``prune_above`` (held back: ``min_blocks_to_prune``), or wholly below ``faster_below``
 where its burst windows refused the call, may be *confirmed* by one more pair (3 steps, not the
-second block's 6): the trial stops there as slower or faster if the three pairs' interval still
-lies beyond the limit and, each burst window's pairs left out in turn, so do the pairs it did not
-reach; otherwise the second block decides. Two guards more: from the second block on, where the trial's own pairs spread wider
+second block's 6): the trial stops there as slower or faster if that pair alone lies beyond the
+limit by one pooled spread (a burst over the whole first block does not reach it), the three
+pairs' interval still lies beyond the limit and, each burst window's pairs left out in turn, so do
+the pairs it did not reach; otherwise the second block decides. Two guards more: from the second block on, where the trial's own pairs spread wider
 than the pooled figure (a config noisier than the box, or a burst in one block), its own
 interval decides, as without a pool; and a pool of fewer than ``MIN_NOISE_DF`` degrees of
 freedom is not used.
@@ -330,16 +331,24 @@ def confirms(rule: StoppingRule, pair_ratios: list[float], windows: list[Window]
     that block's look held back ([Note: burst windows]), else None. Only with the pool in use;
     the look before held its interval wholly beyond a limit (above ``prune_above`` before
     ``min_blocks_to_prune``, or beyond either where its burst windows refused the call), and
-    the pairs so far, each window's pairs left out in turn, still lie beyond it."""
+    the confirming pair alone lies beyond it by one pooled spread (a burst over the whole first
+    block does not reach it), and the pairs so far, each window's pairs left out in turn, still
+    lie beyond it."""
     if rule.noise_sd is None or rule.noise_df < MIN_NOISE_DF or len(pair_ratios) != 3:
         return None
     windows = _get_windows(pair_ratios, windows)
     looked = _get_rule_interval(rule, pair_ratios[:-1])
     now = _get_rule_interval(rule, pair_ratios)
+    # The confirming pair on its own lies beyond the limit by one pooled spread: a burst longer than
+    # two steps (over a whole first block) reaches the first block's pairs but not this one.
+    alone = pair_ratios[-1]
     if rule.prune_above is not None and looked.low > rule.prune_above and now.low > rule.prune_above:
-        return "slower" if _holds_without_bursts(rule, pair_ratios, windows, slower=True) else None
+        if alone > rule.prune_above * math.exp(rule.noise_sd):
+            return "slower" if _holds_without_bursts(rule, pair_ratios, windows, slower=True) else None
+        return None
     if rule.faster_below is not None and looked.high < rule.faster_below and now.high < rule.faster_below:
-        return "faster" if _holds_without_bursts(rule, pair_ratios, windows, slower=False) else None
+        if alone < rule.faster_below * math.exp(-rule.noise_sd):
+            return "faster" if _holds_without_bursts(rule, pair_ratios, windows, slower=False) else None
     return None
 
 
