@@ -287,6 +287,13 @@ def main() -> None:
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="dry run: one GPU's memory (an H100's by default)")
     args = parser.parse_args()
     print(f"torchtitan {use_torchtitan(args.torchtitan)}")
+    from profiles.factory import ModelSourceError
+    from profiles.torchtitan import check_torch_for_030
+
+    try:  # before a minute is spent: 0.3.0 does not import with every torch (the GPU machines' 2.11)
+        check_torch_for_030()
+    except ModelSourceError as e:
+        sys.exit(f"gpu_torchtitan.py: {e}")
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu_torchtitan_"))
     out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:

@@ -206,11 +206,31 @@ MINIMAL_ASYNC_EP = "torchtitan.distributed.minimal_async_ep"
 _MINIMAL_ASYNC_EP_NAMES = ("combine_op", "dispatch_op", "init_buffer", "MinimalAsyncEPDispatchMetadata")
 
 
+TORCH_FOR_030 = "2.12"
+"""The oldest torch torchtitan 0.3.0 imports with: its ``torchtitan.distributed`` imports
+``torch.distributed.fsdp.DataParallelMeshDims``, first released in torch 2.12.0 (read from the
+2.11.0 and 2.12.0 wheels)."""
+
+
+def check_torch_for_030() -> None:
+    """Refuse, in one line naming the torch it needs, torchtitan 0.3.0 on a torch it cannot import
+    with (the GPU machines' 2.11 among them), before any of it is imported."""
+    import torch
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        raise ModelSourceError(
+            f"torchtitan 0.3.0 needs torch >= {TORCH_FOR_030} (torch.distributed.fsdp.DataParallelMeshDims); "
+            f"torch {torch.__version__} has none: use torchtitan 0.2.2 with it, or a newer torch"
+        )
+
+
 @functools.cache
 def load_model_registry(family: str) -> types.ModuleType:
     """torchtitan 0.3.0's ``torchtitan.models.<family>``: its ``model_registry(flavor)`` and
     ``<family>_configs`` ([Note: torchtitan models]), imported without Triton."""
     _root()
+    check_torch_for_030()
     # 0.3.0's own __init__ imports nothing of it: a process that imported torchtitan whole has it already
     if MINIMAL_ASYNC_EP not in sys.modules and importlib.util.find_spec("triton") is None:
         _stand_in(MINIMAL_ASYNC_EP, **dict.fromkeys(_MINIMAL_ASYNC_EP_NAMES, _no_triton))

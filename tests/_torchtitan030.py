@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _required import skip_unless_required
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,24 +22,30 @@ TORCHTITAN_030 = Path(sys.prefix) / "torchtitan-0.3.0"
 """Where ``./dev`` installs torchtitan 0.3.0 (``pip install --no-deps --target``)."""
 
 
-def require_torchtitan_030() -> Path:
-    """The directory holding torchtitan 0.3.0; skips (fails in CI) where it is absent."""
+def require_torchtitan_030(*, torch_can: bool = True) -> Path:
+    """The directory holding torchtitan 0.3.0; skips (fails in CI) where it is absent. With
+    ``torch_can``, also skips where this torch cannot import 0.3.0 (2.11: refused in one line,
+    which ``test_0_3_0_on_a_torch_it_cannot_import_is_refused_in_one_line`` checks everywhere)."""
     if not (TORCHTITAN_030 / "torchtitan").is_dir():
         skip_unless_required(
             f"torchtitan 0.3.0 is not installed in {TORCHTITAN_030}: "
             f"pip install --no-deps --target {TORCHTITAN_030} torchtitan==0.3.0 spmd_types==0.2.3 (./dev does)"
         )
+    if torch_can:
+        import torch.distributed.fsdp as fsdp
+
+        if not hasattr(fsdp, "DataParallelMeshDims"):
+            pytest.skip("torchtitan 0.3.0 needs torch >= 2.12: refused on this torch (tested apart)")
     return TORCHTITAN_030
 
 
-def get_env_030() -> dict[str, str]:
+def get_env_030(*, torch_can: bool = True) -> dict[str, str]:
     """This process's environment with torchtitan 0.3.0 first on ``PYTHONPATH``, then the repo."""
-    paths = [str(require_torchtitan_030()), str(REPO), os.environ.get("PYTHONPATH", "")]
+    paths = [str(require_torchtitan_030(torch_can=torch_can)), str(REPO), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
-def run_with_030(args: list[str], *, timeout_s: float = 300) -> subprocess.CompletedProcess:
+def run_with_030(args: list[str], *, timeout_s: float = 300, torch_can: bool = True) -> subprocess.CompletedProcess:
     """``python ARGS`` in the repo with torchtitan 0.3.0 importable instead of 0.2.2."""
-    return subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=get_env_030(), capture_output=True, text=True, timeout=timeout_s
-    )
+    env = get_env_030(torch_can=torch_can)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)

@@ -217,3 +217,29 @@ def test_training_0_3_0_s_models_on_cpu_is_refused_in_one_line(checked, cli_out)
         assert (done["code"], done["stderr"].splitlines()) == (2, [f"error: --model: {message}"]), done["stderr"]
         assert not (cli_out / command).exists()  # refused before anything is written
     assert _result(checked, "cpu_build") == message
+
+
+def test_0_3_0_on_a_torch_it_cannot_import_is_refused_in_one_line():
+    """0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims`` (torch 2.12 on): on the GPU
+    machines' torch 2.11 the model source and the GPU benchmark refuse it in one line naming the
+    torch it needs, before anything is built. Where torch has the name, the test takes it away."""
+    from _torchtitan030 import run_with_030
+
+    without = "import torch.distributed.fsdp as f; f.__dict__.pop('DataParallelMeshDims', None); "
+    build = (
+        "from profiles import load_model_source; load_model_source('torchtitan:llama3/debugmodel').build(device='meta')"
+    )
+    done = run_with_030(["-c", without + build], torch_can=False, timeout_s=120)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("profiles.factory.ModelSourceError: torchtitan 0.3.0 needs torch >= 2.12"), done.stderr[
+        -2000:
+    ]
+    script = (
+        without + "import runpy, sys; sys.argv = ['gpu_torchtitan.py', '--dry-run']; "
+        "runpy.run_path('benchmarks/gpu_torchtitan.py', run_name='__main__')"
+    )
+    done = run_with_030(["-c", script], torch_can=False, timeout_s=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith("gpu_torchtitan.py: torchtitan 0.3.0 needs torch >= 2.12"), done.stderr
