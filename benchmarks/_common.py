@@ -1,4 +1,4 @@
-"""Helpers several scripts share: ``run_rank0`` (one function on fresh ranks) and ``with_keep_and_prefetch``.
+"""Helpers several scripts share: ``run_rank0`` (one function on fresh ranks).
 
 A benchmark imports it by bare name (``from _common import ...``: a script's own folder comes first on
 ``sys.path``); a study or tool puts the repository root on ``sys.path`` and imports
@@ -19,18 +19,3 @@ def run_rank0(target: str, *, world_size: int, kwargs: dict[str, Any], timeout_s
     if not run.ok:
         sys.exit(f"benchmark failed: {run.status}: {run.reason}")
     return run.results[0]
-
-
-def with_keep_and_prefetch(config: Any) -> Any:
-    """``config`` with every block unit keeping its parameters after forward and prefetching the next
-    block: knobs a sharded model switches in place ([Note: knobs switched in place])."""
-    import dataclasses
-
-    blocks = [u.name for u in config.units if u.name != "root"]
-    units = [
-        dataclasses.replace(u, reshard_after_forward=False, forward_prefetch=blocks[i + 1 : i + 2])
-        if u.name != "root"
-        else u
-        for i, u in enumerate(config.units)
-    ]
-    return dataclasses.replace(config, units=units)

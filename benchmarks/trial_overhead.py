@@ -33,7 +33,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import with_keep_and_prefetch  # noqa: E402
 
 from autotune.trials import (  # noqa: E402
     RankPool,  # noqa: E402
@@ -42,6 +41,7 @@ from autotune.trials import (  # noqa: E402
     load_trial_config,
     run_trial,
 )
+from autotune.trials.numerics import keep_and_prefetch  # noqa: E402
 from autotune.trials.sides import PAIRED_MODELS_ENV  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def paired(args: argparse.Namespace) -> None:
         def spec(name: str) -> TrialSpec:
             return TrialSpec(
                 model=args.model,
-                config=with_keep_and_prefetch(load_trial_config(None, args.model)),
+                config=keep_and_prefetch(load_trial_config(None, args.model)),
                 reference=load_trial_config(None, args.model),
                 world_size=args.world,
                 out_dir=Path(tmp) / name,

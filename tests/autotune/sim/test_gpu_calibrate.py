@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import shutil
+import statistics
 
 import pytest
 
@@ -370,6 +371,11 @@ def test_a_trial_that_timed_its_host_path_calibrates_it_without_the_profiler_s_f
     assert any("timed by 1 trial(s) on an unprofiled step" in note for note in profile.notes)
 
 
+DEVICE_BOUND = ("2 blocks per unit", "no reshard after forward", "1 microbatch", "4 microbatches")
+"""The held-out cases of gpu_sim_accuracy.py whose steps the device bounds, not the host."""
+
+
+@pytest.mark.torch_matrix
 def test_the_gpu_accuracy_figure_is_over_held_out_cases_only(tmp_path):
     """``gpu_sim_accuracy.py --dry-run`` (calibrated on its recorded ``case_00``) against the recorded run's
     steps: the accuracy figure (``results.json`` ``held_out``, also ``median_abs_error``) is over held-out
@@ -379,7 +385,7 @@ def test_the_gpu_accuracy_figure_is_over_held_out_cases_only(tmp_path):
     import sys
     from pathlib import Path
 
-    from autotune.sim.fit_split import get_fit_trials
+    from autotune.sim.fit_split import get_fit_trials, get_gsa_measured_ms
     from autotune.sim.fitted import GSA_CASE
 
     root = Path(__file__).resolve().parents[3]
@@ -403,3 +409,10 @@ def test_the_gpu_accuracy_figure_is_over_held_out_cases_only(tmp_path):
     assert results["median_abs_error"] == results["held_out_median_abs_error"] == held["median_abs_error"]
     assert held["median_abs_error"] < 0.05 and held["max_abs_error"] < 0.10
     assert "held out: median absolute error over 7 configs" in done.stdout
+    assert "measured 441.7 ms" in done.stdout and done.stdout.rstrip().endswith("no trial ran")
+    rows = {row["case"]: row for row in results["rows"]}
+    assert not set(held["cases"]) & set(fit["cases"]) and set(held["cases"]) | set(fit["cases"]) == set(rows)
+    assert sorted(row["measured_ms"] for row in rows.values()) == sorted(get_gsa_measured_ms().values())
+    errors = {case: rows[case]["predicted_ms"] / rows[case]["measured_ms"] - 1 for case in held["cases"]}
+    assert held["median_abs_error"] == pytest.approx(statistics.median(abs(e) for e in errors.values()))
+    assert all(abs(errors[case]) < 0.03 for case in DEVICE_BOUND), errors
