@@ -172,7 +172,8 @@ def _describe_comparison(best_number: int | None, lowest: TrialRow | None, conf:
     """Which trial is "best" in the report and why; the lowest objective where it is another trial."""
     if not emitted:
         if conf.get("emitted") == "defaults":
-            return f"the defaults were emitted (no finalist beat them side by side); shown as best: trial {best_number}, the lowest ratio in the search"
+            why = conf.get("verdict") or "the defaults were emitted (no finalist beat them side by side)"
+            return f"{why}; shown as best: trial {best_number}, the lowest ratio in the search"
         if conf.get("memory"):
             return f"best = trial {best_number}, the search's pick, emitted because {conf['memory']}"
         return f"best = trial {best_number}, the lowest ratio in the search (no final round ran)"
@@ -180,8 +181,12 @@ def _describe_comparison(best_number: int | None, lowest: TrialRow | None, conf:
     ratio = f"ratio {final[best_number]:.3f}, " if final.get(best_number) is not None else ""
     text = (
         f"best = trial {best_number}, the emitted config: the fastest of {len(final)} finalists re-measured against the defaults "
-        f"in the final round ({ratio}{conf['speedup_median']:.3f}x the defaults' speed)"
+        f"in the final round ({ratio}"
     )
+    if conf.get("speedup_from") == "verdict":  # v11: its speedup from a window that did not choose it
+        text += f"then {conf['speedup_median']:.3f}x the defaults' speed in a window that did not choose it)"
+    else:
+        text += f"{conf['speedup_median']:.3f}x the defaults' speed)"
     if lowest is not None and lowest.number != best_number:
         again = f", {final[lowest.number]:.3f} in the final round" if final.get(lowest.number) is not None else ""
         text += (

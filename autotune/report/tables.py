@@ -16,6 +16,7 @@ from autotune.report.trials_table import (
     get_search_trials_table,
 )
 from autotune.search import SearchRecord, TrialRow
+from autotune.search.verdict import describe_figure
 
 if TYPE_CHECKING:
     from autotune.search import SearchSummary
@@ -181,13 +182,18 @@ def describe_recipe(recipe: dict[str, Any]) -> str:
         return f"not measured: {recipe.get('reason')}"
     if recipe.get("speedup_median") is None:
         return str(recipe.get("reason"))
+    if recipe.get("verdict"):  # v11: the recipe emitted, the window did not call the candidate faster
+        return str(recipe["verdict"])
     who = (
         "the defaults (emitted by the final round)" if recipe.get("candidate") == "defaults" else "the search's config"
     )
-    text = (
-        f"{who} {recipe['speedup_median']:.3f}x the recipe's speed, median of {len(recipe['speedups'])} blocks "
-        f"(interquartile {recipe['speedup_q25']:.3f}-{recipe['speedup_q75']:.3f}, min {recipe['speedup_min']:.3f}, max {recipe['speedup_max']:.3f})"
-    )
+    if recipe.get("emit_rule") == "interval":
+        text = f"{who} " + describe_figure(recipe, " the recipe's speed")
+    else:  # before v11: the median of the blocks decided
+        text = (
+            f"{who} {recipe['speedup_median']:.3f}x the recipe's speed, median of {len(recipe['speedups'])} blocks "
+            f"(interquartile {recipe['speedup_q25']:.3f}-{recipe['speedup_q75']:.3f}, min {recipe['speedup_min']:.3f}, max {recipe['speedup_max']:.3f})"
+        )
     if recipe.get("emitted") == "recipe":
         return f"{text}: not faster, so the recipe is emitted"
     return text + (f"; {recipe['reason']}" if recipe.get("reason") else "")
@@ -195,10 +201,19 @@ def describe_recipe(recipe: dict[str, Any]) -> str:
 
 def _describe_speedup(conf: dict[str, Any]) -> str:
     """The final round's verdict in one line (older records: the best-vs-defaults confirmation)."""
+    if conf.get("speedup_from") == "verdict":  # v11: the figure of a window that did not choose the config
+        window = conf.get("verdict_window") or {}
+        text = (
+            f"{describe_figure(window)} in a window that did not choose it "
+            f"(trial {conf['chosen']}, the fastest of {len(conf['finalists'])} finalists at {conf['selection_speedup']:.3f}x)"
+        )
+        return f"{text}; {conf['verdict']}" if conf.get("verdict") else f"{text}; emitted trial {conf['winner']}"
     spread = f"interquartile {conf['speedup_q25']:.3f}-{conf['speedup_q75']:.3f}, " if "speedup_q25" in conf else ""
     # v7 and later: one speedup per ABBA block of two pairs ([Note: paired measurement]); before, per pair
     unit = "blocks" if conf.get("estimator") == "blocks" else "pairs"
     text = f"{conf['speedup_median']:.3f}x median of {len(conf['speedups'])} {unit} ({spread}min {conf['speedup_min']:.3f}, max {conf['speedup_max']:.3f})"
+    if conf.get("verdict"):
+        return f"{text}; {conf['verdict']}"
     if conf.get("finalists"):
         verdict = (
             f"trial {conf['winner']}" if conf.get("winner") is not None else "the defaults (no finalist beat them)"
@@ -328,7 +343,10 @@ def get_search_outcome_lines(summary: SearchSummary) -> list[str]:
     conf = summary.confirmation
     # where torchtitan's recipe won its round, the final round's figures are the search's config's, not the emitted one's
     recipe_won = (summary.record.recipe or {}).get("emitted") == "recipe"
-    subject = "the search's config (not emitted: torchtitan's recipe is)" if recipe_won else "emitted config"
+    if conf and conf.get("emitted") == "defaults":
+        subject = "the fastest finalist (not emitted)"
+    else:
+        subject = "the search's config (not emitted: torchtitan's recipe is)" if recipe_won else "emitted config"
     if conf and conf["speedup_median"] is not None:
         lines.append(f"{subject} vs defaults: {_describe_speedup(conf)}")
     if conf and conf.get("defaults_over_budget"):
@@ -338,7 +356,7 @@ def get_search_outcome_lines(summary: SearchSummary) -> list[str]:
     if conf and conf.get("memory"):
         lines.append(f"{conf['memory']}: emitted the search's pick")
     if summary.record.recipe:
-        lines.append(f"{subject} vs torchtitan's recipe: {describe_recipe(summary.record.recipe)}")
+        lines.append(f"vs torchtitan's recipe: {describe_recipe(summary.record.recipe)}")
     if summary.plan.is_proxy:
         lines.append(f"measured on proxy {summary.plan.proxy_name}, not {summary.plan.requested.name}")
     if summary.best_config_path:

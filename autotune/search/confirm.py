@@ -6,8 +6,11 @@ the defaults on the same ranks ([Note: paired measurement]) with at most ``2 * n
 pairs: each stops once its ratio is settled ([Note: sequential measurement]), a finalist
 clearly slower than the leader so far (its whole interval above the leader's ratio, from its
 second block on) is pruned there, and one unlikely to end below the leader stops before its
-last block ([Note: futility]). The finalist with the lowest median ratio wins; if even it is
+last block ([Note: futility]). The finalist with the lowest median ratio is chosen; if even it is
 not faster than the defaults (median ratio >= 1), the defaults are emitted, and the record says why.
+The chosen one is emitted only where a window of its own, after the choice, calls it faster than
+the defaults, and the speedup reported is that window's ([Note: emitted on an interval] in
+:mod:`autotune.search.verdict`).
 
 A contested final round is measured once more before it is decided: when the leader did not
 settle within the precision and either its pairs spread wider than ``max_ratio_spread`` or a
@@ -42,6 +45,7 @@ from typing import Any
 from autotune.search.context import SearchContext
 from autotune.search.refine import pick_base
 from autotune.search.results import TrialRow, pick_best
+from autotune.search.verdict import describe_verdict, get_speedups, get_verdict_pairs, measure_verdict
 from autotune.trials import median_or_none
 from fsdp_runtime import RuntimeConfig
 
@@ -115,6 +119,10 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
         "finalists": measured,
         "num_pairs": 2 * ctx.settings.num_confirm_pairs,
         "contested": contested,
+        "emit_rule": "interval",
+        "speedup_from": "selection",
+        "chosen": None,
+        "verdict_window": None,
     }
     # Under a memory budget the defaults may not fit: they are then the yardstick, never the fallback.
     defaults_fit = all(r.feasible for r in rows if r.is_default)
@@ -131,24 +139,44 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
             "emitted": "search",
             "winner": None,
             "memory": why,
-            **get_speedups_over_defaults(None),
+            **get_speedups(None),
         }
     if not ranked or (ranked[0]["ratio"] >= 1.0 and defaults_fit):
         # Not one finalist beats the defaults side by side: the search's ranking was noise.
         return ctx.default_config, record | {
             "emitted": "defaults",
             "winner": None,
-            **get_speedups_over_defaults(ranked[0] if ranked else None),
+            "verdict": "no finalist was faster than the defaults in the final round: they are emitted",
+            **get_speedups(ranked[0] if ranked else None),
         }
-    winner = ranked[0]
-    row = next(r for r in finalists if r.number == winner["trial"])
-    slower = {"defaults_over_budget": True} if winner["ratio"] >= 1.0 else {}
-    return ctx.space.build_config(row.params), record | {
-        "emitted": "best",
-        "winner": winner["trial"],
-        **slower,
-        **get_speedups_over_defaults(winner),
+    chosen = ranked[0]
+    row = next(r for r in finalists if r.number == chosen["trial"])
+    config = ctx.space.build_config(row.params)
+    window = _measure_verdict(ctx, row, config)  # [Note: emitted on an interval]
+    record |= {
+        "chosen": chosen["trial"],
+        "verdict_window": window,
+        "speedup_from": "verdict",
+        "selection_speedup": 1.0 / chosen["ratio"],
+        **get_speedups(window),
     }
+    if not defaults_fit:  # the defaults are not a config the user can run: the fastest that fits, however slow
+        slower = {"defaults_over_budget": True} if chosen["ratio"] >= 1.0 else {}
+        return config, record | {"emitted": "best", "winner": chosen["trial"], **slower}
+    if not window["faster"]:
+        verdict = describe_verdict(f"trial {chosen['trial']} (the fastest finalist)", "the defaults", window)
+        return ctx.default_config, record | {"emitted": "defaults", "winner": None, "verdict": verdict}
+    return config, record | {"emitted": "best", "winner": chosen["trial"]}
+
+
+def _measure_verdict(ctx: SearchContext, row: TrialRow, config: RuntimeConfig) -> dict[str, Any]:
+    """The chosen finalist against the defaults once more, in a window that did not choose it."""
+    ctx.reporter.on_phase(
+        f"final round: trial {row.number} vs the defaults once more, in a window that did not choose it, "
+        f"at most {get_verdict_pairs(ctx)} pairs"
+    )
+    out_dir = ctx.write_dir / "final" / f"trial_{row.number:04d}_verdict"
+    return {"trial": row.number} | measure_verdict(ctx, config, out_dir)
 
 
 def _measure_finalists(ctx: SearchContext, finalists: list[TrialRow]) -> tuple[list[dict[str, Any]], list[int]]:
@@ -273,19 +301,3 @@ def pool_windows(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
             "second_window_status": second.get("status"),
         }
     )
-
-
-def get_speedups_over_defaults(figures: dict[str, Any] | None) -> dict[str, Any]:
-    """Speedup over the defaults (defaults / config time): the inverse of the pair ratios of
-    ``figures`` (a finalist's, as :func:`pool_windows` gives them; None: no finalist). The recipe's
-    round (:mod:`autotune.search.recipe`) states its speedups the same way."""
-    if not figures or figures.get("ratio") is None:
-        return {"speedup_median": None, "speedup_min": None, "speedup_max": None, "speedups": []}
-    return {
-        "speedup_median": 1.0 / figures["ratio"],
-        "speedup_q25": 1.0 / figures["ratio_q75"],
-        "speedup_q75": 1.0 / figures["ratio_q25"],
-        "speedup_min": 1.0 / figures["ratio_max"],
-        "speedup_max": 1.0 / figures["ratio_min"],
-        "speedups": [1.0 / r for r in figures["block_ratios"]],
-    }

@@ -9,6 +9,7 @@ from typing import Any
 
 from autotune.search.context import SearchContext
 from autotune.search.results import TrialRow
+from autotune.search.verdict import describe_figure
 from fsdp_runtime import Provenance, RuntimeConfig, save_config
 
 
@@ -18,13 +19,12 @@ def _get_notes(ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] 
         f"chosen by {settings.sampler} search over {settings.num_trials} trials (best in the search: trial {best.number})"
     ]
     if confirmation and confirmation.get("emitted") == "defaults":
-        notes = [
-            f"no finalist of the search (best: trial {best.number}) was faster than FSDP2's defaults side by side in the final round: these are the defaults"
-        ]
+        verdict = confirmation.get("verdict") or "no finalist was faster than FSDP2's defaults in the final round"
+        notes = [f"{verdict} (best in the search: trial {best.number}): these are the defaults"]
     elif confirmation and confirmation.get("winner") is not None:
         notes.append(
-            f"emitted: trial {confirmation['winner']}, the fastest of {len(confirmation['finalists'])} finalists re-measured against the defaults "
-            f"({confirmation['speedup_median']:.3f}x, interquartile {confirmation['speedup_q25']:.3f}-{confirmation['speedup_q75']:.3f}x)"
+            f"emitted: trial {confirmation['winner']}, the fastest of {len(confirmation['finalists'])} finalists re-measured against the defaults, "
+            f"then once more in a window that did not choose it: {describe_figure(confirmation.get('verdict_window') or {})}"
         )
     conf = confirmation or {}
     over = [f["trial"] for f in conf.get("finalists", []) if f.get("over_budget")]
@@ -60,13 +60,10 @@ def get_recipe_notes(recipe: dict[str, Any] | None) -> list[str]:
         return [f"not measured against torchtitan's recipe: {recipe.get('reason')}"]
     if recipe.get("speedup_median") is None:
         return [f"torchtitan's recipe: {recipe.get('reason')}"]
-    figures = f"{recipe['speedup_median']:.3f}x, interquartile {recipe['speedup_q25']:.3f}-{recipe['speedup_q75']:.3f}x"
     if recipe.get("emitted") == "recipe":
-        return [
-            f"the search's config was not faster than torchtitan's recipe side by side ({figures} the recipe's speed): "
-            "these are torchtitan's recipe (apply_fsdp_to_decoder's units and flags)"
-        ]
-    line = f"vs torchtitan's recipe, re-measured side by side: {figures}"
+        verdict = recipe.get("verdict") or "the search's config was not faster than torchtitan's recipe side by side"
+        return [f"{verdict}: these are torchtitan's recipe (apply_fsdp_to_decoder's units and flags)"]
+    line = f"vs torchtitan's recipe, re-measured side by side: {describe_figure(recipe)}"
     return [line + (f"; {recipe['reason']}" if recipe.get("reason") else "")]
 
 
@@ -96,12 +93,23 @@ def _get_metrics(
     winner = next(
         (f for f in (confirmation or {}).get("finalists", []) if f["trial"] == (confirmation or {}).get("winner")), None
     )
-    if winner is not None:  # the emitted config as the final round measured it
-        metrics["step_ms"], metrics["final_default_step_ms"] = winner["step_ms"], winner["reference_step_ms"]
+    window = (confirmation or {}).get("verdict_window") or winner
+    if winner is not None and window.get(
+        "step_ms"
+    ):  # the emitted config as the window that did not choose it measured it
+        metrics["step_ms"], metrics["final_default_step_ms"] = window["step_ms"], window["reference_step_ms"]
     if confirmation and confirmation["speedup_median"] is not None:
         metrics |= {
             k: confirmation[k]
-            for k in ("speedup_median", "speedup_q25", "speedup_q75", "speedup_min", "speedup_max")
+            for k in (
+                "speedup_median",
+                "speedup_q25",
+                "speedup_q75",
+                "speedup_min",
+                "speedup_max",
+                "speedup_low",
+                "speedup_high",
+            )
             if k in confirmation
         }
     if recipe and recipe.get("emitted") == "recipe":  # the figures above are the search config's, not the recipe's

@@ -123,12 +123,25 @@ def _migrate_summary_v6(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "confirmation": confirmation}
 
 
+def _migrate_summary_v10(data: dict[str, Any]) -> dict[str, Any]:
+    """v10 -> v11: a config was emitted over the defaults or the recipe on a median ratio below 1
+    (``emit_rule = "median"``), and the final round's speedup was the figure of the round that chose
+    the config (``speedup_from = "selection"``); from v11, on a window's interval and from a window
+    that did not choose it ([Note: emitted on an interval] in :mod:`autotune.search.verdict`)."""
+    confirmation, recipe = data.get("confirmation"), data.get("recipe")
+    if isinstance(confirmation, dict):
+        confirmation = {"emit_rule": "median", "speedup_from": "selection", **confirmation}
+    if isinstance(recipe, dict) and recipe.get("measured"):
+        recipe = {"emit_rule": "median", **recipe}
+    return {**data, "confirmation": confirmation, "recipe": recipe}
+
+
 @dataclass(kw_only=True)
 class SearchRecord:
     """``search.json``: what a search found (read back by ``autotune report``)."""
 
     KIND: ClassVar[str] = "search_summary"
-    SCHEMA_VERSION: ClassVar[int] = 10
+    SCHEMA_VERSION: ClassVar[int] = 11
     # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin, v5 rows the
     # simulator's prediction and the record its presearch, v6 rows which presearch calibration trial they were:
     # all with defaults; v7 the final round's estimator (blocks after settle steps, was single pairs); v8 the
@@ -137,12 +150,14 @@ class SearchRecord:
     # drift ``anchors`` (default: none), and rows
     # why their pairs stopped and what they were paired with (``stopped``, ``ratio_to_reference``,
     # ``reference_trial``, ``reference_ratio``, ``reference_drift``; defaults: the defaults, a fixed count);
-    # v10 the emitted config against torchtitan's recipe (``recipe``; default: none measured).
+    # v10 the emitted config against torchtitan's recipe (``recipe``; default: none measured); v11 a config
+    # emitted over a baseline only on an interval, its speedup from a window that did not choose it.
     MIGRATIONS: ClassVar[dict] = {
         1: _migrate_summary_v1,
         **get_added_field_migrations(2, 3, 4, 5),
         6: _migrate_summary_v6,
         **get_added_field_migrations(7, 8, 9),
+        10: _migrate_summary_v10,
     }
 
     model: str
@@ -153,7 +168,11 @@ class SearchRecord:
     best: TrialRow | None = None
     default: TrialRow | None = None
     confirmation: dict[str, Any] | None = None
-    """Best vs defaults re-measured in alternation: pairs, speedups, median/min/max, emitted."""
+    """The final round ([Note: emitted on an interval] in :mod:`autotune.search.verdict`): the
+    finalists re-measured against the defaults, the ``chosen`` one, its ``verdict_window`` (v11),
+    ``emitted`` (``best``, ``defaults`` or ``search``), the ``verdict`` line where the defaults are
+    emitted, and the speedup over the defaults (``speedup_*``; from ``speedup_from``: the window
+    that did not choose the config, ``verdict``, or before v11 the round that chose it, ``selection``)."""
     consolidation: dict[str, Any] | None = None
     """Seconds per consolidation method of the emitted config, and the chosen one."""
     best_config: str | None = None
@@ -178,7 +197,8 @@ class SearchRecord:
     """The config to emit measured against torchtitan's recipe in the final round ([Note: beating
     the recipe] in :mod:`autotune.search.recipe`): ``measured`` (and ``reason`` where not), the
     pair figures (``ratio``: emitted / recipe step), ``speedup_*`` over the recipe, and
-    ``emitted``: ``search`` or ``recipe`` (the search's config did not beat it). None: before v10."""
+    ``emitted``: ``search`` or ``recipe`` (the search's config was not shown faster: ``verdict``, v11).
+    None: before v10."""
 
     def to_dict(self) -> dict[str, Any]:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

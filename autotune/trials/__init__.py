@@ -31,7 +31,7 @@ from autotune.trials.precision import (
     get_overlap_warning,
     resolve_precision,
 )
-from autotune.trials.sequential import Interval, PairNoise, StoppingRule, get_interval
+from autotune.trials.sequential import Interval, PairNoise, StoppingRule, get_interval, get_rule_interval
 from autotune.trials.sides import PAIRED_MODELS_ENV
 from autotune.trials.spec import DEFAULT_RANK_PROGRAM, TrialSpec, TrialSpecError, get_default_backend
 from autotune.trials.training import Training, build_training, resolve_profile
@@ -41,6 +41,7 @@ from autotune.trials.trialdir import INCOMPLETE_MARKER, check_trial_spec
 __all__ = [
     "Interval",
     "get_interval",
+    "get_rule_interval",
     "get_default_backend",
     "DEFAULT_PRECISION",
     "OVERLAP_ENV",

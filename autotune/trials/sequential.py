@@ -295,7 +295,7 @@ def _get_rule_noise(rule: StoppingRule, pair_ratios: list[float]) -> tuple[float
     return rule.noise_sd, rule.noise_df
 
 
-def _get_rule_interval(rule: StoppingRule, pair_ratios: list[float]) -> Interval | None:
+def get_rule_interval(rule: StoppingRule, pair_ratios: list[float]) -> Interval | None:
     """The trial's interval with the noise the rule takes (:func:`_get_rule_noise`)."""
     return get_interval(pair_ratios, *_get_rule_noise(rule, pair_ratios))
 
@@ -337,8 +337,8 @@ def confirms(rule: StoppingRule, pair_ratios: list[float], windows: list[Window]
     if rule.noise_sd is None or rule.noise_df < MIN_NOISE_DF or len(pair_ratios) != 3:
         return None
     windows = _get_windows(pair_ratios, windows)
-    looked = _get_rule_interval(rule, pair_ratios[:-1])
-    now = _get_rule_interval(rule, pair_ratios)
+    looked = get_rule_interval(rule, pair_ratios[:-1])
+    now = get_rule_interval(rule, pair_ratios)
     # The confirming pair on its own lies beyond the limit by one pooled spread: a burst longer than
     # two steps (over a whole first block) reaches the first block's pairs but not this one.
     alone = pair_ratios[-1]
@@ -396,7 +396,7 @@ def decide(rule: StoppingRule, pair_ratios: list[float], windows: list[Window] |
         return None
     windows = _get_windows(pair_ratios, windows)
     at_most = "max_blocks" if num_blocks >= rule.max_blocks else None
-    interval = _get_rule_interval(rule, pair_ratios)
+    interval = get_rule_interval(rule, pair_ratios)
     if interval is not None:
         if rule.faster_below is not None and interval.high < rule.faster_below:
             # one burst on adjacent reference steps can make a tie look faster: the pairs it did not reach must agree

@@ -57,7 +57,7 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         ), name
     for name, kind, version in [
         ("metrics_v11.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
-        ("search_v10.json", "search_summary", SearchRecord.SCHEMA_VERSION),
+        ("search_v11.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v4.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
         ("plan_v3.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
         ("compare_v1.json", "compare_summary", CompareRecord.SCHEMA_VERSION),
@@ -189,7 +189,7 @@ def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v11.json")
 
 
-@pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 11)])
+@pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 12)])
 def test_search_summary_of_every_released_version_reads(name):
     record = SearchRecord.read(ARTIFACTS / name)
 
@@ -210,7 +210,7 @@ def test_search_summary_of_every_released_version_reads(name):
 
 def test_v1_search_summary_migrates_to_what_today_writes():
     """Same search; only the report list differs (v1 wrote search.json before the report)."""
-    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v10.json")
+    v1, v2 = SearchRecord.read(ARTIFACTS / "search_v1.json"), SearchRecord.read(ARTIFACTS / "search_v11.json")
     assert v1.report == [] and v2.report
     assert v1.recipe is None and v2.recipe["measured"]  # v10: the final round against torchtitan's recipe
     assert dataclasses.replace(v1, report=v2.report, recipe=v2.recipe) == v2
@@ -226,10 +226,22 @@ def test_a_v9_search_summary_reads_with_no_recipe_measured():
 
 
 def test_search_summary_round_trip_is_lossless(tmp_path):
-    original = load_fixture("search_v10.json")
-    record = SearchRecord.read(ARTIFACTS / "search_v10.json")
+    original = load_fixture("search_v11.json")
+    record = SearchRecord.read(ARTIFACTS / "search_v11.json")
     assert record.to_dict() == original
     assert SearchRecord.read(record.write(tmp_path / "search.json")).to_dict() == original
+
+
+def test_a_v10_search_reads_as_emitted_on_a_median_with_the_choosing_round_s_speedup():
+    """v11 emits a config over a baseline only where a window that did not choose it calls it faster,
+    and reports that window's speedup ([Note: emitted on an interval]); a v10 record's final round
+    emitted on a median below 1 and reported the figure of the round that chose it, and says so once read."""
+    old = load_fixture("search_v10.json")
+    assert "emit_rule" not in old["confirmation"] and "emit_rule" not in old["recipe"]
+    record = SearchRecord.read(ARTIFACTS / "search_v10.json")
+    assert (record.confirmation["emit_rule"], record.confirmation["speedup_from"]) == ("median", "selection")
+    assert record.recipe["emit_rule"] == "median"
+    assert SearchRecord.read(ARTIFACTS / "search_v9.json").recipe is None  # none measured: nothing to mark
 
 
 def test_a_v6_final_round_reads_as_medians_of_single_pairs():

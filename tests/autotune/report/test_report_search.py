@@ -600,7 +600,7 @@ def test_the_summary_and_the_terminal_give_the_speedup_over_torchtitan_s_recipe(
     summary = SimpleNamespace(
         record=record, confirmation=None, plan=SimpleNamespace(is_proxy=False), best_config_path=None
     )
-    assert f"emitted config vs torchtitan's recipe: {expected}" in get_search_outcome_lines(summary)
+    assert f"vs torchtitan's recipe: {expected}" in get_search_outcome_lines(summary)
     lost = dict(recipe, speedup_median=0.95, emitted="recipe")
     row = get_search_summary_table(SearchRecord(model="tiny", recipe=lost)).rows[-1]
     assert row[1].startswith("the search's config 0.950x") and row[1].endswith("not faster, so the recipe is emitted")
@@ -623,11 +623,65 @@ def test_the_summary_and_the_terminal_give_the_speedup_over_torchtitan_s_recipe(
     assert not any(line.startswith("emitted config vs") for line in lines), lines
     subject = "the search's config (not emitted: torchtitan's recipe is)"
     assert any(line.startswith(f"{subject} vs defaults: ") for line in lines)
-    assert any(line.startswith(f"{subject} vs torchtitan's recipe: ") for line in lines)
+    assert any(line.startswith("vs torchtitan's recipe: the search's config 0.950x") for line in lines)
     skipped = {"name": "torchtitan", "measured": False, "reason": "no final round ran (--confirm-pairs 0)"}
     row = get_search_summary_table(SearchRecord(model="tiny", recipe=skipped)).rows[-1]
     assert row == ["vs torchtitan's recipe", "not measured: no final round ran (--confirm-pairs 0)"]
     assert not any(r[0] == "vs torchtitan's recipe" for r in get_search_summary_table(SearchRecord(model="t")).rows)
+
+
+def _v11_confirmation(faster: bool) -> dict:
+    """A v11 final round: two finalists, trial 3 chosen at 0.80, then its verdict window."""
+    from autotune.search.verdict import get_speedups
+    from autotune.trials.paired import summarize_pairs
+
+    window = summarize_pairs([0.97, 1.02, 0.99, 1.01], [1.0] * 4) | {"ratio_low": 0.97, "ratio_high": 1.02}
+    finalists = [{"trial": n, "status": "ok", **summarize_pairs([r] * 4, [1.0] * 4)} for n, r in ((3, 0.8), (5, 0.9))]
+    verdict = (
+        {"emitted": "best", "winner": 3}
+        if faster
+        else {
+            "emitted": "defaults",
+            "winner": None,
+            "verdict": "the defaults are emitted: trial 3 (the fastest finalist) ...",
+        }
+    )
+    return {
+        "estimator": "blocks",
+        "finalists": finalists,
+        "emit_rule": "interval",
+        "speedup_from": "verdict",
+        "chosen": 3,
+        "verdict_window": window | {"faster": faster},
+        "selection_speedup": 1.25,
+        **get_speedups(window),
+        **verdict,
+    }
+
+
+def test_the_terminal_gives_the_speedup_of_a_window_that_did_not_choose_the_config_and_says_when_it_is_not_emitted():
+    """[Note: emitted on an interval] (search.json v11): the speedup over the defaults is the verdict
+    window's with its 90% interval, beside the figure the choosing round gave; where the window did not
+    call the chosen config faster, the line names it as not emitted and gives the verdict."""
+    from types import SimpleNamespace
+
+    from autotune.report import get_search_outcome_lines
+
+    def lines(confirmation):
+        record = SearchRecord(model="tiny", stopped_because="x", confirmation=confirmation)
+        summary = SimpleNamespace(
+            record=record, confirmation=confirmation, plan=SimpleNamespace(is_proxy=False), best_config_path=None
+        )
+        return [line for line in get_search_outcome_lines(summary) if " vs defaults: " in line]
+
+    emitted = lines(_v11_confirmation(faster=True))
+    assert emitted == [
+        "emitted config vs defaults: 1.003x (90% interval 0.980-1.031x, 4 pairs) in a window that did not choose it "
+        "(trial 3, the fastest of 2 finalists at 1.250x); emitted trial 3"
+    ]
+    tie = lines(_v11_confirmation(faster=False))
+    assert len(tie) == 1 and tie[0].startswith("the fastest finalist (not emitted) vs defaults: 1.003x (90% interval")
+    assert tie[0].endswith("; the defaults are emitted: trial 3 (the fastest finalist) ...")
 
 
 def test_the_final_round_table_ends_with_the_round_against_torchtitan_s_recipe():

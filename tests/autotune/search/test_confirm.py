@@ -130,6 +130,12 @@ def test_a_failed_second_window_keeps_the_first_window_s_figures():
     assert pooled["second_window_status"] == "timeout" and pooled["windows"] == 2
 
 
+def _window(trial: int, ratios: list[float], faster: bool) -> dict:
+    """A verdict window's figures ([Note: emitted on an interval]): ``ratios`` pair by pair, an
+    interval from their extremes, and whether its rule called the config faster."""
+    return _finalist(trial, ratios) | {"ratio_low": min(ratios), "ratio_high": max(ratios), "faster": faster}
+
+
 def _final_round_ctx() -> SimpleNamespace:
     """What the final round reads of a search: 3 finalists, 2 pairs each, a 100-byte memory budget;
     a finalist's config is named by its param ``k``."""
@@ -165,6 +171,7 @@ def test_a_finalist_over_the_memory_budget_in_the_final_round_is_not_emitted(mon
         return _finalist(row.number, final_ratios[row.number]) | memory
 
     monkeypatch.setattr(confirm, "_measure_finalist", measure)
+    monkeypatch.setattr(confirm, "_measure_verdict", lambda ctx, row, config: _window(row.number, [0.8] * 4, True))
     ctx = _final_round_ctx()
     config, record = confirm.run_final_round(ctx, rows)
     assert config == "config 2" and record["winner"] == 2 and record["emitted"] == "best"
@@ -200,6 +207,8 @@ def test_defaults_over_the_memory_budget_are_never_the_fallback(monkeypatch):
         "_measure_finalist",
         lambda ctx, row, *, window=0, slower_than=None: _finalist(row.number, final_ratios[row.number]),
     )
+    # the window does not call a config slower than the defaults faster: it is emitted all the same
+    monkeypatch.setattr(confirm, "_measure_verdict", lambda ctx, row, config: _window(row.number, [1.1] * 4, False))
     ctx = _final_round_ctx()
     config, record = confirm.run_final_round(ctx, rows)
     assert config == "config 2" and record["winner"] == 2 and record["defaults_over_budget"] is True
@@ -207,6 +216,96 @@ def test_defaults_over_the_memory_budget_are_never_the_fallback(monkeypatch):
     rows[0].feasible = True
     config, record = confirm.run_final_round(ctx, rows)
     assert config == "defaults" and record["emitted"] == "defaults"
+
+
+def _rows_and_round(monkeypatch, final_ratios: dict[int, list[float]], window: dict):
+    """Two finalists measured with ``final_ratios``; the chosen one's verdict window ``window``."""
+    from autotune.search import confirm
+
+    rows = [
+        complete_row(0, 100.0, ratio=1.0, is_default=True),
+        complete_row(1, 95.0, ratio=0.95, params={"k": 1}),
+        complete_row(2, 97.0, ratio=0.97, params={"k": 2}),
+    ]
+    monkeypatch.setattr(
+        confirm,
+        "_measure_finalist",
+        lambda ctx, row, *, window=0, slower_than=None: _finalist(row.number, final_ratios[row.number]),
+    )
+    windows = []
+    monkeypatch.setattr(confirm, "_measure_verdict", lambda ctx, row, config: windows.append(row.number) or window)
+    ctx = _final_round_ctx()
+    ctx.settings.memory_budget_bytes = None
+    return (*confirm.run_final_round(ctx, rows), windows)
+
+
+def test_a_tie_within_noise_is_not_emitted_over_the_defaults(monkeypatch):
+    """[Note: emitted on an interval]: the fastest finalist at 0.96 in the round that chose it, then a
+    window of its own whose interval reaches 1: the defaults are emitted, and the one line says why."""
+    window = _window(1, [0.97, 1.02, 0.99, 1.01], faster=False)
+    config, record, windows = _rows_and_round(monkeypatch, {1: [0.95, 0.96, 0.97, 0.96], 2: [0.98] * 4}, window)
+    assert windows == [1] and config == "defaults"
+    assert (record["emitted"], record["winner"], record["chosen"]) == ("defaults", None, 1)
+    assert record["verdict"].startswith(
+        "the defaults are emitted: trial 1 (the fastest finalist) was not shown faster than them at 90%"
+    )
+    # the speedup said is the window's, not the choosing round's (1 / 0.96)
+    assert record["speedup_from"] == "verdict" and record["speedup_median"] == pytest.approx(1 / window["ratio"])
+    assert record["selection_speedup"] == pytest.approx(1 / record["finalists"][0]["ratio"])
+    assert record["speedup_low"] == pytest.approx(1 / 1.02) and record["speedup_high"] == pytest.approx(1 / 0.97)
+
+
+def test_a_config_the_window_calls_faster_is_emitted_with_the_window_s_speedup(monkeypatch):
+    window = _window(1, [0.90, 0.92, 0.91, 0.93], faster=True)
+    config, record, _ = _rows_and_round(monkeypatch, {1: [0.85, 0.86, 0.85, 0.86], 2: [0.98] * 4}, window)
+    assert config == "config 1" and (record["emitted"], record["winner"]) == ("best", 1) and "verdict" not in record
+    assert record["speedup_median"] == pytest.approx(1 / window["ratio"])
+    assert record["speedup_median"] < record["selection_speedup"]
+    assert record["speedups"] == pytest.approx([1 / r for r in window["block_ratios"]])
+    # nothing faster than the defaults in the choosing round: no window, the defaults, and why
+    config, record, windows = _rows_and_round(monkeypatch, {1: [1.02] * 4, 2: [1.05] * 4}, window)
+    assert windows == [] and config == "defaults" and record["chosen"] is None
+    assert record["verdict"] == "no finalist was faster than the defaults in the final round: they are emitted"
+
+
+def test_the_verdict_window_calls_faster_only_as_the_stopping_rule_does(tmp_path):
+    """[Note: emitted on an interval]: the chosen config's own trial against the defaults, under a
+    rule that stops as clearly faster or slower than 1 (never for futility), at most 2 x
+    --confirm-pairs pairs; ``faster`` is the rule's own call, the interval the rule's."""
+    from autotune.search.context import SearchContext
+    from autotune.search.verdict import measure_verdict
+    from autotune.trials import get_rule_interval
+    from autotune.trials.metrics import TrialMetrics
+
+    noise = PairNoise()
+    for _ in range(4):
+        noise.observe([1.0, 1.0, 1.1, 1.1])
+    ctx = SimpleNamespace(
+        settings=SimpleNamespace(num_measured=4, precision=0.05, prune_ratio=1.2, num_confirm_pairs=3), noise=noise
+    )
+    ctx.get_stopping_rule = lambda **kw: SearchContext.get_stopping_rule(ctx, **kw)
+    specs = []
+    ctx.trial_spec = lambda config, out_dir, **kw: specs.append(kw) or SimpleNamespace(**kw)
+
+    def ran(ratios: list[float], stopped: str):
+        metrics = TrialMetrics(status="ok", model="tiny", world_size=2, backend="gloo", stopped=stopped)
+        metrics.paired = summarize_pairs(ratios, [1.0] * len(ratios))
+        return lambda spec: SimpleNamespace(status="ok", reason="", step_ms=1.0, metrics=metrics)
+
+    ctx.run = ran([0.96, 1.01, 0.97, 1.00, 0.98, 0.99], "max_blocks")
+    tie = measure_verdict(ctx, "config", tmp_path)
+    rule = specs[-1]["stopping"]
+    assert (rule.faster_below, rule.prune_above, rule.futile_above, rule.max_blocks) == (1.0, 1.0, None, 3)
+    assert specs[-1]["num_pairs"] == 6 and specs[-1]["reference"] is None and not specs[-1]["profile"]
+    interval = get_rule_interval(rule, tie["pair_ratios"])
+    assert (tie["ratio_low"], tie["ratio_high"]) == (interval.low, interval.high) and interval.high > 1.0
+    assert not tie["faster"] and tie["ratio"] < 1.0  # a median below 1 is not a call
+    ctx.run = ran([0.80, 0.82], "faster")
+    assert measure_verdict(ctx, "config", tmp_path)["faster"]
+    # --confirm-pairs 1: still two blocks, the fewest in which the rule can call a config faster
+    ctx.settings.num_confirm_pairs = 1
+    measure_verdict(ctx, "config", tmp_path)
+    assert specs[-1]["num_pairs"] == 4 and specs[-1]["stopping"].max_blocks == 2
 
 
 def test_a_runner_up_unlikely_to_beat_the_leader_stops_early():

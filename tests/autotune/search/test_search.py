@@ -68,8 +68,14 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path, shared_pool):
     assert all(f["num_pairs"] == 2 * f.get("windows", 1) for f in conf["finalists"] if f["status"] == "ok")
     assert sorted(f["trial"] for f in conf["finalists"] if f.get("windows") == 2) == sorted(conf["contested"])
     winner = min((f for f in conf["finalists"] if f.get("ratio")), key=lambda f: f["ratio"])
-    assert conf["emitted"] == ("best" if winner["ratio"] < 1 else "defaults")
-    assert conf["speedup_median"] == pytest.approx(1 / winner["ratio"])
+    # The fastest finalist, if faster than the defaults there, is measured once more in a window of its own,
+    # emitted only where that window calls it faster, with that window's speedup ([Note: emitted on an interval]).
+    window = conf["verdict_window"]
+    assert conf["chosen"] == (winner["trial"] if winner["ratio"] < 1 else None)
+    assert (window is not None) == (winner["ratio"] < 1) and (window is None or window["trial"] == winner["trial"])
+    assert conf["emitted"] == ("best" if window and window["faster"] else "defaults")
+    assert conf["speedup_median"] == pytest.approx(1 / (window or winner)["ratio"])
+    assert window is None or window["faster"] == (window["stopped"] == "faster" and window["ratio_high"] < 1)
     best = load_config(tmp_path / "best.toml")
     assert best == load_config(tmp_path / "best.json")
     assert best.provenance.measured and best.provenance.model == "tiny" and best.provenance.world_size == 2
@@ -96,7 +102,7 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path, shared_pool):
     assert recipe["measured"] and recipe["status"] == "ok", recipe
     assert recipe["units"] == ["tok_embeddings", *(f"layers.{i}" for i in range(4)), "norm+output", "root"]
     assert recipe["estimator"] == "blocks" and recipe["speedup_median"] == pytest.approx(1 / recipe["ratio"])
-    assert recipe["emitted"] == "search" and bool(recipe["reason"]) == (recipe["ratio"] >= 1)
+    assert recipe["emitted"] == "search" and bool(recipe["reason"]) == (not recipe["faster"])
     assert best.provenance.metrics["speedup_median_vs_torchtitan"] == pytest.approx(recipe["speedup_median"])
     assert (tmp_path / "final" / "vs_torchtitan" / "metrics.json").exists()
     # The config to emit was profiled there, once ([Note: the emitted config's trace]): no search
@@ -109,7 +115,8 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path, shared_pool):
         assert report.comparison.best.trace_metrics is not None
     summary_rows = {row[0]: row[1] for row in get_tables(report)[0].rows}
     assert "all_gather" in summary_rows["checkpoint consolidation"] and summary_rows["model"] == "tiny"
-    assert summary_rows["vs torchtitan's recipe"].startswith(f"the search's config {recipe['speedup_median']:.3f}x")
+    who = "the search's config" if conf["emitted"] == "best" else "the defaults (emitted by the final round)"
+    assert summary_rows["vs torchtitan's recipe"].startswith(f"{who} {recipe['speedup_median']:.3f}x")
     assert (tmp_path / "report" / "report.html").exists() and search_json["report_error"] is None
     # The emitted config applies with fsdp_runtime unchanged and trains.
     run = shared_pool.run(

@@ -1,0 +1,266 @@
+"""Prints the speedup a search claims for its emitted config beside the speedup that config realizes alone.
+
+    .venv/bin/python benchmarks/realized_speedup.py --out runs/realized_speedup     # 5 x (small, wide1024)
+    .venv/bin/python benchmarks/realized_speedup.py --runs 2 --models small --trials 10
+    .venv/bin/python benchmarks/realized_speedup.py --quick --out runs/realized_quick  # tiny, end to end, ~1-2 min
+    .venv/bin/python benchmarks/realized_speedup.py --summarize runs/realized_speedup  # reprint, no run
+
+A search measures its configs paired with FSDP2's defaults on the same ranks; a user runs the
+emitted config alone. This runs ``--runs`` searches of each workload, alternating them (small,
+wide1024, small, ...), and after each runs ``autotune compare`` on the emitted ``best.toml``
+against ``defaults`` with the search's model, world size, microbatches, cluster and precision
+(``until_ci_pct``: rounds until the interval is within +-``--until-ci``%, at most ``--max-rounds``).
+Workloads: ``small`` is ``./dev autotune search`` as it stands (10 trials, 2 microbatches, real
+links); ``wide1024`` (``benchmarks/models/wide1024.toml``) is ``search_time.py``'s
+communication-heavy command (8 trials, 4 microbatches, ``--presearch sim``, ``cpu-emulated-ib``).
+
+Per search it prints the workload, the search's wall time, what was emitted (``best``,
+``defaults``, ``recipe``), the CLAIMED speedup over the defaults (``search.json``'s
+``confirmation.speedup_median``, with ``speedup_low``-``speedup_high``, its 90% interval, where
+the search records one), the REALIZED speedup (compare's, with its 90% interval) and realized /
+claimed; the load (``os.getloadavg``) before and after the search and the compare. A search that
+emitted the defaults or torchtitan's recipe claims nothing over the defaults: it is counted, not
+compared (a recipe's realized speedup is still measured and printed). At the end, per workload
+and over all: the median and the worst realized / claimed with their spread, those counts, and
+whether the aim holds (median within 3% of 1, none below 0.95). ``OUT/results.json`` is written
+after every search and compare, so an interrupted run keeps what it measured.
+
+Time on a 2-core box: a ``small`` search about 3 minutes and its compare a few; a ``wide1024``
+search about 5 minutes, and a run of its compare 50-140 s (the defaults' step is about 6 s under
+``cpu-emulated-ib``): its compares run 4 steps a run, 4 rounds at most (``COMPARES``), so the
+default command takes about two hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autotune.compare import CompareSettings, run_compare  # noqa: E402
+from autotune.pipeline import search_and_report  # noqa: E402
+from autotune.search import SearchSettings  # noqa: E402
+from fsdp_runtime.errors import AutotuneError  # noqa: E402
+
+WIDE1024 = str(Path(__file__).resolve().parent / "models" / "wide1024.toml")
+WORKLOADS = {
+    "small": {"model": "small", "num_trials": 10, "num_microbatches": 2},
+    "wide1024": {
+        "model": WIDE1024,
+        "num_trials": 8,
+        "num_microbatches": 4,
+        "cluster": "cpu-emulated-ib",
+        "presearch": "sim",
+    },
+    "tiny": {"model": "tiny", "num_trials": 2, "num_microbatches": 2},
+}
+"""Workload name -> the ``SearchSettings`` fields its searches set (the rest: the defaults)."""
+COMPARES = {
+    "small": {"num_rounds": 6},
+    "wide1024": {"num_rounds": 4, "num_warmup": 2, "num_measured": 4},
+    "tiny": {"num_rounds": 2},
+}
+"""Workload name -> the ``CompareSettings`` its compares set by default: rounds (at most, with
+``until_ci_pct``) and steps per run. A ``wide1024`` step is ~6 s here, so its runs are shorter."""
+AIM_MEDIAN_PCT, AIM_WORST = 3.0, 0.95
+
+
+def get_claim(search: dict) -> dict:
+    """What a search emitted (``best``, ``defaults``, ``recipe``; ``search`` under a memory budget)
+    and, where it claims one over the defaults, the speedup it claims with its interval."""
+    conf = search.get("confirmation") or {}
+    emitted = conf.get("emitted", "best")
+    if (search.get("recipe") or {}).get("emitted") == "recipe":
+        emitted = "recipe"  # the confirmation's figures are the search config's, not the recipe's
+    if emitted not in ("best", "search") or conf.get("speedup_median") is None:
+        return {"emitted": emitted, "claimed": None, "claimed_low": None, "claimed_high": None}
+    return {
+        "emitted": emitted,
+        "claimed": conf["speedup_median"],
+        "claimed_low": conf.get("speedup_low"),
+        "claimed_high": conf.get("speedup_high"),
+    }
+
+
+def run_search(settings: SearchSettings) -> dict:
+    load = os.getloadavg()
+    start = time.monotonic()
+    search_and_report(settings)
+    wall_s = time.monotonic() - start
+    search = json.loads((settings.out_dir / "search.json").read_text())
+    return {"search_wall_s": wall_s, "load_before": load, "load_after_search": os.getloadavg(), **get_claim(search)}
+
+
+def run_realized(settings: SearchSettings, workload: str, args: argparse.Namespace, out: Path) -> dict:
+    """The emitted ``best.toml`` alone against ``defaults``, as the search ran its trials."""
+    compare = CompareSettings(
+        model=settings.model,
+        configs=["defaults", str(settings.out_dir / "best.toml")],
+        world_size=settings.world_size,
+        **(COMPARES[workload] | ({"num_rounds": args.max_rounds} if args.max_rounds else {})),
+        until_ci_pct=args.until_ci,
+        num_microbatches=settings.num_microbatches,  # compare refuses a best.toml that disagrees
+        cluster=settings.cluster,
+        seed=settings.seed,
+        param_dtype=settings.param_dtype,
+        reduce_dtype=settings.reduce_dtype,
+        timeout_s=args.run_timeout,
+        out_dir=out,
+    )
+    record, _ = run_compare(compare)
+    figures = record.configs[1]
+    return {
+        "realized": figures.speedup,
+        "realized_low": figures.speedup_low,
+        "realized_high": figures.speedup_high,
+        "compare_rounds": record.num_rounds,
+        "compare_wall_s": record.wall_s,
+        "load_after_compare": os.getloadavg(),
+    }
+
+
+def run_one(index: int, workload: str, args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
+    """One search of ``workload`` and, unless it emitted the defaults, its emitted config compared;
+    ``save`` gets the row once the search is done (a compare cut short keeps the claim)."""
+    out = args.out / f"{index:02d}-{workload}"
+    shutil.rmtree(out, ignore_errors=True)
+    fields = WORKLOADS[workload] | ({"num_trials": args.trials} if args.trials else {})
+    settings = SearchSettings(**fields, out_dir=out / "search", seed=args.seed + index)
+    row: dict = {"run": index, "workload": workload, "model": settings.model, "dir": str(out)}
+    print(f"{index:>2} {workload}: searching, {settings.num_trials} trials (load {os.getloadavg()[0]:.1f})", flush=True)
+    try:
+        row |= run_search(settings)
+        save(row)
+        if row["emitted"] != "defaults":
+            row |= run_realized(settings, workload, args, out / "compare")
+    except AutotuneError as e:
+        row["error"] = str(e)
+    if (ratio := get_ratio(row)) is not None:
+        row["ratio"] = ratio
+    return row
+
+
+def get_ratio(row: dict) -> float | None:
+    """Realized / claimed, for a search that claims a speedup over the defaults and was compared."""
+    if row.get("emitted") not in ("best", "search") or not row.get("claimed") or not row.get("realized"):
+        return None
+    return row["realized"] / row["claimed"]
+
+
+def write_results(out: Path, rows: list[dict], args: argparse.Namespace) -> None:
+    """``OUT/results.json``, replaced whole (a reader never sees half a file)."""
+    body = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows}
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(body, indent=1))
+    os.replace(tmp, out / "results.json")
+
+
+def _fmt(value: float | None, low: float | None = None, high: float | None = None) -> str:
+    if value is None:
+        return "-"
+    interval = f"{low:.3f}-{high:.3f}" if low is not None and high is not None else "interval unknown"
+    return f"{value:.3f}x ({interval})"
+
+
+def print_row(row: dict) -> None:
+    head = f"{row['run']:>2} {row['workload']:<9}"
+    if "emitted" not in row:
+        print(f"{head} failed: {row.get('error')}", flush=True)
+        return
+    claimed = _fmt(row["claimed"], row["claimed_low"], row["claimed_high"])
+    realized = _fmt(row.get("realized"), row.get("realized_low"), row.get("realized_high"))
+    if row.get("compare_rounds"):
+        realized += f" over {row['compare_rounds']} rounds"
+    ratio = f"{row['ratio']:.3f}" if row.get("ratio") is not None else "-"
+    line = f"{head} {row['search_wall_s']:>5.0f} s  emitted {row['emitted']:<8}  claimed {claimed}  realized {realized}"
+    note = "  (no claim over the defaults: not counted)" if row["emitted"] in ("defaults", "recipe") else ""
+    print(f"{line}  realized/claimed {ratio}{note}", flush=True)
+    loads = [row.get(k) for k in ("load_before", "load_after_search", "load_after_compare")]
+    print("   load before / after search / after compare: " + " / ".join(f"{x[0]:.1f}" if x else "-" for x in loads))
+    if row.get("error"):
+        print(f"   failed: {row['error']}")
+
+
+def get_summary(rows: list[dict]) -> dict[str, dict]:
+    """Per workload and ``all``: realized / claimed over the searches that claim a speedup over the
+    defaults (median, worst, spread, whether the aim holds), and how many emitted the defaults or
+    the recipe, or failed."""
+    groups = {w: [r for r in rows if r["workload"] == w] for w in dict.fromkeys(r["workload"] for r in rows)}
+    summary = {}
+    for name, group in {**groups, "all": rows}.items():
+        ratios = [ratio for r in group if (ratio := get_ratio(r)) is not None]
+        median = statistics.median(ratios) if ratios else None
+        summary[name] = {
+            "searches": len(group),
+            "counted": len(ratios),
+            "median": median,
+            "worst": min(ratios, default=None),
+            "best": max(ratios, default=None),
+            "defaults": sum(r.get("emitted") == "defaults" for r in group),
+            "recipe": sum(r.get("emitted") == "recipe" for r in group),
+            "failed": sum("error" in r for r in group),
+            "aim": None if median is None else abs(median - 1) <= AIM_MEDIAN_PCT / 100 and min(ratios) >= AIM_WORST,
+        }
+    return summary
+
+
+def print_summary(rows: list[dict]) -> None:
+    print(f"\nrealized / claimed (aim: median within {AIM_MEDIAN_PCT:.0f}% of 1, none below {AIM_WORST})")
+    print(f"{'workload':<9} {'searches':>8} {'counted':>7} {'median':>7} {'worst':>6} {'spread':>12}  not counted, aim")
+    for name, s in get_summary(rows).items():
+        spread = f"{s['worst']:.3f}-{s['best']:.3f}" if s["median"] is not None else "-"
+        median, worst = (f"{s[k]:.3f}" if s[k] is not None else "-" for k in ("median", "worst"))
+        figures = f"{median:>7} {worst:>6} {spread:>12}"
+        aim = {None: "nothing to judge", True: "holds", False: "MISSED"}[s["aim"]]
+        print(
+            f"{name:<9} {s['searches']:>8} {s['counted']:>7} {figures}  "
+            f"defaults {s['defaults']}, recipe {s['recipe']}, failed {s['failed']}; aim {aim}"
+        )
+    print("(a search that emitted the defaults or the recipe claims nothing over the defaults to check)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5, help="searches of each workload")
+    parser.add_argument("--models", default="small,wide1024", help=f"workloads, in turn: {', '.join(WORKLOADS)}")
+    parser.add_argument("--trials", type=int, default=None, help="trials per search; default: the workload's")
+    parser.add_argument("--until-ci", type=float, default=2.0, help="compare until its interval is within +-PCT%%")
+    parser.add_argument("--max-rounds", type=int, default=None, help="the most compare rounds; default: the workload's")
+    parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds per compare run, start-up included")
+    parser.add_argument("--seed", type=int, default=0, help="search i's seed is this + i")
+    parser.add_argument("--out", type=Path, default=Path("runs/realized_speedup"))
+    parser.add_argument("--quick", action="store_true", help="tiny, 2 trials, 1 run, 2 compare rounds")
+    parser.add_argument("--summarize", type=Path, metavar="OUT", help="print OUT/results.json's rows and summary")
+    args = parser.parse_args()
+    if args.summarize:
+        rows = json.loads((args.summarize / "results.json").read_text())["rows"]
+        for row in rows:
+            print_row(row)
+        print_summary(rows)
+        return
+    if args.quick:
+        args.models, args.runs, args.trials = "tiny", 1, 2
+    workloads = args.models.split(",")
+    if unknown := set(workloads) - set(WORKLOADS):
+        parser.error(f"unknown workload(s) {', '.join(sorted(unknown))} (use {', '.join(WORKLOADS)})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for i in range(args.runs * len(workloads)):
+        rows.append(
+            run_one(i, workloads[i % len(workloads)], args, lambda row: write_results(args.out, [*rows, row], args))
+        )
+        write_results(args.out, rows, args)
+        print_row(rows[-1])
+    print_summary(rows)
+
+
+if __name__ == "__main__":
+    main()
