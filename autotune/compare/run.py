@@ -6,7 +6,8 @@
 Each run is one unpaired, unprofiled trial (:func:`autotune.trials.run_trial`) on fresh ranks
 with its own model build: no reference beside it, no rank pool, no model kept warm, as the
 config runs in a training job. The runs go round by round in the order of [Note: compare
-rounds]; each run's trial dir is ``--out``/``roundR/I-NAME`` and ``compare.json``
+rounds]; each run's trial dir is ``--out``/``roundR/I-NAME`` (an earlier comparison's rounds are
+removed first: :func:`clear_previous_runs`) and ``compare.json``
 (:class:`~autotune.compare.record.CompareRecord`) is written once, at the end: a comparison
 that stops early (a failed run, an interrupt) leaves its runs' dirs and no ``compare.json``.
 """
@@ -14,6 +15,7 @@ that stops early (a failed run, an interrupt) leaves its runs' dirs and no ``com
 from __future__ import annotations
 
 import re
+import shutil
 import statistics
 import time
 from datetime import UTC, datetime
@@ -40,6 +42,7 @@ def run_compare(settings: CompareSettings, *, reporter: CompareReporter | None =
     configs = load_compare_configs(settings, reporter)
     start = time.monotonic()
     (settings.out_dir / FILE_NAME).unlink(missing_ok=True)  # a previous comparison's, never this one's
+    clear_previous_runs(settings.out_dir)
     runs: list[list[TrialResult]] = [[] for _ in configs]
     orders: list[list[int]] = []
     stopped = "rounds"
@@ -71,6 +74,19 @@ def run_compare(settings: CompareSettings, *, reporter: CompareReporter | None =
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     return record, record.write(settings.out_dir / FILE_NAME)
+
+
+def clear_previous_runs(out_dir: Path) -> list[Path]:
+    """Remove an earlier comparison's ``roundR`` dirs from ``out_dir`` (one with more rounds would
+    leave its later rounds beside this one's); only a dir whose every entry is a run's trial dir
+    (a ``config.toml`` in it) is removed, so nothing else of ``out_dir`` is touched. Returns them."""
+    removed = []
+    for path in sorted(out_dir.glob("round*")) if out_dir.is_dir() else []:
+        runs = list(path.iterdir()) if path.is_dir() and re.fullmatch(r"round\d+", path.name) else []
+        if runs and all((run / "config.toml").is_file() for run in runs):
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
 
 
 def get_round_ratios(first: list[TrialResult], own: list[TrialResult]) -> list[float]:

@@ -245,3 +245,21 @@ def test_a_failed_run_stops_the_comparison_naming_it(tmp_path, cli_main):
     assert result.returncode == 1
     assert "defaults: its run in round 1 failed (timeout" in result.stderr and str(out / "round1") in result.stderr
     assert not (out / "compare.json").exists() and not (out / "round1" / "2-torchtitan").exists()
+
+
+def test_an_earlier_comparison_s_rounds_are_removed_and_nothing_else(tmp_path):
+    """A comparison of 4 rounds into the ``--out`` of an earlier one of 6 must not leave rounds 5
+    and 6 beside its own; a ``round`` dir that is not a comparison's runs, and other files, stay."""
+    from autotune.compare.run import clear_previous_runs
+
+    for r in range(1, 7):
+        for run in ("1-defaults", "2-best"):
+            (tmp_path / f"round{r}" / run).mkdir(parents=True)
+            (tmp_path / f"round{r}" / run / "config.toml").write_text("")
+    (tmp_path / "round7" / "notes").mkdir(parents=True)  # not a run: no config.toml
+    (tmp_path / "rounds.txt").write_text("mine")
+    (tmp_path / "roundabout").mkdir()
+    removed = clear_previous_runs(tmp_path)
+    assert sorted(p.name for p in removed) == [f"round{r}" for r in range(1, 7)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round7", "roundabout", "rounds.txt"]
+    assert clear_previous_runs(tmp_path / "missing") == []
