@@ -12,7 +12,7 @@ two ranks of ``tests/data/artifacts/metrics_v11.json``, a ``tiny`` CPU trial: ea
 sample autocorrelation of its log step times, bias-corrected by ``+1/n`` and averaged; override
 with ``--rho``), scaled so that the pair log-ratios spread ``--sigma`` (the box's 9%). The
 candidate's steps are ``true`` times slower. After every pair the rule looks as ``run_pairs``
-does (:func:`autotune.trials.sequential.look`, with the schedule's burst windows), with the
+does (:func:`fsdp_runtime.tuning.sequential.look`, with the schedule's burst windows), with the
 box's noise pooled over 24 degrees of freedom (its estimation error drawn) and futility on, as
 in a search's trials once it has measured two paired trials. A burst is a 1.5x slowdown of two
 adjacent steps of the schedule: at a uniformly drawn position ("anywhere"), or at each position
@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from autotune.search.settings import SearchSettings  # noqa: E402
-from autotune.trials.pair_schedule import ScheduledStep, Window, get_burst_windows, get_order_schedule  # noqa: E402
-from autotune.trials.sequential import StoppingRule, decide, get_interval, look  # noqa: E402
+from fsdp_runtime.tuning.pair_schedule import ScheduledStep, Window, get_burst_windows, get_order_schedule  # noqa: E402
+from fsdp_runtime.tuning.sequential import StoppingRule, decide, get_interval, look  # noqa: E402
 
 ORDERS = {"candidate first (in place, kept)": "kept", "reference first (own model)": "own", "in turn": "in_turn"}
 RECORDED = ("tests/data/gpu_traces/*/metrics.json", "tests/data/artifacts/metrics_v11.json")

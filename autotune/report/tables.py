@@ -15,8 +15,7 @@ from autotune.report.trials_table import (
     get_default_params,
     get_search_trials_table,
 )
-from autotune.search import SearchRecord, TrialRow
-from autotune.search.verdict import describe_figure
+from autotune.search import SearchRecord, TrialRow, describe_figure
 
 if TYPE_CHECKING:
     from autotune.search import SearchSummary

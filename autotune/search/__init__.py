@@ -6,6 +6,7 @@ progress protocol) -> :mod:`~autotune.search.proxy` (real model or scale proxy) 
 :mod:`~autotune.search.study` (sampler, storage, stale trials) ->
 :mod:`~autotune.search.loop` (ask/tell over trials) -> :mod:`~autotune.search.results`
 (rows, the best-trial rule, ``search.json``) -> :mod:`~autotune.search.confirm` ->
+:mod:`~autotune.search.verdict` -> :mod:`~autotune.search.recipe` ->
 :mod:`~autotune.search.consolidation` -> :mod:`~autotune.search.emit`;
 :mod:`~autotune.search.run` strings them together. :mod:`~autotune.search.ranking` walks the
 space through the step simulator and ranks it (``--presearch sim`` and ``autotune plan``).
@@ -18,6 +19,7 @@ from autotune.search.results import SearchRecord, TrialRow, pick_best, read_resu
 from autotune.search.run import SearchSummary, describe_interrupted, run_search
 from autotune.search.settings import SAMPLERS, SearchError, SearchReporter, SearchSettings, SilentReporter
 from autotune.search.space import DEFAULTS_DESCRIPTION, SearchSpace, describe_params, describe_params_diff
+from autotune.search.verdict import describe_figure
 
 __all__ = [
     "DEFAULTS_DESCRIPTION",
@@ -34,6 +36,7 @@ __all__ = [
     "SilentReporter",
     "TrialRow",
     "check_mesh",
+    "describe_figure",
     "describe_interrupted",
     "describe_params",
     "describe_params_diff",

@@ -149,11 +149,18 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
             "verdict": "no finalist was faster than the defaults in the final round: they are emitted",
             **get_speedups(ranked[0] if ranked else None),
         }
-    chosen = ranked[0]
-    row = next(r for r in finalists if r.number == chosen["trial"])
+    row = next(r for r in finalists if r.number == ranked[0]["trial"])
+    return _decide_chosen(ctx, row, ranked[0], record, defaults_fit=defaults_fit)
+
+
+def _decide_chosen(
+    ctx: SearchContext, row: TrialRow, chosen: dict[str, Any], record: dict[str, Any], *, defaults_fit: bool
+) -> tuple[RuntimeConfig, dict[str, Any]]:
+    """The chosen finalist measured in a window of its own, and emitted where that window calls it
+    faster than the defaults ([Note: emitted on an interval]); the defaults otherwise, with why."""
     config = ctx.space.build_config(row.params)
-    window = _measure_verdict(ctx, row, config)  # [Note: emitted on an interval]
-    record |= {
+    window = _measure_verdict(ctx, row, config)
+    record = record | {
         "chosen": chosen["trial"],
         "verdict_window": window,
         "speedup_from": "verdict",

@@ -109,7 +109,7 @@ class SearchContext:
 
     def run(self, spec: TrialSpec) -> TrialResult:
         """Run a trial on the search's ranks; its wall time teaches the next trials' limits ([Note: trial
-        timeouts]), its pairs the box's noise ([Note: pooled noise] in :mod:`autotune.trials.sequential`)."""
+        timeouts]), its pairs the box's noise ([Note: pooled noise] in :mod:`fsdp_runtime.tuning.sequential`)."""
         result = run_trial(spec, pool=self.pool)
         self.timeouts.observe(result)
         paired = result.metrics.paired if result.metrics is not None and result.status in ("ok", "pruned") else None

@@ -13,7 +13,7 @@
   is its median block ratio to the defaults (chained through the reference's with ``best``), so
   background load cancels instead of deciding.
 - A trial measures until its ratio is known ([Note: sequential measurement] in
-  :mod:`autotune.trials.sequential`): clearly faster than the best, clearly slower (pruned,
+  :mod:`fsdp_runtime.tuning.sequential`): clearly faster than the best, clearly slower (pruned,
   from its second block on, so one burst of load on a block's candidate steps cannot prune a
   config), or settled; a tie runs to ``num_measured`` pairs, and a ratio still spread wider
   than ``max_ratio_spread`` there is flagged ``noisy``. A failed trial (timeout, crash, OOM,

@@ -85,7 +85,7 @@ class SearchSettings:
     fewer of the defaults' slow steps, but a chain of two measurements)."""
     precision: float = 0.05
     """A trial's ratio counts as known once its 90% interval is within this relative half-width
-    ([Note: sequential measurement] in :mod:`autotune.trials.sequential`)."""
+    ([Note: sequential measurement] in :mod:`fsdp_runtime.tuning.sequential`)."""
     num_profiled: int = 2
     trial_timeout_s: float | None = None
     """Seconds before a trial's ranks are killed; None: follow what this box measured, so a slow

@@ -13,7 +13,7 @@ choosing it, and is emitted over that baseline only where this window calls it f
   the final round; against torchtitan's recipe, the recipe round
   (:mod:`autotune.search.recipe`), which runs after the choice too;
 - the call is the stopping rule's own "faster" ([Note: sequential measurement] in
-  :mod:`autotune.trials.sequential`): the 90% interval of the mean log pair ratio, pooled with the
+  :mod:`fsdp_runtime.tuning.sequential`): the 90% interval of the mean log pair ratio, pooled with the
   box's noise where there is enough of it, lies wholly below 1, and no single two-step burst of
   load on the baseline's steps can have made the call ([Note: burst windows]);
 - the window stops once the call is made, once the config is clearly slower, or once its ratio

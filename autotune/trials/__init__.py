@@ -31,12 +31,12 @@ from autotune.trials.precision import (
     get_overlap_warning,
     resolve_precision,
 )
-from autotune.trials.sequential import Interval, PairNoise, StoppingRule, get_interval, get_rule_interval
 from autotune.trials.sides import PAIRED_MODELS_ENV
 from autotune.trials.spec import DEFAULT_RANK_PROGRAM, TrialSpec, TrialSpecError, get_default_backend
 from autotune.trials.training import Training, build_training, resolve_profile
 from autotune.trials.trial import check_trial_machine, load_trial_config, resolve_trial_config, run_trial
 from autotune.trials.trialdir import INCOMPLETE_MARKER, check_trial_spec
+from fsdp_runtime.tuning.sequential import Interval, PairNoise, StoppingRule, get_interval, get_rule_interval
 
 __all__ = [
     "Interval",

@@ -30,7 +30,7 @@ one rank job:
 - pruning: with a stopping rule ([Note: sequential measurement]) after every block, from the
   second on, or on a third pair confirming a slow first block ([Note: pooled noise]), where no
   burst over two adjacent steps of the schedule can have made the call ([Note: burst
-  windows]; the order itself: [Note: pair schedule] in :mod:`autotune.trials.pair_schedule`); without
+  windows]; the order itself: [Note: pair schedule] in :mod:`fsdp_runtime.tuning.pair_schedule`); without
   one (``prune_if_ratio_above``, trials outside a search), after the first
   ``PRUNE_AFTER_PAIRS`` pairs (one block), only if *every* one of them is above the limit;
 - the defaults trial pairs the defaults with themselves (one model, alternate steps, no
@@ -102,7 +102,7 @@ what order effect remains.
 The search's objective is the median ratio (lower is faster), chained to the defaults where the
 reference is the search's best so far ([Note: measured against the best] in
 :mod:`autotune.search.reference`); a search trial stops its pairs as soon as its ratio is known
-([Note: sequential measurement] in :mod:`autotune.trials.sequential`), and the search
+([Note: sequential measurement] in :mod:`fsdp_runtime.tuning.sequential`), and the search
 re-measures its top configs against the defaults at the end (``autotune.search.confirm``).
 """
 
@@ -115,8 +115,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from autotune.trials.pair_schedule import get_burst_windows, get_pair_order, get_pair_schedule
-from autotune.trials.sequential import StoppingRule, look
+from fsdp_runtime.tuning.pair_schedule import get_burst_windows, get_pair_order, get_pair_schedule
+from fsdp_runtime.tuning.sequential import StoppingRule, look
 
 PRUNE_AFTER_PAIRS = 2
 """Pairs after which the ranks decide on pruning."""
@@ -224,7 +224,7 @@ def run_pairs(
     measurement before [Note: switch cost], for tests and benchmarks that compare the two;
     ``first``: the side of the even pairs that steps first; ``on_first_step``: called after the
     first pair's first measured step). With ``stopping``, after every pair the rule looks
-    (:func:`autotune.trials.sequential.look`: after every ABBA block, and on the pair confirming
+    (:func:`fsdp_runtime.tuning.sequential.look`: after every ABBA block, and on the pair confirming
     the first; [Note: sequential measurement]), knowing where a burst over two adjacent steps
     reaches ([Note: burst windows]); ``num_pairs`` is then the most it runs. Returns why it
     stopped early (``pruned``; with ``stopping``, the rule's reason; None: it ran every pair)."""

@@ -83,9 +83,9 @@ from autotune.trials.rank_memory import (
     reset_device_memory,
     tune_heap,
 )
-from autotune.trials.sequential import StoppingRule
 from autotune.trials.sides import SideBuilder, get_side_to_keep, take_kept
 from fsdp_runtime.files import atomic_path
+from fsdp_runtime.tuning.sequential import StoppingRule
 
 PRUNE_AFTER = 2
 """Measured steps after which the ranks vote on pruning."""

@@ -70,7 +70,7 @@ class TrialSpec:
     prune_if_ratio_above: float | None = None
     """Paired trials: stop after the first pairs if every pair's candidate/reference ratio is above this."""
     stopping: dict[str, Any] | None = None
-    """Paired trials: a :class:`~autotune.trials.sequential.StoppingRule` as a dict; the trial then
+    """Paired trials: a :class:`~fsdp_runtime.tuning.sequential.StoppingRule` as a dict; the trial then
     stops measuring as soon as its ratio is known ([Note: sequential measurement]) and
     ``num_measured`` is the most pairs it runs. None: every pair runs."""
     profile_below: float | None = None
@@ -107,7 +107,7 @@ class TrialSpec:
             if not ok:
                 raise TrialSpecError(f"trial spec: {problem}", field=name)
         if self.stopping is not None:
-            from autotune.trials.sequential import StoppingRule
+            from fsdp_runtime.tuning.sequential import StoppingRule
 
             try:
                 rule = StoppingRule.from_dict(self.stopping)

@@ -139,7 +139,7 @@ def test_the_recipe_round_stops_once_the_answer_is_known():
     measurement after one block where the box's noise is known; a tie runs every pair."""
     from autotune.search.context import SearchContext
     from autotune.search.verdict import get_verdict_rule
-    from autotune.trials.sequential import PairNoise, decide
+    from fsdp_runtime.tuning.sequential import PairNoise, decide
 
     noise = PairNoise()
     for _ in range(4):

@@ -8,9 +8,9 @@ import torch
 
 from autotune.trials import paired
 from autotune.trials.in_turn import ModelsInTurn
-from autotune.trials.pair_schedule import ORDERS, ScheduledStep, get_burst_windows, get_order_schedule
 from autotune.trials.paired import Side, StepTiming, run_pairs
 from autotune.trials.program import get_pairs_first
+from fsdp_runtime.tuning.pair_schedule import ORDERS, ScheduledStep, get_burst_windows, get_order_schedule
 
 WARMUP = 2
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from autotune.trials.paired import Side, StepTiming, run_pairs
-from autotune.trials.sequential import StoppingRule, confirms, decide, get_interval
 from autotune.trials.spec import TrialSpec, TrialSpecError
+from fsdp_runtime.tuning.sequential import StoppingRule, confirms, decide, get_interval
 
 SEARCH_RULE = StoppingRule(max_blocks=3, precision=0.05, faster_below=1.0, prune_above=1.0)
 """The search's rule with its defaults: at most 6 pairs."""
@@ -149,7 +149,7 @@ def test_the_defaults_paired_with_themselves_decide_on_their_own_noise(one_rank_
 def test_a_clearly_slower_first_block_is_not_called_settled_before_it_can_be_pruned():
     """A candidate many times slower with a tight first block (a sleeping rank's steps vary little)
     goes on to its second block and is pruned there, not recorded as settled after one block."""
-    from autotune.trials.sequential import StoppingRule, decide
+    from fsdp_runtime.tuning.sequential import StoppingRule, decide
 
     rule = StoppingRule(prune_above=1.1, max_blocks=4)
     assert rule.min_blocks_to_prune == 2
@@ -163,7 +163,7 @@ POOLED_RULE = StoppingRule(max_blocks=2, precision=0.05, faster_below=1.0, prune
 
 
 def test_a_pooled_interval_is_a_pooled_variance_t_interval():
-    from autotune.trials.sequential import t_95
+    from fsdp_runtime.tuning.sequential import t_95
 
     interval = get_interval([1.0, 1.0], noise_sd=0.05, noise_df=24)  # own spread 0: only the pool's
     assert math.log(interval.high) == pytest.approx(t_95(25) * math.sqrt(24 * 0.05**2 / 25 / 2), rel=1e-9)
@@ -174,7 +174,7 @@ def test_a_pooled_interval_is_a_pooled_variance_t_interval():
 
 
 def test_with_the_box_s_noise_a_clearly_slower_first_block_is_pruned_on_one_confirming_pair():
-    from autotune.trials.sequential import confirms_slower
+    from fsdp_runtime.tuning.sequential import confirms_slower
 
     slow = [1.12, 1.15]  # 13% slower than the best, on a box whose pairs spread 5%
     assert decide(SEARCH_RULE, slow) is None and decide(POOLED_RULE, slow) is None  # a burst could fill a block
@@ -190,7 +190,7 @@ def test_with_the_box_s_noise_a_clearly_slower_first_block_is_pruned_on_one_conf
 
 
 def test_a_burst_on_the_first_block_is_not_confirmed_by_the_third_pair():
-    from autotune.trials.sequential import confirms_slower
+    from fsdp_runtime.tuning.sequential import confirms_slower
 
     burst = [1.5 * 1.01, 1.5 * 0.99, 1.00]  # a tie with the best, both first-block candidate steps 1.5x
     assert not confirms_slower(POOLED_RULE, burst)
@@ -216,7 +216,7 @@ def test_a_trial_noisier_than_the_box_is_judged_on_its_own_pairs():
 
 
 def test_the_pair_noise_pools_each_trial_about_its_own_mean_over_a_window():
-    from autotune.trials.sequential import MIN_NOISE_DF, NOISE_WINDOW, PairNoise
+    from fsdp_runtime.tuning.sequential import MIN_NOISE_DF, NOISE_WINDOW, PairNoise
 
     noise = PairNoise()
     noise.observe([0.7, 0.7 * math.exp(0.1)])  # 1 df, deviations +-0.05 about its own mean
@@ -238,7 +238,7 @@ FUTILE_RULE = dataclasses.replace(POOLED_RULE, noise_sd=0.09, futile_above=1.0)
 
 
 def test_a_trial_unlikely_to_end_below_the_best_stops_after_its_first_block():
-    from autotune.trials.sequential import is_unlikely, t_90
+    from fsdp_runtime.tuning.sequential import is_unlikely, t_90
 
     # The final mean's predictive spread after 2 of 4 pairs: sd * sqrt(2 / 8) = sd / 2; a t(0.90) of them.
     sd, df = 0.09, 25
@@ -347,7 +347,7 @@ def test_a_clear_winner_and_a_clear_loser_still_stop_early(first, one_rank_group
 
 
 def test_the_guard_leaves_out_the_pairs_one_window_reaches():
-    from autotune.trials.pair_schedule import get_burst_windows, get_order_schedule
+    from fsdp_runtime.tuning.pair_schedule import get_burst_windows, get_order_schedule
 
     kept = get_burst_windows(get_order_schedule("kept", 4))
     own = get_burst_windows(get_order_schedule("own", 4))

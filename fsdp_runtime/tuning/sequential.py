@@ -97,7 +97,7 @@ stops both end the trial; they differ in its status only.
 The burst guard above was written for the reference leading every even pair (ref, cand | cand,
 ref), where a block's two candidate steps stand together and the third pair's do not. Since a
 warm reference (switched in place or kept) lets the candidate lead, the steps run ``c0 r_s r0 r1
-c_s c1 c2 r_s r2 ...`` ([Note: pair schedule] in :mod:`autotune.trials.pair_schedule`): ``c1 c2``
+c_s c1 c2 r_s r2 ...`` ([Note: pair schedule] in :mod:`fsdp_runtime.tuning.pair_schedule`): ``c1 c2``
 join the first block's second pair to the pair that confirmed it, so one burst over two
 adjacent steps made a tie look slow after one block and then "confirmed" it, and ``r0 r1``
 fill the first block's reference steps, so one burst made a tie "faster" after one block: a
@@ -106,7 +106,7 @@ even one slowed reference step in the first block made a tie faster (a 1.5x step
 mean of two pairs by 0.2 in log, the pooled half-width is 0.11).
 
 So ``run_pairs`` hands the rule its schedule's *burst windows*
-(:func:`~autotune.trials.pair_schedule.get_burst_windows`: for every two adjacent steps, the
+(:func:`~fsdp_runtime.tuning.pair_schedule.get_burst_windows`: for every two adjacent steps, the
 pairs whose candidate step, and those whose reference step, a burst over both would slow), and
 a call stands only where no one window can have made it: for every window that slows the side
 the call leans on (the candidate's for slower, the reference's for faster), the pairs it did
@@ -185,7 +185,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autotune.trials.pair_schedule import Window, get_burst_windows, get_pair_schedule
+from fsdp_runtime.tuning.pair_schedule import Window, get_burst_windows, get_pair_schedule
 
 T_95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753)
 """Student t's 95th percentile for 1..15 degrees of freedom (a 90% two-sided interval)."""

@@ -3,7 +3,7 @@
 [Note: pair schedule]
 :func:`autotune.trials.paired.run_pairs` does not order its steps itself: it runs
 :func:`get_pair_schedule`, step by step, so that what reasons about the order (the stopping
-rule's burst guard, [Note: sequential measurement] in :mod:`autotune.trials.sequential`;
+rule's burst guard, [Note: sequential measurement] in :mod:`fsdp_runtime.tuning.sequential`;
 ``studies/stopping_rule.py``'s Monte Carlo) reads the very order that runs. Pairs alternate in
 ABBA order, the side of the even pairs first (:func:`get_pair_order`), and a side takes an
 unmeasured settle step whenever the ranks switch to it ([Note: switch cost] in
