@@ -25,10 +25,11 @@ and over all: the median and the worst realized / claimed with their spread, tho
 whether the aim holds (median within 3% of 1, none below 0.95). ``OUT/results.json`` is written
 after every search and compare, so an interrupted run keeps what it measured.
 
-Time on a 2-core box: a ``small`` search about 3 minutes and its compare a few; a ``wide1024``
-search about 5 minutes, and a run of its compare 50-140 s (the defaults' step is about 6 s under
-``cpu-emulated-ib``): its compares run 4 steps a run, 4 rounds at most (``COMPARES``), so the
-default command takes about two hours.
+The compare runs on the model the search measured: for a search on a scale proxy (``wide1024``
+is one on a 2-core box, its step over the search's budget) that is the proxy, written as a
+profile beside the run (``proxy.toml``), since the claim is the proxy's. Time on a 2-core box: a
+``small`` search about 3 minutes and its compare about 4; a ``wide1024`` search about 4-5 minutes
+and its compare about 4 (``COMPARES``): the default command takes about 80 minutes.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import shutil
 import statistics
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,12 +66,13 @@ WORKLOADS = {
 }
 """Workload name -> the ``SearchSettings`` fields its searches set (the rest: the defaults)."""
 COMPARES = {
-    "small": {"num_rounds": 6},
-    "wide1024": {"num_rounds": 4, "num_warmup": 2, "num_measured": 4},
+    "small": {"num_rounds": 8},
+    "wide1024": {"num_rounds": 6, "num_warmup": 2, "num_measured": 6},
     "tiny": {"num_rounds": 2},
 }
 """Workload name -> the ``CompareSettings`` its compares set by default: rounds (at most, with
-``until_ci_pct``) and steps per run. A ``wide1024`` step is ~6 s here, so its runs are shorter."""
+``until_ci_pct``) and steps per run: its search runs on a scale proxy here (a ~1.4 s step), and
+so do its compares."""
 AIM_MEDIAN_PCT, AIM_WORST = 3.0, 0.95
 
 
@@ -99,10 +102,30 @@ def run_search(settings: SearchSettings) -> dict:
     return {"search_wall_s": wall_s, "load_before": load, "load_after_search": os.getloadavg(), **get_claim(search)}
 
 
+def get_measured_model(settings: SearchSettings, out: Path) -> str:
+    """The model the search's trials ran: the requested one, or for a scale proxy (``wide1024`` is
+    one on a 2-core box: its step is over the search's budget) the proxy, written as a profile of
+    its own (``OUT/.../proxy.toml``): the claim is the proxy's, so it is checked on the proxy."""
+    proxy = json.loads((settings.out_dir / "search.json").read_text())["proxy"]
+    if not proxy.get("is_proxy"):
+        return settings.model
+    profile = tomllib.loads(Path(settings.model).read_text())
+    overrides = dict(proxy["overrides"])
+    top = {k: overrides.pop(k) for k in ("seq_len", "batch_size") if k in overrides}
+    lines = [f'name = "{profile["name"]}-proxy"', f'description = "{proxy["name"]}"']
+    lines += [f"{k} = {v}" for k, v in (profile | top).items() if k not in ("name", "description", "shape")]
+    lines += ["[shape]", *(f"{k} = {v}" for k, v in (profile["shape"] | overrides).items())]
+    path = out / "proxy.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
 def run_realized(settings: SearchSettings, workload: str, args: argparse.Namespace, out: Path) -> dict:
-    """The emitted ``best.toml`` alone against ``defaults``, as the search ran its trials."""
+    """The emitted ``best.toml`` alone against ``defaults``, on the model the search measured
+    (:func:`get_measured_model`), with the world, microbatches, cluster and precision it ran."""
+    model = get_measured_model(settings, out)
     compare = CompareSettings(
-        model=settings.model,
+        model=model,
         configs=["defaults", str(settings.out_dir / "best.toml")],
         world_size=settings.world_size,
         **(COMPARES[workload] | ({"num_rounds": args.max_rounds} if args.max_rounds else {})),
@@ -113,11 +136,12 @@ def run_realized(settings: SearchSettings, workload: str, args: argparse.Namespa
         param_dtype=settings.param_dtype,
         reduce_dtype=settings.reduce_dtype,
         timeout_s=args.run_timeout,
-        out_dir=out,
+        out_dir=out / "compare",
     )
     record, _ = run_compare(compare)
     figures = record.configs[1]
     return {
+        "compared_on": Path(model).name,
         "realized": figures.speedup,
         "realized_low": figures.speedup_low,
         "realized_high": figures.speedup_high,
@@ -140,7 +164,7 @@ def run_one(index: int, workload: str, args: argparse.Namespace, save: Callable[
         row |= run_search(settings)
         save(row)
         if row["emitted"] != "defaults":
-            row |= run_realized(settings, workload, args, out / "compare")
+            row |= run_realized(settings, workload, args, out)
     except AutotuneError as e:
         row["error"] = str(e)
     if (ratio := get_ratio(row)) is not None:
@@ -178,7 +202,7 @@ def print_row(row: dict) -> None:
     claimed = _fmt(row["claimed"], row["claimed_low"], row["claimed_high"])
     realized = _fmt(row.get("realized"), row.get("realized_low"), row.get("realized_high"))
     if row.get("compare_rounds"):
-        realized += f" over {row['compare_rounds']} rounds"
+        realized += f" over {row['compare_rounds']} rounds on {row.get('compared_on', row['workload'])}"
     ratio = f"{row['ratio']:.3f}" if row.get("ratio") is not None else "-"
     line = f"{head} {row['search_wall_s']:>5.0f} s  emitted {row['emitted']:<8}  claimed {claimed}  realized {realized}"
     note = "  (no claim over the defaults: not counted)" if row["emitted"] in ("defaults", "recipe") else ""

@@ -112,6 +112,15 @@ def has_accumulated_grad_slot(fsdp_param: Any) -> bool:
     return not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property)
 
 
+RESET_ITER_STATE_SINCE = "2.13"
+
+
+def can_reset_iter_state(module: Any) -> bool:
+    """Whether FSDP2 recovers a root from a forward or backward aborted mid-flight
+    (``FSDPModule.reset_iter_state``, public since 2.13; 2.11 has none)."""
+    return hasattr(module, "reset_iter_state")
+
+
 def set_unshard_async(module: Any, enabled: bool) -> None:
     """``_set_unshard_async_op`` on ``module`` and its FSDP children; see [Note: async unshard on CPU]."""
     _require(module, "unshard_async")

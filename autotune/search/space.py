@@ -91,14 +91,13 @@ from autotune.search.patterns import (
     describe_params,
     describe_params_diff,
     get_mesh_key,
-    get_prefetch_lists,
     get_reshard_value,
     group_blocks,
     group_unit,
-    select_blocks,
     split_even,
 )
 from fsdp_runtime import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, PipelineConfig, RuntimeConfig, UnitConfig
+from fsdp_runtime.tuning import get_prefetch_lists, select_blocks
 
 __all__ = ["DEFAULTS_DESCRIPTION", "SearchSpace", "describe_params", "describe_params_diff"]
 

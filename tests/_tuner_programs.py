@@ -1,0 +1,97 @@
+"""Rank programs for the in-job tuner's multi-rank tests (``fsdp_runtime.tuning.injob``): a job
+trained with the tuner around each optimizer step, as a user's loop has it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from autotune.trials import build_training
+from fsdp_runtime.tuning import InJobTuner, TunerError, get_moves
+
+
+def _checksum(training) -> float:
+    """A sum of this rank's parameter shards and optimizer state: changed by any step that updated them."""
+    plain = [n for n, p in training.model.named_parameters() if not hasattr(p, "to_local")]
+    if plain:
+        raise AssertionError(f"parameters left unsharded: {plain}")
+    total = sum(float(p.detach().to_local().double().sum()) for p in training.model.parameters())
+    for state in training.optimizer.state.values():
+        total += sum(float(v.to_local().double().sum()) for v in state.values() if hasattr(v, "to_local"))
+    return total
+
+
+def train_tuned(
+    rank: int,
+    world_size: int,
+    *,
+    model: str,
+    config: dict[str, Any],
+    num_steps: int,
+    moves: list[str],
+    tuner: dict[str, Any],
+    fail: dict[str, str] | None = None,
+    disagree: bool = False,
+    env: dict[str, str] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Train ``num_steps`` steps with an in-job tuner over the moves named ``moves`` (in that
+    order; on rank 1 the first two swapped where ``disagree``). ``fail``: the step under candidate
+    ``fail["name"]`` raises, ``where`` ``start`` (before its forward) or ``forward`` (inside the
+    last block's forward). Per step this rank's loss (None where the step raised), the candidate
+    it ran, and the parameter/optimizer checksum after it; the decisions, the best config, and the
+    error where the tuner raised one."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        return _train_tuned(rank, world_size, model, config, num_steps, moves, tuner, fail or {}, disagree, seed)
+    finally:  # the pool's ranks outlive this job
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _train_tuned(rank, world_size, model, config, num_steps, moves, tuner, fail, disagree, seed) -> dict[str, Any]:
+    training = build_training(rank, world_size, model=model, config=config, seed=seed)
+    by_name = {m.name: m for m in get_moves(training.applied.config, device_type="cpu")}
+    if disagree and rank == 1:  # the first two moves swapped: prefetch depths, alike in their collectives
+        moves = [moves[1], moves[0], *moves[2:]]
+    chosen = [by_name[n] for n in moves]
+    tuned = InJobTuner(training.applied, device_type="cpu", moves=chosen, **tuner)
+    if fail.get("where") == "forward":
+        last = training.model.get_submodule(training.applied.config.units[-2].name)
+
+        def raise_in_forward(module, args, output):
+            if tuned.running == fail["name"]:
+                raise RuntimeError("planted failure inside the forward")
+
+        last.register_forward_hook(raise_in_forward)
+    losses, ran, checksums, error = [], [], [], None
+    try:
+        for s in range(num_steps):
+            loss = None
+            with tuned.step():
+                ran.append(tuned.running)
+                if fail.get("where") == "start" and tuned.running == fail["name"]:
+                    raise RuntimeError("planted failure before the forward")
+                loss = training.step(s)
+            losses.append(loss)
+            checksums.append(_checksum(training))
+    except TunerError as e:
+        error = str(e)
+    return {
+        "losses": losses,
+        "ran": ran,
+        "checksums": checksums,
+        "decisions": [(d.name, d.outcome) for d in tuned.decisions],
+        "best": tuned.best.units[0].forward_prefetch,
+        "finished": tuned.finished,
+        "error": error,
+    }
+
+
+def train_skipping(
+    rank: int, world_size: int, *, model: str, config: dict[str, Any], num_steps: int, skip: list[int], seed: int = 0
+) -> list[float | None]:
+    """The untuned job, its steps ``skip`` left out (their batches never trained): per step this rank's loss or None."""
+    training = build_training(rank, world_size, model=model, config=config, seed=seed)
+    return [None if s in skip else training.step(s) for s in range(num_steps)]
