@@ -24,6 +24,7 @@ BENCHMARKS = {
     "gpu_sim_accuracy.py",
     "gpu_suite.py",
     "gpu_torchtitan.py",
+    "in_job_tuner.py",
     "knobs.py",
     "memory_knobs.py",
     "realized_speedup.py",
@@ -350,3 +351,25 @@ def test_realized_speedup_quick_run_searches_compares_and_summarizes_from_its_re
     assert again.returncode == 0, again.stderr
     assert "realized / claimed" in again.stdout and again.stdout.splitlines()[-2].startswith("all ")
     assert done.stdout.endswith(again.stdout)
+
+
+@pytest.mark.multirank
+def test_in_job_tuner_quick_run_prints_each_run_and_the_ratios():
+    """``in_job_tuner.py --quick``: tiny, 30 steps, the untuned and the tuned run on one pool; each
+    run's line, the tuner's decisions, and the two ratios (tuned over untuned in total and per step)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "in_job_tuner.py"), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("round 1 untuned") for line in lines), done.stdout
+    tuned = next(line for line in lines if line.startswith("round 1 tuned"))
+    assert "settled at step" in tuned and "None" not in tuned, tuned  # 30 steps hold its 20-step window
+    assert any(line.strip().startswith("step ") for line in lines)  # a decision line
+    for label in ("tuned total / untuned total", "tuned settled step / untuned step"):
+        ratio = next(line for line in lines if line.startswith(label))
+        assert 0.2 < float(ratio.split("median ")[1].split()[0]) < 5, ratio

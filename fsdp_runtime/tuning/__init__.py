@@ -18,6 +18,7 @@ from fsdp_runtime.tuning.sequential import (
     decide,
     get_interval,
     get_rule_interval,
+    is_faster,
     look,
 )
 from fsdp_runtime.tuning.walk import Decision, TuningWalk
@@ -30,6 +31,7 @@ __all__ = [
     "TunerError",
     "TuningWalk",
     "get_moves",
+    "is_faster",
     "is_tuner_enabled",
     "Interval",
     "PairNoise",

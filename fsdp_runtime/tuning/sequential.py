@@ -414,6 +414,16 @@ def decide(rule: StoppingRule, pair_ratios: list[float], windows: list[Window] |
     return at_most
 
 
+def is_faster(stopped: str | None, interval: Interval | None) -> bool:
+    """A measurement's last word that a config is faster than its baseline (the search's verdict
+    window, the in-job tuner): the rule stopped it as ``faster``, or it ran every pair (or settled)
+    and their interval lies wholly below 1. The burst guard holds back calls made early, not the
+    interval of every pair ([Note: emitted on an interval] in ``autotune.search.verdict``)."""
+    if stopped == "faster":
+        return True
+    return stopped in ("max_blocks", "settled", None) and interval is not None and interval.high < 1.0
+
+
 @dataclass
 class PairNoise:
     """The box's pair noise, pooled over a search's recent paired trials ([Note: pooled noise])."""

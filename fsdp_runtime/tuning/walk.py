@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from fsdp_runtime.config import RuntimeConfig
 from fsdp_runtime.tuning.moves import Move
 from fsdp_runtime.tuning.pair_schedule import CANDIDATE, ScheduledStep, get_burst_windows, get_pair_schedule
-from fsdp_runtime.tuning.sequential import PairNoise, StoppingRule, look
+from fsdp_runtime.tuning.sequential import PairNoise, StoppingRule, get_rule_interval, is_faster, look
 
 BEST_WINDOW = 8
 """The best config's recent measured steps whose median is the slow bound's yardstick."""
@@ -131,10 +131,11 @@ class TuningWalk:
         if scheduled.ends_pair:
             pair = scheduled.pair
             candidate.ratios.append(candidate.steps[CANDIDATE, pair] / candidate.steps["reference", pair])
-            windows = get_burst_windows(candidate.schedule)
-            called = look(self._rule(), candidate.ratios, windows, self.num_pairs)
+            windows, rule = get_burst_windows(candidate.schedule), self._rule()
+            called = look(rule, candidate.ratios, windows, self.num_pairs)
             if called is not None:
-                return self._end("adopted" if called == "faster" else called)
+                faster = is_faster(called, get_rule_interval(rule, candidate.ratios))
+                return self._end("adopted" if faster else called)
         if self.step - self.warmup_steps >= self.max_steps:
             return self._end("out of steps")
         return None

@@ -131,3 +131,13 @@ def test_every_move_switches_in_place(num_microbatches):
         assert get_structural_differences(seed, moved) == [], move.name
         assert moved.units[-1] == seed.units[-1], move.name
     assert len(set(names)) == len(names)
+
+
+def test_a_measurement_ends_faster_on_an_early_call_or_on_the_interval_of_all_its_pairs():
+    from fsdp_runtime.tuning import Interval, is_faster
+
+    below, across = Interval(0.85, 0.73, 0.97, 6), Interval(0.95, 0.85, 1.05, 6)
+    assert is_faster("faster", None)  # the rule's own call (burst guard included)
+    assert is_faster("max_blocks", below) and is_faster("settled", below) and not is_faster("max_blocks", across)
+    # stopped for another reason before its last pair: no call, whatever its interval
+    assert not is_faster("unlikely", below) and not is_faster("slower", below) and not is_faster("max_blocks", None)

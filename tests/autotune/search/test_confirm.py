@@ -302,6 +302,10 @@ def test_the_verdict_window_calls_faster_only_as_the_stopping_rule_does(tmp_path
     assert not tie["faster"] and tie["ratio"] < 1.0  # a median below 1 is not a call
     ctx.run = ran([0.80, 0.82], "faster")
     assert measure_verdict(ctx, "config", tmp_path)["faster"]
+    # every pair run and their interval below 1: faster, though no early call was made (the burst guard)
+    ctx.run = ran([0.93, 0.73, 1.0, 0.99, 0.75, 0.70], "max_blocks")
+    spread = measure_verdict(ctx, "config", tmp_path)
+    assert spread["ratio_high"] < 1.0 and spread["faster"]
     # --confirm-pairs 1: still two blocks, the fewest in which the rule can call a config faster
     ctx.settings.num_confirm_pairs = 1
     measure_verdict(ctx, "config", tmp_path)
