@@ -8,11 +8,10 @@ recipe] in :mod:`fsdp_runtime.recipes`). After the final round has chosen the co
 measured once more against the recipe built for the run's model, as the chosen finalist is
 measured against the defaults ([Note: emitted on an interval] in :mod:`autotune.search.verdict`):
 the same paired trial on the same ranks, ABBA blocks after settle steps ([Note: paired
-measurement], [Note: switch cost]), at most ``2 * num_confirm_pairs`` pairs, stopping once the
-answer is known: clearly faster than the recipe, clearly slower (from two blocks on, or one and a
-confirming pair), or its ratio settled ([Note: sequential measurement]; a clear 0.78 stops after
-one block of two pairs where it used to run all six, ~9 s of the main command); the recipe
-carries the search's mesh, microbatches and precision (the defaults' config with torchtitan's
+measurement], [Note: switch cost]), at most ``2 * num_confirm_pairs`` pairs, stopped early only
+where the config proves clearly slower than the recipe (from two blocks on, or one and a
+confirming pair) or its ratio settles ([Note: sequential measurement]), never as clearly faster:
+its figure is the speedup over the recipe the search reports; the recipe carries the search's mesh, microbatches and precision (the defaults' config with torchtitan's
 units), so the two baselines differ only in what torchtitan changes.
 
 The record (``search.json``'s ``recipe``, v10; the rule and interval v11) keeps the ratio to the

@@ -268,10 +268,10 @@ def test_a_config_the_window_calls_faster_is_emitted_with_the_window_s_speedup(m
     assert record["verdict"] == "no finalist was faster than the defaults in the final round: they are emitted"
 
 
-def test_the_verdict_window_calls_faster_only_as_the_stopping_rule_does(tmp_path):
-    """[Note: emitted on an interval]: the chosen config's own trial against the defaults, under a
-    rule that stops as clearly faster or slower than 1 (never for futility), at most 2 x
-    --confirm-pairs pairs; ``faster`` is the rule's own call, the interval the rule's."""
+def test_the_verdict_window_runs_its_pairs_and_calls_faster_on_their_interval(tmp_path):
+    """[Note: emitted on an interval]: the chosen config's own trial against the defaults, at most
+    2 x --confirm-pairs pairs, stopped early only as clearly slower or settled, never as faster
+    (its figure is the one reported); ``faster``: the interval of its pairs, the rule's, below 1."""
     from autotune.search.context import SearchContext
     from autotune.search.verdict import measure_verdict
     from autotune.trials import get_rule_interval
@@ -295,12 +295,13 @@ def test_the_verdict_window_calls_faster_only_as_the_stopping_rule_does(tmp_path
     ctx.run = ran([0.96, 1.01, 0.97, 1.00, 0.98, 0.99], "max_blocks")
     tie = measure_verdict(ctx, "config", tmp_path)
     rule = specs[-1]["stopping"]
-    assert (rule.faster_below, rule.prune_above, rule.futile_above, rule.max_blocks) == (1.0, 1.0, None, 3)
+    # never stopped as faster (its figure is the one reported), pruned as clearly slower than the defaults
+    assert (rule.faster_below, rule.prune_above, rule.futile_above, rule.max_blocks) == (None, 1.0, None, 3)
     assert specs[-1]["num_pairs"] == 6 and specs[-1]["reference"] is None and not specs[-1]["profile"]
     interval = get_rule_interval(rule, tie["pair_ratios"])
     assert (tie["ratio_low"], tie["ratio_high"]) == (interval.low, interval.high) and interval.high > 1.0
     assert not tie["faster"] and tie["ratio"] < 1.0  # a median below 1 is not a call
-    ctx.run = ran([0.80, 0.82], "faster")
+    ctx.run = ran([0.80, 0.82, 0.81, 0.80], "settled")
     assert measure_verdict(ctx, "config", tmp_path)["faster"]
     # every pair run and their interval below 1: faster, though no early call was made (the burst guard)
     ctx.run = ran([0.93, 0.73, 1.0, 0.99, 0.75, 0.70], "max_blocks")
