@@ -83,6 +83,8 @@ def read_oom_kills() -> int | None:
     return None
 
 
+_PEER_LOSS_SIGNS = ("Connection reset by peer", "Connection closed by peer", "remote process exited")
+"""How a rank's stderr says a peer went away (gloo, NCCL): not the cause when another rank failed of its own."""
 _OOM_SIGNS = ("out of memory", "memoryerror", "not enough memory")
 """How a rank's own stderr says it ran out of memory (CUDA, Python, torch's CPU allocator)."""
 
@@ -125,7 +127,9 @@ def classify_failure(
 
     ``returncodes`` holds ``None`` for ranks the parent killed (they did not fail on their
     own). ``exit_order`` lists the ranks in the order they exited: the first rank to fail is
-    the cause, its peers usually only report the broken connection. ``oom_kills`` is how
+    the cause, its peers usually only report the broken connection; a rank that reports only
+    that (:data:`_PEER_LOSS_SIGNS`) is passed over for one that failed of its own, even one that
+    exited after it. ``oom_kills`` is how
     many OOM kills the kernel counted while the run lasted (None: unknown): a rank killed
     by SIGKILL is "out of memory" only when the kernel says so, or when the rank itself
     reported running out of memory.
@@ -139,9 +143,11 @@ def classify_failure(
             tail = tails[rank]
             last = tail.strip().splitlines()[-1] if tail.strip() else "invalid config"
             return "invalid_config", f"rank {rank}: {last}"
-    for rank in order:
-        if returncodes[rank] not in (0, None):
-            return _describe_exit(rank, returncodes[rank], tails[rank], oom_kills)
+    failed = [r for r in order if returncodes[r] not in (0, None)]
+    # a peer's broken connection is a consequence; it can exit before the rank that broke it
+    causes = [r for r in failed if not any(sign in tails[r] for sign in _PEER_LOSS_SIGNS)] or failed
+    if causes:
+        return _describe_exit(causes[0], returncodes[causes[0]], tails[causes[0]], oom_kills)
     return "crash", "a rank exited without a result"
 
 

@@ -13,6 +13,17 @@ def test_the_first_rank_to_fail_is_the_cause():
     assert (status, reason) == ("crash", "rank 1 exited with 1: RuntimeError: injected")
 
 
+def test_a_peer_that_only_lost_its_connection_is_not_the_cause_even_when_it_exited_first():
+    """A dying pipeline stage can take longer to exit than its peers take to see the reset."""
+    reset = "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."
+    tails = [reset, reset, "RuntimeError: stage 1 died", ""]
+    status, reason = classify_failure([1, 1, 1, None], tails, timed_out=False, timeout_s=60, exit_order=[0, 1, 2])
+    assert (status, reason) == ("crash", "rank 2 exited with 1: RuntimeError: stage 1 died")
+    # only broken connections: the first to fail is still named
+    status, reason = classify_failure([1, 1], [reset, reset], timed_out=False, timeout_s=60, exit_order=[1, 0])
+    assert reason.startswith("rank 1 exited with 1:")
+
+
 def test_ranks_the_parent_killed_are_not_out_of_memory():
     # Rank 0 hung in a collective and was killed by the launcher (None); rank 1 crashed.
     status, reason = classify_failure(
