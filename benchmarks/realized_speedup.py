@@ -51,6 +51,7 @@ from autotune.compare import CompareSettings, run_compare  # noqa: E402
 from autotune.pipeline import search_and_report  # noqa: E402
 from autotune.search import SearchSettings  # noqa: E402
 from fsdp_runtime.errors import AutotuneError  # noqa: E402
+from fsdp_runtime.files import write_json_atomic  # noqa: E402
 
 WIDE1024 = str(Path(__file__).resolve().parent / "models" / "wide1024.toml")
 WORKLOADS = {
@@ -182,9 +183,7 @@ def get_ratio(row: dict) -> float | None:
 def write_results(out: Path, rows: list[dict], args: argparse.Namespace) -> None:
     """``OUT/results.json``, replaced whole (a reader never sees half a file)."""
     body = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows}
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(body, indent=1))
-    os.replace(tmp, out / "results.json")
+    write_json_atomic(out / "results.json", body)
 
 
 def _fmt(value: float | None, low: float | None = None, high: float | None = None) -> str:
