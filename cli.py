@@ -123,6 +123,9 @@ def search(
     param_dtype: options.ParamDtype = None,
     reduce_dtype: options.ReduceDtype = None,
     search_reduce_dtype: options.SearchReduceDtype = False,
+    workers: options.NodeWorkers = None,
+    join_timeout: options.JoinTimeout = 900.0,
+    dry_run: options.SearchDryRun = False,
     as_json: options.SearchJson = False,
 ) -> None:
     """Search the FSDP2 knobs with Optuna; write the best config, a results table and the report."""
@@ -159,7 +162,15 @@ def search(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         search_reduce_dtype=search_reduce_dtype,
+        workers=workers,
+        join_timeout_s=join_timeout,
     )
+    if dry_run:
+        from autotune.search import dry_run_search
+
+        for line in dry_run_search(settings):
+            print(line)
+        return
     _run_search(settings, as_json=as_json)
 
 

@@ -10,8 +10,9 @@ the copies back), from a source checkout with the machine's own torch:
    their memory, the driver, CUDA, torch, NCCL, Python, and which of the packages the parts
    need import, with their versions; a probe of its own process, so that no CUDA context of the
    suite's holds GPU memory while the parts run.
-2. *the parts*, in ``--parts`` order, which is their priority (default ``check,torchtitan,sim_accuracy``):
-   ``gpu_check.py``, ``gpu_torchtitan.py`` and ``gpu_sim_accuracy.py``, each with arguments that
+2. *the parts*, in ``--parts`` order, which is their priority (default
+   ``check,torchtitan,in_job,sim_accuracy``): ``gpu_check.py``, ``gpu_torchtitan.py``,
+   ``gpu_in_job.py`` and ``gpu_sim_accuracy.py``, each with arguments that
    size it to a lease (:data:`PARTS`), each a subprocess in a process group of its own, writing
    into ``OUT/<part>/`` (its ``results.json`` as it writes it, its whole output in
    ``output.log``). Each gets a slice of what is left of the budget: its share by expected
@@ -26,7 +27,7 @@ the copies back), from a source checkout with the machine's own torch:
 3. *a summary*: one table (rich where it imports, plain text otherwise) and ``OUT/summary.json``.
    The exit code is 1 when any part did not pass.
 
-The default parts expect ~690 s on one H200, more than the default budget: ``check`` writes its
+The default parts expect ~810 s on one H200, more than the default budget: ``check`` writes its
 numerics before its search and ``sim_accuracy`` each case as it is measured, so the part at the
 back keeps what it reached. ``--parts`` runs fewer, ``--part-args NAME=ARGS`` passes a part more
 arguments (``sim_accuracy="--steps 6"``).
@@ -93,6 +94,8 @@ PARTS: dict[str, Part] = {
         150,
         "torchtitan 0.3.0 llama3 1B searched",
     ),
+    # Two runs of 120 steps of llama3 1B at 4096 tokens and the builds: not yet run on a GPU (an estimate).
+    "in_job": Part((str(BENCHMARKS / "gpu_in_job.py"),), 120, "the in-job tuner inside a torchtitan 0.3.0 job"),
     # Fresh ranks per case, 20-29 s each for 10 cases (one H200, 2026-11-27); each case is written as it is
     # measured, so a short slice keeps the calibration and the cases it reached.
     "sim_accuracy": Part(

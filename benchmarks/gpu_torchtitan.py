@@ -287,19 +287,25 @@ def main() -> None:
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="dry run: one GPU's memory (an H100's by default)")
     args = parser.parse_args()
     print(f"torchtitan {use_torchtitan(args.torchtitan)}")
+    run_030_script("gpu_torchtitan", args, dry_run, gpu_run)
+
+
+def run_030_script(name: str, args: argparse.Namespace, dry: Any, gpu: Any) -> None:
+    """A torchtitan 0.3.0 script's run: this torch checked, ``--out`` made, then ``dry(args, out)``
+    (``--dry-run``) or ``gpu(args, out)``, whose results go to ``results.json``."""
     from profiles.factory import ModelSourceError
     from profiles.torchtitan import check_torch_for_030
 
     try:  # before a minute is spent: 0.3.0 does not import with every torch (the GPU machines' 2.11)
         check_torch_for_030()
     except ModelSourceError as e:
-        sys.exit(f"gpu_torchtitan.py: {e}")
-    out = args.out or Path(tempfile.mkdtemp(prefix="gpu_torchtitan_"))
+        sys.exit(f"{name}.py: {e}")
+    out = args.out or Path(tempfile.mkdtemp(prefix=f"{name}_"))
     out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
-        dry_run(args, out)
+        dry(args, out)
         return
-    results = gpu_run(args, out)
+    results = gpu(args, out)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
     print(f"written: {out / 'results.json'}")
 

@@ -15,7 +15,9 @@ ratios, per round and as medians with their spread over rounds: tuned over untun
 time (what tuning cost or saved over the whole run), the settled step over the untuned step, and
 the settled step over the search's config's step. Load (``os.getloadavg``) before and after each
 run. A ``wide1024`` step is about 6 s here under ``cpu-emulated-ib``: a default round takes about
-20 minutes a run.
+20 minutes a run. A search on this box runs ``wide1024`` as a scale proxy; to compare with its
+config, run the job on that proxy (``--model PROXY.toml``, the proxy's shape as a model TOML):
+docs/benchmarks.md, "Tuning inside the job".
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ applied = apply_fsdp(model, load_config("best.toml"))
 from fsdp_runtime._toml import dumps as dumps_toml
 from fsdp_runtime._torch_compat import get_unsupported_knobs
 from fsdp_runtime.accumulation import GradAccumulator
+from fsdp_runtime.adopt import adopt_fsdp
 from fsdp_runtime.apply import AppliedFsdp, apply_fsdp, build_mesh, find_block_names, resolve_units
 from fsdp_runtime.blocks import find_edge_modules
 from fsdp_runtime.checkpointing import SAVED_OP_NAMES
@@ -74,6 +75,7 @@ __all__ = [
     "Provenance",
     "RuntimeConfig",
     "UnitConfig",
+    "adopt_fsdp",
     "apply_fsdp",
     "build_mesh",
     "apply_pipeline",

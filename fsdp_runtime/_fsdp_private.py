@@ -57,9 +57,14 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_runtime import _torch_compat
 
 
+def get_fsdp_state(module: FSDPModule) -> Any:
+    """The unit's FSDP state: one object for all the modules of one ``fully_shard`` call."""
+    return module._get_fsdp_state()
+
+
 def get_param_groups(module: FSDPModule) -> list[Any]:
     """The unit's ``FSDPParamGroup``s, in either torch layout ([Note: torch versions])."""
-    return _torch_compat.get_param_groups(module._get_fsdp_state())
+    return _torch_compat.get_param_groups(get_fsdp_state(module))
 
 
 def _grad_slots(param_group: Any) -> list[tuple[Any, torch.Tensor, str]]:

@@ -49,7 +49,13 @@ from fsdp_runtime.apply import AppliedFsdp, resolve_units, use_unshard_async
 from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig
 from fsdp_runtime.validation import validate_config
 
-__all__ = ["CONFIG_KNOBS_IN_PLACE", "UNIT_KNOBS_IN_PLACE", "get_structural_differences", "switch_config"]
+__all__ = [
+    "CONFIG_KNOBS_IN_PLACE",
+    "UNIT_KNOBS_IN_PLACE",
+    "get_structural_differences",
+    "set_knobs_in_place",
+    "switch_config",
+]
 
 UNIT_KNOBS_IN_PLACE = (
     "reshard_after_forward",  # bool or None; an int is structural
@@ -101,9 +107,15 @@ def switch_config(applied: AppliedFsdp, config: RuntimeConfig, *, device_type: s
     structural = get_structural_differences(applied.config, config)
     if structural:
         raise ValueError(f"cannot switch in place, these fields need a rebuild: {', '.join(structural)}")
-    unshard_async = use_unshard_async(config, device_type)
     # Off is FSDP2's default and needs no setter: a torch without it never turned it on.
-    set_async = unshard_async or use_unshard_async(applied.config, device_type)
+    set_async = use_unshard_async(config, device_type) or use_unshard_async(applied.config, device_type)
+    set_knobs_in_place(applied, config, device_type=device_type, set_async=set_async)
+
+
+def set_knobs_in_place(applied: AppliedFsdp, config: RuntimeConfig, *, device_type: str, set_async: bool) -> None:
+    """Set every in-place knob of ``config`` (resolved, same structure) on ``applied``'s units and make it
+    ``applied.config``; ``set_async``: call the async-unshard setter (a torch without it is never asked)."""
+    unshard_async = use_unshard_async(config, device_type)
     for unit in config.units:
         module = applied.units[unit.name]
         _set_prefetch(applied, unit)

@@ -7,6 +7,7 @@ Ranks import this module by name (``_harness:train_configs``): ``tests/conftest.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -215,7 +216,9 @@ def train_configs(
 def train_switched(
     rank: int, world_size: int, *, model: str, runs: list[dict[str, Any]], seed: int = 0
 ) -> list[dict[str, Any]]:
-    """Rank program: per run, build one model as ``run["build"]`` (from the same init), then
+    """Rank program: per run, build one model as ``run["build"]`` (from the same init; where the
+    run has ``adopt``, take it over with ``adopt_fsdp`` and that config, as if other code had
+    sharded it), then
     before step ``s`` switch it in place to ``run["steps"][s]`` (:meth:`Training.use_config`)
     where that differs from the config it has (a run whose steps are all its build config never
     switches: a fresh build). Per run this rank's losses, and per step its collectives and
@@ -223,7 +226,9 @@ def train_switched(
     results = []
     for run in runs:
         training = build_training(rank, world_size, model=model, config=run["build"], seed=seed)
-        active, losses, collectives, eager = run["build"], [], [], []
+        if "adopt" in run:  # the model as sharded by other code: adopt_fsdp sets run["adopt"]'s knobs on it
+            training = _adopted(training, run["adopt"])
+        active, losses, collectives, eager = run.get("adopt", run["build"]), [], [], []
         for s, config in enumerate(run["steps"]):
             if config != active:
                 training.use_config(config)
@@ -236,6 +241,13 @@ def train_switched(
         results.append({"losses": losses, "collectives": collectives, "eager_concats": eager})
         del training
     return results
+
+
+def _adopted(training: Training, config: dict[str, Any]) -> Training:
+    from fsdp_runtime import GradAccumulator, adopt_fsdp, config_from_dict
+
+    applied = adopt_fsdp(training.model, config_from_dict(config), device_type="cpu")
+    return dataclasses.replace(training, applied=applied, accumulator=GradAccumulator(applied), active_config=config)
 
 
 def train_pipeline_configs(

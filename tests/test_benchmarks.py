@@ -21,12 +21,14 @@ BENCHMARKS = {
     "analysis_throughput.py",
     "consolidation.py",
     "gpu_check.py",
+    "gpu_in_job.py",
     "gpu_sim_accuracy.py",
     "gpu_suite.py",
     "gpu_torchtitan.py",
     "in_job_tuner.py",
     "knobs.py",
     "memory_knobs.py",
+    "node_search.py",
     "realized_speedup.py",
     "search_time.py",
     "sharded_build.py",
@@ -158,6 +160,30 @@ def test_gpu_torchtitan_dry_run_builds_0_3_0_s_model_its_recipe_and_the_trial_sp
         "dry run: no trial ran",
     ]
     assert not list((tmp_path / "out").rglob("metrics.json"))  # nothing ran
+
+
+@pytest.mark.torch_matrix
+def test_gpu_in_job_dry_run_shards_0_3_0_s_model_as_torchtitan_does_and_adopts_it(tmp_path):
+    """benchmarks/gpu_in_job.py up to its first CUDA call: torchtitan 0.3.0's own sharding of its
+    llama3 1B (on meta, one gloo rank) adopted with its recipe, the tuner's moves on CUDA."""
+    from _torchtitan030 import require_torchtitan_030, run_with_030
+
+    args = ["benchmarks/gpu_in_job.py", "--dry-run", "--torchtitan", str(require_torchtitan_030())]
+    done = run_with_030([*args, "--out", str(tmp_path / "out")], timeout_s=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "torchtitan 0.3.0, llama3/1B"
+    assert "model: torchtitan-llama3-1B, 1.236B params, seq_len 4096 x batch 1" in lines
+    # 16 blocks, the tied embeddings + norm + head, the root: torchtitan's sharding, read back
+    assert "adopted: 18 units of torchtitan's sharding, bfloat16/float32" in lines
+    moves = next(line for line in lines if line.startswith("moves on cuda: "))
+    # on CUDA async unshard is a move; one microbatch per step in torchtitan's loop: no sync move
+    assert "forward_prefetch=depth1" in moves and "unshard_async=on" in moves and "sync=last" not in moves
+    assert lines[-3:] == [
+        "window: 80 steps of 120; first plan: the seed",
+        "tuned / untuned: not measured (no run)",
+        "dry run: no step ran",
+    ]
 
 
 def _write_search(run_dir: Path, ratios: list[tuple[dict, float, str]], winner: int, model: str = "small") -> None:

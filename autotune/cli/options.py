@@ -95,6 +95,26 @@ Storage = Annotated[
         field="storage",
     ),
 ]
+NodeWorkers = Annotated[
+    str | None,
+    option(
+        "--workers",
+        help="HOST:PORT where the ranks torchrun starts on every node join (-m autotune.trials.worker --pool HOST:PORT); "
+        "default: this host's own ranks.",
+        field="workers",
+    ),
+]
+SearchDryRun = Annotated[
+    bool,
+    option(
+        "--dry-run",
+        help="Print the plan, the space and, with --workers, the world formed across the nodes; run no trial.",
+    ),
+]
+JoinTimeout = Annotated[
+    float,
+    option("--join-timeout", help="With --workers: seconds to wait for the world to form.", field="join_timeout_s"),
+]
 StudyName = Annotated[str | None, option("--study-name", help="Study name; default: MODEL-wN-mbM.", field="study_name")]
 Resume = Annotated[bool, option("--resume", help="Continue the study (or join it as another worker).")]
 Sampler = Annotated[str, option("--sampler", help="tpe (seeded, default), random, cmaes or qmc.", field="sampler")]

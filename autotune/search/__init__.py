@@ -12,6 +12,7 @@ progress protocol) -> :mod:`~autotune.search.proxy` (real model or scale proxy) 
 space through the step simulator and ranks it (``--presearch sim`` and ``autotune plan``).
 """
 
+from autotune.search.dry_run import dry_run_search
 from autotune.search.preflight import check_mesh
 from autotune.search.proxy import ModelPlan, get_plan_hint, plan_for_this_machine, plan_model
 from autotune.search.ranking import KnobFactory, RankedPoint, get_forward_key, iter_memory_variants, rank_staged
@@ -22,6 +23,7 @@ from autotune.search.space import DEFAULTS_DESCRIPTION, SearchSpace, describe_pa
 from autotune.search.verdict import describe_figure
 
 __all__ = [
+    "dry_run_search",
     "DEFAULTS_DESCRIPTION",
     "SAMPLERS",
     "KnobFactory",

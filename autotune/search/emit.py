@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.search.context import SearchContext
+from autotune.search.nodes import get_world_notes
 from autotune.search.results import TrialRow
 from autotune.search.verdict import describe_figure
 from fsdp_runtime import Provenance, RuntimeConfig, save_config
@@ -48,6 +49,7 @@ def _get_notes(ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] 
         )
     if settings.cluster:
         notes.append(f"collectives were held to the emulated links of cluster profile {settings.cluster!r}")
+    notes.extend(get_world_notes(ctx.pool))  # the nodes, where the trials spanned them
     notes.extend(ctx.space.notes)  # knobs this torch cannot set, left out of the search
     return notes
 

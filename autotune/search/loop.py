@@ -42,7 +42,7 @@ from autotune.search.reference import DRIFT_LIMIT, Reference, chain, choose_refe
 from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour
 from autotune.search.results import TrialRow, pick_best
 from autotune.search.study import close_interrupted, get_worker_id, record_first_heartbeat
-from autotune.trials import RankPool, TrialResult, get_default_backend
+from autotune.trials import NodePool, RankPool, TrialResult, get_default_backend
 from fsdp_runtime import RuntimeConfig, dumps_config
 
 PLATEAU_MIN_GAIN = 0.01
@@ -360,8 +360,14 @@ def warm_up(ctx: SearchContext) -> None:
 
 
 def open_pool(settings: Any) -> contextlib.AbstractContextManager:
-    """A rank pool for the whole search (gloo on CPU, NCCL on CUDA: [Note: rank pool]), or
-    nothing (``use_pool=False``)."""
+    """A rank pool for the whole search (gloo on CPU, NCCL on CUDA: [Note: rank pool]); with
+    ``workers``, the ranks torchrun starts on every node ([Note: node pool]); or nothing
+    (``use_pool=False``)."""
+    if settings.workers is not None:
+        backend = get_default_backend()
+        return NodePool(
+            settings.world_size, address=settings.workers, backend=backend, join_timeout_s=settings.join_timeout_s
+        )
     if not settings.use_pool:
         return contextlib.nullcontext()
     return RankPool(settings.world_size, backend=get_default_backend())

@@ -33,6 +33,7 @@ from autotune.search.consolidation import time_consolidation
 from autotune.search.context import SearchContext
 from autotune.search.emit import emit_best
 from autotune.search.loop import get_rows, open_pool, search_loop, warm_up
+from autotune.search.nodes import get_world_notes
 from autotune.search.outcome import STORAGE_ERRORS, apply_pending
 from autotune.search.predictions import summarize_predictions
 from autotune.search.preflight import preflight
@@ -85,22 +86,17 @@ class SearchSummary:
 
 def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = None) -> SearchSummary:
     """Run (or continue) a search and write the run directory; returns the summary."""
-    import torch
 
     reporter = reporter or SilentReporter()
-    profile = load_model_source(settings.model)
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    mp = get_search_precision(settings, device_type)
-    check_machine(settings, profile, mp, device_type)
-    plan = make_plan(settings, profile, device_type)
-    preflight(settings)
+    profile, device_type, mp, plan = prepare_search(settings)
     study, created = open_study(settings, settings.get_study_name(profile.name))
     own_dir, lock = claim_out_dir(settings.out_dir)  # ``lock`` stays referenced (held) until we return
     plan = resolve_plan(study, settings, profile, plan, mixed_precision=mp)
     apply_pending(study, settings.out_dir / "pending")
     close_interrupted(study)
     space = make_space(settings, plan, device_type, mixed_precision=mp)
-    for note in [*space.notes, *get_environment_notes(device_type)]:  # knobs left out; CUDA_DEVICE_MAX_CONNECTIONS=1
+    notes = [*space.notes, *get_environment_notes(device_type), *get_node_notes(settings, space)]
+    for note in notes:  # knobs left out; CUDA_DEVICE_MAX_CONNECTIONS=1; the meshes by node
         reporter.on_phase(note)
     if created:
         study.enqueue_trial(space.get_default_params(), user_attrs={"is_default": True})
@@ -126,6 +122,35 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
             ) from None
 
 
+def prepare_search(settings: SearchSettings) -> tuple[ModelSource, str, MixedPrecisionConfig, ModelPlan]:
+    """Before anything is written: the model source, the device, the trials' precision and the
+    model plan, each checked against this machine and the settings."""
+    import torch
+
+    profile = load_model_source(settings.model)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    mp = get_search_precision(settings, device_type)
+    check_machine(settings, profile, mp, device_type)
+    plan = make_plan(settings, profile, device_type)
+    preflight(settings)
+    return profile, device_type, mp, plan
+
+
+def get_node_notes(settings: SearchSettings, space: SearchSpace) -> list[str]:
+    """Where the world spans nodes (the cluster profile's ``ranks_per_node`` below the world size),
+    one line naming every mesh of the space by node ([Note: node pool])."""
+    if settings.cluster is None:
+        return []
+    from autotune.search.nodes import describe_mesh_nodes, describe_world
+    from profiles import load_cluster_profile
+
+    per_node = load_cluster_profile(settings.cluster).ranks_per_node
+    if per_node >= settings.world_size:
+        return []
+    meshes = "; ".join(describe_mesh_nodes(m, settings.world_size, per_node) for m in space.get_mesh_choices())
+    return [f"{describe_world(settings.world_size, per_node)}: {meshes}"]
+
+
 def get_search_precision(settings: SearchSettings, device_type: str) -> MixedPrecisionConfig:
     """The precision of every trial of the search ([Note: precision defaults] in :mod:`autotune.trials.precision`)."""
     return resolve_precision(device_type, param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
@@ -135,7 +160,8 @@ def check_machine(settings: SearchSettings, profile: ModelSource, mp: MixedPreci
     """Before anything is written: the model trains on the device (torchtitan 0.3.0's not on CPU); on CUDA
     a GPU per rank, and the model's sharded training state fits one GPU."""
     check_device_type(profile, device_type)
-    check_cuda_devices(settings.world_size, device_type)
+    if settings.workers is None:  # across nodes, each node's ranks find their GPUs when the world forms
+        check_cuda_devices(settings.world_size, device_type)
     check_fits_gpu(profile, settings.world_size, mp, device_type=device_type)
 
 
@@ -211,7 +237,11 @@ def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
         default=next((r for r in rows if r.is_default), None),
         mixed_precision=dataclasses.asdict(ctx.space.mixed_precision),
         searched_reduce_dtype=ctx.space.search_reduce_dtype,
-        notes=get_environment_notes(ctx.space.device_type),
+        notes=[
+            *get_environment_notes(ctx.space.device_type),
+            *get_node_notes(ctx.settings, ctx.space),
+            *get_world_notes(ctx.pool),
+        ],
     )
     record.presearch = summarize_predictions(rows, ctx.study.user_attrs.get(PRESEARCH_ATTR))
     record.shortfall = get_shortfall(ctx, rows, stopped_because)

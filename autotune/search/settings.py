@@ -109,6 +109,12 @@ class SearchSettings:
     step_budget_s: float = 1.0
     """Per-microbatch step-time budget used to size a proxy on this machine."""
     use_pool: bool = True
+    workers: str | None = None
+    """``HOST:PORT``: the ranks are started by torchrun (or srun) on every node and join this
+    search's store there (``-m autotune.trials.worker --pool HOST:PORT``: [Note: node pool] in
+    :mod:`autotune.trials.nodes`); None: the search starts its own ranks on this host."""
+    join_timeout_s: float = 900.0
+    """With ``workers``: how long to wait for a world to form (the first, and after a failed trial)."""
     rank_program: str | None = None
     """Custom per-rank workload ``module:function`` (see :class:`autotune.trials.TrialSpec`)."""
     presearch: str | None = None

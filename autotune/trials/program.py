@@ -337,4 +337,5 @@ def _get_rank_env(device: torch.device) -> dict[str, Any]:
         "device": str(device),
         "cuda_device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "overlap_env": get_overlap_env(),  # what the ranks saw (env.json)
+        "node": int(os.environ.get("GROUP_RANK", "0")),  # torchrun's node rank ([Note: node pool]); 0 locally
     }

@@ -15,6 +15,7 @@ Both launchers start ranks through this module (see [Note: launching ranks] in
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import itertools
@@ -22,6 +23,7 @@ import os
 import pickle
 import sys
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -53,12 +55,15 @@ def init_rank(tmpdir: str, rank: int) -> tuple[dict, Any]:
     return spec, store
 
 
-def call_target(target: str, rank: int, world_size: int, kwargs: dict) -> Any:
+def call_target(
+    target: str, rank: int, world_size: int, kwargs: dict, on_fail: Callable[[int, str], None] | None = None
+) -> Any:
     """``module:function(rank, world_size, **kwargs)``; on failure print the reason and exit at once.
 
     A user error (:class:`AutotuneError`) prints one line and exits with ``EXIT_USER_ERROR``;
-    anything else prints the traceback and exits 1. Interpreter teardown is skipped: a peer
-    may be blocked in a collective with us.
+    anything else prints the traceback and exits 1. ``on_fail(code, text)`` is told first (a
+    worker on another node reports its reason through the driver's store). Interpreter teardown
+    is skipped: a peer may be blocked in a collective with us.
     """
     from autotune.trials.launch import EXIT_USER_ERROR
     from fsdp_runtime.errors import AutotuneError
@@ -67,12 +72,14 @@ def call_target(target: str, rank: int, world_size: int, kwargs: dict) -> Any:
     try:
         return getattr(importlib.import_module(module_name), fn_name)(rank, world_size, **kwargs)
     except AutotuneError as e:
-        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        os._exit(EXIT_USER_ERROR)
+        code, text = EXIT_USER_ERROR, f"{type(e).__name__}: {e}"
     except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        code, text = 1, traceback.format_exc()
+    print(text, file=sys.stderr, flush=True)
+    if on_fail is not None:
+        with contextlib.suppress(Exception):
+            on_fail(code, text)
+    os._exit(code)
 
 
 def _run_once(tmpdir: str, rank: int) -> None:
@@ -176,11 +183,9 @@ def _wait_for_job(jobs: Any, key: str) -> None:
             os._exit(0)  # connection closed: the parent is gone
 
 
-def _run_pool(tmpdir: str, rank: int) -> None:
-    spec, store = init_rank(tmpdir, rank)
-    import torch.distributed as dist
-
-    jobs = dist.PrefixStore("pool/", store)  # the pool's keys live apart from the group's own
+def serve_jobs(jobs: Any, rank: int, world_size: int, on_fail: Callable[[int, str], None] | None = None) -> None:
+    """Run the jobs set under ``jobs`` (a store) in order until told to exit: ``job/{n}`` in,
+    ``result/{n}/{rank}`` out (both the local pool's ranks and the workers torchrun starts)."""
     for n in itertools.count():
         _wait_for_job(jobs, f"job/{n}")
         job = jobs.get(f"job/{n}")
@@ -191,10 +196,17 @@ def _run_pool(tmpdir: str, rank: int) -> None:
             os._exit(0)
         job = pickle.loads(job)
         groups_before = _get_process_groups()
-        result = call_target(job["target"], rank, spec["world_size"], job["kwargs"])
+        result = call_target(job["target"], rank, world_size, job["kwargs"], on_fail)
         _release_job_groups(groups_before)
         jobs.set(f"result/{n}/{rank}", pickle.dumps(result))
         gc.collect()
+
+
+def _run_pool(tmpdir: str, rank: int) -> None:
+    spec, store = init_rank(tmpdir, rank)
+    import torch.distributed as dist
+
+    serve_jobs(dist.PrefixStore("pool/", store), rank, spec["world_size"])  # the pool's keys apart from the group's
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ INCOMPLETE_MARKER = "INCOMPLETE"
 """Present in a trial dir from the start of a trial until its ``metrics.json`` is written: a
 dir that still has it belongs to a trial whose launcher was killed."""
 ENV_KIND = "trial_env"
-ENV_SCHEMA_VERSION = 2
+ENV_SCHEMA_VERSION = 3
+"""3: ``ranks``, each rank's host and node (a search across nodes names both: [Note: node pool])."""
 """v2: ``overlap_env`` (the ranks' values of ``OVERLAP_ENV``)."""
 _STALE_FILES = ("metrics.json", "env.json", "config.toml")
 _STEP_COST_KEYS = (
@@ -174,4 +175,8 @@ def _get_env(spec: TrialSpec, rank_results: list[dict[str, Any]]) -> dict[str, A
         "cuda_device_name": rank_env.get("cuda_device_name"),
         "link_emulation": link_emulation,
         "overlap_env": rank_env.get("overlap_env", get_overlap_env()),
+        "ranks": [
+            {"rank": r, "host": result["env"]["host"], "node": result["env"].get("node", 0)}
+            for r, result in enumerate(rank_results)
+        ],
     }

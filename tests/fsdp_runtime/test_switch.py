@@ -72,6 +72,8 @@ def runs(pool2) -> dict[str, list[dict]]:
         "switched_keeping": {"build": d, "steps": [d, k, k, d]},
         "fresh_nosync": {"build": n, "steps": [n] * 3},
         "switched_nosync": {"build": d, "steps": [n, n, d]},
+        "adopted_keeping": {"build": d, "adopt": k, "steps": [k] * 4},
+        "adopted_nosync": {"build": d, "adopt": n, "steps": [n] * 3},
     }
     # One job on the session's pool (each run from a fresh build and seed); its hard limit kills every rank's tree.
     run = pool2.run("_harness:train_switched", {"model": "tiny", "runs": list(named.values())}, timeout_s=240)
@@ -111,6 +113,15 @@ def test_each_switch_takes_effect(runs):
     ]
     assert switched_n["eager_concats"][:2] == fresh_n["eager_concats"][:2] and fresh_n["eager_concats"][0] > 0
     assert switched_n["eager_concats"][2] == 0  # switched back: FSDP2's own post-backward again
+
+
+def test_a_model_sharded_elsewhere_and_adopted_trains_as_a_fresh_build_of_the_config(runs):
+    """adopt_fsdp on a model sharded at FSDP2's defaults sets every in-place knob of the config:
+    losses bitwise and collectives per step those of a fresh build of it."""
+    for adopted, fresh in (("adopted_keeping", "fresh_keeping"), ("adopted_nosync", "fresh_nosync")):
+        assert _field(runs, adopted, "losses") == _field(runs, fresh, "losses")
+        assert _field(runs, adopted, "collectives") == _field(runs, fresh, "collectives")
+        assert _field(runs, adopted, "eager_concats") == _field(runs, fresh, "eager_concats")
 
 
 STRUCTURAL = {

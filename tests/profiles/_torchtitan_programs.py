@@ -126,3 +126,93 @@ def run_readme_example(rank: int, world_size: int, *, model: str, config_path: s
         scope["train_step"]([(b[:, :-1], b[:, 1:]) for b in _batches(source, rank, step, num_microbatches)], optimizer)
         for step in range(num_steps)
     ]
+
+
+def get_tuner_example() -> str:
+    """docs/in-job.md's code block that adds the in-job tuner to torchtitan's trainer."""
+    text = (README.parent / "docs" / "in-job.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- torchtitan tuner -->\s*```python\n(.*?)```", text, re.S)
+    assert match, "docs/in-job.md has no <!-- torchtitan tuner --> code block"
+    return match.group(1)
+
+
+def _stand_in_trainer(model: str, world_size: int) -> type:
+    """A stand-in for ``torchtitan.train.Trainer`` (whose data, metrics and checkpoint packages
+    are not installed): torchtitan 0.2.2's llama3 sharded by torchtitan's own ``apply_fsdp``, and
+    a train step of ``Trainer.train_step``'s shape (the loss summed over tokens and divided by the
+    global token count, FSDP2's gradient division off, 2 microbatches, no sync knob). Gloo has no
+    ``PREMUL_SUM``, FSDP2's reduction without division, so the units reduce with a plain sum."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from profiles.sources import load_model_source
+
+    source = load_model_source(model)
+    source.build(device="meta")  # first: torchtitan's packages entered without its trainer's imports
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+
+    class Trainer:
+        def __init__(self) -> None:
+            module = source.build(seed=0)
+            mesh = init_device_mesh("cpu", (world_size,))
+            apply_fsdp(module, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+            for unit in module.modules():  # no division, as torchtitan has it, in a sum gloo can do (no PREMUL_SUM)
+                if hasattr(unit, "set_force_sum_reduction_for_comms"):
+                    unit.set_force_sum_reduction_for_comms(True)
+            self.model_parts = [module]
+            self.optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+            self.losses: list[float] = []
+
+        def train_step(self, data_iterator) -> None:
+            self.optimizer.zero_grad()
+            microbatches = next(data_iterator)
+            global_tokens = sum(b[:, 1:].numel() for b in microbatches) * world_size
+            total = 0.0
+            for batch in microbatches:
+                loss = cross_entropy_loss(self.model_parts[0](batch[:, :-1]), batch[:, 1:]) / global_tokens
+                loss.backward()
+                total += loss.item()
+            self.optimizer.step()
+            self.losses.append(total)
+
+    return Trainer
+
+
+def run_tuned_trainer(
+    rank: int, world_size: int, *, model: str, num_steps: int, tuner: dict[str, Any] | None, out: str
+) -> dict[str, Any]:
+    """docs/in-job.md's ``TunedTrainer`` executed as written (on CPU, ``out`` for its path) over the
+    stand-in trainer, or the stand-in untuned where ``tuner`` is None: this rank's losses, the
+    tuner's decisions, and what ``adopt_fsdp`` says of a config that is not torchtitan's sharding."""
+    import functools
+    import sys
+    import types
+
+    from fsdp_runtime import ConfigError, adopt_fsdp, default_config
+    from profiles.sources import load_model_source
+
+    stand_in = types.ModuleType("torchtitan.train")
+    stand_in.Trainer = _stand_in_trainer(model, world_size)
+    sys.modules["torchtitan.train"] = stand_in
+    scope: dict[str, Any] = {}
+    code = get_tuner_example().replace('device_type="cuda"', 'device_type="cpu"').replace('"tuned.toml"', repr(out))
+    exec(compile(code, "docs/in-job.md", "exec"), scope)
+    trainer = (scope["TunedTrainer"] if tuner is not None else stand_in.Trainer)()
+    refused = None
+    try:  # FSDP2's defaults name the blocks and the root only: torchtitan also shards the edges
+        adopt_fsdp(trainer.model_parts[0], default_config([f"layers.{i}" for i in range(6)]))
+    except ConfigError as e:
+        refused = str(e)
+    if tuner is not None:  # the block's own line builds the tuner, with the test's window
+        scope["InJobTuner"] = functools.partial(scope["InJobTuner"], **tuner)
+    source = load_model_source(model)
+    batches = iter([_batches(source, rank, step, 2) for step in range(num_steps)])
+    for _ in range(num_steps):
+        trainer.train_step(batches)
+    out_dict: dict[str, Any] = {"losses": trainer.losses, "refused": refused}
+    if tuner is not None:
+        out_dict |= {
+            "decisions": [(d.name, d.outcome) for d in trainer.tuner.decisions],
+            "finished": trainer.tuner.finished,
+        }
+    return out_dict

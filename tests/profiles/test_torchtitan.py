@@ -253,3 +253,27 @@ def test_search_emit_apply_and_train_a_torchtitan_model(tmp_path, shared_pool):
     )
     assert readme.ok, readme.reason
     assert readme.results == [losses["emitted"] for losses in run.results]
+
+
+@pytest.mark.multirank
+def test_the_in_job_tuner_in_torchtitan_s_trainer_tunes_and_its_losses_are_bitwise_untuned(tmp_path, shared_pool):
+    """docs/in-job.md's two lines in a subclass of torchtitan's trainer, run as written on a model
+    torchtitan's own ``apply_fsdp`` sharded (``adopt_fsdp``): the tuner tries at least three
+    configs, settles and writes its config; every loss equals the untuned job's bitwise."""
+    model, out = _shorter(tmp_path), tmp_path / "tuned.toml"
+    job = {"model": model, "num_steps": 30, "out": str(out)}
+    tuner = {"max_steps": 26, "num_pairs": 3, "warmup_steps": 2}
+    tuned = shared_pool.run("_torchtitan_programs:run_tuned_trainer", job | {"tuner": tuner}, timeout_s=150)
+    assert tuned.ok, f"{tuned.status}: {tuned.reason}\n{tuned.stderr_tails}"
+    untuned = shared_pool.run("_torchtitan_programs:run_tuned_trainer", job | {"tuner": None}, timeout_s=150)
+    assert untuned.ok, f"{untuned.status}: {untuned.reason}\n{untuned.stderr_tails}"
+    for rank, plain in zip(tuned.results, untuned.results, strict=True):
+        assert len(rank["decisions"]) >= 3 and rank["finished"], rank["decisions"]
+        assert rank["losses"] == plain["losses"] and len(plain["losses"]) == 30
+        assert "tok_embeddings" in rank["refused"] and "units" in rank["refused"]
+    assert tuned.results[0]["decisions"] == tuned.results[1]["decisions"]
+    written = load_config(out)  # torchtitan's units, and the precision read from its model
+    recipe = get_torchtitan_units(load_model_source(LLAMA).build(device="meta"))
+    assert written.provenance.produced_by == "in-job tuner"
+    assert [u.name for u in written.units] == [u.name for u in recipe]
+    assert (written.mixed_precision.param_dtype, written.mixed_precision.reduce_dtype) == ("float32", "float32")

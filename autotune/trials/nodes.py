@@ -1,0 +1,265 @@
+"""A rank pool whose ranks the user's launcher starts on every node: the search across nodes.
+
+    autotune search --model llama8b --nproc 32 --workers 0.0.0.0:29401 ...          # the driver, on one node
+    torchrun --nnodes 4 --nproc-per-node 8 ... -m autotune.trials.worker --pool HEAD:29401   # every node
+
+[Note: node pool]
+The local :class:`~autotune.trials.pool.RankPool` and :class:`NodePool` are one design with two
+ways of starting ranks. In both, a driver process owns a ``TCPStore``; the ranks form one world,
+keep it (CUDA context, NCCL communicators, kept meshes) and serve jobs from that store in order
+(:func:`autotune.trials.rank.serve_jobs`: ``job/{n}`` in, ``result/{n}/{rank}`` out); the driver
+runs the whole search (the study, the paired trials, the stopping rule, the final and recipe
+rounds, the emitted config, every trial dir) through the same ``pool.run`` and
+:func:`~autotune.trials.trial.run_trial`. What differs is who starts and stops the ranks:
+
+- *local*: the driver spawns them and kills their process trees after a failure, then spawns
+  fresh ones for the next trial;
+- *nodes*: torchrun (or srun running torchrun) starts them on every node
+  (``autotune.trials.worker``), and restarts them: the driver cannot kill a process on another
+  node, so after a failure it *aborts the world*. It sets ``gen/{g}/abort``, every rank's
+  heartbeat thread sees it within a second and exits, and each torchrun agent, seeing its
+  workers gone, starts new ones (``--max-restarts``). The failed trial is recorded with its
+  reason, as locally, and the next runs on the next world.
+
+*Admission.* Each started worker takes a ticket from the driver's store and posts its rank
+(torchrun's ``RANK``), host, node and pid. Once every rank has a worker newer than the last
+world's, the driver admits the newest of each into world ``g + 1``, and they form their process
+group on the driver's store under ``pg/{g+1}``. Not on torchrun's own store: its workers find
+each other there under the agent's restart count, and an agent restarted for a peer's failure
+(a membership change) does not count that restart, so after a rank is killed the two sides
+would look for each other under different keys; measured, every restart then failed until the
+restarts were spent. A world whose ranks do not all register within :data:`_FORM_S` (a worker
+died before) is aborted and the next admitted.
+
+*Failures* reach the driver in three ways: a rank's own report (``gen/{g}/failed/{rank}``: its
+exception's text, written before it exits), the silence of its heartbeat (``beat/{rank}`` stops
+counting for ``lost_after_s``: killed, out of host memory, or its node lost), or the job's time
+limit (a hang). The driver lives outside the world, not in its rank 0: a world is re-formed by
+restarting every worker, which would end a driver inside one with every failed trial. A world
+that does not form within ``join_timeout_s`` is one line naming the address and what joined.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import PrefixStore
+
+from autotune.trials.launch import RankRun, classify_failure
+from autotune.trials.worker import parse_address
+from fsdp_runtime.errors import AutotuneError
+
+__all__ = ["NodePool", "NodePoolError"]
+
+_POLL_S = 0.05
+_FORM_S = 60.0  # how long admitted workers have to form their process group
+
+
+class NodePoolError(AutotuneError):
+    """No world formed: the workers did not join, or torchrun's restarts are spent."""
+
+
+class NodePool:
+    """``world_size`` ranks started by a launcher on every node and joined to this driver's store
+    at ``address`` ([Note: node pool]); runs jobs as :class:`~autotune.trials.pool.RankPool` does."""
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        address: str,
+        backend: str = "gloo",
+        join_timeout_s: float = 900.0,
+        lost_after_s: float = 20.0,
+        say: Any = None,
+    ) -> None:
+        from torch.distributed import TCPStore
+
+        host, port = parse_address(address)
+        self.world_size, self.backend, self.address = world_size, backend, address
+        self.join_timeout_s, self.lost_after_s = join_timeout_s, lost_after_s
+        self._say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        self._keys = PrefixStore("nodepool/", self._store)
+        self.generation = 0
+        """The world the next job runs on (0: none joined yet)."""
+        self.placement: list[dict[str, Any]] = []
+        """Each rank's host, node, local rank and pid in the current world."""
+        self.num_starts = 0
+        self._live = False
+        self._next_job = 0
+        self._jobs: Any = None
+        self._scanned = 0  # tickets read so far
+        self._floor = 0  # tickets up to here belong to earlier worlds' workers
+        self._newest: dict[int, tuple[int, dict[str, Any]]] = {}  # per rank, its newest worker's ticket
+        self._beats: dict[int, tuple[int, float]] = {}
+
+    def __enter__(self) -> NodePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p["pid"] for p in self.placement]
+
+    @property
+    def nodes(self) -> list[str]:
+        """The current world's nodes, in rank order of their first rank: ``host`` (``node N``)."""
+        seen: dict[int, str] = {}
+        for p in self.placement:
+            seen.setdefault(p["node"], f"{p['host']} (node {p['node']})")
+        return list(seen.values())
+
+    def run(self, target: str, kwargs: dict[str, Any] | None = None, *, timeout_s: float = 120.0) -> RankRun:
+        """Run ``target`` on every rank of the current world (waiting for one to form first)."""
+        start = time.monotonic()
+        if not self._live:
+            self._join()
+        n, prefix = self._next_job, f"gen/{self.generation}/"
+        self._next_job += 1
+        self._jobs.set(f"job/{n}", pickle.dumps({"target": target, "kwargs": kwargs or {}}))
+        keys = [f"result/{n}/{r}" for r in range(self.world_size)]
+        failure = self._wait(keys, prefix, start + timeout_s)
+        if failure is None:
+            results = [pickle.loads(self._jobs.get(k)) for k in keys]
+            return RankRun(
+                status="ok",
+                results=results,
+                returncodes=[None] * self.world_size,
+                wall_s=time.monotonic() - start,
+                pids=self.pids,
+            )
+        self._abort(prefix)
+        return self._failed_run(failure, prefix, timeout_s, time.monotonic() - start)
+
+    def close(self) -> None:
+        """Tell the current world's ranks to exit (torchrun then ends, its workers done)."""
+        if self._live:
+            self._jobs.set(f"job/{self._next_job}", b"exit")
+            self._live = False
+
+    # -- internals ------------------------------------------------------------------
+
+    def _join(self) -> None:
+        """Admit the newest worker of every rank into the next world and wait for it to form; a
+        world that does not form within :data:`_FORM_S` is aborted and the next one admitted."""
+        deadline = time.monotonic() + self.join_timeout_s
+        self._say(f"waiting for {self.world_size} ranks at {self.address}: start the workers on every node")
+        admitted: dict[int, int] | None = None
+        while True:
+            self._scan_tickets()
+            now = time.monotonic()
+            if admitted is None and sorted(self._newest) == list(range(self.world_size)):
+                self.generation += 1
+                admitted, admitted_at = {r: t for r, (t, _) in self._newest.items()}, now
+                for ticket in admitted.values():
+                    self._keys.set(f"admitted/{ticket}", str(self.generation))
+                self._newest = {}
+            if admitted is not None:
+                prefix = f"gen/{self.generation}/"
+                if all(self._keys.check([f"{prefix}rank/{r}"]) for r in range(self.world_size)):
+                    break
+                if now - admitted_at > _FORM_S:  # a worker died before forming it: the next world
+                    self._keys.set(f"{prefix}abort", b"1")
+                    self._floor, admitted = max(admitted.values()), None
+            if now > deadline:
+                raise NodePoolError(
+                    f"no world of {self.world_size} ranks formed at {self.address} within {self.join_timeout_s:.0f} s "
+                    f"({len(self._newest)} rank(s) waiting, {self.generation} world(s) admitted so far); check that torchrun "
+                    f"runs `-m autotune.trials.worker --pool {self.address}` on every node with --nnodes x "
+                    f"--nproc-per-node = {self.world_size}, and that its --max-restarts are not spent"
+                )
+            time.sleep(_POLL_S * 4)
+        self._start_world(prefix, max(admitted.values()))
+
+    def _scan_tickets(self) -> None:
+        """Read the tickets workers took since the last scan; keep the newest per rank above the floor."""
+        count = self._keys.add("tickets", 0)
+        while self._scanned < count and self._keys.check([f"ticket/{self._scanned + 1}"]):
+            self._scanned += 1
+            info = json.loads(self._keys.get(f"ticket/{self._scanned}"))
+            if info["world_size"] != self.world_size:
+                raise NodePoolError(
+                    f"a worker on {info['host']} is in a world of {info['world_size']} ranks (torchrun's --nnodes x "
+                    f"--nproc-per-node), the search runs {self.world_size} (--nproc)"
+                )
+            if self._scanned <= self._floor:
+                continue
+            older = self._newest.get(info["rank"])
+            if older is not None:  # that worker was replaced: it may go
+                self._keys.set(f"admitted/{older[0]}", b"0")
+            self._newest[info["rank"]] = (self._scanned, info)
+
+    def _start_world(self, prefix: str, last_ticket: int) -> None:
+        self._floor, self._next_job, self._live = last_ticket, 0, True
+        # the ranks' job loop reads a store nested in the generation's prefix (a PrefixStore joins with "/")
+        self._jobs = PrefixStore(prefix, self._keys)
+        self.placement = [json.loads(self._keys.get(f"{prefix}rank/{r}")) for r in range(self.world_size)]
+        self._beats = {r: (0, time.monotonic()) for r in range(self.world_size)}
+        self.num_starts += 1
+        self._say(
+            f"world {self.generation}: {self.world_size} ranks on {len(self.nodes)} node(s): {', '.join(self.nodes)}"
+        )
+
+    def _wait(self, keys: list[str], prefix: str, deadline: float) -> dict[str, Any] | None:
+        """None once every result is in; else what ended the wait (a report, a lost rank, the clock)."""
+        while True:
+            if self._jobs.check(keys):
+                return None
+            reported = [r for r in range(self.world_size) if self._keys.check([f"{prefix}failed/{r}"])]
+            if reported:
+                time.sleep(1.0)  # a peer's own report may follow: the first one is the cause
+                return {"reported": [r for r in range(self.world_size) if self._keys.check([f"{prefix}failed/{r}"])]}
+            lost = self._find_lost(prefix)
+            if lost:
+                return {"lost": lost}
+            if time.monotonic() > deadline:
+                return {"timed_out": True}
+            time.sleep(_POLL_S)
+
+    def _find_lost(self, prefix: str) -> list[int]:
+        """Ranks whose heartbeat has not counted up for ``lost_after_s``."""
+        now, lost = time.monotonic(), []
+        for rank, (count, since) in self._beats.items():
+            latest = self._keys.add(f"{prefix}beat/{rank}", 0)
+            if latest != count:
+                self._beats[rank] = (latest, now)
+            elif now - since > self.lost_after_s:
+                lost.append(rank)
+        return lost
+
+    def _abort(self, prefix: str) -> None:
+        self._keys.set(f"{prefix}abort", b"1")
+        self._live = False
+
+    def _failed_run(self, failure: dict[str, Any], prefix: str, timeout_s: float, wall_s: float) -> RankRun:
+        codes: list[int | None] = [None] * self.world_size
+        tails = [""] * self.world_size
+        for rank in failure.get("reported", []):
+            report = json.loads(self._keys.get(f"{prefix}failed/{rank}"))
+            codes[rank], tails[rank] = report["code"], report["tail"]
+        if failure.get("lost"):
+            where = ", ".join(f"rank {r} on {self.placement[r]['host']}" for r in failure["lost"])
+            reason = f"{where} stopped answering for {self.lost_after_s:.0f} s (killed, out of host memory, or its node lost)"
+            return RankRun(
+                status="crash", reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall_s, pids=self.pids
+            )
+        status, reason = classify_failure(
+            codes,
+            tails,
+            timed_out=bool(failure.get("timed_out")),
+            timeout_s=timeout_s,
+            exit_order=failure.get("reported"),
+        )
+        if failure.get("timed_out"):
+            reason = f"no result after {timeout_s:.0f}s (deadlock or too slow); the world was aborted on every node"
+        return RankRun(
+            status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall_s, pids=self.pids
+        )

@@ -1,0 +1,146 @@
+"""Take over a model that other code sharded (torchtitan's parallelize, a user's own ``fully_shard`` calls).
+
+[Note: adopting a sharded model]
+``apply_fsdp`` shards a model itself. A trainer that shards its model with its own
+``fully_shard`` calls (torchtitan: ``parallelize_llama`` and its ``apply_fsdp``) would have to be
+edited to use it. :func:`adopt_fsdp` instead describes the model already sharded as a runtime
+config and returns the same handle, so what works on ``apply_fsdp``'s handle (the in-job tuner,
+``switch_config``, ``GradAccumulator``) works on that model unchanged.
+
+What FSDP2 fixed at ``fully_shard`` time is *checked* against the config, never changed:
+
+- the units: each unit's modules are ``FSDPModule`` s, a grouped unit's modules share one FSDP
+  state (one ``fully_shard`` call), no two units share one, and no module is sharded that no unit
+  names (its parameters would be in a param group the config does not know);
+- the mesh, read from a parameter's ``DTensor.device_mesh``: 1-D is FSDP, 2-D is HSDP
+  ``(replicate, shard)``;
+- the mixed precision, read from each unit's param groups (their ``MixedPrecisionPolicy``).
+
+The config's mesh and mixed precision may be left at their defaults: they are then read from the
+model, so the handle's config (and a config the tuner writes from it) states what the model
+runs. Where the config states them otherwise it is refused. Activation checkpointing cannot be
+read back from a model and is taken from the config as it is.
+
+What can be set on a sharded model (:data:`~fsdp_runtime.UNIT_KNOBS_IN_PLACE`,
+:data:`~fsdp_runtime.CONFIG_KNOBS_IN_PLACE`) is *set* as the config says, overwriting what the
+other code set: from then on the config is the truth about the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fsdp_runtime._fsdp_private import get_fsdp_state, get_param_groups
+from fsdp_runtime._torch_compat import get_unsupported_knobs
+from fsdp_runtime.apply import AppliedFsdp, resolve_units
+from fsdp_runtime.config import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, RuntimeConfig
+from fsdp_runtime.errors import ConfigError
+from fsdp_runtime.switch import set_knobs_in_place
+from fsdp_runtime.validation import validate_config, validate_for_world
+
+__all__ = ["adopt_fsdp"]
+
+
+def adopt_fsdp(model: nn.Module, config: RuntimeConfig, *, device_type: str | None = None) -> AppliedFsdp:
+    """The handle :func:`~fsdp_runtime.apply_fsdp` returns, for a ``model`` already sharded by other
+    code's ``fully_shard`` calls ([Note: adopting a sharded model]): its units, mesh and precision
+    checked against ``config``, every in-place knob of ``config`` set on it. Call between
+    optimizer steps (before the first, as a rule); :class:`~fsdp_runtime.ConfigError` names the
+    unit or field that does not match the model."""
+    validate_config(config)
+    if config.mesh.pp > 1:
+        raise ConfigError("mesh.pp", "a pipeline's stages cannot be adopted", fix="shard them with apply_pipeline")
+    config = resolve_units(model, config)
+    units = _get_units(model, config)
+    mesh = _get_mesh(model)
+    config = dataclasses.replace(
+        config, mesh=_read_mesh(config.mesh, mesh), mixed_precision=_read_precision(config, units)
+    )
+    validate_for_world(config, mesh.size())
+    if device_type is None:
+        device_type = mesh.device_type
+    applied = AppliedFsdp(model=model, config=config, mesh=mesh, units=units)
+    set_async = "unshard_async" not in get_unsupported_knobs()  # set off where it can be: FSDP2's default
+    set_knobs_in_place(applied, config, device_type=device_type, set_async=set_async)
+    return applied
+
+
+def _get_units(model: nn.Module, config: RuntimeConfig) -> dict[str, FSDPModule]:
+    """Each unit's first module, every module of every unit checked as sharded by that unit alone."""
+    modules = dict(model.named_modules())
+    units: dict[str, FSDPModule] = {}
+    states: dict[int, str] = {}
+    for i, unit in enumerate(config.units):
+        paths = [""] if unit.name == ROOT_UNIT else unit.get_modules()
+        for path in paths:
+            if not isinstance(modules[path], FSDPModule):
+                raise ConfigError(
+                    f"units[{i}]",
+                    f"{path or 'the root'} ({type(modules[path]).__name__}) is not sharded: the model was sharded "
+                    "with other units than the config's",
+                    fix="name the modules the model's fully_shard calls were given",
+                )
+            owner = states.setdefault(id(get_fsdp_state(modules[path])), unit.name)
+            if owner != unit.name:
+                raise ConfigError(
+                    f"units[{i}]", f"{path} was sharded in one fully_shard call with unit {owner}", fix="group them"
+                )
+        if len({id(get_fsdp_state(modules[p])) for p in paths}) > 1:
+            raise ConfigError(f"units[{i}]", f"{', '.join(paths)} were sharded by separate fully_shard calls")
+        units[unit.name] = modules[paths[0]]  # type: ignore[assignment]
+    named = {path for unit in config.units for path in ([""] if unit.name == ROOT_UNIT else unit.get_modules())}
+    stray = [path for path, m in modules.items() if isinstance(m, FSDPModule) and path not in named]
+    if stray:
+        raise ConfigError("units", f"{stray[0]} is sharded but in no unit of the config", fix="add a unit for it")
+    return units
+
+
+def _get_mesh(model: nn.Module) -> DeviceMesh:
+    sharded = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if sharded is None:
+        raise ConfigError("model", f"{type(model).__name__} has no sharded parameter", fix="use apply_fsdp")
+    return sharded.device_mesh
+
+
+def _read_mesh(stated: MeshConfig, mesh: DeviceMesh) -> MeshConfig:
+    """The mesh the model is sharded over; the config's where it states one of that shape."""
+    if mesh.ndim == 2:
+        read = MeshConfig(kind="hsdp", replicate=mesh.size(0), shard=mesh.size(1))
+    else:
+        read = MeshConfig()  # FSDP over all ranks
+    if stated == MeshConfig():
+        return read
+    if stated.kind != read.kind or stated.get_shape(mesh.size()) != read.get_shape(mesh.size()):
+        shape = tuple(mesh.mesh.shape)
+        raise ConfigError("mesh", f"the model is sharded over a {shape} mesh, the config says {stated}")
+    return stated
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _read_precision(config: RuntimeConfig, units: dict[str, FSDPModule]) -> MixedPrecisionConfig:
+    """The one precision of every unit's param groups; the config's where it states the same."""
+    read = {
+        (_dtype_name(g.mp_policy.param_dtype), _dtype_name(g.mp_policy.reduce_dtype))
+        for module in units.values()
+        for g in get_param_groups(module)
+    }
+    if len(read) > 1:
+        raise ConfigError("mixed_precision", f"the model's units differ in precision: {sorted(map(str, read))}")
+    param, reduce = next(iter(read), (None, None))
+    found = MixedPrecisionConfig(param_dtype=param, reduce_dtype=reduce)
+    stated = config.mixed_precision
+    if stated != MixedPrecisionConfig() and (stated.param_dtype, stated.reduce_dtype or stated.param_dtype) != (
+        param,
+        reduce or param,
+    ):
+        raise ConfigError("mixed_precision", f"the model's units run {found}, the config says {stated}")
+    return stated if stated != MixedPrecisionConfig() else found

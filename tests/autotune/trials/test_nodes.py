@@ -1,0 +1,213 @@
+"""The search across nodes ([Note: node pool] in autotune/trials/nodes.py): two torchrun agents on
+loopback stand in for two nodes of one rank each (gloo, ``--rdzv-backend c10d``).
+
+The pool's faults on a real world: a job that raises on one rank, a rank killed mid-job, a hang
+past the limit; each fails that job with its reason, and the next job runs on the world torchrun
+forms again (``--max-restarts``). A world that never forms is one line naming the address. End to
+end: ``autotune search --workers`` drives the agents' ranks through a whole search that emits,
+and every trial dir names both nodes. Every process has a hard wall-clock limit and is killed
+with its whole tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from _harness import reference_losses
+
+from autotune.trials.nodes import NodePool, NodePoolError
+from fsdp_runtime import config_to_dict, load_config
+
+pytestmark = pytest.mark.multirank
+
+REPO = Path(__file__).resolve().parents[3]
+AGENT_LIMIT_S = 300
+UNSHARDED_REL_TOL = 1e-4
+"""Sharded training against one process without FSDP ([the runtime config](docs/config.md), "Math")."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_agents(pool_address: str, out: Path, *, max_restarts: int = 6) -> list[subprocess.Popen]:
+    """Two torchrun agents (``--nnodes 2 --nproc-per-node 1``) whose workers join ``pool_address``."""
+    rdzv = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        rdzv,
+        "--rdzv-id",
+        "autotune-test",
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
+        "-m",
+        "autotune.trials.worker",
+        "--pool",
+        pool_address,
+        "--join-timeout-s",
+        "60",
+    ]
+    agents = []
+    for node in range(2):
+        with open(out / f"agent{node}.log", "w") as log:
+            agents.append(
+                subprocess.Popen(
+                    command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+    return agents
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """SIGKILL every process group left (an agent's workers run in its group)."""
+    for proc in processes:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """A NodePool (the driver) and two torchrun agents joined to it."""
+    address = f"127.0.0.1:{free_port()}"
+    lines: list[str] = []
+    pool = NodePool(2, address=address, join_timeout_s=90, lost_after_s=4, say=lines.append)
+    agents = start_agents(address, tmp_path)
+    try:
+        yield pool, lines
+    finally:
+        pool.close()
+        time.sleep(0.5)
+        stop(agents)
+
+
+def test_faults_fail_one_job_each_and_the_next_runs_on_a_new_world(two_nodes):
+    pool, lines = two_nodes
+    first = pool.run("_trial_programs:get_rank_pid", timeout_s=90)
+    assert first.ok, first.reason
+    assert [p["node"] for p in pool.placement] == [0, 1] and pool.generation == 1
+    assert lines[-1].startswith("world 1: 2 ranks on 2 node(s): ")
+
+    raised = pool.run("_trial_programs:crash_on_rank1", timeout_s=60)  # its own report
+    assert raised.status == "crash" and "injected failure on rank 1" in raised.reason, raised.reason
+    again = pool.run("_trial_programs:get_rank_pid", timeout_s=90)
+    assert again.ok and pool.generation == 2 and again.results != first.results  # fresh ranks
+
+    started = time.monotonic()  # rank 1 killed mid-job, as a node lost: no report, its heartbeat stops
+    threading.Timer(1.5, os.kill, (pool.placement[1]["pid"], signal.SIGKILL)).start()
+    lost = pool.run("_trial_programs:sleep_then_pid", {"seconds": 60}, timeout_s=60)
+    assert lost.status == "crash" and "rank 1 on" in lost.reason and "stopped answering" in lost.reason, lost.reason
+    assert time.monotonic() - started < 30
+
+    hung = pool.run("_trial_programs:sleep_then_pid", {"seconds": 60}, timeout_s=3)
+    assert hung.status == "timeout" and "aborted on every node" in hung.reason
+    last = pool.run("_trial_programs:get_rank_pid", timeout_s=90)
+    assert last.ok and pool.num_starts == 4, lines  # one world per failure, each formed by torchrun again
+
+
+def test_a_world_that_never_forms_is_one_line_naming_the_address():
+    address = f"127.0.0.1:{free_port()}"
+    pool = NodePool(2, address=address, join_timeout_s=1, say=lambda line: None)
+    with pytest.raises(NodePoolError, match=rf"no world of 2 ranks formed at {address} within 1 s"):
+        pool.run("_trial_programs:get_rank_pid", timeout_s=5)
+
+
+def test_a_search_across_two_agents_emits_and_every_trial_names_both_nodes(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "search"
+    search = [sys.executable, "-c", "import cli; cli.main()", "search", "--model", "tiny", "--trials", "3"]
+    search += ["--workers", address, "--cluster", "cpu-emulated-2node", "--confirm-pairs", "1", "--patience", "0"]
+    search += ["--trial-timeout", "90", "--json", "--out", str(out)]
+    with open(tmp_path / "driver.log", "w") as log:
+        driver = subprocess.Popen(search, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    agents = start_agents(address, tmp_path)
+    try:
+        driver.wait(timeout=AGENT_LIMIT_S)
+    finally:
+        stop([driver, *agents])
+    log = (tmp_path / "driver.log").read_text()
+    assert driver.returncode == 0, log[-3000:]
+    assert "world 1: 2 ranks on 2 node(s)" in log
+    assert (out / "best.toml").is_file()
+    trial_dirs = sorted((out / "trials").glob("trial_*"))
+    assert trial_dirs
+    for trial in trial_dirs:
+        env = json.loads((trial / "env.json").read_text())
+        assert [r["node"] for r in env["ranks"]] == [0, 1], trial
+    best = load_config(out / "best.toml")
+    assert any(
+        note.startswith("trials ran on 2 node(s) of 1 rank(s), started by torchrun") for note in best.provenance.notes
+    )
+    record = json.loads((out / "search.json").read_text())
+    meshes = "2 ranks on 2 node(s) of 1: fsdp: shard over 2 nodes; hsdp:2x1: shard in each node, replicate over 2 nodes"
+    assert meshes in record["notes"] and any(n.startswith("trials ran on 2 node(s)") for n in record["notes"])
+
+    # The emitted config in a training loop on a fresh two-node world: the unsharded model's losses.
+    address = f"127.0.0.1:{free_port()}"
+    pool = NodePool(2, address=address, join_timeout_s=90, say=lambda line: None)
+    agents = start_agents(address, tmp_path)
+    try:
+        job = {"model": "tiny", "config": config_to_dict(best), "num_steps": 3}
+        run = pool.run("_harness:train_losses", job, timeout_s=120)
+    finally:
+        pool.close()
+        time.sleep(0.5)
+        stop(agents)
+    assert run.ok, run.reason
+    expected = reference_losses(model="tiny", world_size=2, num_microbatches=best.num_microbatches, num_steps=3)
+    for losses, reference in zip(run.results, expected, strict=True):
+        assert losses == pytest.approx(reference, rel=UNSHARDED_REL_TOL)
+
+
+def test_a_dry_run_forms_the_world_across_the_nodes_and_runs_no_trial(tmp_path):
+    """``autotune search --dry-run --workers``: what a cluster user runs first."""
+    address, out = f"127.0.0.1:{free_port()}", tmp_path / "search"
+    command = [sys.executable, "-c", "import cli; cli.main()", "search", "--model", "tiny", "--dry-run"]
+    command += ["--workers", address, "--cluster", "cpu-emulated-2node", "--out", str(out)]
+    with open(tmp_path / "driver.log", "w") as log:
+        driver = subprocess.Popen(
+            command, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
+        )
+    agents = start_agents(address, tmp_path)
+    try:
+        stdout, _ = driver.communicate(timeout=AGENT_LIMIT_S)
+        codes = [agent.wait(timeout=60) for agent in agents]  # the world told to exit: torchrun ends
+    finally:
+        stop([driver, *agents])
+    assert driver.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    lines = stdout.splitlines()
+    assert lines[0] == "model: tiny" and "world: 2 ranks on 2 node(s)" in lines
+    assert any(line.startswith("  node 0 (") and line.endswith("ranks 0 on cpu") for line in lines)
+    assert any(line.startswith("  node 1 (") and line.endswith("ranks 1 on cpu") for line in lines)
+    assert (
+        "2 ranks on 2 node(s) of 1: fsdp: shard over 2 nodes; hsdp:2x1: shard in each node, replicate over 2 nodes"
+        in lines
+    )
+    assert any(line.startswith("all-reduce of 8 MiB over every rank: ") for line in lines)
+    assert lines[-1] == "dry run: no trial ran" and codes == [0, 0]
+    assert not list(out.iterdir())  # --out checked writable; no study, no trial dir
