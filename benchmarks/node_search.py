@@ -65,6 +65,7 @@ def run_search(name: str, args: argparse.Namespace, out: Path) -> dict:
         command += ["--workers", address]
         extra = [agent_command(address)] * 2
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out.parent.mkdir(parents=True, exist_ok=True)
     start, load = time.monotonic(), os.getloadavg()[0]
     with open(out.parent / f"{out.name}.log", "w") as log:
         procs = [
