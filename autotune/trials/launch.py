@@ -49,6 +49,8 @@ class RankRun:
     wall_s: float = 0.0
     pids: list[int] = field(default_factory=list)
     """Process ids of the ranks (each the leader of its own process group), for leak checks."""
+    placement: list[dict[str, Any]] = field(default_factory=list)
+    """Each rank's host and node where a launcher placed them ([Note: node pool]); empty: this host."""
 
     @property
     def ok(self) -> bool:
@@ -87,6 +89,11 @@ _PEER_LOSS_SIGNS = ("Connection reset by peer", "Connection closed by peer", "re
 """How a rank's stderr says a peer went away (gloo, NCCL): not the cause when another rank failed of its own."""
 _OOM_SIGNS = ("out of memory", "memoryerror", "not enough memory")
 """How a rank's own stderr says it ran out of memory (CUDA, Python, torch's CPU allocator)."""
+
+
+def is_peer_loss(tail: str) -> bool:
+    """Whether a rank's stderr says only that a peer went away (:data:`_PEER_LOSS_SIGNS`)."""
+    return any(sign in tail for sign in _PEER_LOSS_SIGNS)
 
 
 def _signal_name(code: int) -> str:
@@ -145,7 +152,7 @@ def classify_failure(
             return "invalid_config", f"rank {rank}: {last}"
     failed = [r for r in order if returncodes[r] not in (0, None)]
     # a peer's broken connection is a consequence; it can exit before the rank that broke it
-    causes = [r for r in failed if not any(sign in tails[r] for sign in _PEER_LOSS_SIGNS)] or failed
+    causes = [r for r in failed if not is_peer_loss(tails[r])] or failed
     if causes:
         return _describe_exit(causes[0], returncodes[causes[0]], tails[causes[0]], oom_kills)
     return "crash", "a rank exited without a result"

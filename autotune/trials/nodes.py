@@ -31,10 +31,11 @@ would look for each other under different keys; measured, every restart then fai
 restarts were spent. A world whose ranks do not all register within :data:`_FORM_S` (a worker
 died before) is aborted and the next admitted.
 
-*Failures* reach the driver in three ways: a rank's own report (``gen/{g}/failed/{rank}``: its
-exception's text, written before it exits), the silence of its heartbeat (``beat/{rank}`` stops
-counting for ``lost_after_s``: killed, out of host memory, or its node lost), or the job's time
-limit (a hang). The driver lives outside the world, not in its rank 0: a world is re-formed by
+*Failures* reach the driver in four ways: a rank's own report (``gen/{g}/failed/{rank}``: its
+exception's text, written before it exits), a new worker's ticket for a rank of the running
+world (torchrun restarted it: the old one died without a word, killed or out of host memory),
+the silence of its heartbeat (``beat/{rank}`` stops counting for ``lost_after_s``: its node or
+its agent lost), or the job's time limit (a hang). The driver lives outside the world, not in its rank 0: a world is re-formed by
 restarting every worker, which would end a driver inside one with every failed trial. A world
 that does not form within ``join_timeout_s`` is one line naming the address and what joined.
 """
@@ -50,7 +51,7 @@ from typing import Any
 
 from torch.distributed import PrefixStore
 
-from autotune.trials.launch import RankRun, classify_failure
+from autotune.trials.launch import RankRun, classify_failure, is_peer_loss
 from autotune.trials.worker import parse_address
 from fsdp_runtime.errors import AutotuneError
 
@@ -58,6 +59,7 @@ __all__ = ["NodePool", "NodePoolError"]
 
 _POLL_S = 0.05
 _FORM_S = 60.0  # how long admitted workers have to form their process group
+_REPORT_GRACE_S = 3.0  # after a rank's report, how long the others' reports and new workers' tickets may take
 
 
 class NodePoolError(AutotuneError):
@@ -135,6 +137,7 @@ class NodePool:
                 returncodes=[None] * self.world_size,
                 wall_s=time.monotonic() - start,
                 pids=self.pids,
+                placement=self.placement,
             )
         self._abort(prefix)
         return self._failed_run(failure, prefix, timeout_s, time.monotonic() - start)
@@ -215,8 +218,13 @@ class NodePool:
                 return None
             reported = [r for r in range(self.world_size) if self._keys.check([f"{prefix}failed/{r}"])]
             if reported:
-                time.sleep(1.0)  # a peer's own report may follow: the first one is the cause
-                return {"reported": [r for r in range(self.world_size) if self._keys.check([f"{prefix}failed/{r}"])]}
+                time.sleep(_REPORT_GRACE_S)  # the cause's own report, or its new worker's ticket, may follow
+                self._scan_tickets()
+                reported = [r for r in range(self.world_size) if self._keys.check([f"{prefix}failed/{r}"])]
+                return {"reported": reported, "replaced": sorted(self._newest)}
+            self._scan_tickets()
+            if self._newest:  # torchrun started a new worker for a rank of this world: its old one is gone
+                return {"replaced": sorted(self._newest)}
             lost = self._find_lost(prefix)
             if lost:
                 return {"lost": lost}
@@ -239,17 +247,37 @@ class NodePool:
         self._keys.set(f"{prefix}abort", b"1")
         self._live = False
 
+    def _describe_silent(self, failure: dict[str, Any], reported: list[int], peers_only: bool) -> str:
+        """Why a job failed where the rank that caused it said nothing. A restarted worker cannot
+        name the rank it replaces (torchrun may renumber the ranks of a new world); a peer's
+        lost connection, or a silent heartbeat, can."""
+        if failure.get("lost"):
+            where = ", ".join(f"rank {r} on {self.placement[r]['host']}" for r in failure["lost"])
+            return f"{where} stopped answering for {self.lost_after_s:.0f} s (killed, out of host memory, or its node lost)"
+        if peers_only:
+            silent = [r for r in range(self.world_size) if r not in reported]
+            where = ", ".join(f"rank {r} on {self.placement[r]['host']}" for r in silent)
+            return f"{where} died without a word, its peers' connections to it lost (killed, out of host memory, or its node lost)"
+        return "a rank died without a word and torchrun restarted the workers (killed, or out of host memory)"
+
     def _failed_run(self, failure: dict[str, Any], prefix: str, timeout_s: float, wall_s: float) -> RankRun:
         codes: list[int | None] = [None] * self.world_size
         tails = [""] * self.world_size
         for rank in failure.get("reported", []):
             report = json.loads(self._keys.get(f"{prefix}failed/{rank}"))
             codes[rank], tails[rank] = report["code"], report["tail"]
-        if failure.get("lost"):
-            where = ", ".join(f"rank {r} on {self.placement[r]['host']}" for r in failure["lost"])
-            reason = f"{where} stopped answering for {self.lost_after_s:.0f} s (killed, out of host memory, or its node lost)"
+        reported = failure.get("reported", [])
+        peers_only = bool(reported) and all(is_peer_loss(tails[r]) for r in reported)  # the cause said nothing
+        if failure.get("lost") or (failure.get("replaced") and not reported) or peers_only:
+            reason = self._describe_silent(failure, reported, peers_only)
             return RankRun(
-                status="crash", reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall_s, pids=self.pids
+                status="crash",
+                reason=reason,
+                returncodes=codes,
+                stderr_tails=tails,
+                wall_s=wall_s,
+                pids=self.pids,
+                placement=self.placement,
             )
         status, reason = classify_failure(
             codes,
@@ -261,5 +289,11 @@ class NodePool:
         if failure.get("timed_out"):
             reason = f"no result after {timeout_s:.0f}s (deadlock or too slow); the world was aborted on every node"
         return RankRun(
-            status=status, reason=reason, returncodes=codes, stderr_tails=tails, wall_s=wall_s, pids=self.pids
+            status=status,
+            reason=reason,
+            returncodes=codes,
+            stderr_tails=tails,
+            wall_s=wall_s,
+            pids=self.pids,
+            placement=self.placement,
         )

@@ -119,7 +119,12 @@ def run_trial(spec: TrialSpec, *, pool: RankPool | None = None) -> TrialResult:
         )
     else:
         result = write_trial_dir(
-            spec, status=run.status, reason=run.reason, rank_results=[], wall_s=time.monotonic() - start
+            spec,
+            status=run.status,
+            reason=run.reason,
+            rank_results=[],
+            wall_s=time.monotonic() - start,
+            placement=run.placement,
         )
     result.rank_pids = list(run.pids)
     return result

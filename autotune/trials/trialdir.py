@@ -103,9 +103,16 @@ def to_rank_metrics(result: dict[str, Any]) -> RankMetrics:
 
 
 def write_trial_dir(
-    spec: TrialSpec, *, status: TrialStatus, reason: str, rank_results: list[dict[str, Any]], wall_s: float
+    spec: TrialSpec,
+    *,
+    status: TrialStatus,
+    reason: str,
+    rank_results: list[dict[str, Any]],
+    wall_s: float,
+    placement: list[dict[str, Any]] | None = None,
 ) -> TrialResult:
-    """Write ``metrics.json`` and ``env.json`` for a finished (or failed) trial; returns its result."""
+    """Write ``metrics.json`` and ``env.json`` for a finished (or failed) trial; returns its result.
+    ``placement``: where a launcher put the ranks of a trial that returned no results (env.json's ``ranks``)."""
     ranks = [to_rank_metrics(r) for r in rank_results]
     metrics = TrialMetrics.from_ranks(
         ranks,
@@ -129,7 +136,7 @@ def write_trial_dir(
             [spec.out_dir / t for t in metrics.traces], spec.config
         )
     spec.out_dir.mkdir(parents=True, exist_ok=True)
-    write_artifact(spec.out_dir / "env.json", _get_env(spec, rank_results))
+    write_artifact(spec.out_dir / "env.json", _get_env(spec, rank_results, placement or []))
     metrics.write(spec.out_dir / "metrics.json")
     (spec.out_dir / INCOMPLETE_MARKER).unlink(missing_ok=True)
     return TrialResult(status=status, reason=reason, out_dir=spec.out_dir, metrics=metrics, wall_s=wall_s)
@@ -148,7 +155,7 @@ def _analyze(traces: list[Path], config: RuntimeConfig) -> tuple[dict[str, Any] 
     return summary, None
 
 
-def _get_env(spec: TrialSpec, rank_results: list[dict[str, Any]]) -> dict[str, Any]:
+def _get_env(spec: TrialSpec, rank_results: list[dict[str, Any]], placement: list[dict[str, Any]]) -> dict[str, Any]:
     rank_env = rank_results[0]["env"] if rank_results else {}
     link_emulation = None
     if spec.cluster is not None:
@@ -178,5 +185,6 @@ def _get_env(spec: TrialSpec, rank_results: list[dict[str, Any]]) -> dict[str, A
         "ranks": [
             {"rank": r, "host": result["env"]["host"], "node": result["env"].get("node", 0)}
             for r, result in enumerate(rank_results)
-        ],
+        ]
+        or [{"rank": p["rank"], "host": p["host"], "node": p["node"]} for p in placement],
     }
