@@ -40,10 +40,19 @@ SETTINGS = {"two-node": ("cpu-emulated-2node", 1), "one-host": ("cpu-emulated-ib
 """Each search's cluster profile and ranks per node."""
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not given before: the driver binds its port only once its process has
+    started, so the rendezvous port asked for next could otherwise be the same one."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def agent_command(pool: str) -> list[str]:

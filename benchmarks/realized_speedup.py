@@ -63,7 +63,7 @@ WORKLOADS = {
         "cluster": "cpu-emulated-ib",
         "presearch": "sim",
     },
-    "tiny": {"model": "tiny", "num_trials": 2, "num_microbatches": 2},
+    "tiny": {"model": "tiny", "num_trials": 2, "num_microbatches": 2, "num_confirm_pairs": 1, "num_measured": 2},
 }
 """Workload name -> the ``SearchSettings`` fields its searches set (the rest: the defaults)."""
 COMPARES = {

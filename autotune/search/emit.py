@@ -49,7 +49,7 @@ def _get_notes(ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] 
         )
     if settings.cluster:
         notes.append(f"collectives were held to the emulated links of cluster profile {settings.cluster!r}")
-    notes.extend(get_world_notes(ctx.pool))  # the nodes, where the trials spanned them
+    notes.extend(get_world_notes(getattr(ctx, "pool", None)))  # the nodes, where the trials spanned them
     notes.extend(ctx.space.notes)  # knobs this torch cannot set, left out of the search
     return notes
 

@@ -155,7 +155,9 @@ def _analyze(traces: list[Path], config: RuntimeConfig) -> tuple[dict[str, Any] 
     return summary, None
 
 
-def _get_env(spec: TrialSpec, rank_results: list[dict[str, Any]], placement: list[dict[str, Any]]) -> dict[str, Any]:
+def _get_env(
+    spec: TrialSpec, rank_results: list[dict[str, Any]], placement: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     rank_env = rank_results[0]["env"] if rank_results else {}
     link_emulation = None
     if spec.cluster is not None:
@@ -183,8 +185,8 @@ def _get_env(spec: TrialSpec, rank_results: list[dict[str, Any]], placement: lis
         "link_emulation": link_emulation,
         "overlap_env": rank_env.get("overlap_env", get_overlap_env()),
         "ranks": [
-            {"rank": r, "host": result["env"]["host"], "node": result["env"].get("node", 0)}
+            {"rank": r, "host": result["env"].get("host"), "node": result["env"].get("node", 0)}
             for r, result in enumerate(rank_results)
         ]
-        or [{"rank": p["rank"], "host": p["host"], "node": p["node"]} for p in placement],
+        or [{"rank": p["rank"], "host": p["host"], "node": p["node"]} for p in placement or []],
     }

@@ -36,10 +36,19 @@ UNSHARDED_REL_TOL = 1e-4
 """Sharded training against one process without FSDP ([the runtime config](docs/config.md), "Math")."""
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not given before in this process: the driver binds its port only once
+    its process has started, so the next free port asked for (the rendezvous') could be that one."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def start_agents(pool_address: str, out: Path, *, max_restarts: int = 6) -> list[subprocess.Popen]:
@@ -133,6 +142,7 @@ def two_nodes(tmp_path):
         stop(agents)
 
 
+@pytest.mark.torch_matrix  # torchrun's elastic restarts, under every torch the package supports
 def test_faults_fail_one_job_each_and_the_next_runs_on_a_new_world(two_nodes):
     pool, lines = two_nodes
     first = pool.run("_trial_programs:get_rank_pid", timeout_s=90)
@@ -173,7 +183,7 @@ def run_driver(tmp_path: Path, out: Path, trials: int, *more: str, during: Any =
     and its ``--workers`` address every 0.05 s while it runs. Its output; a non-zero exit fails the test."""
     address = f"127.0.0.1:{free_port()}"
     search = [sys.executable, "-c", "import cli; cli.main()", "search", "--model", "tiny", "--trials", str(trials)]
-    search += ["--workers", address, "--cluster", "cpu-emulated-2node", "--confirm-pairs", "1", "--patience", "0"]
+    search += ["--workers", address, "--cluster", "cpu-emulated-2node", "--patience", "0"]
     search += ["--trial-timeout", "90", "--json", "--out", str(out), *more]
     log_path = tmp_path / f"driver-{trials}.log"
     with open(log_path, "w") as log:
@@ -206,33 +216,33 @@ def find_worker(address: str, rank: int) -> int | None:
 
 
 def test_a_search_across_two_agents_emits_resumes_and_outlives_a_killed_rank(tmp_path):
-    """A search across two agents emits and names both nodes everywhere; resumed after every agent
-    stopped, it keeps its trials, a rank killed in its third trial fails that trial only, and the
-    next trial runs on the world torchrun forms again. The emitted config then trains on two
+    """A search across two agents names both nodes everywhere; resumed after every agent stopped, it
+    keeps its trial, a rank killed in its second trial fails that trial only, the next trial runs
+    on the world torchrun forms again, and the search emits. The emitted config then trains on two
     nodes as the unsharded model does."""
     out = tmp_path / "search"
-    log = run_driver(tmp_path, out, 2)
+    log = run_driver(tmp_path, out, 1, "--confirm-pairs", "0")  # the defaults trial only
     assert "world 1: 2 ranks on 2 node(s)" in log
     first = {t.name: (t / "metrics.json").read_bytes() for t in sorted((out / "trials").glob("trial_*"))}
-    assert len(first) == 2
+    assert list(first) == ["trial_0000"]
 
     killed: list[int] = []
 
-    def kill_rank1_in_trial_2(out: Path, address: str) -> None:  # in its collectives: rank 0 loses its connection
-        if not killed and (out / "trials" / "trial_0002").is_dir():
+    def kill_rank1_in_trial_1(out: Path, address: str) -> None:  # in its collectives: rank 0 loses its connection
+        if not killed and (out / "trials" / "trial_0001").is_dir():
             pid = find_worker(address, 1)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
 
-    log = run_driver(tmp_path, out, 4, "--resume", during=kill_rank1_in_trial_2)
+    log = run_driver(tmp_path, out, 3, "--resume", "--confirm-pairs", "1", during=kill_rank1_in_trial_1)
     assert killed and "world 2: 2 ranks on 2 node(s)" in log
     trials = sorted((out / "trials").glob("trial_*"))
-    assert [t.name for t in trials] == ["trial_0000", "trial_0001", "trial_0002", "trial_0003"]
-    assert {t.name: (t / "metrics.json").read_bytes() for t in trials[:2]} == first  # kept as they were
-    failed = json.loads((trials[2] / "metrics.json").read_text())
+    assert [t.name for t in trials] == ["trial_0000", "trial_0001", "trial_0002"]
+    assert {t.name: (t / "metrics.json").read_bytes() for t in trials[:1]} == first  # kept as it was
+    failed = json.loads((trials[1] / "metrics.json").read_text())
     assert failed["status"] == "crash" and "rank 1 on" in failed["reason"] and "died without a word" in failed["reason"]
-    assert json.loads((trials[3] / "metrics.json").read_text())["status"] in ("ok", "pruned")
+    assert json.loads((trials[2] / "metrics.json").read_text())["status"] in ("ok", "pruned")
     for trial in trials:
         env = json.loads((trial / "env.json").read_text())
         assert [r["node"] for r in env["ranks"]] == [0, 1], trial

@@ -207,7 +207,7 @@ def test_env_json_records_the_variables_that_decide_overlap(tmp_path, monkeypatc
     spec = TrialSpec(model="tiny", config=default_config(["layers.0"]), world_size=2, out_dir=tmp_path / "t")
     write_trial_dir(spec, status="crash", reason="x", rank_results=[], wall_s=0.0)
     env = json.loads((tmp_path / "t" / "env.json").read_text())
-    assert env["schema_version"] == 2 and env["overlap_env"] == overlap
+    assert env["schema_version"] == 3 and env["overlap_env"] == overlap
     ranks = [{"env": {"overlap_env": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}}, "memory": {"source": "rss"}}]
     assert _get_env_of(spec, ranks)["overlap_env"] == {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 
