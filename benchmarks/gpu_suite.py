@@ -36,9 +36,9 @@ What a GPU box without network access must be given (:data:`WHEELS`): beside tor
 with triton) and the packages :data:`ON_THE_BOX` names, which a box with torch has, every part
 runs a search or a trial, which import optuna (with SQLAlchemy, alembic and its Mako, colorlog),
 ``autotune.analysis`` (orjson; traceinsight, imported as ``hta``, with plotly, its narwhals, and
-pydot), and the torchtitan part torchtitan 0.3.0 (spmd_types, tyro and its docstring_parser).
+pydot), and the torchtitan and in_job parts torchtitan 0.3.0 (spmd_types, tyro and its docstring_parser).
 typer and rich are not needed (the scripts call the API, not the CLI). Found by following the
-imports of the three scripts through ``autotune``, ``fsdp_runtime`` and ``profiles``, and checked
+imports of the four scripts through ``autotune``, ``fsdp_runtime`` and ``profiles``, and checked
 by importing what a search and torchtitan 0.3.0's registry load and listing the distributions
 they loaded. ``--download-wheels DIR`` fetches them, pinned, as cp312 manylinux wheels, where pip
 reaches an index; ``--wheels DIR`` on the GPU box unpacks them into ``DIR/site`` (a wheel is a

@@ -62,6 +62,12 @@ def get_fsdp_state(module: FSDPModule) -> Any:
     return module._get_fsdp_state()
 
 
+def get_mp_policy(module: FSDPModule) -> Any:
+    """The ``MixedPrecisionPolicy`` the unit was sharded with: its FSDP state's ``_mp_policy``
+    (torch 2.11 to 2.15; 2.15's param groups no longer hold one, they resolve it per parameter)."""
+    return get_fsdp_state(module)._mp_policy
+
+
 def get_param_groups(module: FSDPModule) -> list[Any]:
     """The unit's ``FSDPParamGroup``s, in either torch layout ([Note: torch versions])."""
     return _torch_compat.get_param_groups(get_fsdp_state(module))

@@ -14,7 +14,7 @@ What FSDP2 fixed at ``fully_shard`` time is *checked* against the config, never 
   names (its parameters would be in a param group the config does not know);
 - the mesh, read from a parameter's ``DTensor.device_mesh``: 1-D is FSDP, 2-D is HSDP
   ``(replicate, shard)``;
-- the mixed precision, read from each unit's param groups (their ``MixedPrecisionPolicy``).
+- the mixed precision, read from each unit's FSDP state (its ``MixedPrecisionPolicy``).
 
 The config's mesh and mixed precision may be left at their defaults: they are then read from the
 model, so the handle's config (and a config the tuner writes from it) states what the model
@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp_runtime._fsdp_private import get_fsdp_state, get_param_groups
+from fsdp_runtime._fsdp_private import get_fsdp_state, get_mp_policy
 from fsdp_runtime._torch_compat import get_unsupported_knobs
 from fsdp_runtime.apply import AppliedFsdp, resolve_units
 from fsdp_runtime.config import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, RuntimeConfig
@@ -127,12 +127,9 @@ def _dtype_name(dtype: torch.dtype | None) -> str | None:
 
 
 def _read_precision(config: RuntimeConfig, units: dict[str, FSDPModule]) -> MixedPrecisionConfig:
-    """The one precision of every unit's param groups; the config's where it states the same."""
-    read = {
-        (_dtype_name(g.mp_policy.param_dtype), _dtype_name(g.mp_policy.reduce_dtype))
-        for module in units.values()
-        for g in get_param_groups(module)
-    }
+    """The one precision of every unit; the config's where it states the same."""
+    policies = [get_mp_policy(module) for module in units.values()]
+    read = {(_dtype_name(p.param_dtype), _dtype_name(p.reduce_dtype)) for p in policies}
     if len(read) > 1:
         raise ConfigError("mixed_precision", f"the model's units differ in precision: {sorted(map(str, read))}")
     param, reduce = next(iter(read), (None, None))
