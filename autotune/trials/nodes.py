@@ -193,6 +193,11 @@ class NodePool:
                     f"a worker on {info['host']} is in a world of {info['world_size']} ranks (torchrun's --nnodes x "
                     f"--nproc-per-node), the search runs {self.world_size} (--nproc)"
                 )
+            if info.get("backend", self.backend) != self.backend:
+                raise NodePoolError(
+                    f"the worker on {info['host']} runs {info['backend']}, this search's trials {self.backend}: run the "
+                    "search on one of the nodes (it takes the backend from the devices it sees)"
+                )
             if self._scanned <= self._floor:
                 continue
             older = self._newest.get(info["rank"])

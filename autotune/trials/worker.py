@@ -63,7 +63,7 @@ def join(address: str, backend: str, join_timeout_s: float) -> tuple[Any, int, i
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=join_timeout_s))
     pool = dist.PrefixStore("nodepool/", store)
     ticket = pool.add("tickets", 1)
-    pool.set(f"ticket/{ticket}", json.dumps(get_placement(rank) | {"world_size": world_size}))
+    pool.set(f"ticket/{ticket}", json.dumps(get_placement(rank) | {"world_size": world_size, "backend": backend}))
     pool.wait([f"admitted/{ticket}"], timedelta(seconds=join_timeout_s))
     generation = int(pool.get(f"admitted/{ticket}"))
     if generation == 0:  # superseded by a newer worker of this rank

@@ -215,6 +215,21 @@ def find_worker(address: str, rank: int) -> int | None:
     return None
 
 
+def test_workers_on_another_backend_are_refused_in_one_line():
+    """GPU workers (NCCL) joining a driver that would run gloo trials (a driver on a CPU-only host)."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    address = f"127.0.0.1:{free_port()}"
+    pool = NodePool(2, address=address, join_timeout_s=30, say=lambda line: None)
+    worker = PrefixStore("nodepool/", TCPStore("127.0.0.1", int(address.split(":")[1]), is_master=False))
+    ticket = worker.add("tickets", 1)
+    worker.set(f"ticket/{ticket}", json.dumps({"rank": 0, "host": "gpu-node-0", "world_size": 2, "backend": "nccl"}))
+    with pytest.raises(
+        NodePoolError, match="the worker on gpu-node-0 runs nccl, this search's trials gloo: run the search on one"
+    ):
+        pool.run("_trial_programs:get_rank_pid", timeout_s=5)
+
+
 def test_a_search_across_two_agents_emits_resumes_and_outlives_a_killed_rank(tmp_path):
     """A search across two agents names both nodes everywhere; resumed after every agent stopped, it
     keeps its trial, a rank killed in its second trial fails that trial only, the next trial runs
