@@ -274,23 +274,11 @@ class NodePool:
         reported = failure.get("reported", [])
         peers_only = bool(reported) and all(is_peer_loss(tails[r]) for r in reported)  # the cause said nothing
         if failure.get("lost") or (failure.get("replaced") and not reported) or peers_only:
-            reason = self._describe_silent(failure, reported, peers_only)
-            return RankRun(
-                status="crash",
-                reason=reason,
-                returncodes=codes,
-                stderr_tails=tails,
-                wall_s=wall_s,
-                pids=self.pids,
-                placement=self.placement,
+            status, reason = "crash", self._describe_silent(failure, reported, peers_only)
+        else:
+            status, reason = classify_failure(
+                codes, tails, timed_out=bool(failure.get("timed_out")), timeout_s=timeout_s, exit_order=reported
             )
-        status, reason = classify_failure(
-            codes,
-            tails,
-            timed_out=bool(failure.get("timed_out")),
-            timeout_s=timeout_s,
-            exit_order=failure.get("reported"),
-        )
         if failure.get("timed_out"):
             reason = f"no result after {timeout_s:.0f}s (deadlock or too slow); the world was aborted on every node"
         return RankRun(
