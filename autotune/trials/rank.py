@@ -169,27 +169,37 @@ def _clear_sharding_caches() -> None:
     debug._clear_sharding_prop_cache()
 
 
-def _wait_for_job(jobs: Any, key: str) -> None:
+def _wait_for_job(jobs: Any, key: str) -> bool:
+    """True once ``key`` is set; False when the store went away (its parent, the pool, with it)."""
     import torch.distributed as dist
 
     while True:
         try:
             jobs.wait([key], _IDLE)
-            return
+            return True
         except dist.DistStoreError as e:
             if "timeout" not in str(e).lower():
-                os._exit(0)  # the store went away: the parent is gone
-        except dist.DistError:
-            os._exit(0)  # connection closed: the parent is gone
+                return False
+        except dist.DistError:  # connection closed
+            return False
 
 
-def serve_jobs(jobs: Any, rank: int, world_size: int, on_fail: Callable[[int, str], None] | None = None) -> None:
+def serve_jobs(
+    jobs: Any,
+    rank: int,
+    world_size: int,
+    on_fail: Callable[[int, str], None] | None = None,
+    on_exit: Callable[[], None] | None = None,
+) -> None:
     """Run the jobs set under ``jobs`` (a store) in order until told to exit: ``job/{n}`` in,
-    ``result/{n}/{rank}`` out (both the local pool's ranks and the workers torchrun starts)."""
+    ``result/{n}/{rank}`` out (both the local pool's ranks and the workers torchrun starts).
+    ``on_exit`` runs when told to exit or the pool is gone, before the process ends without unwinding."""
     for n in itertools.count():
-        _wait_for_job(jobs, f"job/{n}")
-        job = jobs.get(f"job/{n}")
-        if job == EXIT_JOB:
+        gone = not _wait_for_job(jobs, f"job/{n}")
+        job = None if gone else jobs.get(f"job/{n}")
+        if gone or job == EXIT_JOB:
+            if on_exit is not None:
+                on_exit()
             # No collective is in flight between jobs, and the parent kills the session
             # right after: skip process-group teardown and interpreter exit (seconds).
             sys.stderr.flush()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -30,6 +31,17 @@ from typing import Any
 EXIT_ABORTED = 75
 """A worker's exit code when the driver aborted its generation (a failed or hung trial)."""
 HEARTBEAT_S = 1.0
+_boards: list[Path] = []
+"""This host's arrival board once the rank serves, removed by whichever thread ends the rank."""
+
+
+def _end(code: int) -> None:
+    """End the rank at once, without unwinding (its threads may be in a collective or a store
+    wait), and with it this host's arrival board: every rank on the host tries, the first removes it."""
+    for board in _boards:
+        shutil.rmtree(board, ignore_errors=True)
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -89,10 +101,15 @@ def _beat(address: str, prefix: str, rank: int) -> None:
         try:
             pool.add(f"{prefix}beat/{rank}", 1)
             if pool.check([f"{prefix}abort"]):
-                os._exit(EXIT_ABORTED)
+                _end(EXIT_ABORTED)
         except Exception:  # the driver is gone: nothing is left to serve
-            os._exit(EXIT_ABORTED)
+            _end(EXIT_ABORTED)
         time.sleep(HEARTBEAT_S)
+
+
+def get_board(address: str, generation: int | str) -> Path:
+    """This host's arrival board for the world ``generation`` of the pool at ``address``."""
+    return Path(tempfile.gettempdir()) / f"autotune-nodepool-{address.replace(':', '-')}-{generation}"
 
 
 def serve(address: str, backend: str, join_timeout_s: float) -> None:
@@ -104,15 +121,19 @@ def serve(address: str, backend: str, join_timeout_s: float) -> None:
     pool, rank, world_size, generation = join(address, backend, join_timeout_s)
     prefix = f"gen/{generation}/"
     # One arrival board per host and generation ([Note: link emulation]): the ranks that share a host share it.
-    board = Path(tempfile.gettempdir()) / f"autotune-nodepool-{address.replace(':', '-')}-{generation}"
+    board = get_board(address, generation)
+    for stale in board.parent.glob(get_board(address, "*").name):  # an earlier world's: its ranks are gone
+        if stale != board:
+            shutil.rmtree(stale, ignore_errors=True)
     board.mkdir(exist_ok=True)
+    _boards.append(board)
     os.environ[BOARD_ENV] = str(board)
     pool.set(f"{prefix}rank/{rank}", json.dumps(get_placement(rank)))
 
     def report(code: int, text: str) -> None:
         pool.set(f"{prefix}failed/{rank}", json.dumps({"code": code, "tail": text[-4000:]}))
 
-    serve_jobs(dist.PrefixStore(prefix, pool), rank, world_size, on_fail=report)
+    serve_jobs(dist.PrefixStore(prefix, pool), rank, world_size, on_fail=report, on_exit=lambda: _end(0))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ import pytest
 from _harness import reference_losses
 
 from autotune.trials.nodes import NodePool, NodePoolError
+from autotune.trials.worker import get_board
 from fsdp_runtime import config_to_dict, load_config
 
 pytestmark = pytest.mark.multirank
@@ -82,10 +83,16 @@ def start_agents(pool_address: str, out: Path, *, max_restarts: int = 6) -> list
     ]
     agents = []
     for node in range(2):
+        logs = ["--log-dir", str(out / f"agent{node}")]  # not torchrun's default, a new temporary dir per agent
         with open(out / f"agent{node}.log", "w") as log:
             agents.append(
                 subprocess.Popen(
-                    command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    [*command[:3], *logs, *command[3:]],
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             )
     return agents
@@ -164,6 +171,10 @@ def test_faults_fail_one_job_each_and_the_next_runs_on_a_new_world(two_nodes):
     assert hung.status == "timeout" and "aborted on every node" in hung.reason
     last = pool.run("_trial_programs:get_rank_pid", timeout_s=90)
     assert last.ok and pool.num_starts == 4, lines  # one world per failure, each formed by torchrun again
+    boards = get_board(pool.address, "*")
+    assert list(boards.parent.glob(boards.name)) == [
+        get_board(pool.address, 4)
+    ]  # the last world's board, not one per restart
 
     # a node lost, its agent with it: no new worker, the heartbeat falls silent
     threading.Timer(1.5, kill_node, (pool.placement[1]["pid"],)).start()
@@ -312,4 +323,5 @@ def test_a_dry_run_forms_the_world_across_the_nodes_and_runs_no_trial(tmp_path):
     )
     assert any(line.startswith("all-reduce of 8 MiB over every rank: ") for line in lines)
     assert lines[-1] == "dry run: no trial ran" and codes == [0, 0]
+    assert not get_board(address, 1).exists()  # the host's arrival board goes with its ranks
     assert not list(out.iterdir())  # --out checked writable; no study, no trial dir

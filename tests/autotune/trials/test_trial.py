@@ -251,6 +251,8 @@ def test_torchrun_entry_writes_the_same_trial_dir(tmp_path):
         "--standalone",
         "--nproc-per-node",
         "2",
+        "--log-dir",  # not torchrun's default, a new temporary dir per run
+        str(tmp_path / "torchrun"),
         "-m",
         "autotune.trials.torchrun",
         "--spec",
