@@ -10,7 +10,9 @@ driver's jobs as a local pool's ranks do (:func:`autotune.trials.rank.serve_jobs
 pool] in :mod:`autotune.trials.nodes`. A heartbeat thread per rank counts up under the
 generation every second and watches for the driver's ``abort``: then the rank exits at once, so
 a hang or a lost peer ends the world on every node and torchrun's elastic restart
-(``--max-restarts``) starts the workers of the next one.
+(``--max-restarts``) starts the workers of the next one. When the driver is gone (the search
+ended, or was killed), every rank exits 0 and torchrun ends: nothing is left running on the
+nodes waiting for a driver that will not come back.
 """
 
 from __future__ import annotations
@@ -102,8 +104,8 @@ def _beat(address: str, prefix: str, rank: int) -> None:
             pool.add(f"{prefix}beat/{rank}", 1)
             if pool.check([f"{prefix}abort"]):
                 _end(EXIT_ABORTED)
-        except Exception:  # the driver is gone: nothing is left to serve
-            _end(EXIT_ABORTED)
+        except Exception:  # the driver is gone: the search ended or died, and no world will form again
+            _end(0)  # not a failure: torchrun restarts no worker to wait for it
         time.sleep(HEARTBEAT_S)
 
 

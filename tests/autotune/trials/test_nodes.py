@@ -139,7 +139,8 @@ def two_nodes(tmp_path):
     """A NodePool (the driver) and two torchrun agents joined to it."""
     address = f"127.0.0.1:{free_port()}"
     lines: list[str] = []
-    pool = NodePool(2, address=address, join_timeout_s=90, lost_after_s=8, say=lines.append)
+    # A silence long enough that a worker torchrun restarts on a loaded box posts its ticket first
+    pool = NodePool(2, address=address, join_timeout_s=90, lost_after_s=60, say=lines.append)
     agents = start_agents(address, tmp_path)
     try:
         yield pool, lines
@@ -176,10 +177,41 @@ def test_faults_fail_one_job_each_and_the_next_runs_on_a_new_world(two_nodes):
         get_board(pool.address, 4)
     ]  # the last world's board, not one per restart
 
-    # a node lost, its agent with it: no new worker, the heartbeat falls silent
+    # a node lost, its agent with it: no new worker, the heartbeat falls silent (no restart to wait for)
+    pool.lost_after_s = 8
     threading.Timer(1.5, kill_node, (pool.placement[1]["pid"],)).start()
     lost = pool.run("_trial_programs:sleep_then_pid", {"seconds": 60}, timeout_s=60)
     assert lost.status == "crash" and "rank 1 on" in lost.reason and "stopped answering for 8 s" in lost.reason
+
+
+DRIVER = """
+import sys
+from autotune.trials.nodes import NodePool
+pool = NodePool(2, address=sys.argv[1], join_timeout_s=90, say=lambda line: None)
+assert pool.run("_trial_programs:get_rank_pid", timeout_s=90).ok
+print("formed", flush=True)
+pool.run("_trial_programs:sleep_then_pid", {"seconds": 120}, timeout_s=150)
+"""
+
+
+def test_a_driver_killed_mid_job_ends_torchrun_on_every_node(tmp_path):
+    """The search killed while its ranks run a job: every worker exits 0 once it loses the
+    driver, and torchrun ends instead of restarting workers that would wait for a driver that is
+    gone (on a cluster: the allocation is released)."""
+    address = f"127.0.0.1:{free_port()}"
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, address], cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    agents = start_agents(address, tmp_path)
+    try:
+        assert driver.stdout.readline() == "formed\n"  # the world formed and ran a job
+        time.sleep(1)  # the next job running on both ranks
+        driver.kill()
+        codes = [agent.wait(timeout=30) for agent in agents]
+    finally:
+        stop([driver, *agents])
+    assert codes == [0, 0], [(tmp_path / f"agent{n}.log").read_text()[-2000:] for n in range(2)]
+    assert "restart" not in (tmp_path / "agent0.log").read_text().lower()
 
 
 def test_a_world_that_never_forms_is_one_line_naming_the_address():
