@@ -364,9 +364,15 @@ def open_pool(settings: Any) -> contextlib.AbstractContextManager:
     ``workers``, the ranks torchrun starts on every node ([Note: node pool]); or nothing
     (``use_pool=False``)."""
     if settings.workers is not None:
-        backend = get_default_backend()
+        from profiles import load_cluster_profile
+
+        per_node = load_cluster_profile(settings.cluster).ranks_per_node if settings.cluster is not None else None
         return NodePool(
-            settings.world_size, address=settings.workers, backend=backend, join_timeout_s=settings.join_timeout_s
+            settings.world_size,
+            address=settings.workers,
+            backend=get_default_backend(),
+            join_timeout_s=settings.join_timeout_s,
+            ranks_per_node=per_node,
         )
     if not settings.use_pool:
         return contextlib.nullcontext()

@@ -78,6 +78,7 @@ class NodePool:
         backend: str = "gloo",
         join_timeout_s: float = 900.0,
         lost_after_s: float = 20.0,
+        ranks_per_node: int | None = None,
         say: Any = None,
     ) -> None:
         from torch.distributed import TCPStore
@@ -85,6 +86,8 @@ class NodePool:
         host, port = parse_address(address)
         self.world_size, self.backend, self.address = world_size, backend, address
         self.join_timeout_s, self.lost_after_s = join_timeout_s, lost_after_s
+        self.ranks_per_node = ranks_per_node
+        """Each node's ranks as the search's cluster profile has them (None: not checked)."""
         self._say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self._store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
         self._keys = PrefixStore("nodepool/", self._store)
@@ -197,6 +200,14 @@ class NodePool:
                 raise NodePoolError(
                     f"the worker on {info['host']} runs {info['backend']}, this search's trials {self.backend}: run the "
                     "search on one of the nodes (it takes the backend from the devices it sees)"
+                )
+            per_node = info.get("local_world_size", self.ranks_per_node)
+            if self.ranks_per_node is not None and per_node != self.ranks_per_node:
+                raise NodePoolError(
+                    f"the workers on {info['host']} run {per_node} ranks to a node (torchrun's --nproc-per-node), the "
+                    f"search's --cluster profile {self.ranks_per_node} (ranks_per_node): its meshes would be named, "
+                    f"and its links emulated, by nodes the world does not have; pass a --cluster whose "
+                    f"ranks_per_node is {per_node}"
                 )
             if self._scanned <= self._floor:
                 continue

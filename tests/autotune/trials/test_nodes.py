@@ -273,6 +273,21 @@ def test_workers_on_another_backend_are_refused_in_one_line():
         pool.run("_trial_programs:get_rank_pid", timeout_s=5)
 
 
+def test_workers_in_nodes_of_another_size_than_the_cluster_profile_s_are_refused_in_one_line():
+    """Two ranks to a node joining a search whose ``--cluster`` has one: its meshes' names and its
+    emulated links would describe nodes the world does not have."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    address = f"127.0.0.1:{free_port()}"
+    pool = NodePool(2, address=address, join_timeout_s=30, ranks_per_node=1, say=lambda line: None)
+    worker = PrefixStore("nodepool/", TCPStore("127.0.0.1", int(address.split(":")[1]), is_master=False))
+    for rank in range(2):
+        placement = {"rank": rank, "host": "node-0", "node": 0, "local_rank": rank, "local_world_size": 2}
+        worker.set(f"ticket/{worker.add('tickets', 1)}", json.dumps({**placement, "world_size": 2, "backend": "gloo"}))
+    with pytest.raises(NodePoolError, match="the workers on node-0 run 2 ranks to a node .* ranks_per_node is 2$"):
+        pool.run("_trial_programs:get_rank_pid", timeout_s=5)
+
+
 def test_a_search_across_two_agents_emits_resumes_and_outlives_a_killed_rank(tmp_path):
     """A search across two agents names both nodes everywhere; resumed after every agent stopped, it
     keeps its trial, a rank killed in its second trial fails that trial only, the next trial runs
