@@ -52,8 +52,8 @@ def free_port() -> int:
             return port
 
 
-def start_agents(pool_address: str, out: Path, *, max_restarts: int = 6) -> list[subprocess.Popen]:
-    """Two torchrun agents (``--nnodes 2 --nproc-per-node 1``) whose workers join ``pool_address``."""
+def start_agents(pool_address: str, out: Path, *, max_restarts: int = 6, per_node: int = 1) -> list[subprocess.Popen]:
+    """Two torchrun agents (``--nnodes 2 --nproc-per-node per_node``) whose workers join ``pool_address``."""
     rdzv = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
     command = [
@@ -63,7 +63,7 @@ def start_agents(pool_address: str, out: Path, *, max_restarts: int = 6) -> list
         "--nnodes",
         "2",
         "--nproc-per-node",
-        "1",
+        str(per_node),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
@@ -345,15 +345,16 @@ def test_a_search_across_two_agents_emits_resumes_and_outlives_a_killed_rank(tmp
 
 
 def test_a_dry_run_forms_the_world_across_the_nodes_and_runs_no_trial(tmp_path):
-    """``autotune search --dry-run --workers``: what a cluster user runs first."""
+    """``autotune search --dry-run --workers``: what a cluster user runs first; two nodes of two
+    ranks each, the shape in which a shard group can stay inside a node."""
     address, out = f"127.0.0.1:{free_port()}", tmp_path / "search"
-    command = [sys.executable, "-c", "import cli; cli.main()", "search", "--model", "tiny", "--dry-run"]
-    command += ["--workers", address, "--cluster", "cpu-emulated-2node", "--out", str(out)]
+    command = [sys.executable, "-c", "import cli; cli.main()", "search", "--model", "tiny", "--dry-run", "--nproc", "4"]
+    command += ["--workers", address, "--cluster", "cpu-emulated-ib", "--out", str(out)]
     with open(tmp_path / "driver.log", "w") as log:
         driver = subprocess.Popen(
             command, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
         )
-    agents = start_agents(address, tmp_path)
+    agents = start_agents(address, tmp_path, per_node=2)
     try:
         stdout, _ = driver.communicate(timeout=AGENT_LIMIT_S)
         codes = [agent.wait(timeout=60) for agent in agents]  # the world told to exit: torchrun ends
@@ -361,13 +362,11 @@ def test_a_dry_run_forms_the_world_across_the_nodes_and_runs_no_trial(tmp_path):
         stop([driver, *agents])
     assert driver.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
     lines = stdout.splitlines()
-    assert lines[0] == "model: tiny" and "world: 2 ranks on 2 node(s)" in lines
-    assert any(line.startswith("  node 0 (") and line.endswith("ranks 0 on cpu") for line in lines)
-    assert any(line.startswith("  node 1 (") and line.endswith("ranks 1 on cpu") for line in lines)
-    assert (
-        "2 ranks on 2 node(s) of 1: fsdp: shard over 2 nodes; hsdp:2x1: shard in each node, replicate over 2 nodes"
-        in lines
-    )
+    assert lines[0] == "model: tiny" and "world: 4 ranks on 2 node(s)" in lines
+    assert any(line.startswith("  node 0 (") and line.endswith("ranks 0, 1 on cpu") for line in lines)
+    assert any(line.startswith("  node 1 (") and line.endswith("ranks 2, 3 on cpu") for line in lines)
+    meshes = next(line for line in lines if line.startswith("4 ranks on 2 node(s) of 2: "))
+    assert "fsdp: shard over 2 nodes" in meshes and "hsdp:2x2: shard in each node, replicate over 2 nodes" in meshes
     assert any(line.startswith("all-reduce of 8 MiB over every rank: ") for line in lines)
     assert lines[-1] == "dry run: no trial ran" and codes == [0, 0]
     assert not get_board(address, 1).exists()  # the host's arrival board goes with its ranks
