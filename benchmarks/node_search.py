@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,33 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autotune.search.nodes import describe_mesh_nodes  # noqa: E402
+from autotune.trials.loopback import get_agent_command, get_free_port, kill_tree  # noqa: E402
 from fsdp_runtime import load_config  # noqa: E402
 
 SETTINGS = {"two-node": ("cpu-emulated-2node", 1), "one-host": ("cpu-emulated-ib", 2)}
 """Each search's cluster profile and ranks per node."""
-
-
-_GIVEN: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now and not given before: the driver binds its port only once its process has
-    started, so the rendezvous port asked for next could otherwise be the same one."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
-
-
-def agent_command(pool: str) -> list[str]:
-    """One of two torchrun agents (``--nnodes 2 --nproc-per-node 1``) whose worker joins ``pool``."""
-    rdzv = f"127.0.0.1:{free_port()}"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
-    torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "node-search", "--max-restarts", "3"]
-    return [*torchrun, "-m", "autotune.trials.worker", "--pool", pool]
 
 
 def run_search(name: str, args: argparse.Namespace, out: Path) -> dict:
@@ -70,9 +46,11 @@ def run_search(name: str, args: argparse.Namespace, out: Path) -> dict:
     command += ["--trials", str(args.trials), "--cluster", cluster, "--out", str(out), "--json"]
     extra: list[list[str]] = []
     if name == "two-node":
-        address = f"127.0.0.1:{free_port()}"
+        address = f"127.0.0.1:{get_free_port()}"
         command += ["--workers", address]
-        extra = [agent_command(address)] * 2
+        rdzv = f"127.0.0.1:{get_free_port()}"
+        agent = get_agent_command(address, rdzv=rdzv, run_id="node-search", log_dir=out.parent / f"{out.name}-torchrun")
+        extra = [agent, agent]  # two agents of one rank each: two "nodes"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     out.parent.mkdir(parents=True, exist_ok=True)
     start, load = time.monotonic(), os.getloadavg()[0]
@@ -85,10 +63,7 @@ def run_search(name: str, args: argparse.Namespace, out: Path) -> dict:
             procs[0].wait(timeout=args.limit_s)
         finally:
             for proc in procs:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill_tree(proc.pid)
                 proc.wait()
     if procs[0].returncode != 0:
         sys.exit(f"{name}: the search failed (exit {procs[0].returncode}); see {out.parent / f'{out.name}.log'}")

@@ -86,7 +86,6 @@ class SearchSummary:
 
 def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = None) -> SearchSummary:
     """Run (or continue) a search and write the run directory; returns the summary."""
-
     reporter = reporter or SilentReporter()
     profile, device_type, mp, plan = prepare_search(settings)
     study, created = open_study(settings, settings.get_study_name(profile.name))

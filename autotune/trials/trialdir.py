@@ -34,8 +34,8 @@ INCOMPLETE_MARKER = "INCOMPLETE"
 dir that still has it belongs to a trial whose launcher was killed."""
 ENV_KIND = "trial_env"
 ENV_SCHEMA_VERSION = 3
-"""3: ``ranks``, each rank's host and node (a search across nodes names both: [Note: node pool])."""
-"""v2: ``overlap_env`` (the ranks' values of ``OVERLAP_ENV``)."""
+"""v3: ``ranks``, each rank's host and node (a search across nodes names both: [Note: node pool]);
+v2: ``overlap_env`` (the ranks' values of ``OVERLAP_ENV``)."""
 _STALE_FILES = ("metrics.json", "env.json", "config.toml")
 _STEP_COST_KEYS = (
     "own_step_ms",
@@ -136,7 +136,7 @@ def write_trial_dir(
             [spec.out_dir / t for t in metrics.traces], spec.config
         )
     spec.out_dir.mkdir(parents=True, exist_ok=True)
-    write_artifact(spec.out_dir / "env.json", _get_env(spec, rank_results, placement or []))
+    write_artifact(spec.out_dir / "env.json", _get_env(spec, rank_results, placement))
     metrics.write(spec.out_dir / "metrics.json")
     (spec.out_dir / INCOMPLETE_MARKER).unlink(missing_ok=True)
     return TrialResult(status=status, reason=reason, out_dir=spec.out_dir, metrics=metrics, wall_s=wall_s)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 from _harness import reference_losses
 
+from autotune.trials.loopback import get_agent_command, get_free_port, kill_tree
 from autotune.trials.nodes import NodePool, NodePoolError
 from autotune.trials.worker import get_board
 from fsdp_runtime import config_to_dict, load_config
@@ -37,57 +37,25 @@ UNSHARDED_REL_TOL = 1e-4
 """Sharded training against one process without FSDP ([the runtime config](docs/config.md), "Math")."""
 
 
-_GIVEN: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now and not given before in this process: the driver binds its port only once
-    its process has started, so the next free port asked for (the rendezvous') could be that one."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
-
-
 def start_agents(pool_address: str, out: Path, *, max_restarts: int = 6, per_node: int = 1) -> list[subprocess.Popen]:
     """Two torchrun agents (``--nnodes 2 --nproc-per-node per_node``) whose workers join ``pool_address``."""
-    rdzv = f"127.0.0.1:{free_port()}"
+    rdzv = f"127.0.0.1:{get_free_port()}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        str(per_node),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        rdzv,
-        "--rdzv-id",
-        "autotune-test",
-        "--max-restarts",
-        str(max_restarts),
-        "--monitor-interval",
-        "0.2",
-        "-m",
-        "autotune.trials.worker",
-        "--pool",
-        pool_address,
-        "--join-timeout-s",
-        "60",
-    ]
     agents = []
     for node in range(2):
-        logs = ["--log-dir", str(out / f"agent{node}")]  # not torchrun's default, a new temporary dir per agent
+        command = get_agent_command(
+            pool_address,
+            rdzv=rdzv,
+            run_id="autotune-test",
+            per_node=per_node,
+            max_restarts=max_restarts,
+            log_dir=out / f"agent{node}",
+            more=("--monitor-interval", "0.2"),
+        )
         with open(out / f"agent{node}.log", "w") as log:
             agents.append(
                 subprocess.Popen(
-                    [*command[:3], *logs, *command[3:]],
+                    [*command, "--join-timeout-s", "60"],
                     cwd=REPO,
                     env=env,
                     stdout=log,
@@ -98,31 +66,10 @@ def start_agents(pool_address: str, out: Path, *, max_restarts: int = 6, per_nod
     return agents
 
 
-def get_descendants(pid: int) -> list[int]:
-    """Every live process under ``pid`` (torchrun starts its workers in sessions of their own,
-    so killing an agent's process group leaves them)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
 def stop(processes: list[subprocess.Popen]) -> None:
     """SIGKILL every process and everything under it."""
     for proc in processes:
-        for pid in [*get_descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc.pid)
         proc.wait()
 
 
@@ -137,7 +84,7 @@ def kill_node(worker_pid: int) -> None:
 @pytest.fixture
 def two_nodes(tmp_path):
     """A NodePool (the driver) and two torchrun agents joined to it."""
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{get_free_port()}"
     lines: list[str] = []
     # A silence long enough that a worker torchrun restarts on a loaded box posts its ticket first
     pool = NodePool(2, address=address, join_timeout_s=90, lost_after_s=60, say=lines.append)
@@ -198,7 +145,7 @@ def test_a_driver_killed_mid_job_ends_torchrun_on_every_node(tmp_path):
     """The search killed while its ranks run a job: every worker exits 0 once it loses the
     driver, and torchrun ends instead of restarting workers that would wait for a driver that is
     gone (on a cluster: the allocation is released)."""
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{get_free_port()}"
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, address], cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -215,7 +162,7 @@ def test_a_driver_killed_mid_job_ends_torchrun_on_every_node(tmp_path):
 
 
 def test_a_world_that_never_forms_is_one_line_naming_the_address():
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{get_free_port()}"
     pool = NodePool(2, address=address, join_timeout_s=1, say=lambda line: None)
     with pytest.raises(NodePoolError, match=rf"no world of 2 ranks formed at {address} within 1 s"):
         pool.run("_trial_programs:get_rank_pid", timeout_s=5)
@@ -224,7 +171,7 @@ def test_a_world_that_never_forms_is_one_line_naming_the_address():
 def run_driver(tmp_path: Path, out: Path, trials: int, *more: str, during: Any = None) -> str:
     """``autotune search --workers`` over two fresh agents until it ends; ``during(out, address)`` is called
     and its ``--workers`` address every 0.05 s while it runs. Its output; a non-zero exit fails the test."""
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{get_free_port()}"
     search = [sys.executable, "-c", "import cli; cli.main()", "search", "--model", "tiny", "--trials", str(trials)]
     search += ["--workers", address, "--cluster", "cpu-emulated-2node", "--patience", "0"]
     search += ["--trial-timeout", "90", "--json", "--out", str(out), *more]
@@ -262,7 +209,7 @@ def test_workers_on_another_backend_are_refused_in_one_line():
     """GPU workers (NCCL) joining a driver that would run gloo trials (a driver on a CPU-only host)."""
     from torch.distributed import PrefixStore, TCPStore
 
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{get_free_port()}"
     pool = NodePool(2, address=address, join_timeout_s=30, say=lambda line: None)
     worker = PrefixStore("nodepool/", TCPStore("127.0.0.1", int(address.split(":")[1]), is_master=False))
     ticket = worker.add("tickets", 1)
@@ -278,7 +225,7 @@ def test_workers_in_nodes_of_another_size_than_the_cluster_profile_s_are_refused
     emulated links would describe nodes the world does not have."""
     from torch.distributed import PrefixStore, TCPStore
 
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{get_free_port()}"
     pool = NodePool(2, address=address, join_timeout_s=30, ranks_per_node=1, say=lambda line: None)
     worker = PrefixStore("nodepool/", TCPStore("127.0.0.1", int(address.split(":")[1]), is_master=False))
     for rank in range(2):
@@ -328,7 +275,7 @@ def test_a_search_across_two_agents_emits_resumes_and_outlives_a_killed_rank(tmp
     assert meshes in record["notes"] and any(n.startswith("trials ran on 2 node(s)") for n in record["notes"])
 
     # The emitted config in a training loop on a fresh two-node world: the unsharded model's losses.
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{get_free_port()}"
     pool = NodePool(2, address=address, join_timeout_s=90, say=lambda line: None)
     agents = start_agents(address, tmp_path)
     try:
@@ -347,7 +294,7 @@ def test_a_search_across_two_agents_emits_resumes_and_outlives_a_killed_rank(tmp
 def test_a_dry_run_forms_the_world_across_the_nodes_and_runs_no_trial(tmp_path):
     """``autotune search --dry-run --workers``: what a cluster user runs first; two nodes of two
     ranks each, the shape in which a shard group can stay inside a node."""
-    address, out = f"127.0.0.1:{free_port()}", tmp_path / "search"
+    address, out = f"127.0.0.1:{get_free_port()}", tmp_path / "search"
     command = [sys.executable, "-c", "import cli; cli.main()", "search", "--model", "tiny", "--dry-run", "--nproc", "4"]
     command += ["--workers", address, "--cluster", "cpu-emulated-ib", "--out", str(out)]
     with open(tmp_path / "driver.log", "w") as log:
