@@ -94,7 +94,13 @@ def report(
 @app.command()
 def search(
     model: options.SearchModel = "small",
-    nproc: options.SearchNproc = 2,
+    nproc: options.SearchNproc = None,
+    seq_len: options.SeqLen = None,
+    batch_size: options.BatchSize = None,
+    proxy: options.Proxy = None,
+    plan_for: options.PlanFor = None,
+    step_budget_s: options.StepBudget = None,
+    baseline_ac: options.BaselineAc = None,
     trials: options.Trials = 10,
     microbatches: options.Microbatches = 2,
     out: options.SearchOut = Path("runs/search"),
@@ -134,6 +140,13 @@ def search(
     settings = SearchSettings(
         model=model,
         world_size=nproc,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        proxy=proxy,
+        plan_for=plan_for,
+        dry_run=dry_run,
+        step_budget_s=step_budget_s,
+        baseline_checkpointing=baseline_ac,
         num_trials=trials,
         num_microbatches=microbatches,
         out_dir=out,

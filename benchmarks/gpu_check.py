@@ -158,21 +158,17 @@ def search_settings(model: dict, args: argparse.Namespace, out: Path) -> SearchS
 
 def plan_search(settings: SearchSettings, gpu_bytes: int) -> list[str]:
     """What the search will run, checked as ``run_search`` checks it before its first CUDA call."""
-    from autotune.search.preflight import preflight
-    from autotune.search.run import get_search_precision, make_space
-    from autotune.search.study import make_plan
-    from autotune.trials import check_fits_gpu
-    from profiles.sources import load_model_source
+    from autotune.search import get_planned_target
+    from autotune.search.run import make_space, prepare_search
 
-    profile = load_model_source(settings.model)
-    mp = get_search_precision(settings, "cuda")
-    check_fits_gpu(profile, settings.world_size, mp, device_type="cuda", total_memory=gpu_bytes)
-    plan = make_plan(settings, profile, "cuda")
-    preflight(settings)
-    space = make_space(settings, plan, "cuda", mixed_precision=mp)
+    target = get_planned_target("h200-node", settings.world_size, memory_bytes=gpu_bytes)
+    plan = prepare_search(settings, target=target)  # as run_search plans and checks it, for a GPU of gpu_bytes
+    space = make_space(settings, plan)
     default = space.build_config(space.get_default_params())
+    mp = plan.precision
     return [
-        f"search: {settings.num_trials} trials of {profile.name} on {settings.world_size} GPU(s), {mp.param_dtype}/{mp.reduce_dtype}",
+        f"search: {settings.num_trials} trials of {plan.source.name} on {settings.world_size} GPU(s), {mp.param_dtype}/{mp.reduce_dtype}",
+        *plan.describe()[1:],
         f"space: {len(space.get_default_params())} knobs; defaults: {len(default.units)} units",
         *space.notes,
     ]

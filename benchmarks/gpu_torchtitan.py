@@ -141,18 +141,14 @@ def search_settings(flavor: str, args: argparse.Namespace, out: Path) -> SearchS
 def plan_search(settings: SearchSettings, gpu_bytes: int) -> tuple[list[str], RuntimeConfig, RuntimeConfig]:
     """What the search will run, checked as ``run_search`` checks it before its first CUDA call; the
     defaults and torchtitan's recipe, both resolved against the model built on meta."""
-    from autotune.search.preflight import preflight
-    from autotune.search.run import check_machine, get_search_precision, make_space
-    from autotune.search.study import make_plan
+    from autotune.search import get_planned_target
+    from autotune.search.run import make_space, prepare_search
     from fsdp_runtime import get_torchtitan_config, resolve_units
-    from profiles import load_model_source
 
-    source = load_model_source(settings.model)
-    mp = get_search_precision(settings, "cuda")
-    check_machine(settings, source, mp, "cuda")
-    plan = make_plan(settings, source, "cuda")
-    preflight(settings)
-    space = make_space(settings, plan, "cuda", mixed_precision=mp)
+    target = get_planned_target("h200-node", settings.world_size, memory_bytes=gpu_bytes)
+    plan = prepare_search(settings, target=target)  # as run_search plans and checks it, for a GPU of gpu_bytes
+    source, mp = plan.source, plan.precision
+    space = make_space(settings, plan)
     defaults = space.build_config(space.get_default_params())
     model = source.build(device="meta")
     recipe = get_torchtitan_config(model, defaults)

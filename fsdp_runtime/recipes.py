@@ -77,6 +77,15 @@ def get_torchtitan_units(model: nn.Module) -> list[UnitConfig]:
 def get_torchtitan_config(model: nn.Module, base: RuntimeConfig | None = None) -> RuntimeConfig:
     """``base`` (default: a config at FSDP2's defaults) with torchtitan's units for ``model``
     and every other knob at FSDP2's default: implicit prefetch, sync every microbatch,
-    resharded after backward, no activation checkpointing ([Note: the torchtitan recipe])."""
+    resharded after backward ([Note: the torchtitan recipe]). Each block keeps ``base``'s
+    activation checkpointing (torchtitan checkpoints per block too: a search whose baseline
+    checkpoints every block measures the recipe with the same checkpointing)."""
     base = base if base is not None else RuntimeConfig()
-    return dataclasses.replace(base, units=get_torchtitan_units(model), unlisted_blocks="error")
+    checkpointing = {u.name: u.activation_checkpointing for u in base.units}
+    units = [
+        dataclasses.replace(u, activation_checkpointing=checkpointing[u.name])
+        if checkpointing.get(u.name, "none") != "none"
+        else u
+        for u in get_torchtitan_units(model)
+    ]
+    return dataclasses.replace(base, units=units, unlisted_blocks="error")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from profiles.chunked_init import count_chunks, draw_rows, get_local_rows
+from profiles.chunked_init import ShardCache, count_chunks, draw_rows, get_local_rows
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -138,6 +138,11 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def get_init_identity(shape: LlamaShape, seed: int) -> tuple:
+    """What :meth:`Llama.init_weights`'s values depend on: the model a shard cache holds ([Note: shard cache])."""
+    return ("llama", shape, seed)
+
+
 class Llama(nn.Module):
     """Llama 3 decoder; ``forward(tokens) -> logits``."""
 
@@ -151,37 +156,41 @@ class Llama(nn.Module):
         if shape.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def init_weights(self, seed: int) -> int:
+    def init_weights(self, seed: int, *, cache: ShardCache | None = None) -> int:
         """Deterministic init, identical on every rank and every mesh for the same seed: norm
         weights 1, the rest ``N(0, 0.02^2)`` (``wo``/``w2`` scaled by ``1 / sqrt(2 * layers)``),
         drawn in row chunks with a generator each ([Note: chunked init] in
         :mod:`profiles.chunked_init`). Parameters already sharded (DTensors: a model built on the
         meta device, sharded, then materialised with ``to_empty``) get their own rows of the very
         values a full build has, drawing only the chunks that overlap them (no communication).
+        ``cache``: rows an earlier build of this model (shape and seed) drew here are restored from
+        it, the others drawn and kept there ([Note: shard cache]; its ``counts`` say which).
         Returns how many random numbers this rank drew."""
         from torch.distributed.tensor import DTensor
 
         std = 0.02
+        weights = [(n, p, get_local_rows(p)) for n, p in self.named_parameters() if not n.endswith("norm.weight")]
+        if cache is not None:  # its bound follows this build's shard: fp32 bytes of its drawn rows
+            shard = sum(4 * (stop - start) * math.prod(p.shape[1:]) for _, p, (start, stop) in weights)
+            cache.start_build(get_init_identity(self.shape, seed), shard)
         chunk, drawn = 0, 0
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
-                    continue
+            for index, (name, param, rows) in enumerate(weights):
                 scale = std / math.sqrt(2 * self.shape.num_layers) if name.endswith(("wo.weight", "w2.weight")) else std
                 local = param.to_local() if isinstance(param, DTensor) else param  # aliases the parameter
-                # drawn straight into a host fp32 shard; elsewhere (a GPU) on the host, then copied
-                direct = local.device.type == "cpu" and local.dtype == torch.float32 and local.is_contiguous()
-                values, n = draw_rows(
-                    param.shape,
-                    get_local_rows(param),
-                    seed=seed,
-                    first_chunk=chunk,
-                    scale=scale,
-                    out=local if direct else None,
-                )
-                if not direct:
-                    local.copy_(values)
+                if cache is not None:
+                    n = cache.fill(local, param.shape, rows, index=index, seed=seed, first_chunk=chunk, scale=scale)
+                else:
+                    # drawn straight into a host fp32 shard; elsewhere (a GPU) on the host, then copied
+                    direct = local.device.type == "cpu" and local.dtype == torch.float32 and local.is_contiguous()
+                    values, n = draw_rows(
+                        param.shape, rows, seed=seed, first_chunk=chunk, scale=scale, out=local if direct else None
+                    )
+                    if not direct:
+                        local.copy_(values)
                 chunk, drawn = chunk + count_chunks(param.shape), drawn + n
         return drawn
 

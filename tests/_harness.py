@@ -38,9 +38,9 @@ def train_full_and_sharded(
 
     original, inits = Llama.init_weights, []
 
-    def init_weights(self, seed: int) -> None:  # what the init saw: sharded parameters or full ones
+    def init_weights(self, seed: int, **kwargs: Any) -> int:  # what the init saw: sharded parameters or full ones
         inits.append(all(isinstance(p, DTensor) for p in self.parameters()))
-        original(self, seed)
+        return original(self, seed, **kwargs)
 
     Llama.init_weights = init_weights
     results = []
@@ -288,3 +288,52 @@ def drop_kept_model(rank: int, world_size: int) -> None:
 
     kept.drop()
     release_free_memory()
+
+
+def build_sharded_cached_and_fresh(
+    rank: int, world_size: int, *, model: str | dict[str, Any], configs: list[dict[str, Any]], seed: int = 0
+) -> list[dict[str, Any]]:
+    """Rank program: ``configs`` built sharded one after another through this rank's shard cache
+    ([Note: shard cache]), each compared, parameter by parameter, with a fresh sharded build that
+    draws every row itself (no cache) and with a full build's shards; per config the build's
+    ``[drawn, restored]`` counts, what the cache held after it, and whether every local shard is
+    bitwise the fresh draw's and the full build's. The cache starts empty and is emptied after."""
+    from autotune.trials.meshes import get_mesh
+    from autotune.trials.training import take_shard_inits
+    from fsdp_runtime import apply_fsdp, config_from_dict
+    from profiles.chunked_init import SHARD_CACHE
+
+    def local_values(training: Training) -> list[torch.Tensor]:
+        return [p.to_local().detach().clone() for p in training.model.parameters()]
+
+    SHARD_CACHE.release()
+    take_shard_inits()
+    results = []
+    try:
+        for config in configs:
+            cached = build_training(rank, world_size, model=model, config=config, seed=seed, sharded=True)
+            counts = take_shard_inits()
+            values = local_values(cached)
+            del cached
+            source = resolve_profile(model)
+            fresh = source.build(device="meta", seed=seed)  # what _build_sharded does, with no cache
+            runtime = config_from_dict(config)
+            apply_fsdp(fresh, runtime, mesh=get_mesh(runtime, "cpu"), device_type="cpu")
+            fresh.to_empty(device="cpu")
+            fresh.init_weights(seed)
+            fresh_values = [p.to_local().detach() for p in fresh.parameters()]
+            full = build_training(rank, world_size, model=model, config=config, seed=seed, sharded=False)
+            full_values = local_values(full)
+            del full
+            results.append(
+                {
+                    "counts": counts,
+                    "entries": len(SHARD_CACHE),
+                    "cache_within_bound": 0 < SHARD_CACHE.nbytes <= SHARD_CACHE.limit_bytes,
+                    "as_fresh": all(torch.equal(a, b) for a, b in zip(values, fresh_values, strict=True)),
+                    "as_full": all(torch.equal(a, b) for a, b in zip(values, full_values, strict=True)),
+                }
+            )
+    finally:
+        SHARD_CACHE.release()
+    return results

@@ -77,7 +77,56 @@ SearchModel = Annotated[
         field="model",
     ),
 ]
-SearchNproc = Annotated[int, option("--nproc", "-n", help="Ranks (world size) of every trial.", field="world_size")]
+SearchNproc = Annotated[
+    int | None,
+    option(
+        "--nproc",
+        "-n",
+        help="Ranks (world size) of every trial. Default: one per visible GPU on CUDA (CUDA_VISIBLE_DEVICES honoured), the --plan-for node's GPUs, else 2.",
+        show_default=False,
+        field="world_size",
+    ),
+]
+SeqLen = Annotated[
+    int | None, option("--seq-len", help="Sequence length of the trials (default: the model's).", field="seq_len")
+]
+BatchSize = Annotated[
+    int | None,
+    option("--batch-size", help="Per-rank microbatch size of the trials (default: the model's).", field="batch_size"),
+]
+Proxy = Annotated[
+    bool | None,
+    option(
+        "--proxy/--no-proxy",
+        help="Force a scale proxy, or the model as it is. Default: the model itself wherever its leanest config fits (on a GPU, by the simulator).",
+        show_default=False,
+        field="proxy",
+    ),
+]
+PlanFor = Annotated[
+    str | None,
+    option(
+        "--plan-for",
+        help="With --dry-run: answer for this GPU cluster profile's node (h100-node, h200-node, ...) from a box without GPUs.",
+        field="plan_for",
+    ),
+]
+StepBudget = Annotated[
+    float | None,
+    option(
+        "--step-budget-s",
+        help="Size a proxy to this step time: per microbatch on CPU (default 1 s), per step on a GPU (default: none).",
+        field="step_budget_s",
+    ),
+]
+BaselineAc = Annotated[
+    str | None,
+    option(
+        "--baseline-ac",
+        help="Activation checkpointing of the baseline on every block: none, selective or full. Default: the least that fits.",
+        field="baseline_checkpointing",
+    ),
+]
 Trials = Annotated[
     int, option("--trials", "-t", help="Total trials in the study, the defaults trial included.", field="num_trials")
 ]
@@ -108,7 +157,7 @@ SearchDryRun = Annotated[
     bool,
     option(
         "--dry-run",
-        help="Print the plan, the space and, with --workers, the world formed across the nodes; run no trial.",
+        help="Print the plan (model or proxy, ranks, baseline, rounds, builds, steps, estimated wall), the space and, with --workers, the world formed across the nodes; run no trial.",
     ),
 ]
 JoinTimeout = Annotated[
@@ -149,7 +198,11 @@ Checkpointing = Annotated[
 ]
 EmulatedCluster = Annotated[
     str | None,
-    option("--cluster", help="Cluster profile whose links are emulated (e.g. cpu-emulated-ib).", field="cluster"),
+    option(
+        "--cluster",
+        help="Cluster profile: over gloo its links are emulated (e.g. cpu-emulated-ib); over NCCL it gives the topology and the simulator's prices, never emulated.",
+        field="cluster",
+    ),
 ]
 Mesh = Annotated[str | None, option("--mesh", help="Fix the mesh: fsdp or hsdp:RxS.", field="fixed_mesh")]
 SearchPp = Annotated[

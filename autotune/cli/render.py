@@ -82,31 +82,51 @@ def print_error(flag: str | None, message: str) -> None:
 # --------------------------------------------------------------------------- autotune search
 
 
+def _fmt_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "-:--:--"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 class SearchProgress:
-    """Live progress for ``autotune search``: trial n/N, current best, ETA (a search's reporter)."""
+    """Live progress for ``autotune search``: trial n/N, current best, and the ETA of every round
+    left (the search's :class:`~autotune.search.cost.RoundLedger` estimates it; a search's reporter)."""
 
     def __init__(self) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        self.baseline = "the defaults"
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+        from rich.text import Text
 
+        reporter = self
+
+        class EtaColumn(ProgressColumn):
+            def render(self, task) -> Text:
+                ledger = reporter.ledger
+                return Text(_fmt_eta(ledger.get_eta_s() if ledger is not None else None), style="progress.remaining")
+
+        self.ledger = None
+        self.eta_said = False
         self.progress = Progress(
             TextColumn("[bold]trials"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
             TextColumn("eta"),
-            TimeRemainingColumn(),
+            EtaColumn(),
             TextColumn("{task.fields[best]}"),
             console=err_console,
             transient=False,
         )
         self.task = None
+
+    def on_plan(self, search_plan) -> None:
+        """What every trial's ratio is over: ``the defaults``, or the baseline with its checkpointing."""
+        self.baseline = search_plan.baseline.short_name
+
+    def on_ledger(self, ledger) -> None:
+        """The search's round ledger, whose ETA the bar shows."""
+        self.ledger = ledger
 
     def on_start(self, plan, settings, num_existing: int) -> None:
         if plan.is_proxy:
@@ -134,7 +154,7 @@ class SearchProgress:
     def on_trial_end(self, row, best) -> None:
         from autotune.report import fmt
 
-        status = row.status if not row.succeeded else f"{fmt(row.ratio, 'x')} the defaults ({fmt(row.step_ms)} ms)"
+        status = row.status if not row.succeeded else f"{fmt(row.ratio, 'x')} {self.baseline} ({fmt(row.step_ms)} ms)"
         if row.predicted_step_ms is not None:
             status += f", predicted {row.predicted_step_ms:.1f} ms"
         best_text = f"best {fmt(best.ratio, 'x')} (trial {best.number})" if best else "no best yet"
@@ -146,20 +166,28 @@ class SearchProgress:
             overflow="ellipsis",
         )
         self.progress.update(self.task, advance=1, best=best_text)
+        eta = self.ledger.eta_after_first_trial_s if self.ledger is not None else None
+        if eta is not None and not self.eta_said:  # once: the first estimate over every round left
+            self.eta_said = True
+            self.progress.console.print(f"eta over every round left: {_fmt_eta(eta)}", highlight=False)
 
     def on_phase(self, message: str) -> None:
         self.progress.console.print(message, highlight=False)
 
     def on_trials_done(self, stopped_because: str) -> None:
         self.progress.stop()
-        err_console.print(f"trials done: {stopped_because}", highlight=False)
+        eta = self.ledger.get_eta_s() if self.ledger is not None else None
+        left = f" (the rounds after them: about {_fmt_eta(eta)} left)" if eta is not None else ""
+        err_console.print(f"trials done: {stopped_because}{left}", highlight=False)
 
 
 def print_search_summary(summary) -> None:
-    """A finished search: its trials, the predictions against the measurements, the final round, the outcome."""
+    """A finished search: its trials, the predictions against the measurements, the final round, the
+    builds and steps by round, the outcome."""
     from autotune.report import (
         get_final_round_table,
         get_prediction_table,
+        get_rounds_table,
         get_search_outcome_lines,
         get_search_rows_table,
     )
@@ -167,6 +195,7 @@ def print_search_summary(summary) -> None:
     print_tables([get_search_rows_table(summary.rows, summary.best)])
     print_tables([t for t in (get_prediction_table(summary.rows),) if t is not None])
     print_tables([t for t in (get_final_round_table(summary.confirmation),) if t is not None])
+    print_tables([t for t in (get_rounds_table(summary.record.rounds),) if t is not None])
     for line in get_search_outcome_lines(summary):
         console.print(line, highlight=False)
 

@@ -4,7 +4,8 @@ A file is read as ``autotune trial --config`` reads one (``fsdp_runtime.load_con
 ``[mixed_precision]`` kept unless ``--param-dtype``/``--reduce-dtype`` is given). The words are
 built for the model as a search builds its baselines: ``defaults`` is the search's defaults trial
 (:meth:`autotune.search.SearchSpace.get_default_params`: FSDP2's defaults, one unit per block and
-the root, ``unshard_async`` off on CPU), ``torchtitan`` torchtitan's recipe on those defaults
+the root, ``unshard_async`` off on CPU; on a GPU where they do not fit, with the least checkpointing
+on every block that does, as the search's baseline: :func:`autotune.search.search_plan.get_baseline`), ``torchtitan`` torchtitan's recipe on those defaults
 (``fsdp_runtime.get_torchtitan_config``, as the search's recipe round builds it). Both carry the
 files' microbatches and the first file's precision, so they differ from the files only in knobs.
 
@@ -83,15 +84,20 @@ def load_compare_configs(settings: CompareSettings, reporter: CompareReporter) -
 def build_word_config(
     word: str, settings: CompareSettings, *, num_microbatches: int, mixed_precision: MixedPrecisionConfig
 ) -> RuntimeConfig:
-    """``defaults`` or ``torchtitan`` for the settings' model and world ([module docstring])."""
+    """``defaults`` or ``torchtitan`` for the settings' model and world ([module docstring]): the
+    search's baseline on this machine, with its checkpointing where FSDP2's defaults do not fit the GPU."""
     model = resolve_profile(settings.model)
+    device_type = get_device_type(settings.backend or get_default_backend())
+    baseline = get_compare_baseline(settings, model, device_type, mixed_precision, num_microbatches)
     space = SearchSpace(
         block_names=tuple(model.block_names),
         world_size=settings.world_size,
         num_microbatches=num_microbatches,
-        device_type=get_device_type(settings.backend or get_default_backend()),
+        device_type=device_type,
         mixed_precision=mixed_precision,
         unsupported_knobs=tuple(get_unsupported_knobs().items()),
+        checkpointing=baseline != "none",
+        baseline_checkpointing=baseline,
     )
     defaults = space.build_config(space.get_default_params())
     if word == "defaults":
@@ -99,6 +105,23 @@ def build_word_config(
     if word == "torchtitan":
         return get_torchtitan_config(model.build(device="meta"), defaults)
     raise CompareError(f"{word}: not a config word (use {' or '.join(WORDS)}, or a file)", field="configs")
+
+
+def get_compare_baseline(
+    settings: CompareSettings,
+    model: object,
+    device_type: str,
+    mixed_precision: MixedPrecisionConfig,
+    num_microbatches: int,
+) -> str:
+    """The checkpointing a search on this machine would give its baseline ([Note: the search plan] in
+    :mod:`autotune.search.search_plan`): none on CPU; on CUDA the least that fits this GPU."""
+    if device_type != "cuda":
+        return "none"
+    from autotune.search import get_baseline, get_this_gpu_target
+
+    target = get_this_gpu_target(settings.world_size, cluster=None)
+    return get_baseline(model, target, mixed_precision, num_microbatches=num_microbatches).checkpointing
 
 
 def check_compared_config(item: ComparedConfig, settings: CompareSettings) -> list[str]:

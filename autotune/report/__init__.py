@@ -30,6 +30,7 @@ from autotune.report.predictions import get_prediction_table
 from autotune.report.tables import (
     get_final_round_table,
     get_rank_table,
+    get_rounds_table,
     get_search_outcome_lines,
     get_search_rows_table,
     get_tables,
@@ -45,6 +46,7 @@ __all__ = [
     "StepAttribution",
     "TrialSummary",
     "fmt",
+    "get_rounds_table",
     "get_final_round_table",
     "get_gpu_tables",
     "get_pipeline_tables",

@@ -395,3 +395,31 @@ def get_rank_table(metrics: TrialMetrics) -> ReportTable:
             ]
         )
     return table
+
+
+def get_rounds_table(rounds: dict[str, Any] | None) -> ReportTable | None:
+    """``search.json``'s ``rounds`` as a table: each round's runs, steps and builds (of the most it
+    may run) and seconds; then the total."""
+    if not rounds or not rounds.get("by_round"):
+        return None
+
+    def of(n: int, most: int | None) -> str:
+        return f"{n} of {most}" if most is not None else str(n)
+
+    rows = [
+        [
+            name,
+            str(r["runs"]),
+            of(r["steps"], r.get("max_steps")),
+            of(r["builds"], r.get("max_builds")),
+            f"{r['seconds']:.1f}",
+        ]
+        for name, r in rounds["by_round"].items()
+    ]
+    t = rounds["total"]
+    rows.append(["total", str(t["runs"]), str(t["steps"]), str(t["builds"]), f"{t['elapsed_s']:.1f}"])
+    eta = rounds.get("eta_after_first_trial_s")
+    title = "rounds (steps and builds run, of the most planned)"
+    if eta is not None and rounds.get("first_trial_at_s") is not None:
+        title += f"; ETA after the first trial {eta:.0f} s, {t['elapsed_s'] - rounds['first_trial_at_s']:.0f} s taken"
+    return ReportTable(title=title, columns=["round", "runs", "steps", "builds", "seconds"], rows=rows)

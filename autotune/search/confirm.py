@@ -109,6 +109,7 @@ def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeCo
     if ctx.settings.num_confirm_pairs == 0 or not finalists:
         best = pick_best(rows)
         return (ctx.space.build_config(best.params) if best else ctx.default_config), None
+    ctx.round = "final round"
     measured, contested = _measure_finalists(ctx, finalists)
     ranked = sorted(
         (m for m in measured if m["status"] == "ok" and m.get("ratio") is not None and not m.get("over_budget")),
@@ -178,6 +179,7 @@ def _decide_chosen(
 
 def _measure_verdict(ctx: SearchContext, row: TrialRow, config: RuntimeConfig) -> dict[str, Any]:
     """The chosen finalist against the defaults once more, in a window that did not choose it."""
+    ctx.round = "verdict"
     ctx.reporter.on_phase(
         f"final round: trial {row.number} vs the defaults once more, in a window that did not choose it, "
         f"at most {get_verdict_pairs(ctx)} pairs"

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.search.context import SearchContext
+from autotune.search.cost import CONSOLIDATION_STEPS, RunCost
 from autotune.trials import Training, build_training, run_ranks
 from fsdp_runtime import CONSOLIDATION_METHODS, RuntimeConfig, config_from_dict, config_to_dict, consolidate_state
 from fsdp_runtime.consolidate import DEFAULT_BUCKET_BYTES, check_method
@@ -171,6 +172,7 @@ def time_consolidation(ctx: SearchContext, config: RuntimeConfig) -> dict[str, A
         # fsdp_runtime.consolidate gathers one FSDP2 model onto rank 0; a pipeline's stages
         # live on other ranks (each a model of Passthroughs around its own blocks).
         return {"method": own, "skipped": "pipeline stages (it gathers one sharded model onto rank 0, not stages)"}
+    ctx.round = "consolidation"
     methods = [own, *(m for m in TIMED_METHODS if m != own)]
     kwargs = {
         "model": ctx.plan.trial_model,
@@ -184,6 +186,20 @@ def time_consolidation(ctx: SearchContext, config: RuntimeConfig) -> dict[str, A
         run = ctx.pool.run(target, kwargs, timeout_s=timeout_s)
     else:
         run = run_ranks(target, world_size=ctx.settings.world_size, kwargs=kwargs, timeout_s=timeout_s)
+    # one build and one step, as ``estimate_search_cost`` counts them ([Note: round costs])
+    ran = (CONSOLIDATION_STEPS, 1) if run.ok else (0, 0)
+    ctx.ledger.add(
+        RunCost(
+            round="consolidation",
+            name="consolidation",
+            status=run.status,
+            steps=ran[0],
+            builds=ran[1],
+            wall_s=run.wall_s,
+            max_steps=CONSOLIDATION_STEPS,
+            max_builds=1,
+        )
+    )
     if not run.ok:
         return {"method": own, "error": f"{run.status}: {run.reason}"}
     seconds = {m: max(r["seconds"][m][0] for r in run.results) for m in methods}

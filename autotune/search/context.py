@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.search.timeouts import TrialTimeouts, count_builds, count_steps
+from autotune.search.cost import RoundLedger
+from autotune.search.timeouts import TrialTimeouts, builds_in_turn, count_builds, count_steps, may_build_in_turn
 from autotune.trials import (
-    PAIRED_MODELS_ENV,
     PairNoise,
     StoppingRule,
     TrialResult,
     TrialSpec,
     get_default_backend,
+    get_emulated_cluster,
     run_trial,
 )
-from fsdp_runtime import RuntimeConfig, get_structural_differences
+from fsdp_runtime import RuntimeConfig
 
 if TYPE_CHECKING:
     import optuna
@@ -51,8 +51,23 @@ class SearchContext:
     defaults' and the presearch's calibration trials skip their profiled windows ([Note: the
     emitted config's trace] in :mod:`autotune.search.recipe`)."""
 
+    ledger: RoundLedger = field(default_factory=RoundLedger)
+    """What each round ran, and the ETA of what is left ([Note: round costs] in :mod:`autotune.search.cost`)."""
+
     def __post_init__(self) -> None:
         self.timeouts.fixed_s = self.settings.trial_timeout_s
+        watch = getattr(self.reporter, "on_ledger", None)  # a reporter that shows the ETA
+        if watch is not None:
+            watch(self.ledger)
+
+    @property
+    def round(self) -> str | None:
+        """The round the search is in (:data:`autotune.search.cost.ROUNDS`), set by each round's entry point."""
+        return self.ledger.current
+
+    @round.setter
+    def round(self, name: str) -> None:
+        self.ledger.enter(name)  # its rounds are the search plan's (run_search sets them: [Note: round costs])
 
     @property
     def write_dir(self) -> Path:
@@ -98,7 +113,7 @@ class SearchContext:
             profile=profile,
             seed=s.seed,
             timeout_s=limit_s,
-            cluster=s.cluster,
+            cluster=get_emulated_cluster(s.cluster, get_default_backend()),  # [Note: the search plan]: never over NCCL
             reference=reference,
             prune_if_ratio_above=prune_if_ratio_above,
             stopping=stopping.to_dict() if stopping is not None and paired else None,
@@ -112,6 +127,7 @@ class SearchContext:
         timeouts]), its pairs the box's noise ([Note: pooled noise] in :mod:`fsdp_runtime.tuning.sequential`)."""
         result = run_trial(spec, pool=self.pool)
         self.timeouts.observe(result)
+        self.ledger.observe(self.round, result, spec)
         paired = result.metrics.paired if result.metrics is not None and result.status in ("ok", "pruned") else None
         if paired:
             self.noise.observe(paired.get("pair_ratios") or [])
@@ -158,17 +174,3 @@ class SearchContext:
             noise_df=noise[1] if noise is not None else 0,
             futile_above=(faster_below or 1.0) if prune and futility else None,
         )
-
-
-def may_build_in_turn() -> bool:
-    """Trials may build their two models in turn: on CUDA, or where ``AUTOTUNE_PAIRED_MODELS``
-    asks for it ([Note: models built in turn] in :mod:`autotune.trials.in_turn`)."""
-    asked = os.environ.get(PAIRED_MODELS_ENV)
-    return asked == "turn" or (asked is None and get_default_backend() == "nccl")
-
-
-def builds_in_turn(config: RuntimeConfig, reference: RuntimeConfig) -> bool:
-    """A trial of ``config`` against ``reference`` may build its models in turn: they may, and the
-    two differ in structure. Compared as given (the ranks compare them resolved against the
-    model), so units that would resolve alike count as different: a longer limit, never a shorter one."""
-    return reference != config and may_build_in_turn() and bool(get_structural_differences(config, reference))

@@ -1,6 +1,8 @@
 """``autotune search --dry-run``: what a search would run and, across nodes, the world it would run on; no trial.
 
-A user of a cluster runs it first, on one node or on all of them: the model plan, the space (the
+A user of a cluster runs it first, on one node or on all of them, or with ``--plan-for CLUSTER`` from a
+login node without GPUs: the search plan (the model as itself or its proxy, the baseline, the rounds and
+their cost: [Note: the search plan] in :mod:`autotune.search.search_plan`), the space (the
 meshes named by node), and with ``--workers`` the world formed exactly as the search forms it
 (``[Note: node pool]`` in :mod:`autotune.trials.nodes`): every rank's host, node and device, and
 one all-reduce over the whole world timed, so that a node that cannot reach the others is found
@@ -22,12 +24,11 @@ __all__ = ["dry_run_search"]
 
 def dry_run_search(settings: SearchSettings) -> list[str]:
     """The lines a dry run prints ([module doc]); :class:`SearchError` where the world's check fails."""
-    profile, device_type, mp, plan = prepare_search(settings)
-    space = make_space(settings, plan, device_type, mixed_precision=mp)
-    proxy = f", trials on the scale proxy {plan.proxy_name} ({plan.reason})" if plan.is_proxy else ""
+    plan = prepare_search(settings)
+    space = make_space(settings, plan)
     lines = [
-        f"model: {profile.name}{proxy}",
-        f"search: {settings.num_trials} trials on {settings.world_size} ranks, {mp.param_dtype}/{mp.reduce_dtype}",
+        *plan.describe(),
+        f"search: {settings.num_trials} trials on {settings.world_size} ranks",
         f"space: {len(space.get_default_params())} knobs; meshes: {', '.join(space.get_mesh_choices())}",
         *space.notes,
         *get_node_notes(settings, space),

@@ -11,6 +11,7 @@ from autotune.search.context import SearchContext
 from autotune.search.nodes import get_world_notes
 from autotune.search.results import TrialRow
 from autotune.search.verdict import describe_figure
+from autotune.trials import get_default_backend, get_emulated_cluster
 from fsdp_runtime import Provenance, RuntimeConfig, save_config
 
 
@@ -47,7 +48,13 @@ def _get_notes(ctx: SearchContext, best: TrialRow, confirmation: dict[str, Any] 
             f"trials ran on a scale proxy ({plan.proxy_name}) because {plan.requested.name} does not fit this machine "
             f"({plan.reason}); per-unit knobs map one-to-one onto {plan.requested.name}'s units, but the measured times are the proxy's, not {plan.requested.name}'s"
         )
-    if settings.cluster:
+    baseline = ctx.space.baseline_checkpointing
+    if baseline != "none":
+        notes.append(
+            f"baseline: FSDP2's defaults with {baseline} activation checkpointing on every block (the defaults alone do not fit); "
+            "every speedup here, and torchtitan's recipe, carry it"
+        )
+    if get_emulated_cluster(settings.cluster, get_default_backend()):
         notes.append(f"collectives were held to the emulated links of cluster profile {settings.cluster!r}")
     notes.extend(get_world_notes(getattr(ctx, "pool", None)))  # the nodes, where the trials spanned them
     notes.extend(ctx.space.notes)  # knobs this torch cannot set, left out of the search

@@ -41,8 +41,9 @@ from autotune.search.outcome import Outcome, record
 from autotune.search.reference import DRIFT_LIMIT, Reference, chain, choose_reference, get_drift, measure_anchor
 from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour
 from autotune.search.results import TrialRow, pick_best
+from autotune.search.settings import SearchError
 from autotune.search.study import close_interrupted, get_worker_id, record_first_heartbeat
-from autotune.trials import NodePool, RankPool, TrialResult, get_default_backend
+from autotune.trials import NodePool, RankPool, TrialResult, get_default_backend, parse_oom
 from fsdp_runtime import RuntimeConfig, dumps_config
 
 PLATEAU_MIN_GAIN = 0.01
@@ -136,6 +137,10 @@ def get_outcome(ctx: SearchContext, number: int, result: TrialResult, reference:
         if ctx.settings.memory_budget_bytes is not None:
             over = float(result.process_peak_bytes - ctx.settings.memory_budget_bytes)
             attrs["memory_over_budget"] = constraints["memory_over_budget"] = over  # TPE learns feasibility from it
+    oom = parse_oom(result.reason) if result.status == "oom" else None
+    if oom is not None:  # infeasible on this device, with what the rank held when it ran out ([Note: the search plan])
+        attrs["process_peak_bytes"] = oom[0]
+        attrs["memory_over_budget"] = constraints["memory_over_budget"] = float(max(1, oom[1]))
     attrs |= {k: v for k, v in _headline(result).items() if v is not None}
     paired = result.metrics.paired if result.metrics else {}
     if reference is not None and not reference.is_defaults and paired.get("ratio") is not None:
@@ -196,6 +201,7 @@ def run_one(ctx: SearchContext, best: TrialRow | None, *, against_defaults: bool
     ``best`` ([Note: sequential measurement]); it is paired with the defaults, or with ``best`` under
     ``--reference best`` ([Note: measured against the best]) unless ``against_defaults`` (the
     presearch's calibration)."""
+    ctx.round = "trials"  # [Note: round costs]: the presearch's trials too
     trial = ctx.study.ask()
     trial.set_user_attr("worker", get_worker_id())
     record_first_heartbeat(ctx.study, trial)
@@ -346,8 +352,10 @@ def search_loop(ctx: SearchContext) -> str:
             origin = enqueue_neighbour(ctx.study, ctx.space, rows, get_config_hash) if refined < num_refine else None
             if origin is None and plateau:
                 return f"plateau: no >=1% improvement in {settings.patience} trials"
+        ctx.ledger.set_trials_done(count_measured(rows))
         ctx.reporter.on_trial_start(count_measured(rows), settings.num_trials)
         row = run_one(ctx, pick_best(rows))
+        ctx.ledger.set_trials_done(count_measured([*rows, row]))
         ctx.reporter.on_trial_end(row, pick_best([*rows, row]))
 
 
@@ -355,8 +363,26 @@ def warm_up(ctx: SearchContext) -> None:
     """One unrecorded defaults run as long as a trial, first: a fresh process's first jobs pay
     page faults for fresh heap, gloo connections and autograd warm-up, which would otherwise
     be charged to trial 0 (the defaults) and make every ratio to it look better than it is."""
+    ctx.round = "warm-up"
     ctx.reporter.on_phase("warming up the ranks (not recorded)")
-    ctx.run(ctx.trial_spec(ctx.default_config, ctx.write_dir / "warmup", profile=False, paired=False))
+    result = ctx.run(ctx.trial_spec(ctx.default_config, ctx.write_dir / "warmup", profile=False, paired=False))
+    if result.status == "oom":  # the baseline must run: every pair's reference is it ([Note: the search plan])
+        raise SearchError(
+            get_baseline_oom_message(ctx.space.baseline_checkpointing, result.reason), field="baseline_checkpointing"
+        )
+
+
+def get_baseline_oom_message(baseline: str, reason: str) -> str:
+    """One line for a baseline that ran out of memory: what it held, and the next checkpointing to try."""
+    oom = parse_oom(reason)
+    held = f" at {oom[0] / 2**30:.1f} GiB in use, {oom[1] / 2**30:.2f} GiB more asked" if oom else ""
+    levels = ("none", "selective", "full")
+    name = "FSDP2's defaults" + ("" if baseline == "none" else f" with {baseline} activation checkpointing")
+    if baseline == levels[-1]:
+        fix = "the model does not train on this GPU even so: use more GPUs (--nproc), a shorter --seq-len or --proxy"
+    else:
+        fix = f"run with --baseline-ac {levels[levels.index(baseline) + 1]} and a new --out"
+    return f"the baseline ({name}) ran out of memory in the warm-up{held}, so no pair could run: {fix}"
 
 
 def open_pool(settings: Any) -> contextlib.AbstractContextManager:

@@ -77,9 +77,11 @@ def check_pipeline_degrees(degrees: tuple[int, ...], world_size: int, num_blocks
             raise SearchError(f"pipeline degree {pp} does not divide {what}", field="pipeline_degrees")
 
 
-def preflight(settings: SearchSettings) -> None:
-    """Everything that can be checked before the run dir and the study exist."""
-    num_blocks = check_model(settings.model)
+def preflight(settings: SearchSettings, *, num_blocks: int | None = None) -> None:
+    """Everything that can be checked before the run dir and the study exist (``num_blocks``: the
+    model's, where the caller loaded it already)."""
+    if num_blocks is None:
+        num_blocks = check_model(settings.model)
     check_mesh(settings.fixed_mesh, settings.world_size)
     check_pipeline_degrees(settings.pipeline_degrees, settings.world_size, num_blocks)
     if settings.fixed_mesh is not None and settings.pipeline_degrees != (1,):
@@ -93,6 +95,8 @@ def preflight(settings: SearchSettings) -> None:
         from profiles import load_cluster_profile
 
         load_cluster_profile(settings.cluster)
+    if settings.dry_run and settings.plan_for is not None:
+        return  # the run dir is the GPU node's, not this box's
     check_out_dir(settings.out_dir)
     if not os.access(settings.out_dir, os.W_OK):
         raise SearchError(f"cannot write into {settings.out_dir}", field="out_dir")

@@ -19,6 +19,11 @@ The same holds for a Hugging Face config (``--model path/config.json``): its wid
 (``package.module:function``) is opaque: it is measured as it is where it fits (parameter
 count from a meta-device build; activations, unknown, are not counted), and refused with
 one line where it does not (:class:`~profiles.factory.ModelSourceError`).
+
+This module's estimates are a CPU box's (fp32 activations, a materialised attention matrix, a
+step budget). On a GPU a proxy is the last resort and the simulator decides it ([Note: the
+search plan] in :mod:`autotune.search.search_plan`): only a model whose leanest config cannot fit
+the GPU is shrunk, by the same :func:`shrink_widths`.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class ModelPlan:
     estimated_step_s: float
     overrides: dict[str, int] = field(default_factory=dict)
     """Profile overrides that turn ``requested`` into ``run`` (passed to trials)."""
+    shape_overrides: dict[str, int] = field(default_factory=dict)
+    """``--seq-len`` / ``--batch-size``: already in ``requested``, passed to trials with the model's name."""
 
     @property
     def proxy_name(self) -> str | None:
@@ -59,14 +66,12 @@ class ModelPlan:
     @property
     def trial_model(self) -> str | dict:
         """The ``model`` argument for trials (a name, or a name plus overrides)."""
-        return (
-            {"name": self.requested.source or self.requested.name, **self.overrides}
-            if self.is_proxy
-            else (self.requested.source or self.requested.name)
-        )
+        name = self.requested.source or self.requested.name
+        overrides = {**self.shape_overrides, **(self.overrides if self.is_proxy else {})}
+        return {"name": name, **overrides} if overrides else name
 
 
-def _get_widths(profile: ModelSource) -> dict[str, Any] | None:
+def get_widths(profile: ModelSource) -> dict[str, Any] | None:
     """The widths a proxy shrinks (``dim``, ``ffn_hidden_dim``, heads, vocabulary), or None (a factory)."""
     if isinstance(profile, ModelProfile):
         s = profile.shape
@@ -88,7 +93,7 @@ def estimate_memory_per_rank(profile: ModelSource, world_size: int) -> int:
     """Bytes per rank: sharded training state, unsharded grads under no-sync accumulation,
     two unsharded blocks in flight, and fp32 activations kept for backward (not for a factory)."""
     params = profile.get_num_params()
-    w = _get_widths(profile)
+    w = get_widths(profile)
     if w is None:
         block = params // max(1, len(profile.block_names))
         return BYTES_PER_PARAM_TRAINING * params // world_size + 4 * params // world_size + 2 * 4 * block
@@ -111,7 +116,7 @@ def estimate_memory_per_rank(profile: ModelSource, world_size: int) -> int:
 def estimate_step_seconds(profile: ModelSource, flops_per_second: float) -> float:
     """Forward + backward time of one microbatch per rank from 6 * params * tokens + attention."""
     tokens = profile.batch_size * profile.seq_len
-    w = _get_widths(profile)
+    w = get_widths(profile)
     if w is None:
         return 6 * profile.get_num_params() * tokens / flops_per_second
     # The embedding lookup costs no matmul FLOPs; the output head does.
@@ -126,8 +131,8 @@ def estimate_step_seconds(profile: ModelSource, flops_per_second: float) -> floa
 CPU_FLOPS_PER_CORE = 25e9
 
 
-def _shrink(profile: ModelSource, factor: int, seq_len: int) -> tuple[ModelSource, dict[str, int]]:
-    w = _get_widths(profile)
+def shrink_widths(profile: ModelSource, factor: int, seq_len: int) -> tuple[ModelSource, dict[str, int]]:
+    w = get_widths(profile)
     assert w is not None
     dim = max(MIN_DIM, w["dim"] // factor)
     gqa = w["num_heads"] // w["num_kv_heads"]
@@ -152,7 +157,7 @@ def _shrink(profile: ModelSource, factor: int, seq_len: int) -> tuple[ModelSourc
     return profile.with_overrides(**overrides), overrides
 
 
-def _refuse_opaque(profile: FactoryModel, why: list[str]) -> ModelSourceError:
+def refuse_opaque(profile: FactoryModel, why: list[str]) -> ModelSourceError:
     return ModelSourceError(
         f"the model of factory {profile.ref!r} ({profile.get_num_params() / 1e6:.1f}M params) does not fit this machine ({'; '.join(why)}), "
         "and a factory's widths cannot be shrunk into a scale proxy: search a narrower model of the same depth from another factory, "
@@ -168,14 +173,18 @@ def plan_model(
     flops_per_rank: float,
     step_budget_s: float,
     memory_bound: bool = False,
+    force_proxy: bool | None = None,
 ) -> ModelPlan:
-    """The real model if it fits memory and the per-step time budget, else the largest proxy that does.
+    """The real model if it fits memory and the per-step time budget, else the largest proxy that does;
+    ``force_proxy`` (``--proxy`` / ``--no-proxy``): a proxy, or the model as it is, whatever the estimates.
 
     ``memory_bound`` (the search has a memory budget): a proxy's peak memory is not the model's, so
     a model that fits memory runs as it is however slow; one that does not still gets a proxy, which
-    the caller must refuse (:func:`autotune.search.study.make_plan`)."""
+    the caller must refuse (:func:`autotune.search.study.check_budget`)."""
     mem = estimate_memory_per_rank(profile, world_size)
     step = estimate_step_seconds(profile, flops_per_rank)
+    if force_proxy is not None:
+        return _forced(profile, force_proxy, mem, step, world_size, memory_per_rank, flops_per_rank, step_budget_s)
     if mem <= memory_per_rank and step <= step_budget_s:
         return ModelPlan(
             requested=profile,
@@ -202,7 +211,7 @@ def plan_model(
         why.append(f"~{step:.1f} s per microbatch step, budget {step_budget_s:.1f} s")
     if isinstance(profile, FactoryModel):
         if mem > memory_per_rank:
-            raise _refuse_opaque(profile, why)
+            raise refuse_opaque(profile, why)
         # Slower than the budget but in memory: a factory cannot be shrunk, so its trials are just slow.
         return ModelPlan(
             requested=profile,
@@ -222,6 +231,38 @@ def plan_model(
     )
 
 
+def _forced(
+    profile: ModelSource,
+    proxy: bool,
+    mem: int,
+    step: float,
+    world_size: int,
+    memory_per_rank: int,
+    flops_per_rank: float,
+    step_budget_s: float,
+) -> ModelPlan:
+    """``--no-proxy``: the model as it is; ``--proxy``: the largest proxy within the budgets (at least halved)."""
+    if not proxy:
+        return ModelPlan(
+            requested=profile,
+            run=profile,
+            is_proxy=False,
+            reason=f"--no-proxy (estimated ~{mem / 2**30:.1f} GiB per rank of {memory_per_rank / 2**30:.1f}, ~{step:.2f} s a microbatch)",
+            estimated_memory_per_rank=mem,
+            estimated_step_s=step,
+        )
+    if get_widths(profile) is None:
+        raise refuse_opaque(profile, ["--proxy"])
+    return _find_proxy(
+        profile,
+        world_size=world_size,
+        memory_per_rank=memory_per_rank,
+        flops_per_rank=flops_per_rank,
+        step_budget_s=step_budget_s,
+        reason="--proxy",
+    )
+
+
 def _find_proxy(
     profile: ModelSource,
     *,
@@ -236,10 +277,10 @@ def _find_proxy(
     factor = 2
     while True:
         for seq in seq_choices:
-            candidate, overrides = _shrink(profile, factor, seq)
+            candidate, overrides = shrink_widths(profile, factor, seq)
             cmem = estimate_memory_per_rank(candidate, world_size)
             cstep = estimate_step_seconds(candidate, flops_per_rank)
-            smallest = _get_widths(candidate)["dim"] == MIN_DIM and seq == seq_choices[-1]
+            smallest = get_widths(candidate)["dim"] == MIN_DIM and seq == seq_choices[-1]
             if (cmem <= memory_per_rank and cstep <= step_budget_s) or smallest:
                 return ModelPlan(
                     requested=profile,
@@ -284,17 +325,20 @@ def get_available_memory_bytes() -> int:
 
 
 def plan_for_this_machine(
-    profile: ModelSource, *, world_size: int, device_type: str, step_budget_s: float, memory_bound: bool = False
+    profile: ModelSource,
+    *,
+    world_size: int,
+    device_type: str = "cpu",
+    step_budget_s: float,
+    memory_bound: bool = False,
+    force_proxy: bool | None = None,
 ) -> ModelPlan:
-    """Plan against this machine: GPU memory per device, or a share of host memory."""
-    if device_type == "cuda":
-        import torch
-
-        memory = int(torch.cuda.get_device_properties(0).total_memory * 0.85)
-        flops = 200e12  # conservative dense bf16 throughput of a current datacenter GPU
-    else:
-        memory = int(get_available_memory_bytes() * 0.6) // world_size
-        flops = CPU_FLOPS_PER_CORE * max(1, (os.cpu_count() or 1) // world_size)
+    """Plan against this CPU box (a share of host memory, fp32, a step budget). A GPU is priced by the
+    simulator instead ([Note: the search plan] in :mod:`autotune.search.search_plan`)."""
+    if device_type != "cpu":
+        raise ValueError("plan_for_this_machine prices a CPU box; a GPU is planned by autotune.search.search_plan")
+    memory = int(get_available_memory_bytes() * 0.6) // world_size
+    flops = CPU_FLOPS_PER_CORE * max(1, (os.cpu_count() or 1) // world_size)
     return plan_model(
         profile,
         world_size=world_size,
@@ -302,4 +346,5 @@ def plan_for_this_machine(
         flops_per_rank=flops,
         step_budget_s=step_budget_s,
         memory_bound=memory_bound,
+        force_proxy=force_proxy,
     )

@@ -95,6 +95,7 @@ def run_recipe_round(
         return config, {"name": RECIPE_NAME, "measured": False, "reason": why, "emitted": "search"}
     candidate = "the defaults" if confirmation and confirmation.get("emitted") == "defaults" else "the emitted config"
     ctx.reporter.on_phase(f"final round: {candidate} vs torchtitan's recipe, at most {get_verdict_pairs(ctx)} pairs")
+    ctx.round = "recipe"
     figures = _measure(ctx, config, recipe)
     record = {
         "name": RECIPE_NAME,

@@ -141,7 +141,7 @@ class SearchRecord:
     """``search.json``: what a search found (read back by ``autotune report``)."""
 
     KIND: ClassVar[str] = "search_summary"
-    SCHEMA_VERSION: ClassVar[int] = 11
+    SCHEMA_VERSION: ClassVar[int] = 12
     # v3 rows gained the paired fields, v4 rows the measurement attempts and refinement origin, v5 rows the
     # simulator's prediction and the record its presearch, v6 rows which presearch calibration trial they were:
     # all with defaults; v7 the final round's estimator (blocks after settle steps, was single pairs); v8 the
@@ -151,13 +151,16 @@ class SearchRecord:
     # why their pairs stopped and what they were paired with (``stopped``, ``ratio_to_reference``,
     # ``reference_trial``, ``reference_ratio``, ``reference_drift``; defaults: the defaults, a fixed count);
     # v10 the emitted config against torchtitan's recipe (``recipe``; default: none measured); v11 a config
-    # emitted over a baseline only on an interval, its speedup from a window that did not choose it.
+    # emitted over a baseline only on an interval, its speedup from a window that did not choose it; v12 the
+    # search plan (``search_plan``: target, links, rounds and cost), the ``baseline`` (defaults: none
+    # recorded, FSDP2's defaults) and what each round ran (``rounds``; default: none recorded).
     MIGRATIONS: ClassVar[dict] = {
         1: _migrate_summary_v1,
         **get_added_field_migrations(2, 3, 4, 5),
         6: _migrate_summary_v6,
         **get_added_field_migrations(7, 8, 9),
         10: _migrate_summary_v10,
+        **get_added_field_migrations(11),
     }
 
     model: str
@@ -199,6 +202,19 @@ class SearchRecord:
     pair figures (``ratio``: emitted / recipe step), ``speedup_*`` over the recipe, and
     ``emitted``: ``search`` or ``recipe`` (the search's config was not shown faster: ``verdict``, v11).
     None: before v10."""
+
+    search_plan: dict[str, Any] | None = None
+    """What the search planned before its first trial ([Note: the search plan] in
+    :mod:`autotune.search.search_plan`): the target, the links, each round's most builds and steps and
+    the estimated wall (v12; None: before)."""
+    baseline: dict[str, Any] | None = None
+    """The reference of every pair, which every speedup is over: ``name``, ``checkpointing``, ``reason``
+    (v12; None: before, FSDP2's defaults)."""
+    rounds: dict[str, Any] | None = None
+    """What each round ran ([Note: round costs] in :mod:`autotune.search.cost`): ``by_round`` (runs,
+    steps, builds, ``run_s`` in runs, ``seconds`` in the round, the most steps and builds planned),
+    ``total``, ``planned``, the rates, ``eta_after_first_trial_s`` and each run's figures (``runs``)
+    (:meth:`~autotune.search.cost.RoundLedger.to_dict`; v12; None: before)."""
 
     def to_dict(self) -> dict[str, Any]:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -42,10 +42,12 @@ from autotune.search.proxy import ModelPlan
 from autotune.search.recipe import profiles_at_end, run_recipe_round
 from autotune.search.reference import get_anchors
 from autotune.search.results import SearchRecord, TrialRow, pick_best, write_results
+from autotune.search.search_plan import SearchPlan, get_rounds, make_search_plan
 from autotune.search.settings import SearchError, SearchReporter, SearchSettings, SilentReporter
 from autotune.search.shortfall import get_shortfall
 from autotune.search.space import SearchSpace
-from autotune.search.study import claim_out_dir, close_interrupted, make_plan, open_study, resolve_plan
+from autotune.search.study import check_budget, claim_out_dir, close_interrupted, open_study, resolve_plan
+from autotune.search.target import Target
 from autotune.trials import (
     check_cuda_devices,
     check_device_type,
@@ -54,7 +56,7 @@ from autotune.trials import (
     resolve_precision,
 )
 from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, get_unsupported_knobs
-from profiles.sources import ModelSource, load_model_source
+from profiles.sources import load_model_source
 
 
 @dataclass(kw_only=True)
@@ -87,14 +89,22 @@ class SearchSummary:
 def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = None) -> SearchSummary:
     """Run (or continue) a search and write the run directory; returns the summary."""
     reporter = reporter or SilentReporter()
-    profile, device_type, mp, plan = prepare_search(settings)
+    search_plan = prepare_search(settings)
+    profile, device_type, mp = search_plan.source, search_plan.device_type, search_plan.precision
     study, created = open_study(settings, settings.get_study_name(profile.name))
     own_dir, lock = claim_out_dir(settings.out_dir)  # ``lock`` stays referenced (held) until we return
-    plan = resolve_plan(study, settings, profile, plan, mixed_precision=mp)
+    plan, search_plan.baseline = resolve_plan(
+        study, settings, profile, search_plan.model, mixed_precision=mp, baseline=search_plan.baseline
+    )
+    search_plan.model = plan
     apply_pending(study, settings.out_dir / "pending")
     close_interrupted(study)
-    space = make_space(settings, plan, device_type, mixed_precision=mp)
+    space = make_space(settings, search_plan)
     notes = [*space.notes, *get_environment_notes(device_type), *get_node_notes(settings, space)]
+    for line in search_plan.describe():  # what it will run and cost ([Note: the search plan])
+        reporter.on_phase(line)
+    if hasattr(reporter, "on_plan"):  # a reporter that names the baseline in its trial lines
+        reporter.on_plan(search_plan)
     for note in notes:  # knobs left out; CUDA_DEVICE_MAX_CONNECTIONS=1; the meshes by node
         reporter.on_phase(note)
     if created:
@@ -107,12 +117,14 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
             study=study, space=space, settings=settings, plan=plan, reporter=reporter, pool=pool, own_dir=own_dir
         )
         ctx.profile_at_end = profiles_at_end(ctx)  # [Note: the emitted config's trace]
+        search_plan.rounds = get_rounds(settings, search_plan.target, recipe=ctx.profile_at_end)
+        ctx.ledger.rounds = search_plan.rounds  # the ETA's plan ([Note: round costs])
         warm_up(ctx)
         try:
             run_presearch(ctx)  # --presearch sim: the defaults, calibration, the simulator's top-k enqueued
             stopped = search_loop(ctx)
             reporter.on_trials_done(stopped)
-            return finish_search(ctx, stopped_because=stopped)
+            return finish_search(ctx, search_plan, stopped_because=stopped)
         except STORAGE_ERRORS as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise SearchError(
@@ -121,18 +133,15 @@ def run_search(settings: SearchSettings, *, reporter: SearchReporter | None = No
             ) from None
 
 
-def prepare_search(settings: SearchSettings) -> tuple[ModelSource, str, MixedPrecisionConfig, ModelPlan]:
-    """Before anything is written: the model source, the device, the trials' precision and the
-    model plan, each checked against this machine and the settings."""
-    import torch
-
-    profile = load_model_source(settings.model)
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    mp = get_search_precision(settings, device_type)
-    check_machine(settings, profile, mp, device_type)
-    plan = make_plan(settings, profile, device_type)
-    preflight(settings)
-    return profile, device_type, mp, plan
+def prepare_search(settings: SearchSettings, *, target: Target | None = None) -> SearchPlan:
+    """Before anything is written: the search plan (the model source loaded once, the target, the
+    trials' precision, the model or its proxy, the baseline, the cost), checked against this machine
+    (or ``target``: the GPU scripts' dry runs) and the settings."""
+    plan = make_search_plan(settings, target=target)
+    check_machine(settings, plan)
+    check_budget(plan.model, settings)
+    preflight(settings, num_blocks=len(plan.source.block_names))
+    return plan
 
 
 def get_node_notes(settings: SearchSettings, space: SearchSpace) -> list[str]:
@@ -155,13 +164,24 @@ def get_search_precision(settings: SearchSettings, device_type: str) -> MixedPre
     return resolve_precision(device_type, param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
 
 
-def check_machine(settings: SearchSettings, profile: ModelSource, mp: MixedPrecisionConfig, device_type: str) -> None:
+def check_machine(settings: SearchSettings, plan: SearchPlan) -> None:
     """Before anything is written: the model trains on the device (torchtitan 0.3.0's not on CPU); on CUDA
-    a GPU per rank, and the model's sharded training state fits one GPU."""
-    check_device_type(profile, device_type)
-    if settings.workers is None:  # across nodes, each node's ranks find their GPUs when the world forms
+    a GPU per rank (not for ``--plan-for``, which answers for another node), and the run model's sharded
+    training state fits one GPU."""
+    device_type, run = plan.device_type, plan.model.run
+    check_device_type(run, device_type)
+    if (
+        settings.workers is None and plan.target.planned_for is None
+    ):  # across nodes, ranks find their GPUs when the world forms
         check_cuda_devices(settings.world_size, device_type)
-    check_fits_gpu(profile, settings.world_size, mp, device_type=device_type)
+    if settings.proxy is not False:
+        check_fits_gpu(
+            run,
+            settings.world_size,
+            plan.precision,
+            device_type=device_type,
+            total_memory=plan.target.memory_per_rank_bytes,
+        )
 
 
 def get_environment_notes(device_type: str) -> list[str]:
@@ -171,27 +191,27 @@ def get_environment_notes(device_type: str) -> list[str]:
     return [line for line in (get_overlap_warning(os.environ, device_type),) if line]
 
 
-def make_space(
-    settings: SearchSettings, plan: ModelPlan, device_type: str, *, mixed_precision: MixedPrecisionConfig | None = None
-) -> SearchSpace:
+def make_space(settings: SearchSettings, search_plan: SearchPlan) -> SearchSpace:
     """The space of ``settings``' knobs for the model the trials run (the proxy's blocks and edge modules),
-    every config in ``mixed_precision`` (None: :func:`get_search_precision`'s)."""
+    every config in the plan's precision, its defaults the plan's baseline (checkpointing then searched)."""
+    plan, baseline = search_plan.model, search_plan.baseline.checkpointing
     # A custom rank program builds its own model, which need not have the run model's edge modules.
     embeddings, head = _find_edges(plan) if settings.root_knobs and settings.rank_program is None else ((), ())
     return SearchSpace(
         block_names=tuple(plan.run.block_names),
         world_size=settings.world_size,
         num_microbatches=settings.num_microbatches,
-        device_type=device_type,
+        device_type=search_plan.device_type,
         fixed_mesh=settings.fixed_mesh,
         pipeline_degrees=settings.pipeline_degrees,
         grouping=settings.grouping,
-        checkpointing=settings.get_checkpointing(),
+        checkpointing=settings.get_checkpointing() or baseline != "none",
+        baseline_checkpointing=baseline,
         root_knobs=settings.root_knobs,
         embedding_names=embeddings,
         head_names=head,
         unsupported_knobs=tuple(get_unsupported_knobs().items()),
-        mixed_precision=mixed_precision or get_search_precision(settings, device_type),
+        mixed_precision=search_plan.precision,
         search_reduce_dtype=settings.search_reduce_dtype,
     )
 
@@ -222,7 +242,7 @@ def _with_fastest_consolidation(ctx: SearchContext, config: RuntimeConfig) -> tu
     ), consolidation
 
 
-def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
+def finish_search(ctx: SearchContext, search_plan: SearchPlan | None = None, *, stopped_because: str) -> SearchSummary:
     """Confirm best vs defaults side by side; write the best config, the tables and ``search.json``."""
     rows = add_predictions(ctx, get_rows(ctx.study))
     best = pick_best(rows)
@@ -242,6 +262,8 @@ def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
             *get_world_notes(ctx.pool),
         ],
     )
+    record.search_plan = search_plan.to_dict() if search_plan is not None else None
+    record.baseline = search_plan.baseline.to_dict() if search_plan is not None else None
     record.presearch = summarize_predictions(rows, ctx.study.user_attrs.get(PRESEARCH_ATTR))
     record.shortfall = get_shortfall(ctx, rows, stopped_because)
     record.anchors = get_anchors(ctx)
@@ -263,6 +285,7 @@ def finish_search(ctx: SearchContext, *, stopped_because: str) -> SearchSummary:
         )
         record.best_config = str(summary.best_config_path)
     write_results(rows, ctx.write_dir)
+    record.rounds = ctx.ledger.to_dict()  # [Note: round costs]
     record.write(ctx.write_dir / "search.json")
     return summary
 

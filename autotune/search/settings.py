@@ -35,7 +35,24 @@ class SearchSettings:
     model: str = "small"
     """Model profile name or TOML path, ``package.module:function`` (a model factory) or a
     Hugging Face ``config.json`` / local model dir ([Note: model sources] in :mod:`profiles.sources`)."""
-    world_size: int = 2
+    world_size: int | None = None
+    """Ranks of every trial; None: one per visible GPU on CUDA without ``workers`` (as torchrun's
+    ``--nproc-per-node gpu``), the ``plan_for`` node's GPUs, else 2
+    (:func:`autotune.search.search_plan.get_default_world_size`)."""
+    seq_len: int | None = None
+    """The sequence length trials run (None: the model's own)."""
+    batch_size: int | None = None
+    """The per-rank microbatch size trials run (None: the model's own)."""
+    proxy: bool | None = None
+    """True: trials run a scale proxy; False: the model as it is, whatever the estimates; None: decided
+    ([Note: the search plan] in :mod:`autotune.search.search_plan`)."""
+    plan_for: str | None = None
+    """A GPU cluster profile (``h100-node``): the dry run answers for its GPU node from this box."""
+    dry_run: bool = False
+    """Plan only: print what the search would run and cost; run no trial."""
+    baseline_checkpointing: Literal["none", "selective", "full"] | None = None
+    """The baseline's activation checkpointing on every block; None: the least that fits ([Note: the
+    search plan])."""
     num_trials: int = 10
     """Total trials in the study (across resumes and workers), the defaults trial included. Why 10
     (16 before): on the README's main command (``small``, 2 ranks, 11% pair noise on a 2-core CPU
@@ -106,8 +123,9 @@ class SearchSettings:
     ([Note: refinement] in :mod:`autotune.search.refine`); None: a third of ``num_trials``."""
     num_confirm_pairs: int = 3
     """Pairs per finalist in the final round (each an ABBA quartet of steps: twice this many pairs run)."""
-    step_budget_s: float = 1.0
-    """Per-microbatch step-time budget used to size a proxy on this machine."""
+    step_budget_s: float | None = None
+    """A step-time budget that sizes a proxy: per microbatch on CPU (None: 1 s there), per step on a GPU
+    (None: no budget, the model is measured as itself wherever it fits)."""
     use_pool: bool = True
     workers: str | None = None
     """``HOST:PORT``: the ranks are started by torchrun (or srun) on every node and join this
@@ -134,6 +152,8 @@ class SearchSettings:
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
+        if self.world_size is None:
+            self.world_size = get_default_world_size(plan_for=self.plan_for, workers=self.workers)
         self.pipeline_degrees = parse_degrees(self.pipeline_degrees)
         for name, ok, problem in self._get_checks():
             if not ok:
@@ -150,6 +170,7 @@ class SearchSettings:
         """Each field's check: (field, holds, the problem in one line)."""
         return [
             ("world_size", self.world_size >= 1, f"world size must be >= 1, got {self.world_size}"),
+            *self._get_plan_checks(),
             ("num_trials", self.num_trials >= 1, f"number of trials must be >= 1, got {self.num_trials}"),
             ("num_microbatches", self.num_microbatches >= 1, f"microbatches must be >= 1, got {self.num_microbatches}"),
             ("prune_ratio", self.prune_ratio >= 1.0, f"prune ratio must be >= 1, got {self.prune_ratio}"),
@@ -206,6 +227,27 @@ class SearchSettings:
             ),
         ]
 
+    def _get_plan_checks(self) -> list[tuple[str, bool, str]]:
+        """The checks of what the search plan reads (the shape, the budget, the baseline)."""
+        return [
+            ("seq_len", self.seq_len is None or self.seq_len >= 1, f"sequence length must be >= 1, got {self.seq_len}"),
+            (
+                "batch_size",
+                self.batch_size is None or self.batch_size >= 1,
+                f"batch size must be >= 1, got {self.batch_size}",
+            ),
+            (
+                "step_budget_s",
+                self.step_budget_s is None or self.step_budget_s > 0,
+                f"step budget must be > 0 s, got {self.step_budget_s}",
+            ),
+            (
+                "baseline_checkpointing",
+                self.baseline_checkpointing in (None, "none", "selective", "full"),
+                f"unknown baseline checkpointing {self.baseline_checkpointing!r} (use none, selective or full)",
+            ),
+        ]
+
     def get_checkpointing(self) -> bool:
         return self.memory_budget_bytes is not None if self.checkpointing is None else self.checkpointing
 
@@ -227,6 +269,21 @@ class SearchSettings:
 
     def get_study_name(self, model_name: str) -> str:
         return self.study_name or f"{model_name}-w{self.world_size}-mb{self.num_microbatches}"
+
+
+def get_default_world_size(*, plan_for: str | None, workers: str | None) -> int:
+    """``--nproc`` when not given: the ``--plan-for`` node's GPUs; on CUDA without ``--workers`` the
+    visible GPUs (``CUDA_VISIBLE_DEVICES`` honoured, as torchrun's ``--nproc-per-node gpu``); else 2."""
+    if plan_for is not None:
+        from profiles import load_cluster_profile
+
+        return load_cluster_profile(plan_for).ranks_per_node
+    if workers is None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.cuda.device_count()
+    return 2
 
 
 def parse_degrees(value: tuple[int, ...] | str) -> tuple[int, ...]:

@@ -75,7 +75,9 @@ A trial whose process peak exceeds ``--memory-budget-gib`` is infeasible
 trial is feasible), which is what makes checkpointing and grouping a trade-off.
 
 The defaults trial (trial 0) is the point in this space that equals FSDP2's defaults
-(torchtitan's recipe departs from them: [Note: the torchtitan recipe] in ``fsdp_runtime.recipes``).
+(torchtitan's recipe departs from them: [Note: the torchtitan recipe] in ``fsdp_runtime.recipes``),
+with :attr:`SearchSpace.baseline_checkpointing` on every block where the defaults alone do not fit:
+the search's baseline ([Note: the search plan] in ``autotune.search.search_plan``).
 """
 
 from __future__ import annotations
@@ -122,7 +124,12 @@ class SearchSpace:
     grouping: bool = False
     """Search ``blocks_per_unit`` (see [Note: search-space parametrization])."""
     checkpointing: bool = False
-    """Search activation checkpointing (``ac_units``, ``ac_kind``): turn on with a memory budget."""
+    """Search activation checkpointing (``ac_units``, ``ac_kind``): turn on with a memory budget, or where
+    the baseline needs it."""
+    baseline_checkpointing: str = "none"
+    """The baseline's activation checkpointing on every block (``none``, ``selective``, ``full``): where
+    FSDP2's defaults do not fit, the defaults trial and every pair's reference carry it ([Note: the
+    search plan] in :mod:`autotune.search.search_plan`); anything but ``none`` needs ``checkpointing``."""
     root_knobs: bool = False
     """Search the root's reshard, sync level and keep-unsharded (and ``root_split``)."""
     embedding_names: tuple[str, ...] = ()
@@ -213,7 +220,9 @@ class SearchSpace:
         if self.grouping:
             params["blocks_per_unit"] = 1
         if self.checkpointing:
-            params["ac_units"] = "none"
+            params["ac_units"] = "none" if self.baseline_checkpointing == "none" else "all"
+            if self.baseline_checkpointing != "none":
+                params["ac_kind"] = self.baseline_checkpointing
         if self.root_knobs:
             params["root_reshard_after_forward"] = "false"
             if self.num_microbatches > 1:
@@ -221,6 +230,14 @@ class SearchSpace:
             if self.can_split:
                 params["root_split"] = "none"
         return params
+
+    def __post_init__(self) -> None:
+        if self.baseline_checkpointing not in ("none", *AC_KINDS):
+            raise ValueError(
+                f"baseline_checkpointing must be none, {' or '.join(AC_KINDS)}, got {self.baseline_checkpointing!r}"
+            )
+        if self.baseline_checkpointing != "none" and not self.checkpointing:
+            raise ValueError("a baseline with activation checkpointing needs the space to search checkpointing")
 
     def get_sync_suffix(self, mesh: str, pp: int = 1) -> str:
         """``hsdp`` where ``mesh`` offers ``replica_last`` (the ``*_hsdp`` sync parameters), else

@@ -47,7 +47,8 @@ from typing import Any
 import optuna
 import sqlalchemy.exc
 
-from autotune.search.proxy import ModelPlan, get_model_argument, plan_for_this_machine
+from autotune.search.gpu_pricing import Baseline
+from autotune.search.proxy import ModelPlan, get_model_argument
 from autotune.search.settings import JOURNAL_PREFIX, SamplerName, SearchError, SearchSettings
 from autotune.trials import pid_alive
 from fsdp_runtime import MixedPrecisionConfig
@@ -156,20 +157,6 @@ def open_study(settings: SearchSettings, study_name: str) -> tuple[optuna.Study,
     raise AssertionError("unreachable")
 
 
-def make_plan(settings: SearchSettings, profile: ModelProfile, device_type: str) -> ModelPlan:
-    """What trials on this machine would run (the model or a proxy); refused, before anything is written, where a
-    memory budget would be checked against a proxy's peaks."""
-    plan = plan_for_this_machine(
-        profile,
-        world_size=settings.world_size,
-        device_type=device_type,
-        step_budget_s=settings.step_budget_s,
-        memory_bound=settings.memory_budget_bytes is not None,
-    )
-    _check_budget(plan, settings)
-    return plan
-
-
 def resolve_plan(
     study: optuna.Study,
     settings: SearchSettings,
@@ -177,12 +164,16 @@ def resolve_plan(
     plan: ModelPlan,
     *,
     mixed_precision: MixedPrecisionConfig | None = None,
-) -> ModelPlan:
-    """The model plan stored with the study (a resumed study measures what it measured before), else ``plan`` (stored).
-    A study stores the precision of its trials: one resumed in another precision is refused (a study
-    from before precision was stored is not checked)."""
+    baseline: Baseline | None = None,
+) -> tuple[ModelPlan, Baseline]:
+    """The model plan and baseline stored with the study (a resumed study measures what it measured
+    before), else ``plan`` and ``baseline`` (stored). A study stores the precision and the shape
+    (``--seq-len``, ``--batch-size``) of its trials: one resumed in another is refused (a study from
+    before either was stored is not checked for it)."""
     stored = study.user_attrs.get("plan")
     precision = dataclasses.asdict(mixed_precision) if mixed_precision is not None else None
+    baseline = baseline or Baseline()
+    shape = {"seq_len": profile.seq_len, "batch_size": profile.batch_size}
     if stored is not None:
         for key, value in (
             ("world_size", settings.world_size),
@@ -190,6 +181,7 @@ def resolve_plan(
             ("model", profile.name),
             ("mixed_precision", precision),
             ("search_reduce_dtype", settings.search_reduce_dtype),
+            ("shape", shape),
         ):
             if key in stored and stored[key] != value:
                 raise SearchError(
@@ -204,9 +196,10 @@ def resolve_plan(
             estimated_memory_per_rank=stored["estimated_memory_per_rank"],
             estimated_step_s=stored["estimated_step_s"],
             overrides=stored["overrides"],
+            shape_overrides=plan.shape_overrides,
         )
-        _check_budget(plan, settings)
-        return plan
+        check_budget(plan, settings)
+        return plan, Baseline.from_dict(stored.get("baseline"))
     study.set_user_attr(
         "plan",
         {
@@ -220,12 +213,14 @@ def resolve_plan(
             "estimated_step_s": plan.estimated_step_s,
             "mixed_precision": precision,
             "search_reduce_dtype": settings.search_reduce_dtype,
+            "shape": shape,
+            "baseline": baseline.to_dict(),
         },
     )
-    return plan
+    return plan, baseline
 
 
-def _check_budget(plan: ModelPlan, settings: SearchSettings) -> None:
+def check_budget(plan: ModelPlan, settings: SearchSettings) -> None:
     """A memory budget is checked against the trials' measured peaks: a proxy's are not the model's."""
     if plan.is_proxy and settings.memory_budget_bytes is not None:
         raise SearchError(

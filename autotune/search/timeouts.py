@@ -36,10 +36,14 @@ A failed run (timeout, crash) gives no rate: a hang must not teach the next limi
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from autotune.trials import PAIRED_MODELS_ENV, get_default_backend
+from fsdp_runtime import RuntimeConfig, get_structural_differences
 
 FACTOR = 5.0
 """Limit / expected wall time: covers a config slower than the one observed and a box slowing down."""
@@ -165,3 +169,17 @@ class TrialTimeouts:
             f"{FACTOR:g}x (this box's {rate:.2f} s per step times a trial's steps + {self.build_s:.1f} s"
             f" per model it builds beyond the first), at least {FLOOR_S:.0f} s"
         )
+
+
+def may_build_in_turn() -> bool:
+    """Trials may build their two models in turn: on CUDA, or where ``AUTOTUNE_PAIRED_MODELS``
+    asks for it ([Note: models built in turn] in :mod:`autotune.trials.in_turn`)."""
+    asked = os.environ.get(PAIRED_MODELS_ENV)
+    return asked == "turn" or (asked is None and get_default_backend() == "nccl")
+
+
+def builds_in_turn(config: RuntimeConfig, reference: RuntimeConfig) -> bool:
+    """A trial of ``config`` against ``reference`` may build its models in turn: they may, and the
+    two differ in structure. Compared as given (the ranks compare them resolved against the
+    model), so units that would resolve alike count as different: a longer limit, never a shorter one."""
+    return reference != config and may_build_in_turn() and bool(get_structural_differences(config, reference))

@@ -9,8 +9,8 @@ Several nodes: :mod:`autotune.trials.torchrun`.
 """
 
 from autotune.trials.figures import TrialFigures
-from autotune.trials.launch import EXIT_USER_ERROR, RankRun, classify_failure, pid_alive, run_ranks
-from autotune.trials.linkemu import LinkEmulator, get_link_name
+from autotune.trials.launch import EXIT_USER_ERROR, RankRun, classify_failure, parse_oom, pid_alive, run_ranks
+from autotune.trials.linkemu import LinkEmulator, check_emulation_backend, get_emulated_cluster, get_link_name
 from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, TrialStatus, median_or_none
 from autotune.trials.nodes import NodePool, NodePoolError
 from autotune.trials.pool import RankPool
@@ -40,6 +40,9 @@ from autotune.trials.trialdir import INCOMPLETE_MARKER, check_trial_spec
 from fsdp_runtime.tuning.sequential import Interval, PairNoise, StoppingRule, get_interval, get_rule_interval
 
 __all__ = [
+    "check_emulation_backend",
+    "get_emulated_cluster",
+    "parse_oom",
     "NodePool",
     "NodePoolError",
     "Interval",

@@ -15,7 +15,9 @@ is profiled after the reference stepped last: each side's runs are separate buil
 across blocks holds build-to-build variation too, which is what it should hold here. Every build
 starts from the same initial weights; losses are each build's own. The cost is a build and its
 warm-up per pair, seconds each on a GPU (``benchmarks/gpu_check.py`` shows each trial's fixed
-cost), against no search at all where two models do not fit.
+cost), against no search at all where two models do not fit; a rank draws its rows of the initial
+weights once and restores them at every later build ([Note: shard cache] in
+:mod:`profiles.chunked_init`).
 """
 
 from __future__ import annotations

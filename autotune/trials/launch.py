@@ -91,6 +91,32 @@ _OOM_SIGNS = ("out of memory", "memoryerror", "not enough memory")
 """How a rank's own stderr says it ran out of memory (CUDA, Python, torch's CPU allocator)."""
 
 
+_CUDA_OOM = re.compile(
+    r"Tried to allocate (?P<asked>[\d.]+) (?P<asked_unit>[KMG]iB).*?"
+    r"this process has (?P<used>[\d.]+) (?P<used_unit>[KMG]iB) memory in use",
+    re.DOTALL,
+)
+_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+_OOM_FIGURES = re.compile(r"out of memory at (?P<used>\d+) B in use, (?P<asked>\d+) B more asked")
+
+
+def describe_oom(tail: str) -> str:
+    """What a rank's CUDA out-of-memory error says it held and asked for, as ``out of memory at N B in
+    use, M B more asked`` (:func:`parse_oom` reads it back from a trial's reason), or ``out of memory``."""
+    match = _CUDA_OOM.search(tail)
+    if match is None:
+        return "out of memory"
+    used = float(match["used"]) * _UNITS[match["used_unit"]]
+    asked = float(match["asked"]) * _UNITS[match["asked_unit"]]
+    return f"out of memory at {int(used)} B in use, {int(asked)} B more asked"
+
+
+def parse_oom(reason: str) -> tuple[int, int] | None:
+    """``(bytes in use, bytes more asked)`` from a reason :func:`describe_oom` wrote, else None."""
+    match = _OOM_FIGURES.search(reason)
+    return (int(match["used"]), int(match["asked"])) if match else None
+
+
 def is_peer_loss(tail: str) -> bool:
     """Whether a rank's stderr says only that a peer went away (:data:`_PEER_LOSS_SIGNS`)."""
     return any(sign in tail for sign in _PEER_LOSS_SIGNS)
@@ -108,7 +134,7 @@ def _describe_exit(rank: int, code: int, tail: str, oom_kills: int | None) -> tu
     last = next((ln.strip() for ln in reversed(tail.splitlines()) if ln.strip()), "")
     lowered = tail.lower()
     if any(sign in lowered for sign in _OOM_SIGNS):
-        return "oom", f"rank {rank} ran out of memory: {last[:300]}"
+        return "oom", f"rank {rank} ran {describe_oom(tail)}: {last[:300]}"
     if code < 0:
         name = _signal_name(code)
         if code == -signal.SIGKILL and oom_kills:

@@ -77,7 +77,36 @@ from torch.profiler import record_function
 from autotune.trials.arrivals import BOARD_ENV, ArrivalBoard
 from profiles import ClusterProfile, LinkClass
 
-__all__ = ["BOARD_ENV", "ArrivalBoard", "KindStats", "LinkEmulator", "get_link_name"]
+__all__ = [
+    "BOARD_ENV",
+    "ArrivalBoard",
+    "KindStats",
+    "LinkEmulationError",
+    "LinkEmulator",
+    "check_emulation_backend",
+    "get_emulated_cluster",
+    "get_link_name",
+]
+
+
+class LinkEmulationError(ValueError):
+    """Link emulation asked for over real links (NCCL)."""
+
+
+def get_emulated_cluster(cluster: str | None, backend: str) -> str | None:
+    """The cluster profile whose links a search's trials emulate: ``cluster`` over gloo, never over
+    NCCL, where ``--cluster`` only describes the topology (ranks per node, which mesh groups stay in a
+    node) and prices the simulator: sleeping after each real NCCL call returns would measure sleeps."""
+    return cluster if cluster is not None and backend == "gloo" else None
+
+
+def check_emulation_backend(cluster: str | None, backend: str) -> None:
+    """Refuse, in one line, a trial asked to emulate ``cluster``'s links over ``backend`` other than gloo."""
+    if cluster is not None and backend != "gloo":
+        raise LinkEmulationError(
+            f"link emulation ({cluster}) is a CPU tool for gloo ranks; over {backend} the links are real: "
+            "drop --cluster from the trial (a search passes it as the topology only)"
+        )
 
 
 # torch.distributed function name -> (collective kind, name of the argument holding the full buffer)

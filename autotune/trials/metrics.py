@@ -69,6 +69,10 @@ class RankMetrics:
     turn) or 2 (v8)."""
     num_builds: int | None = None
     """Models this rank built for the trial (more than ``num_models``: built in turn; v8)."""
+    shard_inits: list[list[int]] = field(default_factory=list)
+    """Per sharded build of the trial, in build order, ``[drawn, restored]``: the parameters whose
+    rows it drew and those it restored from the rank's shard cache ([Note: shard cache] in
+    :mod:`profiles.chunked_init`); empty: none built sharded (full builds, older trials; v12)."""
     host_path_ms: dict[str, float] | None = None
     """The host's path per block pass (``block_forward``, ``block_backward``), timed on the candidate's
     last warm-up step ([Note: host path probe]; CUDA only, None elsewhere; v9)."""
@@ -186,8 +190,8 @@ class TrialMetrics:
     """The body of ``metrics.json``."""
 
     KIND: ClassVar[str] = "trial_metrics"
-    SCHEMA_VERSION: ClassVar[int] = 11
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6, 7, 8, 9, 10)}
+    SCHEMA_VERSION: ClassVar[int] = 12
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6, 7, 8, 9, 10, 11)}
     # v3, v4 added fields, all with defaults; v5 the settle steps (their ``paired`` figures
     # stay as measured: before v5 a ratio is the median pair, without ``estimator``); v6 embeds
     # trace summary v4 (pipeline figures; ``check_summary`` upgrades an older one); v7 adds the
@@ -195,7 +199,8 @@ class TrialMetrics:
     # peak with the reference, the allocator's reserved peak, the models held and built (None: unknown);
     # v9 the host's path per block pass (None: not timed); v10 which side stepped first in the
     # even pairs (``RankMetrics.pairs_first``, ``paired["first"]``; before: the reference); v11
-    # the candidate's warm-up steps per rank (``RankMetrics.candidate_warmup``; before: None)
+    # the candidate's warm-up steps per rank (``RankMetrics.candidate_warmup``; before: None); v12
+    # each sharded build's shard-cache counts per rank (``RankMetrics.shard_inits``; before: empty)
 
     status: TrialStatus
     reason: str = ""

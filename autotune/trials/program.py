@@ -84,6 +84,7 @@ from autotune.trials.rank_memory import (
     tune_heap,
 )
 from autotune.trials.sides import SideBuilder, get_side_to_keep, take_kept
+from autotune.trials.training import take_shard_inits
 from fsdp_runtime.files import atomic_path
 from fsdp_runtime.tuning.sequential import StoppingRule
 
@@ -230,9 +231,11 @@ def _build_and_measure(
 
 
 def _run_trial_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
-    from autotune.trials.linkemu import LinkEmulator
+    from autotune.trials.linkemu import LinkEmulator, check_emulation_backend
     from profiles import load_cluster_profile
 
+    check_emulation_backend(spec["cluster"], spec["backend"])
+    take_shard_inits()  # what builds of earlier jobs in this process left: this trial's builds only
     device = _get_device(spec["backend"], rank)
     cluster = load_cluster_profile(spec["cluster"]) if spec["cluster"] else None
     # One emulator per side: the candidate's link statistics are its own.
@@ -280,6 +283,7 @@ def _run_trial_rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[st
         "memory": memory,
         "num_models": num_models,
         "num_builds": num_builds,
+        "shard_inits": take_shard_inits(),
         "host_path_ms": host_path,
         "trace": trace,
         "link_emulation": emulators[0].summary() if emulators[0] is not None else None,

@@ -98,6 +98,11 @@ class TrialSpec:
             ("timeout_s", self.timeout_s > 0, f"timeout must be > 0 s, got {self.timeout_s}"),
             ("backend", self.backend in ("gloo", "nccl"), f"backend must be 'gloo' or 'nccl', got {self.backend!r}"),
             (
+                "cluster",
+                self.cluster is None or self.backend == "gloo",
+                f"link emulation ({self.cluster}) is a CPU tool for gloo ranks; over {self.backend} the links are real: drop --cluster",
+            ),
+            (
                 "rank_program",
                 ":" in self.rank_program,
                 f"rank program must be 'module:function', got {self.rank_program!r}",

@@ -32,9 +32,22 @@ from fsdp_runtime import (
 )
 from fsdp_runtime.errors import ConfigError
 from profiles import BATCH_HOOK, LOSS_HOOK, ModelProfile, ModelSourceError, compute_loss
+from profiles.chunked_init import SHARD_CACHE
+from profiles.llama import get_init_identity
 from profiles.sources import ModelSource, load_model_source
 
 LEARNING_RATE = 1e-3
+
+_shard_inits: list[list[int]] = []
+"""Per sharded build since the last :func:`take_shard_inits`: the parameters it drew and restored."""
+
+
+def take_shard_inits() -> list[list[int]]:
+    """Each sharded build's ``[drawn, restored]`` parameter counts since the last call, in build
+    order ([Note: shard cache] in :mod:`profiles.chunked_init`); the log starts empty again."""
+    taken = list(_shard_inits)
+    _shard_inits.clear()
+    return taken
 
 
 def make_microbatch(
@@ -187,6 +200,8 @@ def build_training(
     runtime_config = config_from_dict(config)
     torch.manual_seed(seed)
     device = torch.device(device)
+    # the rank's shard cache holds this model only: another model or seed releases it
+    SHARD_CACHE.use(get_init_identity(source.shape, seed) if isinstance(source, ModelProfile) else None)
     if runtime_config.mesh.pp == 1 and _builds_sharded(source, device, sharded):
         return _build_sharded(rank, source, runtime_config, config, seed=seed, device=device)
     module = source.build(device=str(device), seed=seed)
@@ -233,8 +248,9 @@ def _build_sharded(
     its rows: [Note: chunked init] in :mod:`profiles.chunked_init`). So a build's init costs the
     rank's shard, not the model: 1/N of the draw on N ranks (plus at most a partial chunk at each
     end of each shard), which matters where models are built in turn, ``n + 2`` builds a trial
-    ([Note: models built in turn]). ``benchmarks/sharded_build.py`` at 8B width (llama8b's
-    vocabulary and 2 of its blocks, 1.49B parameters; gloo, a 2-core box at load 3-7): 7.5 s a
+    ([Note: models built in turn]); a rank keeps the rows it drew, so the same model's later
+    builds restore them with a copy ([Note: shard cache]). ``benchmarks/sharded_build.py`` at 8B
+    width (llama8b's vocabulary and 2 of its blocks, 1.49B parameters; gloo, a 2-core box at load 3-7): 7.5 s a
     build on 2 ranks against 27.8 s with the full draw (0.27x), 7.9 s against 13.6 s on one
     (``normal_`` scales as it draws, in place: one pass, where ``randn`` then a multiply made two). The
     losses are the full build's, bitwise on CPU for FSDP, HSDP, grouped units and uneven shards
@@ -244,7 +260,8 @@ def _build_sharded(
     module = source.build(device="meta", seed=seed)
     applied = apply_fsdp(module, config, mesh=get_mesh(config, device.type), device_type=device.type)
     module.to_empty(device=device)
-    module.init_weights(seed)
+    module.init_weights(seed, cache=SHARD_CACHE)
+    _shard_inits.append(list(SHARD_CACHE.counts))
     return _with_optimizer(rank, source, applied, given, seed=seed, device=device)
 
 

@@ -93,6 +93,7 @@ def to_rank_metrics(result: dict[str, Any]) -> RankMetrics:
         reserved_peak_bytes=memory.get("reserved_peak_bytes"),
         num_models=result.get("num_models"),
         num_builds=result.get("num_builds"),
+        shard_inits=result.get("shard_inits", []),
         host_path_ms=result.get("host_path_ms"),
         trace=result["trace"],
         link_emulation=result["link_emulation"],

@@ -128,3 +128,35 @@ def with_paired_models(rank: int, world_size: int, *, spec: dict, paired_models:
         os.environ.pop(PAIRED_MODELS_ENV, None)
         if before is not None:
             os.environ[PAIRED_MODELS_ENV] = before
+
+
+def with_sharded_builds(rank: int, world_size: int, *, spec: dict) -> dict:
+    """The real trial with every Llama built sharded, as on CUDA ([Note: sharded build]), and
+    structural pairs built in turn (``AUTOTUNE_PAIRED_MODELS=turn``), for this trial alone; the
+    rank's shard cache ([Note: shard cache]) is whatever the process's earlier jobs left."""
+    import os
+
+    from autotune.trials import training
+    from autotune.trials.program import run_trial_rank
+    from autotune.trials.sides import PAIRED_MODELS_ENV
+    from profiles import ModelProfile
+
+    original, before = training._builds_sharded, os.environ.get(PAIRED_MODELS_ENV)
+    training._builds_sharded = lambda source, device, sharded: isinstance(source, ModelProfile)
+    os.environ[PAIRED_MODELS_ENV] = "turn"
+    try:
+        return run_trial_rank(rank, world_size, spec=spec)
+    finally:
+        training._builds_sharded = original
+        os.environ.pop(PAIRED_MODELS_ENV, None)
+        if before is not None:
+            os.environ[PAIRED_MODELS_ENV] = before
+
+
+def release_shard_cache(rank: int, world_size: int) -> int:
+    """Rank program: empty this rank's shard cache ([Note: shard cache]); returns the entries it held."""
+    from profiles.chunked_init import SHARD_CACHE
+
+    held = len(SHARD_CACHE)
+    SHARD_CACHE.release()
+    return held

@@ -18,11 +18,13 @@ def fake_cuda(monkeypatch):
     ``state.num_devices`` GPUs of ``state.total_memory`` bytes each."""
     import torch
 
-    state = SimpleNamespace(num_devices=1, total_memory=80 * 2**30)
+    state = SimpleNamespace(num_devices=1, total_memory=80 * 2**30, name="NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: state.num_devices)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=state.total_memory)
+        torch.cuda,
+        "get_device_properties",
+        lambda device=None: SimpleNamespace(total_memory=state.total_memory, name=state.name),
     )
     return state

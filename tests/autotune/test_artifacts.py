@@ -56,8 +56,10 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
             and "profiler_peak_allocated_bytes" not in text
         ), name
     for name, kind, version in [
-        ("metrics_v11.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
-        ("search_v11.json", "search_summary", SearchRecord.SCHEMA_VERSION),
+        ("metrics_v11.json", "trial_metrics", 11),
+        ("metrics_v12.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
+        ("search_v11.json", "search_summary", 11),
+        ("search_v12.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v4.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
         ("plan_v3.json", "plan_summary", PlanRecord.SCHEMA_VERSION),
         ("compare_v1.json", "compare_summary", CompareRecord.SCHEMA_VERSION),
@@ -120,6 +122,7 @@ def test_v1_metrics_migrate_to_exactly_what_today_writes():
         == TrialMetrics.read(ARTIFACTS / "metrics_v9.json")
         == TrialMetrics.read(ARTIFACTS / "metrics_v10.json")
         == TrialMetrics.read(ARTIFACTS / "metrics_v11.json")
+        == TrialMetrics.read(ARTIFACTS / "metrics_v12.json")
     )
 
 
@@ -175,8 +178,8 @@ def test_v3_trace_summaries_read_as_v4_without_pipeline_figures():
 
 
 def test_metrics_round_trip_is_lossless(tmp_path):
-    original = load_fixture("metrics_v11.json")
-    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v11.json")
+    original = load_fixture("metrics_v12.json")
+    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v12.json")
     assert metrics.to_dict() == original
 
     written = metrics.write(tmp_path / "metrics.json")
@@ -186,7 +189,7 @@ def test_metrics_round_trip_is_lossless(tmp_path):
 
 def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     written = TrialMetrics.read(ARTIFACTS / "metrics_v1.json").write(tmp_path / "metrics.json")
-    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v11.json")
+    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v12.json")
 
 
 @pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 12)])
@@ -225,9 +228,19 @@ def test_a_v9_search_summary_reads_with_no_recipe_measured():
     assert (recipe["emitted"], recipe["speedup_median"], recipe["ratio"]) == ("search", 1.0728, 0.9321)
 
 
+def test_a_v11_search_reads_with_no_plan_and_fsdp2s_defaults_as_its_baseline():
+    """v12 added the search plan, the baseline and the rounds ([Note: the search plan]); an older
+    record has none of them."""
+    old = SearchRecord.read(ARTIFACTS / "search_v11.json")
+    assert (old.search_plan, old.baseline, old.rounds) == (None, None, None)
+    new = SearchRecord.read(ARTIFACTS / "search_v12.json")
+    assert new.baseline["name"] == "FSDP2's defaults" and new.search_plan["target"]["backend"] == "gloo"
+    assert [r["name"] for r in new.rounds["planned"]][:2] == ["warm-up", "trials"]
+
+
 def test_search_summary_round_trip_is_lossless(tmp_path):
-    original = load_fixture("search_v11.json")
-    record = SearchRecord.read(ARTIFACTS / "search_v11.json")
+    original = load_fixture("search_v12.json")
+    record = SearchRecord.read(ARTIFACTS / "search_v12.json")
     assert record.to_dict() == original
     assert SearchRecord.read(record.write(tmp_path / "search.json")).to_dict() == original
 

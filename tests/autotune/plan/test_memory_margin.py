@@ -32,7 +32,8 @@ def _gpu_trial(name: str) -> Path:
 
 
 def test_the_simulator_error_part_is_the_measured_one():
-    """Predicted peak vs CUDA max allocated of the two H200 trials: +0.24% and +0.84%; the part is the larger."""
+    """Predicted peak vs CUDA max allocated of the two defaults H200 trials: +0.24% and +0.84%; the part is the
+    larger (the checkpointing trials, smaller, in tests/autotune/sim/test_gpu_peak_memory.py)."""
     comparisons = [compare_trial_peak(_gpu_trial(name)) for name in GPU_TRIALS]
     measured = [c.measured_bytes / _GIB for c in comparisons]
     assert measured == [pytest.approx(50.31, abs=0.005), pytest.approx(46.93, abs=0.005)]

@@ -10,6 +10,7 @@ import pytest
 from _search_fixtures import complete_row
 
 from autotune.search import SilentReporter, TrialRow
+from autotune.search.cost import RoundLedger
 from autotune.search.timeouts import FIRST_S, FLOOR_S, TrialTimeouts, count_steps, count_steps_run
 from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult
 
@@ -85,7 +86,9 @@ def test_enqueued_trials_do_not_use_the_budget(monkeypatch):
     monkeypatch.setattr(loop, "run_one", fake_run_one)
     monkeypatch.setattr(loop, "wait_for_other_workers", lambda *a, **k: None)
     settings = SimpleNamespace(num_trials=8, patience=None, get_num_refine=lambda: 0)
-    ctx = SimpleNamespace(settings=settings, reporter=SilentReporter(), study=None, get_trial_timeout_s=lambda: 1.0)
+    ctx = SimpleNamespace(
+        settings=settings, reporter=SilentReporter(), study=None, get_trial_timeout_s=lambda: 1.0, ledger=RoundLedger()
+    )
     assert loop.search_loop(ctx) == "reached 8 trials"
     assert [r.state for r in rows] == ["COMPLETE", "FAIL", "FAIL", *["COMPLETE"] * 5]
 

@@ -22,6 +22,7 @@ from _search_programs import INJECTED
 from autotune.pipeline import search_and_report
 from autotune.report import get_tables, load_report
 from autotune.search import SearchError, SearchSettings, SearchSpace, SilentReporter, TrialRow, pick_best, run_search
+from autotune.search.cost import RoundLedger
 from autotune.search.loop import plateaued
 from fsdp_runtime import config_to_dict, load_config
 
@@ -94,6 +95,18 @@ def test_search_emits_a_config_that_applies_and_trains(tmp_path, shared_pool):
     assert all((tmp_path / r.trial_dir / "metrics.json").exists() for r in rows)
     search_json = json.loads((tmp_path / "search.json").read_text())
     assert search_json["best"]["number"] == summary.best.number
+    # Every round that ran is recorded with its steps and builds, within the most planned ([Note: round costs]).
+    rounds = search_json["rounds"]
+    ran = ["warm-up", "trials", "final round", *(["verdict"] if window else []), "recipe", "consolidation"]
+    assert list(rounds["by_round"]) == ran, rounds["by_round"]
+    assert all(
+        0 < r["steps"] <= r["max_steps"] and 0 < r["builds"] <= r["max_builds"] for r in rounds["by_round"].values()
+    )
+    assert rounds["by_round"]["trials"]["runs"] == 4 and rounds["by_round"]["final round"]["runs"] == len(
+        conf["finalists"]
+    ) + len(conf["contested"])
+    assert rounds["total"]["steps"] == sum(r["steps"] for r in rounds["runs"])
+    assert rounds["eta_after_first_trial_s"] > 0
     # Consolidation of the emitted config was timed once (all_gather and the broadcast baseline).
     assert "seconds" in search_json["consolidation"], search_json["consolidation"]
     seconds = search_json["consolidation"]["seconds"]
@@ -318,7 +331,7 @@ def test_search_loop_refines_on_the_plateau_then_stops(monkeypatch):
     monkeypatch.setattr(loop, "run_one", fake_run_one)
     monkeypatch.setattr(loop, "enqueue_neighbour", fake_enqueue)
     settings = SimpleNamespace(num_trials=50, patience=3, get_num_refine=lambda: 2)
-    ctx = SimpleNamespace(settings=settings, reporter=SilentReporter(), study=None, space=None)
+    ctx = SimpleNamespace(settings=settings, reporter=SilentReporter(), study=None, space=None, ledger=RoundLedger())
     assert loop.search_loop(ctx) == "plateau: no >=1% improvement in 3 trials"
     # The first trial sets the best, three more without a 1% gain: plateau. Then the two
     # refinement trials the settings allow, and only then the search stops.
@@ -366,26 +379,22 @@ def test_an_effective_config_is_measured_once(monkeypatch, tmp_path):
 def test_search_space_follows_the_settings(monkeypatch):
     """Grouping and the root's knobs are searched by default, checkpointing under a memory budget
     (or when asked), the edge modules come from the run model, and the CLI flags reach the settings."""
-    from autotune.search.proxy import ModelPlan
     from autotune.search.run import make_space
-    from profiles.sources import load_model_source
+    from autotune.search.search_plan import make_search_plan
 
-    source = load_model_source("small")
-    plan = ModelPlan(
-        requested=source, run=source, is_proxy=False, reason="", estimated_memory_per_rank=0, estimated_step_s=0.0
-    )
-    space = make_space(SearchSettings(), plan, "cpu")
+    def space_of(settings):
+        return make_space(settings, make_search_plan(settings))
+
+    space = space_of(SearchSettings())
     assert (space.grouping, space.root_knobs, space.checkpointing) == (True, True, False)
     assert (space.embedding_names, space.head_names) == (("tok_embeddings",), ("norm", "output"))
     assert space.can_split and "root_split" in space.get_default_params()
-    assert make_space(SearchSettings(memory_budget_bytes=2**30), plan, "cpu").checkpointing
-    assert make_space(SearchSettings(checkpointing=True), plan, "cpu").checkpointing
-    off = make_space(
-        SearchSettings(grouping=False, root_knobs=False, checkpointing=False, memory_budget_bytes=2**30), plan, "cpu"
-    )
+    assert space_of(SearchSettings(memory_budget_bytes=2**30)).checkpointing
+    assert space_of(SearchSettings(checkpointing=True)).checkpointing
+    off = space_of(SearchSettings(grouping=False, root_knobs=False, checkpointing=False, memory_budget_bytes=2**30))
     assert not (off.grouping or off.root_knobs or off.checkpointing or off.embedding_names)
     # A custom rank program builds its own model: the root is searched but never split.
-    own = make_space(SearchSettings(rank_program="my_pkg.train:step"), plan, "cpu")
+    own = space_of(SearchSettings(rank_program="my_pkg.train:step"))
     assert own.root_knobs and not own.can_split
 
     from typer.testing import CliRunner

@@ -55,6 +55,22 @@ def test_a_rank_that_reports_running_out_of_memory_is_oom():
     assert status == "oom" and reason.startswith("rank 0 ran out of memory: RuntimeError: DefaultCPUAllocator")
 
 
+def test_a_cuda_oom_says_what_the_rank_held_and_asked_for():
+    """torch's CUDA out-of-memory message (torch 2.11's wording) read into figures a search records."""
+    from autotune.trials.launch import parse_oom
+
+    tail = (
+        "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+        "capacity of 79.19 GiB of which 1.05 GiB is free. Including non-PyTorch memory, this process has 78.13 GiB "
+        "memory in use. Of the allocated memory 75.20 GiB is allocated by PyTorch, and 1.30 GiB is reserved by "
+        "PyTorch but unallocated."
+    )
+    status, reason = classify_failure([1, None], [tail, ""], timed_out=False, timeout_s=60, exit_order=[0], oom_kills=0)
+    assert status == "oom" and reason.startswith("rank 0 ran out of memory at ")
+    assert parse_oom(reason) == (int(78.13 * 2**30), 2 * 2**30)
+    assert parse_oom("rank 0 ran out of memory: RuntimeError: DefaultCPUAllocator") is None
+
+
 def test_user_errors_win_and_timeouts_say_so():
     status, reason = classify_failure(
         [None, EXIT_USER_ERROR], ["", "ConfigError: mesh: bad"], timed_out=False, timeout_s=60, exit_order=[1]
