@@ -14,6 +14,12 @@ into ``--out``.
 
     python benchmarks/gpu_sim_accuracy.py                      # on a GPU box (~5 min on one H100/H200)
     python benchmarks/gpu_sim_accuracy.py --dry-run            # anywhere: the configs and the datasheet's predictions
+    python benchmarks/gpu_sim_accuracy.py --cases 0,7          # the calibration and one held-out case (~1 min)
+
+``--cases`` runs some of the ten cases (their indexes in :func:`get_cases`, or ``all``, the
+default; the calibration, 0, always, first): the GPU suite's slice runs two, a lease of its own
+all ten. The trial dirs are
+numbered in the order the chosen cases run (``case_00`` is the calibration either way).
 
 ``--dry-run`` runs no trial: it builds every config, checks it against the model, calibrates on a
 recorded calibration trial (``--recorded``: this script's own ``case_00`` from one H200) and
@@ -116,6 +122,22 @@ def get_split(labels: list[str], keys: list[str]) -> list[str]:
     ]
 
 
+def parse_cases(text: str) -> list[int] | None:
+    """``--cases``: comma-separated indexes, or ``all`` (None)."""
+    return None if text.strip() == "all" else [int(part) for part in text.split(",") if part.strip()]
+
+
+def select_cases(given: list[int] | None, num_cases: int, parser: argparse.ArgumentParser) -> list[int]:
+    """The indexes of the cases to run, in :func:`get_cases`' order, the calibration (0) first
+    whether named or not: every other case is predicted from it."""
+    if given is None:
+        return list(range(num_cases))
+    unknown = sorted(i for i in given if not 0 <= i < num_cases)
+    if unknown:
+        parser.error(f"--cases: no case {', '.join(map(str, unknown))}; the cases are 0-{num_cases - 1}")
+    return sorted({0, *given})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama1b", help="a profile name or model TOML (fits one GPU with AdamW)")
@@ -127,15 +149,24 @@ def main() -> None:
         "--dry-run", action="store_true", help="run no trial: calibrate on --recorded and predict every case"
     )
     parser.add_argument("--recorded", type=Path, default=RECORDED, help="--dry-run: the calibration trial dir to use")
+    parser.add_argument(
+        "--cases",
+        type=parse_cases,
+        default=None,
+        help="which cases: their indexes in get_cases, comma-separated, or all (the default); 0, the calibration, always",
+    )
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu_sim_accuracy_"))
     out.mkdir(parents=True, exist_ok=True)
+    chosen = select_cases(args.cases, len(get_cases(args.model, args.seq_len)), parser)
     cases = [
         build_case(args.model, {"seq_len": args.seq_len, **o}, m, p)
-        for _, o, m, p in get_cases(args.model, args.seq_len)
+        for i, (_, o, m, p) in enumerate(get_cases(args.model, args.seq_len))
+        if i in chosen
     ]
-    labels = [label for label, *_ in get_cases(args.model, args.seq_len)]
-    split = get_split(labels, get_case_keys(args.model, args.seq_len))
+    labels = [label for i, (label, *_) in enumerate(get_cases(args.model, args.seq_len)) if i in chosen]
+    args.case_keys = [k for i, k in enumerate(get_case_keys(args.model, args.seq_len)) if i in chosen]
+    split = get_split(labels, args.case_keys)
     if args.dry_run:
         _dry_run(cases, labels, split, args, out)
         return
@@ -241,7 +272,7 @@ def _dry_run(cases: list, labels: list[str], split: list[str], args: argparse.Na
         step = Simulator(work, datasheet).simulate(config).step_s
         print(f"{label:<48} profile {1e3 * predicted:8.1f} ms  datasheet {1e3 * step:8.1f} ms  {described}")
     recorded = get_gsa_measured_ms() if "H200" in profile.device else {}
-    keys = get_case_keys(args.model, args.seq_len)
+    keys = args.case_keys
     if any(key in recorded for key in keys):
         print(f"\nmeasured: the recorded gpu_sim_accuracy.py run ({GSA_RUN_NOTE})")
         rows = _get_rows(cases, labels, split, [(recorded.get(k), "recorded", None) for k in keys], measured)

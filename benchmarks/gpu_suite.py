@@ -15,28 +15,40 @@ the copies back), from a source checkout with the machine's own torch:
    ``gpu_in_job.py`` and ``gpu_sim_accuracy.py``, each with arguments that
    size it to a lease (:data:`PARTS`), each a subprocess in a process group of its own, writing
    into ``OUT/<part>/`` (its ``results.json`` as it writes it, its whole output in
-   ``output.log``). Each gets a slice of what is left of the budget: its share by expected
-   seconds against the parts still to run, but at least :data:`GRACE` times its expected seconds
+   ``output.log``), unless the probe says it cannot run on this torch (below). Each gets a slice
+   of what is left of the budget: its share by expected seconds against the parts still to run,
+   but at least :data:`GRACE` times its expected seconds
    (when the budget is short, the later parts give way), the last part all that remains; a part
    that ends early leaves its remainder to those after it. When its slice ends, the part and
    every process under it are killed: its ranks start sessions of their own, out of its process
    group, so the suite kills the tree it finds under the part, not only the group. The suite
-   writes ``OUT/<part>/part.json``: passed, failed (its exit code), timed out or crashed (a
-   signal, or it would not start), its seconds and slice, the command, the tail of its output.
+   writes ``OUT/<part>/part.json``: passed, failed (its exit code), timed out, crashed (a
+   signal, or it would not start) or skipped (why), its seconds and slice, the command, the tail
+   of its output.
    A part that fails, crashes or runs out of time takes nothing of the others.
 3. *a summary*: one table (rich where it imports, plain text otherwise) and ``OUT/summary.json``.
-   The exit code is 1 when any part did not pass.
+   The exit code is 1 when any part did not pass (one skipped for a stated reason aside).
 
-The default parts expect ~810 s on one H200, more than the default budget: ``check`` writes its
-numerics before its search and ``sim_accuracy`` each case as it is measured, so the part at the
-back keeps what it reached. ``--parts`` runs fewer, ``--part-args NAME=ARGS`` passes a part more
-arguments (``sim_accuracy="--steps 6"``).
+The default parts expect ~510 s on one H100/H200 (:data:`PARTS`, each figure's source beside it),
+with the probe (:data:`PROBE_S`) and the reserve ~535 s: within the default budget, which
+``tests/test_gpu_suite.py`` checks. ``check`` writes its numerics before its search and
+``sim_accuracy`` each case as it is measured, so a part cut short keeps what it reached.
+``--parts`` runs fewer, ``--part-args NAME=ARGS`` passes a part more arguments, after its own
+(``sim_accuracy="--cases all"``: all ten cases, ~270 s, a lease of its own).
+
+*torchtitan 0.3.0 and this torch*: 0.3.0 needs torch 2.12 or newer. Where the probe finds a torch
+that cannot import it (the GPU machines' 2.11), the ``torchtitan`` part is not run: it is recorded
+as ``skipped`` with that reason (its ``part.json``, the table, ``summary.json``'s ``skipped``, a
+line after the table) and takes no share of the budget; a skipped part does not make the suite
+fail. The ``in_job`` part then runs the in-job tuner in the project's own llama1b instead of a
+torchtitan job, and says which it ran (its ``results.json``: ``job``, ``job_reason``).
 
 What a GPU box without network access must be given (:data:`WHEELS`): beside torch (a CUDA build,
 with triton) and the packages :data:`ON_THE_BOX` names, which a box with torch has, every part
 runs a search or a trial, which import optuna (with SQLAlchemy, alembic and its Mako, colorlog),
 ``autotune.analysis`` (orjson; traceinsight, imported as ``hta``, with plotly, its narwhals, and
-pydot), and the torchtitan and in_job parts torchtitan 0.3.0 (spmd_types, tyro and its docstring_parser).
+pydot), and the torchtitan part (and in_job's torchtitan job, where torch imports it) torchtitan
+0.3.0 (spmd_types, tyro and its docstring_parser).
 typer and rich are not needed (the scripts call the API, not the CLI). Found by following the
 imports of the four scripts through ``autotune``, ``fsdp_runtime`` and ``profiles``, and checked
 by importing what a search and torchtitan 0.3.0's registry load and listing the distributions
@@ -78,32 +90,55 @@ class Part:
     script: tuple[str, ...]
     """What follows ``python``: the script and its own arguments; the suite adds ``--out`` and ``--dry-run``."""
     expected_s: float
-    """Its run on one H100/H200 with the script's defaults: its share of the budget."""
+    """Its run on one H100/H200 with these arguments: its share of the budget (how each figure was
+    found: the comment above it in :data:`PARTS`)."""
     what: str
+    needs_torchtitan_030: bool = False
+    """Runs torchtitan 0.3.0 or nothing: skipped, with the reason, on a torch that cannot import 0.3.0."""
 
 
 PARTS: dict[str, Part] = {
-    # The numerics and a 3-trial search on a model at 60% of a GPU: numerics ~60 s (fresh NCCL
-    # ranks, 48 steps), warm-up ~65 s, trials 33-49 s each and the final round (one H200, 2026-11-27).
+    # The numerics and a 2-trial search (the defaults and one candidate, then the final round) on a
+    # model at 60% of a GPU. Measured with 3 trials (one H200, torch 2.11.0+cu130, 2026-11-27):
+    # numerics ~60 s (fresh NCCL ranks, 48 steps), warm-up ~65 s, paired trials 33-49 s each and the
+    # final round, ~270 s in all; one trial fewer (~41 s, the middle of 33-49 s): ~230 s.
     "check": Part(
-        (str(BENCHMARKS / "gpu_check.py"), "--trials", "3"), 270, "numerics; a 3-trial search at 60% of a GPU"
+        (str(BENCHMARKS / "gpu_check.py"), "--trials", "2"), 230, "numerics; a 2-trial search at 60% of a GPU"
     ),
-    # torchtitan 0.3.0's llama3 1B (not the largest flavor that fits: a 3B search outruns a lease).
+    # torchtitan 0.3.0's llama3 1B, 2 trials, one pair a finalist in the final rounds. Not yet run on a
+    # GPU (0.3.0 needs torch >= 2.12; on the GPU machines' 2.11 the suite skips it): an estimate scaled
+    # from check's H200 search (a paired trial there: two builds and ~6 s of steps, 33-49 s, for 1.9B
+    # parameters): for 1.24B a warm-up of ~45 s, 2 trials at ~30 s, the final rounds against the
+    # defaults and against torchtitan's recipe ~35 s: ~140 s.
     "torchtitan": Part(
-        (str(BENCHMARKS / "gpu_torchtitan.py"), "--flavor", "1B", "--trials", "3"),
-        150,
+        (str(BENCHMARKS / "gpu_torchtitan.py"), "--flavor", "1B", "--trials", "2", "--confirm-pairs", "1"),
+        140,
         "torchtitan 0.3.0 llama3 1B searched",
+        needs_torchtitan_030=True,
     ),
-    # Two runs of 120 steps of llama3 1B at 4096 tokens and the builds: not yet run on a GPU (an estimate).
-    "in_job": Part((str(BENCHMARKS / "gpu_in_job.py"),), 120, "the in-job tuner inside a torchtitan 0.3.0 job"),
-    # Fresh ranks per case, 20-29 s each for 10 cases (one H200, 2026-11-27); each case is written as it is
-    # measured, so a short slice keeps the calibration and the cases it reached.
+    # Two runs of 60 steps (a 40-step window), in a torchtitan 0.3.0 llama3 1B job where this torch
+    # imports 0.3.0, else (torch 2.11) in the project's llama1b at seq 8192, one microbatch. Not yet
+    # run on a GPU: an estimate from that llama1b step, 231.2 ms (gpu_sim_accuracy.py's "1 microbatch"
+    # case; one H200, torch 2.11.0+cu130, 2026-11-27, tests/data/gpu_traces/README.md): 2 x 60 steps
+    # ~28 s, ~35 s with the tuner's slower candidates; the NCCL pool's start ~10 s and two builds of
+    # 1.24B parameters at ~15 s (the H200 search's builds): ~80 s.
+    "in_job": Part(
+        (str(BENCHMARKS / "gpu_in_job.py"), "--steps", "60", "--max-steps", "40"),
+        80,
+        "the in-job tuner in a torchtitan 0.3.0 job, or in the project's llama1b where 0.3.0 cannot import",
+    ),
+    # The calibration and one held-out case (seq 4096, which judges host_path.LAUNCH_US), fresh ranks
+    # each: 20-29 s a case with --steps 4 (10 cases; one H200, torch 2.11.0+cu130, 2026-11-27): ~60 s.
+    # All ten (~270 s) take a lease of their own: --parts sim_accuracy --part-args sim_accuracy="--cases all".
     "sim_accuracy": Part(
-        (str(BENCHMARKS / "gpu_sim_accuracy.py"), "--steps", "4"), 270, "calibrated simulator vs measured, held out"
+        (str(BENCHMARKS / "gpu_sim_accuracy.py"), "--steps", "4", "--cases", "0,7"),
+        60,
+        "calibrated simulator vs measured: the calibration and one held-out case",
     ),
 }
 """The parts, in their default (priority) order, each with the arguments that size it to a lease,
-and its expected seconds on one H100/H200."""
+and its expected seconds on one H100/H200: with :data:`PROBE_S` and :data:`RESERVE_S` they fit
+the default budget (``tests/test_gpu_suite.py`` checks it)."""
 
 WHEELS: dict[str, tuple[str, str]] = {
     "optuna==5.0.0": ("optuna", "the search's study (autotune.search)"),
@@ -130,6 +165,11 @@ TORCHTITAN_DEV = ROOT / ".venv" / "torchtitan-0.3.0"
 WHEEL_PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_28_x86_64")
 RESERVE_S = 15.0
 """Kept from the last slice: the kill's grace, the summary and writing it."""
+BUDGET_S = 540.0
+"""The default ``--budget-s``: a 15-minute GPU lease less the machine's start and the copies back."""
+PROBE_S = 10.0
+"""The environment's probe, expected: 6 s on a 2-core CPU box in a dry run (it imports torch and
+every package the parts need; the same on a GPU box, and one device query)."""
 ENVIRONMENT_S = 120.0
 GRACE_S = 5.0
 """Between SIGTERM and SIGKILL when a slice ends."""
@@ -150,6 +190,7 @@ def probe_environment(out: Path, *, dry_run: bool, torchtitan: Path | None) -> d
         env["gpus"] = [] if dry_run else get_gpus(torch)
     except Exception as e:  # the probe reports; it does not stop the suite
         env["torch"] = f"error: {type(e).__name__}: {e}"
+    env["torchtitan_030_refused"] = get_030_refusal()
     if torchtitan is not None and (torchtitan / "torchtitan").is_dir():
         sys.path.insert(0, str(torchtitan))
     env["packages"] = {module: import_version(module) for module, _ in WHEELS.values()}
@@ -157,6 +198,18 @@ def probe_environment(out: Path, *, dry_run: bool, torchtitan: Path | None) -> d
     env["missing"] = sorted(req for req, (module, _) in WHEELS.items() if env["packages"][module].startswith("error"))
     out.write_text(json.dumps(env, indent=2) + "\n", encoding="utf-8")
     return env
+
+
+def get_030_refusal() -> str | None:
+    """Why this torch cannot import torchtitan 0.3.0 (2.11 among them), in one line; None where it can."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from profiles.torchtitan import check_torch_for_030
+
+        check_torch_for_030()
+    except Exception as e:
+        return str(e)
+    return None
 
 
 def read_driver_version() -> str | None:
@@ -214,6 +267,8 @@ def format_environment(env: dict[str, Any]) -> list[str]:
         f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, Python {env.get('python')}",
         "packages: " + ", ".join(f"{m} {v}" for m, v in env.get("packages", {}).items() if not v.startswith("error")),
     ]
+    if env.get("torchtitan_030_refused"):
+        lines.append(f"torchtitan 0.3.0 cannot run here: {env['torchtitan_030_refused']}")
     if env.get("missing"):
         lines.append(f"missing (carry their wheels: --wheels): {', '.join(env['missing'])}")
     absent = [m for m, v in env.get("on_the_box", {}).items() if v.startswith("error")]
@@ -392,7 +447,7 @@ def part_command(name: str, args: argparse.Namespace, out_dir: Path) -> list[str
     command = [sys.executable, *PARTS[name].script, "--out", str(out_dir)]
     if args.dry_run:
         command.append("--dry-run")
-    if name == "torchtitan" and args.torchtitan is not None:
+    if name in ("torchtitan", "in_job") and args.torchtitan is not None:
         command += ["--torchtitan", str(args.torchtitan)]
     return command + shlex.split(args.part_args.get(name, ""))
 
@@ -424,22 +479,43 @@ def run_environment(args: argparse.Namespace, env: dict[str, str], deadline: flo
     return record
 
 
+def get_skip_reason(name: str, environment: dict[str, Any]) -> str | None:
+    """Why part ``name`` cannot run on this box, from the probe's ``environment``; None where it can
+    (or where the probe said nothing: the part then runs and says for itself)."""
+    refused = environment.get("torchtitan_030_refused")
+    if PARTS[name].needs_torchtitan_030 and refused:
+        return f"skipped, not run: {refused}"
+    return None
+
+
 def run_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
     started = time.monotonic()
     deadline = started + args.budget_s - RESERVE_S
     env = part_env(args.site)
     records = [run_environment(args, env, deadline)]
-    for index, name in enumerate(args.parts):
-        slice_s = get_slice(deadline - time.monotonic(), args.parts, index)
+    path = args.out / "environment.json"
+    environment = json.loads(path.read_text()) if path.exists() else {}
+    skips = {name: get_skip_reason(name, environment) for name in args.parts if name != args.fail_part}
+    runnable = [name for name in args.parts if not skips.get(name)]  # a skipped part takes no share
+    for name in args.parts:
         out_dir = args.out / name
-        print(f"== {name}: {PARTS[name].what}; slice {slice_s:.0f} s", flush=True)
-        record = run_process(part_command(name, args, out_dir), out_dir=out_dir, name=name, slice_s=slice_s, env=env)
+        skipped = skips.get(name)
+        if skipped:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            record = {"part": name, "command": None, "slice_s": 0.0, "seconds": 0.0, "returncode": None}
+            record |= {"status": "skipped", "reason": skipped, "tail": [], "results": None}
+            print(f"== {name}: {PARTS[name].what}; {skipped}", flush=True)
+        else:
+            slice_s = get_slice(deadline - time.monotonic(), runnable, runnable.index(name))
+            print(f"== {name}: {PARTS[name].what}; slice {slice_s:.0f} s", flush=True)
+            command = part_command(name, args, out_dir)
+            record = run_process(command, out_dir=out_dir, name=name, slice_s=slice_s, env=env)
+            print(
+                f"== {name}: {record['status']} in {record['seconds']:.0f} s"
+                + (f" ({record['reason']})" if record["reason"] else ""),
+                flush=True,
+            )
         (out_dir / "part.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        print(
-            f"== {name}: {record['status']} in {record['seconds']:.0f} s"
-            + (f" ({record['reason']})" if record["reason"] else ""),
-            flush=True,
-        )
         records.append(record)
     return records
 
@@ -501,7 +577,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="every part's --dry-run; the environment without CUDA")
     parser.add_argument("--out", type=Path, default=None, help="where everything is written (default: runs/gpu_suite)")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="the whole suite's seconds (default 540)")
+    parser.add_argument(
+        "--budget-s", type=float, default=BUDGET_S, help=f"the whole suite's seconds (default {BUDGET_S:.0f})"
+    )
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which parts, in order (default {','.join(PARTS)})")
     parser.add_argument(
         "--part-args", action="append", default=[], metavar="NAME=ARGS", help="more arguments for a part"
@@ -552,11 +630,15 @@ def main(argv: list[str] | None = None) -> int:
         "budget_s": args.budget_s,
         "seconds": round(time.monotonic() - started, 1),
         "dry_run": args.dry_run,
-        "passed": all(r["status"] == "passed" for r in records if r["part"] in PARTS),  # the probe only reports
+        # the probe only reports; a part skipped for a stated reason (this torch) did not fail, nor run
+        "passed": all(r["status"] in ("passed", "skipped") for r in records if r["part"] in PARTS),
+        "skipped": {r["part"]: r["reason"] for r in records if r["status"] == "skipped"},
         "environment": str(args.out / "environment.json"),
         "parts": [{k: v for k, v in r.items() if k != "tail"} for r in records],
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    for name, reason in summary["skipped"].items():
+        print(f"{name}: {reason}")
     print(f"written: {args.out / 'summary.json'} ({summary['seconds']:.0f} s of {args.budget_s:.0f})")
     return 0 if summary["passed"] else 1
 

@@ -8,9 +8,10 @@ add an ``[accelerator]`` table and ``collective_model = "ring"`` for the step si
 (``autotune plan``), each figure with its source in a comment.
 """
 
+from profiles.chunked_init import SHARD_CACHE
 from profiles.factory import BATCH_HOOK, LOSS_HOOK, FactoryModel, ModelSourceError, compute_loss
 from profiles.hf import HFModel
-from profiles.llama import Llama, LlamaShape
+from profiles.llama import Llama, LlamaShape, get_init_identity
 from profiles.profile import (
     COLLECTIVE_MODELS,
     AcceleratorSpec,
@@ -27,6 +28,8 @@ from profiles.sources import ModelSource, load_model_source, resolve_config_for_
 from profiles.torchtitan import TorchtitanModel
 
 __all__ = [
+    "SHARD_CACHE",
+    "get_init_identity",
     "BATCH_HOOK",
     "COLLECTIVE_MODELS",
     "LOSS_HOOK",

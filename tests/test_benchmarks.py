@@ -173,17 +173,62 @@ def test_gpu_in_job_dry_run_shards_0_3_0_s_model_as_torchtitan_does_and_adopts_i
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0] == "torchtitan 0.3.0, llama3/1B"
+    assert lines[1].startswith("job: torchtitan (torchtitan 0.3.0 imports with torch ")
     assert "model: torchtitan-llama3-1B, 1.236B params, seq_len 4096 x batch 1" in lines
     # 16 blocks, the tied embeddings + norm + head, the root: torchtitan's sharding, read back
     assert "adopted: 18 units of torchtitan's sharding, bfloat16/float32" in lines
     moves = next(line for line in lines if line.startswith("moves on cuda: "))
     # on CUDA async unshard is a move; one microbatch per step in torchtitan's loop: no sync move
     assert "forward_prefetch=depth1" in moves and "unshard_async=on" in moves and "sync=last" not in moves
-    assert lines[-3:] == [
+    assert lines[-4:-1] == [
         "window: 80 steps of 120; first plan: the seed",
         "tuned / untuned: not measured (no run)",
         "dry run: no step ran",
     ]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert (results["job"], results["dry_run"], results["units"]) == ("torchtitan", True, 18)
+
+
+# A torch that cannot import torchtitan 0.3.0, as 2.11 (the GPU machines') is: its attribute removed
+# before the script runs (a no-op on a torch that lacks it already).
+AS_TORCH_2_11 = """
+import os, runpy, sys
+import torch.distributed.fsdp as fsdp
+if hasattr(fsdp, "DataParallelMeshDims"):
+    del fsdp.DataParallelMeshDims
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as python SCRIPT puts its folder first
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.torch_matrix
+def test_gpu_in_job_dry_run_runs_the_project_s_llama_where_torchtitan_0_3_0_cannot_import(tmp_path):
+    """benchmarks/gpu_in_job.py up to its first CUDA call on a torch that refuses torchtitan 0.3.0
+    (with 0.3.0 there): the tuner over the project's llama1b sharded with the config its ranks get,
+    and results.json says which job ran and why; ``--job torchtitan`` refuses in one line."""
+    from _torchtitan030 import get_env_030
+
+    env = get_env_030(torch_can=False)
+    base = [sys.executable, "-c", AS_TORCH_2_11, "benchmarks/gpu_in_job.py", "--dry-run", "--out", str(tmp_path)]
+    done = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "the project's llama1b"
+    assert lines[1].startswith(
+        "job: llama (torchtitan 0.3.0 cannot be imported here (torchtitan 0.3.0 needs torch >= 2.12"
+    )
+    assert "ranks run: gpu_in_job:run_llama_job on llama1b" in lines
+    assert "model: llama1b, 1.236B params, seq_len 8192 x batch 1" in lines
+    assert "adopted: 17 units of a trial's build, FSDP2's defaults, bfloat16/float32" in lines  # 16 blocks, the root
+    assert not any(line.startswith("missing ") for line in lines)  # no torchtitan-only wheel asked for
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (results["job"], results["model"], results["units"]) == ("llama", {"name": "llama1b"}, 17)
+    assert "needs torch >= 2.12" in results["job_reason"] and "unshard_async=on" in results["moves"]
+    forced = subprocess.run(
+        [*base, "--job", "torchtitan"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert forced.returncode == 1 and forced.stderr.strip().startswith("gpu_in_job.py: torchtitan 0.3.0 needs torch")
 
 
 def _write_search(run_dir: Path, ratios: list[tuple[dict, float, str]], winner: int, model: str = "small") -> None:

@@ -4,7 +4,9 @@ others; its dry run on the real parts, one of them made to raise (``--fail-part`
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
 import sys
 import textwrap
 import time
@@ -125,3 +127,65 @@ def test_a_short_budget_gives_the_parts_in_front_their_expected_time_first(monke
     assert gpu_suite.get_slice(525, ["a", "b", "c"], 0) == gpu_suite.GRACE * 270
     assert gpu_suite.get_slice(255, ["a", "b", "c"], 1) == gpu_suite.GRACE * 150
     assert gpu_suite.get_slice(105, ["a", "b", "c"], 2) == 105
+
+
+def test_the_default_parts_expected_seconds_fit_the_default_budget():
+    """What the suite runs by default fits one lease: every default part's expected seconds, the
+    probe's and the reserve kept from the last slice, against ``--budget-s``'s default."""
+    args = gpu_suite.parse_args([])
+    expected = sum(gpu_suite.PARTS[name].expected_s for name in args.parts)
+    assert args.parts == list(gpu_suite.PARTS)
+    assert expected + gpu_suite.PROBE_S + gpu_suite.RESERVE_S <= args.budget_s == gpu_suite.BUDGET_S
+
+
+def test_a_part_this_torch_cannot_run_is_skipped_with_the_reason_and_takes_no_share(tmp_path, monkeypatch):
+    """A probe that finds a torch refusing torchtitan 0.3.0 (2.11): the part that needs it is not
+    started, is recorded as skipped with the probe's reason, and its share goes to the others."""
+    refused = "torchtitan 0.3.0 needs torch >= 2.12 (DataParallelMeshDims); torch 2.11.0 has none"
+    monkeypatch.setattr(gpu_suite, "RESERVE_S", 0.0)
+    probe = OUT + f"(out / 'environment.json').write_text(json.dumps({{'torchtitan_030_refused': {refused!r}}}))\n"
+    monkeypatch.setattr(gpu_suite, "probe_command", lambda args: [sys.executable, "-c", probe, "--out", str(args.out)])
+    needs = dataclasses.replace(fake_part(RAISES, 50), needs_torchtitan_030=True)
+    monkeypatch.setattr(gpu_suite, "PARTS", {"needs_030": needs, "other": fake_part(WRITES, 50)})
+    assert gpu_suite.main(["--out", str(tmp_path), "--budget-s", "100"]) == 0
+    skipped = read_part(tmp_path, "needs_030")
+    assert (skipped["status"], skipped["command"], skipped["seconds"]) == ("skipped", None, 0.0)
+    assert skipped["reason"] == f"skipped, not run: {refused}"
+    assert not (tmp_path / "needs_030" / "output.log").exists()  # never started
+    other = read_part(tmp_path, "other")
+    assert other["status"] == "passed" and other["slice_s"] > 90  # the whole budget, not half of it
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["passed"] is True and summary["skipped"] == {"needs_030": skipped["reason"]}
+
+
+def test_the_dry_run_of_every_default_part_passes_in_job_says_which_job_it_ran(tmp_path):
+    """The whole suite's dry run as a GPU box's run would go, under this torch: every part passes
+    its dry run; torchtitan 0.3.0's part is skipped, saying why, only on a torch that cannot import
+    0.3.0 (2.11, the GPU machines'), and ``in_job`` then runs the project's llama instead."""
+    from _torchtitan030 import require_torchtitan_030
+
+    from profiles.factory import ModelSourceError
+    from profiles.torchtitan import check_torch_for_030
+
+    try:
+        check_torch_for_030()
+        refused = None
+    except ModelSourceError as e:
+        refused = str(e)
+    command = [sys.executable, "benchmarks/gpu_suite.py", "--dry-run", "--out", str(tmp_path)]
+    command += ["--torchtitan", str(require_torchtitan_030(torch_can=False))]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    statuses = {p["part"]: (p["status"], p["reason"]) for p in summary["parts"]}
+    assert list(statuses) == ["environment", *gpu_suite.PARTS], done.stdout[-3000:]
+    for name in gpu_suite.PARTS:
+        if name == "torchtitan" and refused:
+            assert statuses[name] == ("skipped", f"skipped, not run: {refused}")
+            assert f"torchtitan: skipped, not run: {refused}" in done.stdout  # said after the table
+        else:
+            assert statuses[name] == ("passed", None), read_part(tmp_path, name)["tail"]
+    assert done.returncode == 0 and summary["passed"] is True
+    in_job = json.loads((tmp_path / "in_job" / "results.json").read_text())
+    assert in_job["dry_run"] is True and in_job["job"] == ("llama" if refused else "torchtitan")
+    if refused:
+        assert refused in in_job["job_reason"] and in_job["model"] == {"name": "llama1b"}

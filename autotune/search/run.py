@@ -170,18 +170,11 @@ def check_machine(settings: SearchSettings, plan: SearchPlan) -> None:
     training state fits one GPU."""
     device_type, run = plan.device_type, plan.model.run
     check_device_type(run, device_type)
-    if (
-        settings.workers is None and plan.target.planned_for is None
-    ):  # across nodes, ranks find their GPUs when the world forms
+    # across nodes, each node's ranks find their GPUs when the world forms
+    if settings.workers is None and plan.target.planned_for is None:
         check_cuda_devices(settings.world_size, device_type)
-    if settings.proxy is not False:
-        check_fits_gpu(
-            run,
-            settings.world_size,
-            plan.precision,
-            device_type=device_type,
-            total_memory=plan.target.memory_per_rank_bytes,
-        )
+    memory = plan.target.memory_per_rank_bytes
+    check_fits_gpu(run, settings.world_size, plan.precision, device_type=device_type, total_memory=memory)
 
 
 def get_environment_notes(device_type: str) -> list[str]:

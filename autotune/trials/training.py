@@ -31,9 +31,7 @@ from fsdp_runtime import (
     switch_config,
 )
 from fsdp_runtime.errors import ConfigError
-from profiles import BATCH_HOOK, LOSS_HOOK, ModelProfile, ModelSourceError, compute_loss
-from profiles.chunked_init import SHARD_CACHE
-from profiles.llama import get_init_identity
+from profiles import BATCH_HOOK, LOSS_HOOK, SHARD_CACHE, ModelProfile, ModelSourceError, compute_loss, get_init_identity
 from profiles.sources import ModelSource, load_model_source
 
 LEARNING_RATE = 1e-3

@@ -309,7 +309,8 @@ def test_a_dry_run_forms_the_world_across_the_nodes_and_runs_no_trial(tmp_path):
         stop([driver, *agents])
     assert driver.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
     lines = stdout.splitlines()
-    assert lines[0] == "model: tiny" and "world: 4 ranks on 2 node(s)" in lines
+    assert lines[0].startswith("target: this machine: ") and lines[0].endswith("CPU cores, gloo")
+    assert lines[1].startswith("model: tiny as itself") and "world: 4 ranks on 2 node(s)" in lines
     assert any(line.startswith("  node 0 (") and line.endswith("ranks 0, 1 on cpu") for line in lines)
     assert any(line.startswith("  node 1 (") and line.endswith("ranks 2, 3 on cpu") for line in lines)
     meshes = next(line for line in lines if line.startswith("4 ranks on 2 node(s) of 2: "))

@@ -158,7 +158,10 @@ def test_a_model_no_gpu_holds_even_fully_sharded_is_refused(fake_cuda):
     ("args", "flag"),
     [
         (["search", "--model", "tiny", "--nproc", "2"], "--nproc: 2 ranks need 2 CUDA devices"),
-        (["search", "--model", "llama8b", "--nproc", "1"], "--model: llama8b (8.03B params) needs at least"),
+        (
+            ["search", "--model", "llama8b", "--nproc", "1", "--no-proxy"],
+            "--model: llama8b (8.03B params) needs at least",
+        ),
         (["trial", "--model", "tiny", "--nproc", "2", "--backend", "nccl"], "--nproc: 2 ranks need 2 CUDA devices"),
         (["trial", "--model", "llama8b", "--nproc", "1", "--backend", "nccl"], "--model: llama8b"),
     ],
@@ -171,6 +174,16 @@ def test_cuda_refusals_are_one_line_exit_2_before_anything_is_written(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flag in err, err
     assert not out.exists()
+
+
+def test_a_model_no_config_of_fits_one_gpu_is_searched_as_a_proxy_said_in_one_line(
+    fake_cuda, tmp_path, monkeypatch, capsys
+):
+    """llama8b on one 80 GiB GPU: even its leanest config is over it, so the dry run plans a scale proxy
+    (with ``--no-proxy`` it is refused, above)."""
+    assert _run_cli(monkeypatch, ["search", "--model", "llama8b", "--dry-run", "--out", str(tmp_path / "o")]) == 0
+    model = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
+    assert model.startswith("model: llama8b as the scale proxy llama8b@dim=") and "GiB per GPU on 1 ranks" in model
 
 
 def test_a_torchrun_spec_is_checked_for_fit_not_for_this_node_s_gpus(fake_cuda, tmp_path, monkeypatch):
