@@ -18,6 +18,11 @@ def fake_cuda(monkeypatch):
     ``state.num_devices`` GPUs of ``state.total_memory`` bytes each."""
     import torch
 
+    from autotune.sim.model_work import get_optimizer_bytes_per_element
+
+    # The simulator's AdamW probe steps a CPU optimizer once (cached): before CUDA is faked, since a
+    # CUDA build's optimizer asks the real accelerator for its stream where CUDA seems available.
+    get_optimizer_bytes_per_element()
     state = SimpleNamespace(num_devices=1, total_memory=80 * 2**30, name="NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: state.num_devices)
