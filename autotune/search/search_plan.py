@@ -85,6 +85,8 @@ class SearchPlan:
     until the defaults trial ran."""
     estimated_build_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    allocation_hint: str | None = None
+    """On a GPU, where the estimated wall is over :data:`ALLOCATION_S`: the flags that fit it (:func:`get_allocation_hint`)."""
 
     @property
     def device_type(self) -> str:
@@ -129,15 +131,8 @@ class SearchPlan:
                 f"estimated wall: {_fmt_s(wall)} at most (step {self.estimated_step_s:.2f} s, build {self.estimated_build_s:.0f} s"
                 + (f"; {gpu_min:.0f} GPU-minutes on {t.world_size} GPUs)" if gpu_min is not None else ")")
             )
-            fit = self.get_trials_within(ALLOCATION_S)
-            if t.on_gpu and wall > ALLOCATION_S and fit is not None:
-                limit = f"{ALLOCATION_S / 60:.0f} min"
-                lines.append(
-                    f"to finish within {limit}: --trials {fit}"
-                    if fit >= 2
-                    else f"not within {limit} even with 2 trials (the rounds after the trials take most of it): "
-                    "fewer --confirm-pairs, or --proxy"
-                )
+            if self.allocation_hint:
+                lines.append(self.allocation_hint)
         else:
             lines.append("estimated wall: from the defaults trial, once it ran (the progress bar's ETA)")
         return [*lines, *self.notes]
@@ -276,7 +271,7 @@ def make_search_plan(settings: SearchSettings, *, target: Target | None = None) 
         )
     model = dataclasses.replace(model, shape_overrides=get_shape_overrides(settings))
     emulated, links = get_links(settings, target)
-    return SearchPlan(
+    plan = SearchPlan(
         target=target,
         source=source,
         model=model,
@@ -289,3 +284,21 @@ def make_search_plan(settings: SearchSettings, *, target: Target | None = None) 
         estimated_build_s=build_s,
         notes=notes,
     )
+    plan.allocation_hint = get_allocation_hint(plan, settings)
+    return plan
+
+
+def get_allocation_hint(plan: SearchPlan, settings: SearchSettings) -> str | None:
+    """On a GPU whose estimated wall is over :data:`ALLOCATION_S`: the most trials that fit it, with fewer
+    final-round pairs (``--confirm-pairs``) where even 2 trials do not; None where it fits (or on CPU)."""
+    wall = plan.estimated_wall_s
+    if not plan.target.on_gpu or wall is None or wall <= ALLOCATION_S:
+        return None
+    limit = f"to finish within {ALLOCATION_S / 60:.0f} min"
+    for pairs in range(settings.num_confirm_pairs, 0, -1):
+        fewer = dataclasses.replace(settings, num_confirm_pairs=pairs)
+        trials = dataclasses.replace(plan, rounds=get_rounds(fewer, plan.target)).get_trials_within(ALLOCATION_S)
+        if trials is not None and trials >= 2:
+            flags = f"--trials {trials}" + (f" --confirm-pairs {pairs}" if pairs != settings.num_confirm_pairs else "")
+            return f"{limit}: {flags} (at most, as estimated above)"
+    return f"not {limit} even with 2 trials and 1 confirmation pair: use --proxy, or more time"

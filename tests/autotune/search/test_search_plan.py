@@ -232,3 +232,20 @@ def test_a_dry_run_on_a_gpu_node_takes_every_gpu_and_prices_this_gpu(fake_cuda, 
         cli.app, ["search", "--model", "tiny", "--dry-run", "--nproc", "2", "--out", str(tmp_path)]
     )
     assert two.exit_code == 0 and "ranks: 2 (nccl" in two.output
+
+
+def test_a_gpu_plan_over_a_30_minute_allocation_names_flags_that_fit_it():
+    """The default llama8b search on 8 H100s is estimated over 30 min: the plan names the trials and
+    confirmation pairs that fit, and a plan with those flags is within it."""
+    import re
+
+    from autotune.search.search_plan import ALLOCATION_S
+
+    plan = plan_for("llama8b")
+    assert plan.estimated_wall_s > ALLOCATION_S and plan.allocation_hint in plan.describe()
+    found = re.match(r"to finish within 30 min: --trials (\d+)(?: --confirm-pairs (\d+))?", plan.allocation_hint)
+    assert found, plan.allocation_hint
+    trials, pairs = int(found[1]), int(found[2] or 3)
+    fitted = plan_for("llama8b", num_trials=trials, num_confirm_pairs=pairs)
+    assert fitted.estimated_wall_s <= ALLOCATION_S and fitted.allocation_hint is None
+    assert make_search_plan(SearchSettings()).allocation_hint is None  # CPU: no GPU allocation
