@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from autotune.search.proxy import MIN_DIM, ModelPlan, get_widths, shrink_widths
+from autotune.search.proxy import MIN_DIM, ModelPlan, as_itself, get_widths, shrink_widths
 from autotune.search.target import Target
 from fsdp_runtime import MixedPrecisionConfig
 
@@ -117,20 +117,9 @@ def plan_model_on_gpu(
             if not over
             else "--no-proxy: " + "; ".join(over)
         )
-        return _as_itself(source, reason, lean.peak_memory_bytes, step), pricer
+        return as_itself(source, reason, lean.peak_memory_bytes, step), pricer
     reason = "; ".join(over) if over else "--proxy"
     return _find_gpu_proxy(source, target, precision, settings, reason=reason)
-
-
-def _as_itself(source: ModelSource, reason: str, memory: float, step_s: float) -> ModelPlan:
-    return ModelPlan(
-        requested=source,
-        run=source,
-        is_proxy=False,
-        reason=reason,
-        estimated_memory_per_rank=int(memory),
-        estimated_step_s=step_s,
-    )
 
 
 def _try_pricer(
@@ -185,7 +174,7 @@ def _plan_untraced(
     from autotune.trials.precision import check_fits_gpu
 
     check_fits_gpu(source, target.world_size, precision, device_type="cuda", total_memory=target.memory_per_rank_bytes)
-    return _as_itself(source, "a factory the simulator cannot trace: its sharded training state fits", 0, 0.0)
+    return as_itself(source, "a factory the simulator cannot trace: its sharded training state fits", 0, 0.0)
 
 
 def get_baseline(

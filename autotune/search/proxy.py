@@ -183,44 +183,26 @@ def plan_model(
     the caller must refuse (:func:`autotune.search.study.check_budget`)."""
     mem = estimate_memory_per_rank(profile, world_size)
     step = estimate_step_seconds(profile, flops_per_rank)
-    if force_proxy is not None:
-        return _forced(profile, force_proxy, mem, step, world_size, memory_per_rank, flops_per_rank, step_budget_s)
-    if mem <= memory_per_rank and step <= step_budget_s:
-        return ModelPlan(
-            requested=profile,
-            run=profile,
-            is_proxy=False,
-            reason="fits",
-            estimated_memory_per_rank=mem,
-            estimated_step_s=step,
+    if force_proxy is False:
+        estimate = (
+            f"estimated ~{mem / 2**30:.1f} GiB per rank of {memory_per_rank / 2**30:.1f}, ~{step:.2f} s a microbatch"
         )
-    if mem <= memory_per_rank and memory_bound:
+        return as_itself(profile, f"--no-proxy ({estimate})", mem, step)
+    if force_proxy is None and mem <= memory_per_rank and step <= step_budget_s:
+        return as_itself(profile, "fits", mem, step)
+    if force_proxy is None and mem <= memory_per_rank and memory_bound:
         reason = f"~{step:.1f} s per microbatch step, over the {step_budget_s:.1f} s budget, run as it is: a memory budget needs the model's own peaks"
-        return ModelPlan(
-            requested=profile,
-            run=profile,
-            is_proxy=False,
-            reason=reason,
-            estimated_memory_per_rank=mem,
-            estimated_step_s=step,
-        )
-    why = []
-    if mem > memory_per_rank:
+        return as_itself(profile, reason, mem, step)
+    why = ["--proxy"] if force_proxy else []
+    if mem > memory_per_rank and not force_proxy:
         why.append(f"needs ~{mem / 2**30:.1f} GiB per rank, {memory_per_rank / 2**30:.1f} GiB available")
-    if step > step_budget_s:
+    if step > step_budget_s and not force_proxy:
         why.append(f"~{step:.1f} s per microbatch step, budget {step_budget_s:.1f} s")
     if isinstance(profile, FactoryModel):
-        if mem > memory_per_rank:
+        if mem > memory_per_rank or force_proxy:
             raise refuse_opaque(profile, why)
         # Slower than the budget but in memory: a factory cannot be shrunk, so its trials are just slow.
-        return ModelPlan(
-            requested=profile,
-            run=profile,
-            is_proxy=False,
-            reason="; ".join(why) + " (a factory runs as it is)",
-            estimated_memory_per_rank=mem,
-            estimated_step_s=step,
-        )
+        return as_itself(profile, "; ".join(why) + " (a factory runs as it is)", mem, step)
     return _find_proxy(
         profile,
         world_size=world_size,
@@ -231,35 +213,15 @@ def plan_model(
     )
 
 
-def _forced(
-    profile: ModelSource,
-    proxy: bool,
-    mem: int,
-    step: float,
-    world_size: int,
-    memory_per_rank: int,
-    flops_per_rank: float,
-    step_budget_s: float,
-) -> ModelPlan:
-    """``--no-proxy``: the model as it is; ``--proxy``: the largest proxy within the budgets (at least halved)."""
-    if not proxy:
-        return ModelPlan(
-            requested=profile,
-            run=profile,
-            is_proxy=False,
-            reason=f"--no-proxy (estimated ~{mem / 2**30:.1f} GiB per rank of {memory_per_rank / 2**30:.1f}, ~{step:.2f} s a microbatch)",
-            estimated_memory_per_rank=mem,
-            estimated_step_s=step,
-        )
-    if get_widths(profile) is None:
-        raise refuse_opaque(profile, ["--proxy"])
-    return _find_proxy(
-        profile,
-        world_size=world_size,
-        memory_per_rank=memory_per_rank,
-        flops_per_rank=flops_per_rank,
-        step_budget_s=step_budget_s,
-        reason="--proxy",
+def as_itself(profile: ModelSource, reason: str, memory: float, step_s: float) -> ModelPlan:
+    """The plan that runs ``profile`` itself, and why."""
+    return ModelPlan(
+        requested=profile,
+        run=profile,
+        is_proxy=False,
+        reason=reason,
+        estimated_memory_per_rank=int(memory),
+        estimated_step_s=step_s,
     )
 
 
@@ -328,15 +290,12 @@ def plan_for_this_machine(
     profile: ModelSource,
     *,
     world_size: int,
-    device_type: str = "cpu",
     step_budget_s: float,
     memory_bound: bool = False,
     force_proxy: bool | None = None,
 ) -> ModelPlan:
     """Plan against this CPU box (a share of host memory, fp32, a step budget). A GPU is priced by the
     simulator instead ([Note: the search plan] in :mod:`autotune.search.search_plan`)."""
-    if device_type != "cpu":
-        raise ValueError("plan_for_this_machine prices a CPU box; a GPU is planned by autotune.search.search_plan")
     memory = int(get_available_memory_bytes() * 0.6) // world_size
     flops = CPU_FLOPS_PER_CORE * max(1, (os.cpu_count() or 1) // world_size)
     return plan_model(

@@ -1,6 +1,6 @@
 """``autotune search``: Optuna ask/tell over the FSDP2 knobs, driving the trial launcher.
 
-Data flow: model (a profile, factory or HF config: :mod:`profiles.sources`) + machine -> :func:`autotune.search.proxy.plan_for_this_machine`
+Data flow: model (a profile, factory or HF config: :mod:`profiles.sources`) + machine -> :func:`autotune.search.search_plan.make_search_plan`
 (real model or scale proxy) -> :class:`autotune.search.space.SearchSpace` -> per trial a
 :class:`RuntimeConfig` -> :func:`autotune.trials.run_trial` -> metrics -> ``study.tell``
 (:mod:`autotune.search.loop`) -> best config -> side-by-side confirmation against the
@@ -53,9 +53,8 @@ from autotune.trials import (
     check_device_type,
     check_fits_gpu,
     get_overlap_warning,
-    resolve_precision,
 )
-from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, get_unsupported_knobs
+from fsdp_runtime import RuntimeConfig, get_unsupported_knobs
 from profiles.sources import load_model_source
 
 
@@ -157,11 +156,6 @@ def get_node_notes(settings: SearchSettings, space: SearchSpace) -> list[str]:
         return []
     meshes = "; ".join(describe_mesh_nodes(m, settings.world_size, per_node) for m in space.get_mesh_choices())
     return [f"{describe_world(settings.world_size, per_node)}: {meshes}"]
-
-
-def get_search_precision(settings: SearchSettings, device_type: str) -> MixedPrecisionConfig:
-    """The precision of every trial of the search ([Note: precision defaults] in :mod:`autotune.trials.precision`)."""
-    return resolve_precision(device_type, param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
 
 
 def check_machine(settings: SearchSettings, plan: SearchPlan) -> None:

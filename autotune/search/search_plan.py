@@ -256,7 +256,6 @@ def make_search_plan(settings: SearchSettings, *, target: Target | None = None) 
         model = plan_for_this_machine(
             source,
             world_size=target.world_size,
-            device_type="cpu",
             step_budget_s=settings.step_budget_s if settings.step_budget_s is not None else CPU_STEP_BUDGET_S,
             memory_bound=settings.memory_budget_bytes is not None,
             force_proxy=settings.proxy,
