@@ -2,13 +2,15 @@
 
 from fsdp_runtime import load_config, apply_fsdp, GradAccumulator
 applied = apply_fsdp(model, load_config("best.toml"))
+
+The in-job tuner (:class:`InJobTuner`) is here too, and in :mod:`fsdp_runtime.tuning`.
 """
 
 from fsdp_runtime._toml import dumps as dumps_toml
 from fsdp_runtime._torch_compat import get_unsupported_knobs
-from fsdp_runtime.accumulation import GradAccumulator
+from fsdp_runtime.accumulation import AccumulationError, GradAccumulator
 from fsdp_runtime.adopt import adopt_fsdp
-from fsdp_runtime.apply import AppliedFsdp, apply_fsdp, build_mesh, find_block_names, resolve_units
+from fsdp_runtime.apply import AppliedFsdp, WorldSizeWarning, apply_fsdp, build_mesh, find_block_names, resolve_units
 from fsdp_runtime.blocks import find_edge_modules
 from fsdp_runtime.checkpointing import SAVED_OP_NAMES
 from fsdp_runtime.config import (
@@ -45,6 +47,7 @@ from fsdp_runtime.serialize import (
     save_config,
 )
 from fsdp_runtime.switch import CONFIG_KNOBS_IN_PLACE, UNIT_KNOBS_IN_PLACE, get_structural_differences, switch_config
+from fsdp_runtime.tuning import InJobTuner, PeerStepError, TunerError
 from fsdp_runtime.validation import validate_config, validate_for_world
 
 __all__ = [
@@ -63,11 +66,16 @@ __all__ = [
     "StageSplit",
     "AppliedFsdp",
     "AppliedPipeline",
+    "AccumulationError",
     "AutotuneError",
     "CheckpointConfig",
     "CheckpointError",
     "ConfigError",
     "GradAccumulator",
+    "InJobTuner",
+    "TunerError",
+    "PeerStepError",
+    "WorldSizeWarning",
     "MeshConfig",
     "MixedPrecisionConfig",
     "PIPELINE_SCHEDULES",

@@ -73,6 +73,25 @@ def get_param_groups(module: FSDPModule) -> list[Any]:
     return _torch_compat.get_param_groups(get_fsdp_state(module))
 
 
+def get_dp_meshes(module: FSDPModule) -> list[tuple[Any, int | None, int | None]]:
+    """Each of the unit's param groups' data-parallel mesh as FSDP2 holds it, with its shard and
+    replicate dims (None: not there): the group's ``mesh_info`` (``FSDPMeshInfo``, ``HSDPMeshInfo``
+    or ``DDPMeshInfo``, with ``mesh``, ``shard_mesh_dim`` and ``replicate_mesh_dim`` from torch 2.11
+    to 2.15). Not a parameter's ``DTensor.device_mesh``: with tensor parallelism that is FSDP2's
+    concatenation of this mesh and the TP mesh."""
+    meshes = []
+    for group in get_param_groups(module):
+        info = group.mesh_info
+        meshes.append((info.mesh, getattr(info, "shard_mesh_dim", None), getattr(info, "replicate_mesh_dim", None)))
+    return meshes
+
+
+def get_sharded_params(module: FSDPModule) -> list[nn.Parameter]:
+    """The unit's sharded parameters, the ``DTensor`` s an optimizer holds (``FSDPParam.sharded_param``),
+    also while the unit is unsharded (FSDP2 then registers the unsharded ones on the modules)."""
+    return [fsdp_param.sharded_param for group in get_param_groups(module) for fsdp_param in group.fsdp_params]
+
+
 def _grad_slots(param_group: Any) -> list[tuple[Any, torch.Tensor, str]]:
     """The (fsdp_param, gradient, slot) triples holding this unit's unsharded grads."""
     slots = []
@@ -180,3 +199,18 @@ def run_pending_post_backwards(module: nn.Module) -> int:
                 group.post_backward()
                 ran += 1
     return ran
+
+
+def get_unsharded_sizes(module: FSDPModule) -> list[tuple[int, torch.dtype, torch.dtype]]:
+    """Per parameter of the unit: its unsharded element count, the dtype it is all-gathered in
+    and the dtype its gradient is reduced in (the mixed-precision policy's, else the parameter's own).
+    Read from each ``FSDPParam``'s sharded parameter (a ``DTensor``, whose ``numel`` is the whole
+    tensor's) and the unit's policy, so it holds before the first forward resolves FSDP2's dtypes."""
+    policy = get_mp_policy(module)
+    sizes = []
+    for group in get_param_groups(module):
+        for fsdp_param in group.fsdp_params:
+            param = fsdp_param.sharded_param
+            param_dtype = policy.param_dtype or param.dtype
+            sizes.append((param.numel(), param_dtype, policy.reduce_dtype or param_dtype))
+    return sizes

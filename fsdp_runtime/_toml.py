@@ -63,6 +63,8 @@ def _emit_table(data: dict[str, Any], prefix: str, out: list[str]) -> None:
 
 
 def dumps(data: dict[str, Any]) -> str:
+    """``data`` as TOML text: nested dicts as tables, lists of dicts as arrays of tables, ``None``
+    values left out (TOML has no null); a value the schema never holds raises ``TypeError`` naming its path."""
     out: list[str] = []
     _emit_table(data, "", out)
     return "\n".join(out).lstrip("\n") + "\n"

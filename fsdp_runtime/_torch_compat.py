@@ -141,3 +141,33 @@ def _require(module: Any, field: str) -> None:
     knob = _KNOB_BY_FIELD[field]
     if not hasattr(module, knob.method):
         raise RuntimeError(f"{knob.field}: {knob.get_reason()}")
+
+
+def get_default_store() -> Any | None:
+    """The default process group's store (``distributed_c10d._get_default_store``, private; torch
+    2.11 to 2.15), or None where there is no group or no such function."""
+    import torch.distributed as dist
+
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None or not dist.is_initialized():
+        return None
+    try:
+        return getter()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def abort_process_group() -> bool:
+    """Abort the default process group's communicators where the backend can (NCCL;
+    ``distributed_c10d._abort_process_group``, private; torch 2.11 to 2.15): a collective waiting
+    on a rank that will never join it then returns with an error. False where it cannot (gloo)."""
+    import torch.distributed as dist
+
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None or not dist.is_initialized() or "nccl" not in str(dist.get_backend()).lower():
+        return False
+    try:
+        abort()
+    except RuntimeError:
+        return False
+    return True

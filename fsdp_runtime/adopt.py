@@ -12,8 +12,12 @@ What FSDP2 fixed at ``fully_shard`` time is *checked* against the config, never 
 - the units: each unit's modules are ``FSDPModule`` s, a grouped unit's modules share one FSDP
   state (one ``fully_shard`` call), no two units share one, and no module is sharded that no unit
   names (its parameters would be in a param group the config does not know);
-- the mesh, read from a parameter's ``DTensor.device_mesh``: 1-D is FSDP, 2-D is HSDP
-  ``(replicate, shard)``;
+- the mesh, read from FSDP2's own data-parallel mesh of each unit's param groups (its
+  ``mesh_info``): a shard dim alone is FSDP, a replicate and a shard dim HSDP
+  ``(replicate, shard)``. Not from a parameter's ``DTensor.device_mesh``: with tensor parallelism
+  FSDP2 concatenates the data-parallel and TP meshes there, so FSDP+TP would read as HSDP and
+  HSDP+TP as something else again. A model whose parameters' mesh spans more ranks than the
+  data-parallel one (TP, EP) is refused in one line: the config schema has no field for them;
 - the mixed precision, read from each unit's FSDP state (its ``MixedPrecisionPolicy``).
 
 The config's mesh and mixed precision may be left at their defaults: they are then read from the
@@ -31,14 +35,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp_runtime._fsdp_private import get_fsdp_state, get_mp_policy
+from fsdp_runtime._fsdp_private import get_dp_meshes, get_fsdp_state, get_mp_policy
 from fsdp_runtime._torch_compat import get_unsupported_knobs
-from fsdp_runtime.apply import AppliedFsdp, resolve_units
+from fsdp_runtime.apply import AppliedFsdp, resolve_units, warn_if_other_world
 from fsdp_runtime.config import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, RuntimeConfig
 from fsdp_runtime.errors import ConfigError
 from fsdp_runtime.switch import set_knobs_in_place
@@ -58,11 +63,12 @@ def adopt_fsdp(model: nn.Module, config: RuntimeConfig, *, device_type: str | No
         raise ConfigError("mesh.pp", "a pipeline's stages cannot be adopted", fix="shard them with apply_pipeline")
     config = resolve_units(model, config)
     units = _get_units(model, config)
-    mesh = _get_mesh(model)
+    mesh, read = _get_mesh(model, units)
     config = dataclasses.replace(
-        config, mesh=_read_mesh(config.mesh, mesh), mixed_precision=_read_precision(config, units)
+        config, mesh=_read_mesh(config.mesh, read, mesh), mixed_precision=_read_precision(config, units)
     )
     validate_for_world(config, mesh.size())
+    warn_if_other_world(config, dist.get_world_size())
     if device_type is None:
         device_type = mesh.device_type
     applied = AppliedFsdp(model=model, config=config, mesh=mesh, units=units)
@@ -101,24 +107,55 @@ def _get_units(model: nn.Module, config: RuntimeConfig) -> dict[str, FSDPModule]
     return units
 
 
-def _get_mesh(model: nn.Module) -> DeviceMesh:
-    sharded = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
-    if sharded is None:
+def _get_mesh(model: nn.Module, units: dict[str, FSDPModule]) -> tuple[DeviceMesh, MeshConfig]:
+    """FSDP2's data-parallel mesh of every unit (one for all) and what it is; a model whose
+    parameters lie on a larger mesh (tensor parallelism) refused ([Note: adopting a sharded model])."""
+    meshes = {  # by ranks and dims: one mesh object or equal ones
+        (_describe(mesh), tuple(mesh.mesh.flatten().tolist()), shard, replicate): (mesh, shard, replicate)
+        for m in units.values()
+        for mesh, shard, replicate in get_dp_meshes(m)
+    }
+    if not meshes:
         raise ConfigError("model", f"{type(model).__name__} has no sharded parameter", fix="use apply_fsdp")
-    return sharded.device_mesh
+    if len(meshes) > 1:
+        raise ConfigError(
+            "mesh", f"the model's units are sharded over different meshes: {', '.join(sorted({k[0] for k in meshes}))}"
+        )
+    mesh, shard, replicate = next(iter(meshes.values()))
+    if shard is None:
+        raise ConfigError(
+            "mesh",
+            f"the model is replicated over a {_describe(mesh)} mesh without sharding (FSDP2's replicate)",
+            fix="the config schema describes FSDP and HSDP meshes only",
+        )
+    spmd = next(
+        (p.device_mesh for p in model.parameters() if isinstance(p, DTensor) and p.device_mesh.size() > mesh.size()),
+        None,
+    )
+    if spmd is not None:
+        raise ConfigError(
+            "mesh",
+            f"the model's parameters lie on a {_describe(spmd)} mesh, of which FSDP2 shards over the {_describe(mesh)} "
+            "part: the other dims (tensor or expert parallelism) have no field in the config schema",
+            fix="adopt a model sharded with fully_shard alone (FSDP or HSDP)",
+        )
+    if replicate is None:
+        return mesh, MeshConfig()  # FSDP over all ranks
+    return mesh, MeshConfig(kind="hsdp", replicate=mesh.size(replicate), shard=mesh.size(shard))
 
 
-def _read_mesh(stated: MeshConfig, mesh: DeviceMesh) -> MeshConfig:
+def _describe(mesh: DeviceMesh) -> str:
+    """``(2, 2) ('dp', 'tp')``: the mesh's shape and dim names."""
+    names = f" {tuple(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
+    return f"{tuple(mesh.mesh.shape)}{names}"
+
+
+def _read_mesh(stated: MeshConfig, read: MeshConfig, mesh: DeviceMesh) -> MeshConfig:
     """The mesh the model is sharded over; the config's where it states one of that shape."""
-    if mesh.ndim == 2:
-        read = MeshConfig(kind="hsdp", replicate=mesh.size(0), shard=mesh.size(1))
-    else:
-        read = MeshConfig()  # FSDP over all ranks
     if stated == MeshConfig():
         return read
     if stated.kind != read.kind or stated.get_shape(mesh.size()) != read.get_shape(mesh.size()):
-        shape = tuple(mesh.mesh.shape)
-        raise ConfigError("mesh", f"the model is sharded over a {shape} mesh, the config says {stated}")
+        raise ConfigError("mesh", f"the model is sharded over a {_describe(mesh)} mesh, the config says {stated}")
     return stated
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,20 @@ from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig
 from fsdp_runtime.errors import ConfigError
 from fsdp_runtime.validation import validate_config, validate_for_world
 
-__all__ = ["AppliedFsdp", "apply_fsdp", "build_mesh", "find_block_names", "resolve_units"]
+__all__ = [
+    "AppliedFsdp",
+    "WorldSizeWarning",
+    "apply_fsdp",
+    "build_mesh",
+    "find_block_names",
+    "get_default_device_type",
+    "resolve_units",
+    "warn_if_other_world",
+]
+
+
+class WorldSizeWarning(UserWarning):
+    """A config applied at another world size than the one it was measured at."""
 
 
 @dataclass(kw_only=True)
@@ -68,17 +82,22 @@ def apply_fsdp(
     parent has parameters outside it is refused, as is a config naming unknown units or
     covering fewer blocks than the model has ([Note: unit names] in :mod:`fsdp_runtime.blocks`),
     and a knob the installed torch cannot set ([Note: torch versions] in :mod:`fsdp_runtime._torch_compat`).
+    ``device_type`` defaults to the mesh's, else to the parameters' device, else, for a model
+    built on the meta device, to the default process group's (:func:`get_default_device_type`);
+    such a model is then given memory (``to_empty``) and initialised after this call. A config
+    measured at another world size is applied with a :class:`WorldSizeWarning`.
     """
     validate_config(config)
-    _check_torch_supports(config)
+    check_torch_supports(config)
     config = resolve_units(model, config)
     _check_whole_model(model, config)
     if device_type is None:
-        device_type = next((p.device.type for p in model.parameters()), "cpu")
+        device_type = mesh.device_type if mesh is not None else _get_params_device_type(model)
     if mesh is None:
         mesh = build_mesh(config, device_type)
     else:
         validate_for_world(config, mesh.size())
+    warn_if_other_world(config, dist.get_world_size())
     mp_policy = MixedPrecisionPolicy(
         param_dtype=_get_dtype(config.mixed_precision.param_dtype),
         reduce_dtype=_get_dtype(config.mixed_precision.reduce_dtype),
@@ -103,6 +122,48 @@ def apply_fsdp(
     return applied
 
 
+def _get_params_device_type(model: nn.Module) -> str:
+    """The parameters' device type; the default group's where they are on meta (or there are none)."""
+    found = next((p.device.type for p in model.parameters()), "meta")
+    return get_default_device_type() if found == "meta" else found
+
+
+def get_default_device_type() -> str:
+    """The device type the default process group communicates on: its backend's device
+    (``torch.distributed.Backend.default_device_backend_map`` read backwards: nccl -> cuda,
+    gloo -> cpu), the accelerator of a ``"cpu:gloo,cuda:nccl"`` backend string."""
+    backend = str(dist.get_backend())
+    if backend == dist.Backend.UNDEFINED:
+        backend = str(dist.get_backend_config())
+    if ":" in backend:  # "device:backend" pairs: the accelerator's device, else the CPU
+        devices = [pair.split(":")[0] for pair in backend.split(",")]
+        return next((d for d in devices if d != "cpu"), "cpu")
+    by_backend: dict[str, str] = {}
+    for device, name in dist.Backend.default_device_backend_map.items():  # cpu before mps for gloo
+        by_backend.setdefault(name, device)
+    if backend not in by_backend:
+        raise ConfigError(
+            "device_type",
+            f"the default process group's backend {backend!r} names no device type",
+            fix="pass apply_fsdp(..., device_type=...) or a mesh",
+        )
+    return by_backend[backend]
+
+
+def warn_if_other_world(config: RuntimeConfig, world_size: int, *, stacklevel: int = 2) -> None:
+    """One :class:`WorldSizeWarning` where ``config`` was measured at another world size than
+    ``world_size`` (the job's: the default group's, pipeline stages included); ``stacklevel`` as
+    ``warnings.warn``'s, counted from this function's caller (2: the caller's caller)."""
+    measured = config.provenance.world_size
+    if measured is not None and measured != world_size:
+        warnings.warn(
+            f"this config was measured at world size {measured} and is applied at world size {world_size}: "
+            f"its knobs were chosen for {measured} ranks (search at {world_size} for knobs measured there)",
+            WorldSizeWarning,
+            stacklevel=stacklevel + 1,
+        )
+
+
 def _check_whole_model(model: nn.Module, config: RuntimeConfig) -> None:
     """Refuse a submodule whose parent holds trainable parameters no unit would cover (see [Note: unit names])."""
     parent, outside = find_parameters_outside(model)
@@ -116,7 +177,7 @@ def _check_whole_model(model: nn.Module, config: RuntimeConfig) -> None:
         )
 
 
-def _check_torch_supports(config: RuntimeConfig) -> None:
+def check_torch_supports(config: RuntimeConfig) -> None:
     """Refuse a knob this torch cannot set, naming the field and the torch it needs (never a silent no-op)."""
     asked = {
         "reduce_scatter_max_input_buffers": config.reduce_scatter_max_input_buffers not in (None, 1),  # 1: every torch
@@ -129,7 +190,7 @@ def _check_torch_supports(config: RuntimeConfig) -> None:
 
 def use_unshard_async(config: RuntimeConfig, device_type: str) -> bool:
     """Whether ``config`` issues all-gathers async on ``device_type``: "auto" asks for it on CPU
-    where this torch can (``_check_torch_supports`` refused an explicit "on" it cannot)."""
+    where this torch can (``check_torch_supports`` refused an explicit "on" it cannot)."""
     can_async = "unshard_async" not in get_unsupported_knobs()
     return config.unshard_async == "on" or (config.unshard_async == "auto" and device_type == "cpu" and can_async)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 SCHEMA_VERSION = 3
+"""The schema version this release writes and reads; an older file is migrated, a newer one refused."""
 ROOT_UNIT = "root"
 """Name of the unit that is the model itself (``fully_shard(model)``)."""
 ConsolidationMethod = Literal["all_gather", "broadcast", "dcp"]
@@ -84,6 +85,7 @@ class PipelineConfig:
     after (final norm, output head)."""
 
     def get_num_stages(self, pp: int) -> int:
+        """Stages in all, over ``pp`` pipeline ranks: ``pp * virtual_stages``."""
         return pp * self.virtual_stages
 
 
@@ -167,6 +169,7 @@ class Provenance:
     backend: str | None = None
     """Process-group backend of the trials (``gloo``, ``nccl``)."""
     torch_version: str | None = None
+    """The torch the config was tuned under (``torch.__version__``)."""
     measured: bool = False
     """True when the knobs were chosen from measured trials."""
     created_at: str | None = None
@@ -184,6 +187,7 @@ class RuntimeConfig:
     schema_version: int = SCHEMA_VERSION
     """Version of this schema; readers refuse newer versions."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    """The device mesh: FSDP or HSDP, its sizes, and the pipeline degree."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline stages; only read with ``mesh.pp`` > 1 (see :mod:`fsdp_runtime.pipeline`). (Schema 3.)"""
     units: list[UnitConfig] = field(default_factory=list)
@@ -197,6 +201,7 @@ class RuntimeConfig:
     """Gradient-accumulation microbatches per optimizer step (with ``mesh.pp`` > 1: the
     pipeline schedule's microbatches)."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """FSDP2's mixed precision, the same for every unit."""
     unshard_async: Literal["auto", "on", "off"] = "auto"
     """Issue all-gathers with ``async_op=True``. ``auto``: on for CPU devices, where it is
     what makes prefetch overlap at all (see [Note: async unshard on CPU]), if this torch has
@@ -205,9 +210,12 @@ class RuntimeConfig:
     """Reduce-scatter input buffers in flight (FSDP2 experimental setter, torch >= 2.13: ``apply_fsdp``
     refuses more than 1 on an older torch); ``None``: default (1)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """How a full checkpoint is consolidated (does not touch training)."""
     provenance: Provenance = field(default_factory=Provenance)
+    """Where the config comes from (does not touch training)."""
 
     def get_unit(self, name: str) -> UnitConfig:
+        """The unit named ``name``; ``KeyError`` where there is none."""
         for unit in self.units:
             if unit.name == name:
                 return unit
@@ -215,6 +223,7 @@ class RuntimeConfig:
 
     @property
     def unit_names(self) -> list[str]:
+        """The units' names, in config order."""
         return [u.name for u in self.units]
 
 

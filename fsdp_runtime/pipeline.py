@@ -104,13 +104,16 @@ class StageSplit:
 
     @property
     def num_stages(self) -> int:
+        """Stages in all (over every pipeline rank)."""
         return len(self.blocks)
 
     def get_modules(self, stage: int) -> tuple[str, ...]:
+        """Module paths stage ``stage`` holds: its blocks, plus the first or last stage's modules outside them."""
         edges = (self.first if stage == 0 else ()) + (self.last if stage == self.num_stages - 1 else ())
         return self.blocks[stage] + edges
 
     def get_stage_of(self, module: str) -> int | None:
+        """The stage holding module path ``module`` (or a module above it); None where no stage's modules do."""
         for stage in range(self.num_stages):
             if any(module == m or module.startswith(m + ".") for m in self.get_modules(stage)):
                 return stage
@@ -262,29 +265,40 @@ class AppliedPipeline:
     """What ``apply_pipeline`` built on this rank: its stages, each sharded, and the schedule."""
 
     config: RuntimeConfig
+    """The whole model's config, units resolved."""
     split: StageSplit
+    """Which modules each stage holds."""
     mesh: DeviceMesh
     """``(pp, shard)`` or ``(pp, replicate, shard)``."""
     pp_rank: int
+    """This rank's pipeline rank."""
     dp_rank: int
+    """This rank's data-parallel rank inside its stages' mesh."""
     stage_indices: list[int]
+    """The stages this rank holds (one, or ``virtual_stages`` with the interleaved schedules)."""
     modules: list[nn.Module]
     """This rank's stage modules, one per stage index."""
     applied: list[AppliedFsdp]
+    """Each of this rank's stages as :func:`~fsdp_runtime.apply_fsdp` sharded it, one per stage index."""
     stages: list[TunedStage]
     schedule: Any
+    """torch's pipeline schedule over this rank's stages."""
     loss_fn: Callable[..., torch.Tensor]
     microbatch_losses: list[torch.Tensor] = field(default_factory=list)
+    """The last step's scaled microbatch losses (on the rank holding the last stage)."""
 
     @property
     def holds_first(self) -> bool:
+        """Whether this rank holds the first stage (reads the inputs)."""
         return 0 in self.stage_indices
 
     @property
     def holds_last(self) -> bool:
+        """Whether this rank holds the last stage (computes the loss)."""
         return self.split.num_stages - 1 in self.stage_indices
 
     def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters of this rank's stages: what its optimizer steps."""
         for module in self.modules:
             yield from module.parameters()
 

@@ -57,6 +57,10 @@ def config_to_dict(config: RuntimeConfig) -> dict[str, Any]:
 
 
 def config_from_dict(data: Any, *, source: str | None = None) -> RuntimeConfig:
+    """The config that plain data (a parsed TOML or JSON file) describes, strictly checked: an older
+    ``schema_version`` is migrated to the current one, a newer one, an unknown field or a wrong type
+    raises :class:`~fsdp_runtime.ConfigError` naming the field path (prefixed with ``source``, a file
+    name, where given), then :func:`~fsdp_runtime.validate_config` runs."""
     if not isinstance(data, dict):
         raise ConfigError("", f"expected a table at the top level, got {type(data).__name__}", source=source)
     if "schema_version" not in data:
@@ -99,6 +103,8 @@ _MIGRATIONS = {1: _migrate_v1, 2: _migrate_v2}
 
 
 def dumps_config(config: RuntimeConfig, fmt: Format) -> str:
+    """``config`` validated and written as ``"toml"`` or ``"json"`` text (:func:`~fsdp_runtime.config_to_dict`'s
+    data; TOML leaves unset optional fields out)."""
     validate_config(config)
     data = config_to_dict(config)
     if fmt == "json":
@@ -108,6 +114,8 @@ def dumps_config(config: RuntimeConfig, fmt: Format) -> str:
 
 
 def loads_config(text: str, fmt: Format, *, source: str | None = None) -> RuntimeConfig:
+    """The config in ``text``, ``"toml"`` or ``"json"``, read by :func:`~fsdp_runtime.config_from_dict`;
+    text that does not parse raises :class:`~fsdp_runtime.ConfigError` too."""
     try:
         data = json.loads(text) if fmt == "json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:

@@ -114,17 +114,44 @@ def switch_config(applied: AppliedFsdp, config: RuntimeConfig, *, device_type: s
 
 def set_knobs_in_place(applied: AppliedFsdp, config: RuntimeConfig, *, device_type: str, set_async: bool) -> None:
     """Set every in-place knob of ``config`` (resolved, same structure) on ``applied``'s units and make it
-    ``applied.config``; ``set_async``: call the async-unshard setter (a torch without it is never asked)."""
-    unshard_async = use_unshard_async(config, device_type)
-    for unit in config.units:
-        module = applied.units[unit.name]
-        _set_prefetch(applied, unit)
-        module.set_reshard_after_forward(_get_reshard_after_forward(unit), recurse=False)
-        if set_async:
-            set_unshard_async(module, unshard_async)
-        set_reduce_scatter_max_input_buffers(module, config.reduce_scatter_max_input_buffers or 1)
-        _set_eager_concat(applied, unit)
+    ``applied.config``; ``set_async``: call the async-unshard setter (a torch without it is never asked).
+
+    Unit by unit; where a setter raises, every unit set so far (and the one that raised) is set
+    back to ``applied.config``'s knobs before the error is raised on, so a failed switch leaves the
+    model on the config before it. Where setting one back raises too, ``RuntimeError`` says the
+    model is left between the two."""
+    done: list[str] = []
+    try:
+        for unit in config.units:
+            done.append(unit.name)
+            _set_unit(applied, config, unit, device_type=device_type, set_async=set_async)
+    except Exception as error:
+        _roll_back(applied, done, device_type=device_type, set_async=set_async, error=error)
+        raise
     applied.config = config
+
+
+def _set_unit(applied: AppliedFsdp, config: RuntimeConfig, unit: UnitConfig, *, device_type: str, set_async: bool):
+    module = applied.units[unit.name]
+    _set_prefetch(applied, unit)
+    module.set_reshard_after_forward(_get_reshard_after_forward(unit), recurse=False)
+    if set_async:
+        set_unshard_async(module, use_unshard_async(config, device_type))
+    set_reduce_scatter_max_input_buffers(module, config.reduce_scatter_max_input_buffers or 1)
+    _set_eager_concat(applied, unit)
+
+
+def _roll_back(applied: AppliedFsdp, names: list[str], *, device_type: str, set_async: bool, error: Exception) -> None:
+    """Set the units ``names`` back to ``applied.config``'s knobs after a switch failed at the last of them."""
+    before = {unit.name: unit for unit in applied.config.units}
+    for name in names:
+        try:
+            _set_unit(applied, applied.config, before[name], device_type=device_type, set_async=set_async)
+        except Exception as again:
+            raise RuntimeError(
+                f"switching configs failed at unit {names[-1]} ({error}) and setting unit {name} back failed "
+                f"too ({again}): the model is left between the two configs"
+            ) from error
 
 
 def _set_prefetch(applied: AppliedFsdp, unit: UnitConfig) -> None:

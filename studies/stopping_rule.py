@@ -35,6 +35,7 @@ import math
 import random
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +72,17 @@ def fit_rho(series: list[list[float]]) -> float:
     return statistics.fmean(rhos)
 
 
+def step_noise(rng: random.Random, sigma: float, rho: float) -> Iterator[float]:
+    """Consecutive steps' log-time noise, drawn as needed: an AR(1) series of lag-1 autocorrelation
+    ``rho``, scaled so that the log-ratio of two steps two apart (a pair's, a settle step between)
+    spreads ``sigma``."""
+    step_sd = sigma / math.sqrt(2 * (1 - rho * rho))
+    e = rng.gauss(0.0, step_sd)
+    while True:
+        yield e
+        e = rho * e + math.sqrt(1 - rho * rho) * rng.gauss(0.0, step_sd)
+
+
 def _unguarded_look(rule: StoppingRule, ratios: list[float], windows: list[Window], num_pairs: int) -> str | None:
     """The rule before its decisions read the schedule: blocks decide, a third pair above the
     limit by one pooled spread confirms a slow first block."""
@@ -90,14 +102,12 @@ def simulate(rule: StoppingRule, schedule: list[ScheduledStep], true: float, noi
     sigma, rho = noise
     chi2 = sum(rng.gauss(0.0, 1.0) ** 2 for _ in range(rule.noise_df))
     rule = dataclasses.replace(rule, noise_sd=sigma * math.sqrt(chi2 / rule.noise_df))
-    step_sd = sigma / math.sqrt(2 * (1 - rho * rho))  # a pair's two steps stand two apart (a settle step between)
     windows = get_burst_windows(schedule) if guarded else []
     num_pairs, decider = 1 + schedule[-1].pair, look if guarded else _unguarded_look
-    e, ms = rng.gauss(0.0, step_sd), {"candidate": [], "reference": []}
+    steps, ms = step_noise(rng, sigma, rho), {"candidate": [], "reference": []}
     reason = "max_blocks"
     for t, step in enumerate(schedule):
-        e = rho * e + math.sqrt(1 - rho * rho) * rng.gauss(0.0, step_sd) if t else e
-        log_ms = e + (math.log(true) if step.side == "candidate" else 0.0)
+        log_ms = next(steps) + (math.log(true) if step.side == "candidate" else 0.0)
         if burst_at is not None and burst_at <= t <= burst_at + 1:
             log_ms += math.log(BURST)
         if step.kind == "measured":

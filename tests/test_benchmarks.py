@@ -313,6 +313,41 @@ def test_sim_accuracy_noise_floor_grows_with_the_pairs_spread_and_nets_it_out_of
     assert get_noise_floor([{"pair_ratios": [0.5], "measured_ratio": 0.5, "predicted_ratio": 0.5}]) == {}
 
 
+def test_injob_walk_study_counts_its_walks_and_a_planted_move_twice_as_fast_is_adopted():
+    """``studies/injob_walk.py``: the counting on hand-made walks (a false adoption is any move not
+    planted, power the planted one, biases over the walks whose final window measured); a move truly
+    0.5x is measured and adopted in nearly every walk and the final window reads about 2x; the command
+    line prints a row per case and burst model."""
+    sys.path.insert(0, str(ROOT / "studies"))
+    from injob_walk import CASES, WalkResult, run_case, summarize
+
+    def walk(adopted: list[str], speedup: float, interval: tuple[float, float] | None) -> WalkResult:
+        decisions = [
+            (m, "adopted" if m in adopted else "too slow" if m == "r" else "max_blocks", m == "q") for m in "pqr"
+        ]
+        true, measured = (2.0 if "p" in adopted else 1.0), interval is not None
+        return WalkResult(decisions, true, 2.2 if measured else 1.0, speedup, measured, interval, 200)
+
+    s = summarize([walk(["p"], 1.9, (1.8, 2.1)), walk(["p", "q"], 2.1, (2.05, 2.2)), walk([], 1.0, None)], {"p": 0.5})
+    assert (s.false_adoption.k, s.power.k, s.reached.k, s.power.n) == (1, 2, 3, 3)
+    assert (s.false_at_last.k, s.false_at_last.n, s.too_slow.k, s.too_slow.n) == (1, 1, 3, 9)
+    assert (s.coverage.k, s.coverage.n, s.mean_adopted, s.mean_measured) == (1, 2, 1.0, 3.0)
+    assert s.final_bias == pytest.approx((0.95 * 1.05) ** 0.5) and s.product_bias == pytest.approx(1.1)
+    assert summarize([walk(["q"], 1.0, None)], {}).power.n == 0
+
+    planted = run_case({"forward_prefetch=depth1": 0.5}, walks=8, seed=0, noise=(0.09, -0.04), burst=False)
+    assert planted.reached.k == 8 and planted.power.k >= 7
+    assert planted.final_bias == pytest.approx(1.0, abs=0.08)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "studies" / "injob_walk.py"), "--walks", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert sum(line.startswith(tuple(CASES)) for line in out.stdout.splitlines()) == 2 * len(CASES)
+
+
 @pytest.mark.torch_matrix
 def test_gpu_sim_accuracy_writes_each_case_judged_as_it_is_measured(tmp_path, monkeypatch):
     """On a GPU the profile is calibrated right after the calibration case, and each later case's

@@ -7,7 +7,7 @@ tuner (:mod:`~fsdp_runtime.tuning.injob`) walks the in-place knobs
 (:mod:`~fsdp_runtime.tuning.moves`) with them (:mod:`~fsdp_runtime.tuning.walk`), so a training
 job measures exactly as the search does."""
 
-from fsdp_runtime.tuning.injob import TUNER_ENV, InJobTuner, TunerError, is_tuner_enabled
+from fsdp_runtime.tuning.injob import TUNER_ENV, InJobTuner, PeerStepError, TunerError, is_tuner_enabled
 from fsdp_runtime.tuning.moves import Move, get_moves
 from fsdp_runtime.tuning.pair_schedule import get_burst_windows, get_pair_order, get_pair_schedule
 from fsdp_runtime.tuning.patterns import get_prefetch_lists, select_blocks
@@ -29,6 +29,7 @@ __all__ = [
     "InJobTuner",
     "Move",
     "TunerError",
+    "PeerStepError",
     "TuningWalk",
     "get_moves",
     "is_faster",
