@@ -7,9 +7,12 @@ import re
 import tempfile
 from pathlib import Path
 
+from autotune.search.mounts import NETWORK_FS_TYPES, get_existing_ancestor, get_mount, read_mount_table
 from autotune.search.settings import SearchError, SearchSettings
 
 _HSDP = re.compile(r"^hsdp:(\d+)x(\d+)$")
+ALLOW_NETWORK_SQLITE_ENV = "AUTOTUNE_ALLOW_SQLITE_ON_NETWORK_FS"
+"""Set to 1: an SQLite study on a network file system whose locks are known to work is let through."""
 
 
 def check_mesh(mesh: str | None, world_size: int) -> None:
@@ -61,6 +64,34 @@ def check_storage_url(url: str) -> None:
         ) from None
 
 
+def get_sqlite_path(url: str) -> str | None:
+    """The database file of an ``sqlite:`` URL (None: another storage, or an in-memory database)."""
+    if not url.startswith("sqlite:"):
+        return None
+    import sqlalchemy.engine
+
+    database = sqlalchemy.engine.make_url(url).database or ""
+    database = database.removeprefix("file:").split("?")[0]
+    return None if database in ("", ":memory:") else database
+
+
+def check_storage_filesystem(url: str, *, field: str = "storage") -> None:
+    """Refuse an SQLite study on a network file system ([Note: SQLite on a network file system] in
+    :mod:`autotune.search.mounts`), unless :data:`ALLOW_NETWORK_SQLITE_ENV` is 1."""
+    database = get_sqlite_path(url)
+    if database is None or os.environ.get(ALLOW_NETWORK_SQLITE_ENV) == "1":
+        return
+    mount = get_mount(get_existing_ancestor(Path(database).expanduser()), read_mount_table())
+    if mount is None or mount[1] not in NETWORK_FS_TYPES:
+        return
+    raise SearchError(
+        f"the SQLite study {database} would be on {mount[1]} ({mount[0]}), a network file system where "
+        "SQLite's locking is not safe: use --storage postgresql+psycopg://USER@HOST/DB or --storage journal:PATH, "
+        f"or --out on a local disk ({ALLOW_NETWORK_SQLITE_ENV}=1 if its locks are known to work)",
+        field=field,
+    )
+
+
 def check_model(model: str) -> int:
     """The model loads and builds on the meta device with repeated blocks (else one line naming
     ``model``); returns its number of blocks."""
@@ -97,6 +128,7 @@ def preflight(settings: SearchSettings, *, num_blocks: int | None = None) -> Non
         load_cluster_profile(settings.cluster)
     if settings.dry_run and settings.plan_for is not None:
         return  # the run dir is the GPU node's, not this box's
+    check_storage_filesystem(settings.get_storage(), field="out_dir" if settings.storage is None else "storage")
     check_out_dir(settings.out_dir)
     if not os.access(settings.out_dir, os.W_OK):
         raise SearchError(f"cannot write into {settings.out_dir}", field="out_dir")

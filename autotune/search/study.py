@@ -8,13 +8,15 @@ Several workers (``autotune search`` processes) share one study through its stor
   write waits up to ``storage_timeout_s``; workers starting together race to create the
   schema (:func:`open_study` retries); a write that still fails is retried and then kept on
   disk ([Note: no measurement is lost]). SQLite over a network file system is not safe, so a
-  study on SQLite is a one-host study.
+  study on SQLite is a one-host study, and a search refuses one on a network file system
+  ([Note: SQLite on a network file system] in :mod:`autotune.search.mounts`).
 - ``journal:PATH``, Optuna's journal file (``JournalFileBackend``): an append-only log
-  guarded by a lock file (a symlink). A writer waits for the lock instead of failing after a
-  timeout, a lock left by a killed writer is broken after 30 s, and there is no schema to
-  create: no lock timeout to set and no schema race to retry, for this storage. Stale trials
-  as for SQLite (Optuna's journal storage has no heartbeat): on NFS several hosts can share
-  the file, but a dead worker of another host leaves its trial RUNNING.
+  guarded by a lock file (a symlink: Optuna's default ``JournalFileSymlinkLock``, documented
+  for NFSv2 or later; ``JournalFileOpenLock`` needs NFSv3). A writer waits for the lock
+  instead of failing after a timeout, a lock left by a killed writer is broken after 30 s, and
+  there is no schema to create: no lock timeout to set and no schema race to retry, for this
+  storage. Stale trials as for SQLite (Optuna's journal storage has no heartbeat): on NFS
+  several hosts can share the file, but a dead worker of another host leaves its trial RUNNING.
 - A database server (``postgresql+psycopg://user@host/db``): several hosts. Optuna's row
   lock on the study makes trial numbers unique and contiguous across workers.
 
