@@ -53,6 +53,7 @@ __all__ = [
     "CONFIG_KNOBS_IN_PLACE",
     "UNIT_KNOBS_IN_PLACE",
     "get_structural_differences",
+    "resolve_reshard_after_forward",
     "set_knobs_in_place",
     "switch_config",
 ]
@@ -134,7 +135,7 @@ def set_knobs_in_place(applied: AppliedFsdp, config: RuntimeConfig, *, device_ty
 def _set_unit(applied: AppliedFsdp, config: RuntimeConfig, unit: UnitConfig, *, device_type: str, set_async: bool):
     module = applied.units[unit.name]
     _set_prefetch(applied, unit)
-    module.set_reshard_after_forward(_get_reshard_after_forward(unit), recurse=False)
+    module.set_reshard_after_forward(resolve_reshard_after_forward(unit), recurse=False)
     if set_async:
         set_unshard_async(module, use_unshard_async(config, device_type))
     set_reduce_scatter_max_input_buffers(module, config.reduce_scatter_max_input_buffers or 1)
@@ -160,7 +161,7 @@ def _set_prefetch(applied: AppliedFsdp, unit: UnitConfig) -> None:
     module.set_modules_to_backward_prefetch([applied.units[n] for n in unit.backward_prefetch or []])
 
 
-def _get_reshard_after_forward(unit: UnitConfig) -> bool:
+def resolve_reshard_after_forward(unit: UnitConfig) -> bool:
     """A bool or None (auto: what a fresh build resolves, False for the root and True elsewhere)."""
     if unit.reshard_after_forward is None:
         return unit.name != ROOT_UNIT

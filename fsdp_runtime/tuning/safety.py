@@ -35,7 +35,7 @@ from fsdp_runtime._fsdp_private import get_unsharded_sizes
 from fsdp_runtime.apply import AppliedFsdp, check_torch_supports
 from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig
 from fsdp_runtime.errors import ConfigError
-from fsdp_runtime.switch import get_structural_differences
+from fsdp_runtime.switch import get_structural_differences, resolve_reshard_after_forward
 from fsdp_runtime.tuning.moves import Move
 
 HEADROOM_MARGIN = 1.2
@@ -61,10 +61,6 @@ def get_unit_bytes(applied: AppliedFsdp) -> dict[str, UnitBytes]:
     return sizes
 
 
-def _reshards(unit: UnitConfig) -> bool:
-    return unit.name != ROOT_UNIT if unit.reshard_after_forward is None else bool(unit.reshard_after_forward)
-
-
 def _depth(units: list[UnitConfig], field: str) -> int:
     """The deepest explicit prefetch list; FSDP2's own (None) prefetches one unit in backward, none in forward."""
     implicit = 1 if field == "backward_prefetch" else 0
@@ -79,7 +75,7 @@ def get_extra_bytes(sizes: dict[str, UnitBytes], a: RuntimeConfig, b: RuntimeCon
     extra = 0
     for ua, ub in zip(a.units, b.units, strict=True):
         unit = sizes.get(ub.name, UnitBytes(0, 0))
-        if _reshards(ua) and not _reshards(ub):
+        if resolve_reshard_after_forward(ua) and not resolve_reshard_after_forward(ub):
             extra += unit.params
         if ua.reshard_after_backward and not ub.reshard_after_backward:
             extra += unit.params
