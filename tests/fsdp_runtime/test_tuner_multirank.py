@@ -17,6 +17,7 @@ import math
 import pytest
 
 from fsdp_runtime import config_to_dict, default_config, load_config
+from fsdp_runtime.tuning.walk import FINAL_WINDOW
 
 pytestmark = [pytest.mark.multirank, pytest.mark.torch_matrix]
 
@@ -131,7 +132,10 @@ def test_a_move_no_rank_has_the_headroom_for_is_skipped_on_every_rank(pool2, unt
         raising = [m for m in ORDERED if m != "backward_prefetch=depth1" and m not in rank["refused"]]
         assert {outcomes[m] for m in raising} == {"no headroom"}, outcomes
         assert outcomes["backward_prefetch=depth1"] != "no headroom"
-        assert set(rank["ran"]) == {None, "backward_prefetch=depth1"} and rank["losses"] == expected
+        # depth 1 adopted (a noisy pair can adopt it) adds the final window, which runs the seed
+        allowed = {None, "backward_prefetch=depth1", FINAL_WINDOW}
+        assert {None, "backward_prefetch=depth1"} <= set(rank["ran"]) <= allowed, rank["ran"]
+        assert rank["losses"] == expected
 
 
 def test_ranks_whose_tuners_disagree_stop_together(pool2):
