@@ -263,7 +263,7 @@ def gpu_run(args: argparse.Namespace, out: Path, job: str) -> dict[str, Any]:
         check_fits_gpu(source, nproc, config_from_dict(base["config"]).mixed_precision, device_type="cuda")
     model = base["model"]
     runs = []
-    with RankPool(nproc, backend="nccl") as pool:
+    with RankPool(nproc, backend="nccl", allow=("gpu_in_job",)) as pool:
         for r in range(args.rounds):
             results = {}
             for name in ("untuned", "tuned") if r % 2 == 0 else ("tuned", "untuned"):

@@ -123,7 +123,7 @@ def main() -> None:
         configs["search"] = load_config(args.search_config)
     timeout_s = 120 + args.steps * (30 if args.cluster else 10)
     rounds = []
-    with RankPool(2) as pool:
+    with RankPool(2, allow=("in_job_tuner",)) as pool:
         for r in range(args.rounds):
             names = list(configs) if r % 2 == 0 else list(configs)[::-1]
             results = {}

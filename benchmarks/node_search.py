@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from autotune.search.nodes import describe_mesh_nodes  # noqa: E402
 from autotune.trials.loopback import get_agent_command, get_free_port, kill_tree  # noqa: E402
+from autotune.trials.wire import SECRET_ENV, new_secret  # noqa: E402
 from fsdp_runtime import load_config  # noqa: E402
 
 SETTINGS = {"two-node": ("cpu-emulated-2node", 1), "one-host": ("cpu-emulated-ib", 2)}
@@ -52,6 +53,7 @@ def run_search(name: str, args: argparse.Namespace, out: Path) -> dict:
         agent = get_agent_command(address, rdzv=rdzv, run_id="node-search", log_dir=out.parent / f"{out.name}-torchrun")
         extra = [agent, agent]  # two agents of one rank each: two "nodes"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env.setdefault(SECRET_ENV, new_secret().hex())  # the driver's and its workers' ([Note: signed messages])
     out.parent.mkdir(parents=True, exist_ok=True)
     start, load = time.monotonic(), os.getloadavg()[0]
     with open(out.parent / f"{out.name}.log", "w") as log:

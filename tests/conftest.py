@@ -2,16 +2,25 @@
 ranks; the rank pool shared by every test that may reuse ranks."""
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from autotune.trials import RankPool
+from autotune.trials.wire import ALLOW_TARGETS_ENV
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+TEST_TARGETS = (
+    "_guard_programs,_harness,_model_programs,_numerics_programs,_search_programs,_torchtitan_programs,"
+    "_trial_programs,_truth_programs,_tuner_programs,test_linkemu,test_presearch,in_job_tuner"
+)
+"""The tests' own rank programs, which every rank they start (the pools', torchrun's workers') may run."""
+os.environ[ALLOW_TARGETS_ENV] = TEST_TARGETS
 
 
 @pytest.fixture(scope="session")

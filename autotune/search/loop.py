@@ -43,7 +43,7 @@ from autotune.search.refine import ORIGIN_ATTR, enqueue_neighbour
 from autotune.search.results import TrialRow, pick_best
 from autotune.search.settings import SearchError
 from autotune.search.study import close_interrupted, get_worker_id, record_first_heartbeat
-from autotune.trials import NodePool, RankPool, TrialResult, get_default_backend, parse_oom
+from autotune.trials import NodePool, RankPool, TrialResult, get_default_backend, get_pool_secret, parse_oom
 from fsdp_runtime import RuntimeConfig, dumps_config
 
 PLATEAU_MIN_GAIN = 0.01
@@ -396,10 +396,12 @@ def open_pool(settings: Any) -> contextlib.AbstractContextManager:
         return NodePool(
             settings.world_size,
             address=settings.workers,
+            secret=get_pool_secret(settings.out_dir),
             backend=get_default_backend(),
             join_timeout_s=settings.join_timeout_s,
             ranks_per_node=per_node,
         )
     if not settings.use_pool:
         return contextlib.nullcontext()
-    return RankPool(settings.world_size, backend=get_default_backend())
+    allow = (settings.rank_program,) if settings.rank_program else ()
+    return RankPool(settings.world_size, backend=get_default_backend(), allow=allow)

@@ -12,7 +12,7 @@ from autotune.trials.figures import TrialFigures
 from autotune.trials.launch import EXIT_USER_ERROR, RankRun, classify_failure, parse_oom, pid_alive, run_ranks
 from autotune.trials.linkemu import LinkEmulator, check_emulation_backend, get_emulated_cluster, get_link_name
 from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, TrialStatus, median_or_none
-from autotune.trials.nodes import NodePool, NodePoolError
+from autotune.trials.nodes import NodePool, NodePoolError, get_pool_secret
 from autotune.trials.pool import RankPool
 from autotune.trials.precision import (
     DEFAULT_PRECISION,
@@ -45,6 +45,7 @@ __all__ = [
     "parse_oom",
     "NodePool",
     "NodePoolError",
+    "get_pool_secret",
     "Interval",
     "get_interval",
     "get_rule_interval",

@@ -18,8 +18,8 @@ A failure is data: :func:`run_ranks` never raises for what a rank did; it return
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -30,6 +30,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from autotune.trials.stores import LOOPBACK, listen_store
+from autotune.trials.wire import decode, encode
 
 Status = Literal["ok", "timeout", "crash", "oom", "invalid_config"]
 
@@ -225,13 +228,11 @@ def run_ranks(
 
     Returns within ``timeout_s`` (plus a few seconds of clean-up) whatever the ranks do.
     """
-    from torch.distributed import TCPStore
-
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
     start = time.monotonic()
     oom_before = read_oom_kills()
-    store = TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+    store = listen_store(LOOPBACK, 0, world_size=world_size + 1, timeout_s=300)
     remove_stale_temp_dirs()
     with tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}ranks-{os.getpid()}-", dir=workdir) as tmp:
         tmpdir = Path(tmp)
@@ -257,7 +258,7 @@ def run_ranks(
         wall = time.monotonic() - start
         pids = [p.pid for p in procs]
         if not timed_out and all(c == 0 for c in codes):
-            results = [pickle.loads((tmpdir / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
+            results = [decode(json.loads((tmpdir / f"result_{r}.json").read_bytes())) for r in range(world_size)]
             return RankRun(status="ok", results=results, returncodes=codes, stderr_tails=tails, wall_s=wall, pids=pids)
         return failed_run(
             codes, tails, timed_out, exit_order, timeout_s=timeout_s, oom_before=oom_before, wall_s=wall, pids=pids
@@ -297,10 +298,12 @@ def spawn_ranks(
     """Start ``python -m autotune.trials.rank MODE TMPDIR RANK`` per rank, each in its own session,
     stderr to ``TMPDIR/stderr_RANK.txt``.
 
-    ``spec`` (pickled to ``TMPDIR/spec.pkl``) must hold ``world_size``; the rank reads it with
+    ``spec`` (JSON in ``TMPDIR/spec.json``, a directory only this user can read: it may hold the
+    pool's secret) must hold ``world_size``; the rank reads it with
     :func:`autotune.trials.rank.init_rank`.
     """
-    (tmpdir / "spec.pkl").write_bytes(pickle.dumps(spec))
+    tmpdir.chmod(0o700)
+    (tmpdir / "spec.json").write_text(json.dumps(encode(spec)))
     child_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     procs = []
     for rank in range(spec["world_size"]):

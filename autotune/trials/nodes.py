@@ -38,32 +38,61 @@ the silence of its heartbeat (``beat/{rank}`` stops counting for ``lost_after_s`
 its agent lost), or the job's time limit (a hang). The driver lives outside the world, not in its rank 0: a world is re-formed by
 restarting every worker, which would end a driver inside one with every failed trial. A world
 that does not form within ``join_timeout_s`` is one line naming the address and what joined.
+
+*What travels.* The driver's store listens on the address ``--workers`` names only ([Note: store
+binding] in :mod:`autotune.trials.stores`); every job, result, ticket, admission, placement and
+failure report on it is a message signed with the search's secret ([Note: signed messages] in
+:mod:`autotune.trials.wire`; :func:`get_pool_secret`), each world's under its own prefix, so a
+message of an earlier world cannot be replayed into a later one.
 """
 
 from __future__ import annotations
 
-import json
-import pickle
+import os
 import sys
 import time
-from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from torch.distributed import PrefixStore
 
 from autotune.trials.launch import RankRun, classify_failure, is_peer_loss
+from autotune.trials.stores import listen_store
+from autotune.trials.wire import SECRET_ENV, WireError, load_secret, new_secret, open_sealed, seal
 from autotune.trials.worker import parse_address
 from fsdp_runtime.errors import AutotuneError
 
-__all__ = ["NodePool", "NodePoolError"]
+__all__ = ["SECRET_FILE", "NodePool", "NodePoolError", "get_pool_secret"]
 
 _POLL_S = 0.05
 _FORM_S = 60.0  # how long admitted workers have to form their process group
 _REPORT_GRACE_S = 3.0  # after a rank's report, how long the others' reports and new workers' tickets may take
 
 
+SECRET_FILE = "pool-secret"
+"""Where in the search's ``--out`` the driver writes the secret it made (no ``$AUTOTUNE_POOL_SECRET``)."""
+
+
 class NodePoolError(AutotuneError):
     """No world formed: the workers did not join, or torchrun's restarts are spent."""
+
+
+def get_pool_secret(out_dir: str | os.PathLike, say: Any = None) -> bytes:
+    """The search's secret ([Note: signed messages]): ``$AUTOTUNE_POOL_SECRET`` where it is set, else
+    the one in ``OUT/pool-secret`` (a resumed search's), else a new one written there (mode 0600)
+    for the launcher to hand to the workers (``--secret-file``)."""
+    if os.environ.get(SECRET_ENV):
+        return load_secret()
+    path = Path(out_dir) / SECRET_FILE
+    if path.exists():
+        return load_secret(path)
+    secret, say = new_secret(), say or (lambda line: print(line, file=sys.stderr, flush=True))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as f:
+        f.write(secret.hex() + "\n")
+    say(f"the workers' secret is in {path}: pass it to every worker (--secret-file, or ${SECRET_ENV})")
+    return secret
 
 
 class NodePool:
@@ -75,21 +104,21 @@ class NodePool:
         world_size: int,
         *,
         address: str,
+        secret: bytes,
         backend: str = "gloo",
         join_timeout_s: float = 900.0,
         lost_after_s: float = 20.0,
         ranks_per_node: int | None = None,
         say: Any = None,
     ) -> None:
-        from torch.distributed import TCPStore
-
         host, port = parse_address(address)
         self.world_size, self.backend, self.address = world_size, backend, address
         self.join_timeout_s, self.lost_after_s = join_timeout_s, lost_after_s
         self.ranks_per_node = ranks_per_node
         """Each node's ranks as the search's cluster profile has them (None: not checked)."""
         self._say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-        self._store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        self._secret = secret
+        self._store = listen_store(host, port, timeout_s=30)
         self._keys = PrefixStore("nodepool/", self._store)
         self.generation = 0
         """The world the next job runs on (0: none joined yet)."""
@@ -129,11 +158,15 @@ class NodePool:
             self._join()
         n, prefix = self._next_job, f"gen/{self.generation}/"
         self._next_job += 1
-        self._jobs.set(f"job/{n}", pickle.dumps({"target": target, "kwargs": kwargs or {}}))
+        self._jobs.set(f"job/{n}", seal(self._secret, f"{prefix}job/{n}", {"target": target, "kwargs": kwargs or {}}))
         keys = [f"result/{n}/{r}" for r in range(self.world_size)]
         failure = self._wait(keys, prefix, start + timeout_s)
         if failure is None:
-            results = [pickle.loads(self._jobs.get(k)) for k in keys]
+            try:
+                results = [self._open_result(prefix, n, r) for r in range(self.world_size)]
+            except WireError as e:
+                failure = {"refused": str(e)}
+        if failure is None:
             return RankRun(
                 status="ok",
                 results=results,
@@ -166,7 +199,7 @@ class NodePool:
                 self.generation += 1
                 admitted, admitted_at = {r: t for r, (t, _) in self._newest.items()}, now
                 for ticket in admitted.values():
-                    self._keys.set(f"admitted/{ticket}", str(self.generation))
+                    self._set(f"admitted/{ticket}", self.generation)
                 self._newest = {}
             if admitted is not None:
                 prefix = f"gen/{self.generation}/"
@@ -190,7 +223,11 @@ class NodePool:
         count = self._keys.add("tickets", 0)
         while self._scanned < count and self._keys.check([f"ticket/{self._scanned + 1}"]):
             self._scanned += 1
-            info = json.loads(self._keys.get(f"ticket/{self._scanned}"))
+            try:
+                info = self._open(f"ticket/{self._scanned}", f"the worker that took ticket {self._scanned}")
+            except WireError as e:  # not one of this search's workers: passed over, said
+                self._say(str(e))
+                continue
             if info["world_size"] != self.world_size:
                 raise NodePoolError(
                     f"a worker on {info['host']} is in a world of {info['world_size']} ranks (torchrun's --nnodes x "
@@ -213,14 +250,16 @@ class NodePool:
                 continue
             older = self._newest.get(info["rank"])
             if older is not None:  # that worker was replaced: it may go
-                self._keys.set(f"admitted/{older[0]}", b"0")
+                self._set(f"admitted/{older[0]}", 0)
             self._newest[info["rank"]] = (self._scanned, info)
 
     def _start_world(self, prefix: str, last_ticket: int) -> None:
         self._floor, self._next_job, self._live = last_ticket, 0, True
         # the ranks' job loop reads a store nested in the generation's prefix (a PrefixStore joins with "/")
         self._jobs = PrefixStore(prefix, self._keys)
-        self.placement = [json.loads(self._keys.get(f"{prefix}rank/{r}")) for r in range(self.world_size)]
+        self.placement = [
+            self._open(f"{prefix}rank/{r}", f"rank {r} of world {self.generation}") for r in range(self.world_size)
+        ]
         self._beats = {r: (0, time.monotonic()) for r in range(self.world_size)}
         self.num_starts += 1
         self._say(
@@ -259,6 +298,24 @@ class NodePool:
                 lost.append(rank)
         return lost
 
+    def _set(self, key: str, value: Any) -> None:
+        """``value`` signed under ``key`` ([Note: signed messages])."""
+        self._keys.set(key, seal(self._secret, f"nodepool/{key}", value))
+
+    def _open(self, key: str, sender: str) -> Any:
+        """The signed value of ``key`` ([Note: signed messages]); :class:`WireError` where refused."""
+        return open_sealed(self._secret, f"nodepool/{key}", self._keys.get(key), sender=sender)
+
+    def _open_result(self, prefix: str, n: int, rank: int) -> Any:
+        """Rank ``rank``'s result of job ``n``, set under the world's jobs (their scope: ``prefix``)."""
+        data = self._jobs.get(f"result/{n}/{rank}")
+        return open_sealed(
+            self._secret, f"{prefix}result/{n}/{rank}", data, sender=f"rank {rank} on {self._host(rank)}"
+        )
+
+    def _host(self, rank: int) -> str:
+        return self.placement[rank]["host"] if rank < len(self.placement) else "an unknown host"
+
     def _abort(self, prefix: str) -> None:
         self._keys.set(f"{prefix}abort", b"1")
         self._live = False
@@ -280,7 +337,10 @@ class NodePool:
         codes: list[int | None] = [None] * self.world_size
         tails = [""] * self.world_size
         for rank in failure.get("reported", []):
-            report = json.loads(self._keys.get(f"{prefix}failed/{rank}"))
+            try:
+                report = self._open(f"{prefix}failed/{rank}", f"rank {rank} on {self._host(rank)}")
+            except WireError as e:
+                report = {"code": 1, "tail": str(e)}
             codes[rank], tails[rank] = report["code"], report["tail"]
         reported = failure.get("reported", [])
         peers_only = bool(reported) and all(is_peer_loss(tails[r]) for r in reported)  # the cause said nothing
@@ -290,6 +350,8 @@ class NodePool:
             status, reason = classify_failure(
                 codes, tails, timed_out=bool(failure.get("timed_out")), timeout_s=timeout_s, exit_order=reported
             )
+        if failure.get("refused"):
+            status, reason = "crash", failure["refused"]
         if failure.get("timed_out"):
             reason = f"no result after {timeout_s:.0f}s (deadlock or too slow); the world was aborted on every node"
         return RankRun(

@@ -13,8 +13,10 @@ each rank ``python -m autotune.trials.rank pool`` in its own session; the parent
 builds its own device mesh (1-D or HSDP 2-D) and FSDP state on top of it, so different
 configs run back to back.
 
-Jobs travel through the store: the parent sets ``job/{n}`` (pickled target and kwargs),
-each rank sets ``result/{n}/{rank}``. The parent waits for all results, watching the
+Jobs travel through the store, which listens on loopback only ([Note: store binding] in
+:mod:`autotune.trials.stores`): the parent sets ``job/{n}`` (target and kwargs), each rank sets
+``result/{n}/{rank}``, both signed messages under a secret made for each start of the ranks
+([Note: signed messages] in :mod:`autotune.trials.wire`), never pickles. The parent waits for all results, watching the
 processes and the clock. A job that fails ends its rank; any failure or timeout then
 kills every rank's process tree (SIGKILL to each session) and marks the pool broken; the
 next :meth:`RankPool.run` starts fresh ranks. A failure is returned as a
@@ -33,7 +35,6 @@ and what earlier trials wrote stays as it was.
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import tempfile
 import time
@@ -51,6 +52,8 @@ from autotune.trials.launch import (
     spawn_ranks,
 )
 from autotune.trials.rank import get_pool_torch_problem
+from autotune.trials.stores import LOOPBACK, listen_store
+from autotune.trials.wire import ALLOW_TARGETS_ENV, WireError, new_secret, open_sealed, seal
 from fsdp_runtime.errors import AutotuneError
 
 _FAIL_GRACE_S = 1.0  # after a rank dies, how long its peers may run on to report their own error
@@ -63,8 +66,16 @@ class RankPool:
     """``world_size`` long-lived ranks that run jobs ``fn(rank, world_size, **kwargs)``; see [Note: rank pool]."""
 
     def __init__(
-        self, world_size: int, *, backend: str = "gloo", num_threads: int | None = None, pg_timeout_s: float = 600.0
+        self,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        num_threads: int | None = None,
+        pg_timeout_s: float = 600.0,
+        allow: tuple[str, ...] = (),
     ) -> None:
+        """``allow``: modules or ``module:function`` targets the ranks may run besides the project's
+        own (:func:`~autotune.trials.wire.check_target`), added to ``$AUTOTUNE_ALLOW_TARGETS``."""
         problem = get_pool_torch_problem()
         if problem:
             raise AutotuneError(problem)
@@ -72,6 +83,7 @@ class RankPool:
         self.backend = backend
         self.num_threads = num_threads or max(1, (os.cpu_count() or 1) // world_size)
         self.pg_timeout_s = pg_timeout_s
+        self.allow = allow
         self.num_starts = 0
         """How many times ranks were started (1 + restarts after failures)."""
         self._procs: list[subprocess.Popen] = []
@@ -79,6 +91,7 @@ class RankPool:
         self._jobs: Any = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._next_job = 0
+        self._secret = b""
 
     def __enter__(self) -> RankPool:
         return self
@@ -99,7 +112,7 @@ class RankPool:
             self._start()
         n = self._next_job
         self._next_job += 1
-        self._jobs.set(f"job/{n}", pickle.dumps({"target": target, "kwargs": kwargs or {}}))
+        self._jobs.set(f"job/{n}", seal(self._secret, f"pool/job/{n}", {"target": target, "kwargs": kwargs or {}}))
         keys = [f"result/{n}/{r}" for r in range(self.world_size)]
         try:
             timed_out, exit_order = self._wait(keys, start + timeout_s)
@@ -108,7 +121,11 @@ class RankPool:
             raise
         pids = self.pids
         if not timed_out and not exit_order:
-            results = [pickle.loads(self._jobs.get(k)) for k in keys]
+            try:
+                results = [self._open_result(n, r) for r in range(self.world_size)]
+            except WireError as e:
+                self._stop_all([])
+                return RankRun(status="crash", reason=str(e), returncodes=[None] * self.world_size, pids=pids)
             for k in [f"job/{n}", *keys]:
                 self._jobs.delete_key(k)
             return RankRun(
@@ -140,15 +157,22 @@ class RankPool:
 
     # -- internals ------------------------------------------------------------------
 
+    def _open_result(self, n: int, rank: int) -> Any:
+        key = f"pool/result/{n}/{rank}"
+        return open_sealed(
+            self._secret, key, self._jobs.get(f"result/{n}/{rank}"), sender=f"rank {rank} of this host's pool"
+        )
+
     def _start(self) -> None:
-        from torch.distributed import PrefixStore, TCPStore
+        from torch.distributed import PrefixStore
 
         if self._tmp is not None:
             self._tmp.cleanup()  # the previous ranks' stderr files
         remove_stale_temp_dirs()
         self._tmp = tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}pool-{os.getpid()}-")
         tmpdir = Path(self._tmp.name)
-        self._store = TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
+        self._store = listen_store(LOOPBACK, 0, world_size=self.world_size + 1, timeout_s=300)
+        self._secret = new_secret()
         self._jobs = PrefixStore("pool/", self._store)
         self._next_job = 0
         spec = {
@@ -157,8 +181,10 @@ class RankPool:
             "backend": self.backend,
             "num_threads": self.num_threads,
             "pg_timeout_s": self.pg_timeout_s,
+            "secret": self._secret.hex(),
         }
-        self._procs = spawn_ranks("pool", tmpdir, spec)
+        allowed = ",".join(filter(None, [os.environ.get(ALLOW_TARGETS_ENV, ""), *self.allow]))
+        self._procs = spawn_ranks("pool", tmpdir, spec, env={ALLOW_TARGETS_ENV: allowed})
         self.num_starts += 1
 
     def _wait(self, keys: list[str], deadline: float) -> tuple[bool, list[int]]:

@@ -4,11 +4,12 @@ Both launchers start ranks through this module (see [Note: launching ranks] in
 :mod:`autotune.trials.launch` and [Note: rank pool] in :mod:`autotune.trials.pool`):
 
 - ``once`` (:func:`~autotune.trials.launch.run_ranks`): join the parent's store and the
-  default group, call the target once, write ``result_RANK.pkl``, exit.
+  default group, call the target once, write ``result_RANK.json``, exit.
 - ``pool`` (:class:`~autotune.trials.pool.RankPool`): initialise the default group once,
   then run jobs in order: wait for key ``job/{n}``, call its target as
-  ``fn(rank, world_size, **kwargs)``, store the pickled result under
-  ``result/{n}/{rank}``. A job that raises ends the process (a peer may be blocked in a
+  ``fn(rank, world_size, **kwargs)``, store the result under ``result/{n}/{rank}``: both signed
+  messages ([Note: signed messages] in :mod:`autotune.trials.wire`), the target one the rank
+  allows (:func:`~autotune.trials.wire.check_target`). A job that raises ends the process (a peer may be blocked in a
   collective with it; the parent kills and restarts the whole pool). The rank also exits
   when the parent is gone (its store socket closes).
 """
@@ -19,8 +20,8 @@ import contextlib
 import gc
 import importlib
 import itertools
+import json
 import os
-import pickle
 import sys
 import traceback
 from collections.abc import Callable
@@ -32,9 +33,16 @@ EXIT_JOB = b"exit"
 _IDLE = timedelta(days=1)  # a blocking wait; the parent's death closes the socket and ends it
 
 
+def read_spec(tmpdir: str | Path) -> dict[str, Any]:
+    """The launcher's spec (``TMPDIR/spec.json``, written by :func:`~autotune.trials.launch.spawn_ranks`)."""
+    from autotune.trials.wire import decode
+
+    return decode(json.loads((Path(tmpdir) / "spec.json").read_text()))
+
+
 def init_rank(tmpdir: str, rank: int) -> tuple[dict, Any]:
     """Read the launcher's spec, set this rank's threads, join the parent's store and the default group."""
-    spec = pickle.loads((Path(tmpdir) / "spec.pkl").read_bytes())
+    spec = read_spec(tmpdir)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec["num_threads"]))
     import torch
     import torch.distributed as dist
@@ -86,10 +94,11 @@ def _run_once(tmpdir: str, rank: int) -> None:
     spec, _ = init_rank(tmpdir, rank)
     import torch.distributed as dist
 
+    from autotune.trials.wire import encode
     from fsdp_runtime.files import write_atomic
 
     result = call_target(spec["target"], rank, spec["world_size"], spec["kwargs"])
-    write_atomic(Path(tmpdir) / f"result_{rank}.pkl", pickle.dumps(result))
+    write_atomic(Path(tmpdir) / f"result_{rank}.json", json.dumps(encode(result)).encode())
     dist.destroy_process_group()
 
 
@@ -188,12 +197,22 @@ def serve_jobs(
     jobs: Any,
     rank: int,
     world_size: int,
+    *,
+    secret: bytes,
+    scope: str,
+    sender: str,
     on_fail: Callable[[int, str], None] | None = None,
     on_exit: Callable[[], None] | None = None,
 ) -> None:
     """Run the jobs set under ``jobs`` (a store) in order until told to exit: ``job/{n}`` in,
-    ``result/{n}/{rank}`` out (both the local pool's ranks and the workers torchrun starts).
-    ``on_exit`` runs when told to exit or the pool is gone, before the process ends without unwinding."""
+    ``result/{n}/{rank}`` out (both the local pool's ranks and the workers torchrun starts), each a
+    message signed with ``secret`` for its key under ``scope`` (the world's prefix: a message of
+    another world's is refused), a job's from ``sender`` ([Note: signed messages] in
+    :mod:`autotune.trials.wire`). A job refused ends the rank as a failed one does, its one line
+    told to ``on_fail``. ``on_exit`` runs when told to exit or the pool is gone, before the process
+    ends without unwinding."""
+    from autotune.trials.wire import WireError, check_target, open_sealed, seal
+
     for n in itertools.count():
         gone = not _wait_for_job(jobs, f"job/{n}")
         job = None if gone else jobs.get(f"job/{n}")
@@ -204,19 +223,34 @@ def serve_jobs(
             # right after: skip process-group teardown and interpreter exit (seconds).
             sys.stderr.flush()
             os._exit(0)
-        job = pickle.loads(job)
+        try:
+            job = open_sealed(secret, f"{scope}job/{n}", job, sender=sender)
+            check_target(job["target"])
+        except WireError as e:
+            _refuse(f"rank {rank}: {e}", on_fail)
         groups_before = _get_process_groups()
         result = call_target(job["target"], rank, world_size, job["kwargs"], on_fail)
         _release_job_groups(groups_before)
-        jobs.set(f"result/{n}/{rank}", pickle.dumps(result))
+        jobs.set(f"result/{n}/{rank}", seal(secret, f"{scope}result/{n}/{rank}", result))
         gc.collect()
+
+
+def _refuse(line: str, on_fail: Callable[[int, str], None] | None) -> None:
+    """End the rank over a refused job: its line on stderr and to ``on_fail``, nothing run."""
+    print(f"WireError: {line}", file=sys.stderr, flush=True)
+    if on_fail is not None:
+        with contextlib.suppress(Exception):
+            on_fail(1, f"WireError: {line}")
+    os._exit(1)
 
 
 def _run_pool(tmpdir: str, rank: int) -> None:
     spec, store = init_rank(tmpdir, rank)
     import torch.distributed as dist
 
-    serve_jobs(dist.PrefixStore("pool/", store), rank, spec["world_size"])  # the pool's keys apart from the group's
+    secret, sender = bytes.fromhex(spec["secret"]), "this host's pool (its parent process)"
+    jobs = dist.PrefixStore("pool/", store)  # the pool's keys apart from the group's
+    serve_jobs(jobs, rank, spec["world_size"], secret=secret, scope="pool/", sender=sender)
 
 
 if __name__ == "__main__":

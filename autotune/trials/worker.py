@@ -18,7 +18,6 @@ nodes waiting for a driver that will not come back.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
@@ -66,20 +65,26 @@ def get_placement(rank: int) -> dict[str, Any]:
     }
 
 
-def join(address: str, backend: str, join_timeout_s: float) -> tuple[Any, int, int, int]:
+def join(address: str, backend: str, join_timeout_s: float, secret: bytes) -> tuple[Any, int, int, int]:
     """Admitted to a world by the driver ([Note: node pool]): the driver's store, this rank, the
-    world size and the world's generation; the process group formed on the driver's store."""
+    world size and the world's generation; the process group formed on the driver's store. What
+    it posts and reads there is signed with the search's ``secret`` ([Note: signed messages] in
+    :mod:`autotune.trials.wire`)."""
     import torch
     import torch.distributed as dist
+
+    from autotune.trials.wire import open_sealed, seal
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, port = parse_address(address)
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=join_timeout_s))
     pool = dist.PrefixStore("nodepool/", store)
     ticket = pool.add("tickets", 1)
-    pool.set(f"ticket/{ticket}", json.dumps(get_placement(rank) | {"world_size": world_size, "backend": backend}))
+    info = get_placement(rank) | {"world_size": world_size, "backend": backend}
+    pool.set(f"ticket/{ticket}", seal(secret, f"nodepool/ticket/{ticket}", info))
     pool.wait([f"admitted/{ticket}"], timedelta(seconds=join_timeout_s))
-    generation = int(pool.get(f"admitted/{ticket}"))
+    key = f"nodepool/admitted/{ticket}"
+    generation = int(open_sealed(secret, key, pool.get(f"admitted/{ticket}"), sender=f"the driver at {address}"))
     if generation == 0:  # superseded by a newer worker of this rank
         os._exit(EXIT_ABORTED)
     threading.Thread(target=_beat, args=(address, f"gen/{generation}/", rank), daemon=True).start()
@@ -114,13 +119,14 @@ def get_board(address: str, generation: int | str) -> Path:
     return Path(tempfile.gettempdir()) / f"autotune-nodepool-{address.replace(':', '-')}-{generation}"
 
 
-def serve(address: str, backend: str, join_timeout_s: float) -> None:
+def serve(address: str, backend: str, join_timeout_s: float, secret: bytes) -> None:
     import torch.distributed as dist
 
     from autotune.trials.linkemu import BOARD_ENV
     from autotune.trials.rank import serve_jobs
+    from autotune.trials.wire import seal
 
-    pool, rank, world_size, generation = join(address, backend, join_timeout_s)
+    pool, rank, world_size, generation = join(address, backend, join_timeout_s, secret)
     prefix = f"gen/{generation}/"
     # One arrival board per host and generation ([Note: link emulation]): the ranks that share a host share it.
     board = get_board(address, generation)
@@ -130,12 +136,16 @@ def serve(address: str, backend: str, join_timeout_s: float) -> None:
     board.mkdir(exist_ok=True)
     _boards.append(board)
     os.environ[BOARD_ENV] = str(board)
-    pool.set(f"{prefix}rank/{rank}", json.dumps(get_placement(rank)))
+    pool.set(f"{prefix}rank/{rank}", seal(secret, f"nodepool/{prefix}rank/{rank}", get_placement(rank)))
 
     def report(code: int, text: str) -> None:
-        pool.set(f"{prefix}failed/{rank}", json.dumps({"code": code, "tail": text[-4000:]}))
+        report = {"code": code, "tail": text[-4000:]}
+        pool.set(f"{prefix}failed/{rank}", seal(secret, f"nodepool/{prefix}failed/{rank}", report))
 
-    serve_jobs(dist.PrefixStore(prefix, pool), rank, world_size, on_fail=report, on_exit=lambda: _end(0))
+    jobs, sender = dist.PrefixStore(prefix, pool), f"the driver at {address}"
+    serve_jobs(
+        jobs, rank, world_size, secret=secret, scope=prefix, sender=sender, on_fail=report, on_exit=lambda: _end(0)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,10 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", required=True, help="HOST:PORT of the driver (autotune search --workers HOST:PORT)")
     parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl where CUDA is, else gloo)")
     parser.add_argument("--join-timeout-s", type=float, default=900.0, help="how long to wait for the driver and peers")
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        help="the search's secret, hex (the driver's OUT/pool-secret); default: $AUTOTUNE_POOL_SECRET",
+    )
     args = parser.parse_args(argv)
+    from autotune.trials.wire import WireError, load_secret
+
     try:
         parse_address(args.pool)
-    except ValueError as e:
+        secret = load_secret(args.secret_file)
+    except (ValueError, WireError) as e:
         print(f"autotune.trials.worker: {e}", file=sys.stderr)
         return 2
     if "RANK" not in os.environ:
@@ -159,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.backend = "nccl" if torch.cuda.is_available() else "gloo"
-    serve(args.pool, args.backend, args.join_timeout_s)
+    serve(args.pool, args.backend, args.join_timeout_s, secret)
     return 0
 
 

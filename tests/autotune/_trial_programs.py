@@ -160,3 +160,8 @@ def release_shard_cache(rank: int, world_size: int) -> int:
     held = len(SHARD_CACHE)
     SHARD_CACHE.release()
     return held
+
+
+def touch(rank: int, world_size: int, path: str) -> None:
+    """Create ``path``: what a forged job would do, were it run (tests/autotune/trials/test_wire.py)."""
+    Path(path).touch()

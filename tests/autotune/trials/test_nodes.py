@@ -26,6 +26,7 @@ from _harness import reference_losses
 
 from autotune.trials.loopback import get_agent_command, get_free_port, kill_tree
 from autotune.trials.nodes import NodePool, NodePoolError
+from autotune.trials.wire import SECRET_ENV, new_secret, seal
 from autotune.trials.worker import get_board
 from fsdp_runtime import config_to_dict, load_config
 
@@ -33,8 +34,15 @@ pytestmark = pytest.mark.multirank
 
 REPO = Path(__file__).resolve().parents[3]
 AGENT_LIMIT_S = 300
+SECRET = new_secret()
+"""The tests' search secret, in every driver's and agent's environment ([Note: signed messages])."""
 UNSHARDED_REL_TOL = 1e-4
 """Sharded training against one process without FSDP ([the runtime config](docs/config.md), "Math")."""
+
+
+@pytest.fixture(autouse=True)
+def _secret(monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, SECRET.hex())
 
 
 def start_agents(pool_address: str, out: Path, *, max_restarts: int = 6, per_node: int = 1) -> list[subprocess.Popen]:
@@ -87,7 +95,7 @@ def two_nodes(tmp_path):
     address = f"127.0.0.1:{get_free_port()}"
     lines: list[str] = []
     # A silence long enough that a worker torchrun restarts on a loaded box posts its ticket first
-    pool = NodePool(2, address=address, join_timeout_s=90, lost_after_s=60, say=lines.append)
+    pool = NodePool(2, address=address, secret=SECRET, join_timeout_s=90, lost_after_s=60, say=lines.append)
     agents = start_agents(address, tmp_path)
     try:
         yield pool, lines
@@ -134,7 +142,8 @@ def test_faults_fail_one_job_each_and_the_next_runs_on_a_new_world(two_nodes):
 DRIVER = """
 import sys
 from autotune.trials.nodes import NodePool
-pool = NodePool(2, address=sys.argv[1], join_timeout_s=90, say=lambda line: None)
+from autotune.trials.wire import load_secret
+pool = NodePool(2, address=sys.argv[1], secret=load_secret(), join_timeout_s=90, say=lambda line: None)
 assert pool.run("_trial_programs:get_rank_pid", timeout_s=90).ok
 print("formed", flush=True)
 pool.run("_trial_programs:sleep_then_pid", {"seconds": 120}, timeout_s=150)
@@ -163,7 +172,7 @@ def test_a_driver_killed_mid_job_ends_torchrun_on_every_node(tmp_path):
 
 def test_a_world_that_never_forms_is_one_line_naming_the_address():
     address = f"127.0.0.1:{get_free_port()}"
-    pool = NodePool(2, address=address, join_timeout_s=1, say=lambda line: None)
+    pool = NodePool(2, address=address, secret=SECRET, join_timeout_s=1, say=lambda line: None)
     with pytest.raises(NodePoolError, match=rf"no world of 2 ranks formed at {address} within 1 s"):
         pool.run("_trial_programs:get_rank_pid", timeout_s=5)
 
@@ -210,10 +219,11 @@ def test_workers_on_another_backend_are_refused_in_one_line():
     from torch.distributed import PrefixStore, TCPStore
 
     address = f"127.0.0.1:{get_free_port()}"
-    pool = NodePool(2, address=address, join_timeout_s=30, say=lambda line: None)
+    pool = NodePool(2, address=address, secret=SECRET, join_timeout_s=30, say=lambda line: None)
     worker = PrefixStore("nodepool/", TCPStore("127.0.0.1", int(address.split(":")[1]), is_master=False))
     ticket = worker.add("tickets", 1)
-    worker.set(f"ticket/{ticket}", json.dumps({"rank": 0, "host": "gpu-node-0", "world_size": 2, "backend": "nccl"}))
+    info = {"rank": 0, "host": "gpu-node-0", "world_size": 2, "backend": "nccl"}
+    worker.set(f"ticket/{ticket}", seal(SECRET, f"nodepool/ticket/{ticket}", info))
     with pytest.raises(
         NodePoolError, match="the worker on gpu-node-0 runs nccl, this search's trials gloo: run the search on one"
     ):
@@ -226,11 +236,12 @@ def test_workers_in_nodes_of_another_size_than_the_cluster_profile_s_are_refused
     from torch.distributed import PrefixStore, TCPStore
 
     address = f"127.0.0.1:{get_free_port()}"
-    pool = NodePool(2, address=address, join_timeout_s=30, ranks_per_node=1, say=lambda line: None)
+    pool = NodePool(2, address=address, secret=SECRET, join_timeout_s=30, ranks_per_node=1, say=lambda line: None)
     worker = PrefixStore("nodepool/", TCPStore("127.0.0.1", int(address.split(":")[1]), is_master=False))
     for rank in range(2):
         placement = {"rank": rank, "host": "node-0", "node": 0, "local_rank": rank, "local_world_size": 2}
-        worker.set(f"ticket/{worker.add('tickets', 1)}", json.dumps({**placement, "world_size": 2, "backend": "gloo"}))
+        ticket = worker.add("tickets", 1)
+        worker.set(f"ticket/{ticket}", seal(SECRET, f"nodepool/ticket/{ticket}", {**placement, "world_size": 2}))
     with pytest.raises(NodePoolError, match="the workers on node-0 run 2 ranks to a node .* ranks_per_node is 2$"):
         pool.run("_trial_programs:get_rank_pid", timeout_s=5)
 
@@ -276,7 +287,7 @@ def test_a_search_across_two_agents_emits_resumes_and_outlives_a_killed_rank(tmp
 
     # The emitted config in a training loop on a fresh two-node world: the unsharded model's losses.
     address = f"127.0.0.1:{get_free_port()}"
-    pool = NodePool(2, address=address, join_timeout_s=90, say=lambda line: None)
+    pool = NodePool(2, address=address, secret=SECRET, join_timeout_s=90, say=lambda line: None)
     agents = start_agents(address, tmp_path)
     try:
         job = {"model": "tiny", "config": config_to_dict(best), "num_steps": 3}
