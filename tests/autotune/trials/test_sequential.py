@@ -373,3 +373,16 @@ def confirms_slower_unguarded(ratios: list[float]) -> bool:
         and ratios[2] > math.exp(BOX_RULE.noise_sd)
         and get_interval(ratios, *pool).low > 1.0
     )
+
+
+@pytest.mark.parametrize(
+    ("df", "t95", "t90"),
+    [(16, 1.7459, 1.3368), (24, 1.7109, 1.3178), (40, 1.6839, 1.3031), (120, 1.6577, 1.2886), (1000, 1.6464, 1.2824)],
+)
+def test_t_quantiles_above_the_table_are_within_a_tenth_of_a_percent_of_the_published_values(df, t95, t90):
+    """Student t's 95th and 90th percentiles (published tables, e.g. NIST/SEMATECH e-Handbook of
+    Statistical Methods, 1.3.6.7.2), not the normal quantile the rule once switched to above 15."""
+    from fsdp_runtime.tuning.sequential import t_90, t_95
+
+    assert t_95(df) == pytest.approx(t95, rel=1e-3) and t_90(df) == pytest.approx(t90, rel=1e-3)
+    assert t_95(df) > 1.6449 and t_90(df) > 1.2816
