@@ -60,33 +60,9 @@ freedom is not used.
 Every rank decides on the same numbers (each step's slowest-rank time is all-reduced before
 it is recorded), so every rank stops after the same block without a vote.
 
-*Error rates*, from ``studies/stopping_rule.py`` (a Monte Carlo of the search's rule: at
-most 4 pairs, precision 5%, faster below the best, pruned above it; pair log-ratios drawn around
-the true ratio (to the best) with spread sigma; 20,000 trials per case). Optional stopping (a
-look after every block) makes the real rates larger than the nominal 5% per side; these are
-the real ones:
-
-- sigma 5% (a noisy trial here): a true tie with the best ends ``faster`` in 8.3% and pruned
-  in 3.2% of trials (41% settled, 48% at the maximum; 3.6 pairs on average); a config 10%
-  slower than the best is pruned in 71% and called faster in none; 10% faster is called faster
-  in 94% and pruned in none; 2x faster stops after one block (2 pairs) every time;
-- sigma 2% (a quiet box): a tie settles in 92% (6.6% faster, 1.5% pruned; 3.2 pairs on
-  average); a 5% difference is called the wrong way round in none;
-- a 1.5x burst on the first block's two candidate steps: a tie at sigma 5% is pruned in 2.8%
-  (3.2% without the burst), a config 10% faster in none.
-
-With the box's noise pooled (24 degrees of freedom, the spread's own estimation error drawn in
-the simulation; a slow first block pruned on a confirming pair), sigma 5%: a tie ends
-``faster`` in 7.4% and pruned in 3.5% (3.60 pairs on average, against 3.72 on its own pairs);
-a config 10% slower is pruned in 91% after 3.28 pairs on average (88% after 3.99), 5% slower
-in 46% after 3.62 (43% after 3.90); 10% faster is called faster in 97% (94%) and pruned in
-none; sigma 2%: a tie settles after one block (2.11 pairs on average, against 3.25). A 1.5x
-burst on the first block's candidate steps prunes a tie in 17% (3.4% on its own pairs, 100%
-if the first block pruned unconfirmed): the third pair is above the best by one spread in
-about one trial in six. Bursts that size were about 1% of the recorded trials.
-
-These figures drew independent pairs and a burst on pairs 0 and 1 only; the rates per pair
-order, with bursts anywhere, are in [Note: burst windows].
+*Error rates*: ``studies/stopping_rule.py`` drives this rule through the real pair schedule under
+recorded noise, with bursts and autocorrelation; its figures for the rule as it runs are in
+[Note: burst windows] below and docs/search.md.
 
 A wrong "faster" makes a config within the noise of the best the best too early (the next
 trials are compared with it, and the final round re-measures the finalists against the
@@ -182,7 +158,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fsdp_runtime.tuning.pair_schedule import Window, get_burst_windows, get_pair_schedule
@@ -427,14 +403,26 @@ def decide(rule: StoppingRule, pair_ratios: list[float], windows: list[Window] |
     return at_most
 
 
-def is_faster(stopped: str | None, interval: Interval | None) -> bool:
+def is_faster(
+    stopped: str | None,
+    interval: Interval | None,
+    *,
+    rule: StoppingRule,
+    pair_ratios: list[float],
+    windows: list[Window] | None = None,
+) -> bool:
     """A measurement's last word that a config is faster than its baseline (the search's verdict
-    window, the in-job tuner): the rule stopped it as ``faster``, or it ran every pair (or settled)
-    and their interval lies wholly below 1. The burst guard holds back calls made early, not the
-    interval of every pair ([Note: emitted on an interval] in ``autotune.search.verdict``)."""
+    window and recipe round, the in-job tuner): the rule stopped it as ``faster`` (its burst guard
+    held), or it ran every pair (or settled) and their interval lies wholly below 1 *and* no single
+    two-step burst of the schedule (``windows``, as :func:`decide` takes them) can have put it there
+    ([Note: burst windows]): a window of one block, which one burst over the reference's two steps
+    reaches whole, never emits ([Note: emitted on an interval] in ``autotune.search.verdict``)."""
     if stopped == "faster":
         return True
-    return stopped in ("max_blocks", "settled", None) and interval is not None and interval.high < 1.0
+    if stopped not in ("max_blocks", "settled", None) or interval is None or interval.high >= 1.0:
+        return False
+    guard = replace(rule, faster_below=1.0)
+    return _holds_without_bursts(guard, pair_ratios, _get_windows(pair_ratios, windows), slower=False)
 
 
 @dataclass

@@ -203,7 +203,8 @@ class TuningWalk:
             windows, rule = get_burst_windows(candidate.schedule), self._rule()
             called = look(rule, candidate.ratios, windows, self.num_pairs)
             if called is not None:
-                faster = is_faster(called, get_rule_interval(rule, candidate.ratios))
+                interval = get_rule_interval(rule, candidate.ratios)
+                faster = is_faster(called, interval, rule=rule, pair_ratios=candidate.ratios, windows=windows)
                 return self._end("adopted" if faster else called)
         if self.step - self.warmup_steps >= self.max_steps:
             return self._end("out of steps")

@@ -143,13 +143,45 @@ def test_every_move_switches_in_place(num_microbatches):
 
 
 def test_a_measurement_ends_faster_on_an_early_call_or_on_the_interval_of_all_its_pairs():
-    from fsdp_runtime.tuning import Interval, is_faster
+    from fsdp_runtime.tuning import Interval, StoppingRule, get_rule_interval, is_faster
 
-    below, across = Interval(0.85, 0.73, 0.97, 6), Interval(0.95, 0.85, 1.05, 6)
-    assert is_faster("faster", None)  # the rule's own call (burst guard included)
-    assert is_faster("max_blocks", below) and is_faster("settled", below) and not is_faster("max_blocks", across)
+    rule = StoppingRule(max_blocks=3, noise_sd=0.05, noise_df=24)
+    ratios = [0.84, 0.86, 0.85, 0.83, 0.86, 0.85]
+    below, across = get_rule_interval(rule, ratios), Interval(0.95, 0.85, 1.05, 6)
+    assert below.high < 1.0
+
+    def faster(stopped, interval):
+        return is_faster(stopped, interval, rule=rule, pair_ratios=ratios)
+
+    assert faster("faster", None)  # the rule's own call (burst guard included)
+    assert faster("max_blocks", below) and faster("settled", below) and not faster("max_blocks", across)
     # stopped for another reason before its last pair: no call, whatever its interval
-    assert not is_faster("unlikely", below) and not is_faster("slower", below) and not is_faster("max_blocks", None)
+    assert not faster("unlikely", below) and not faster("slower", below) and not faster("max_blocks", None)
+
+
+def test_a_window_of_one_block_never_emits_however_tight_and_far_below_one():
+    """Two pairs, settled: one burst over the reference's two adjacent steps slows both alike, so
+    the window shows no spread and a settled interval wholly below 1 for a tie ([Note: burst
+    windows]); the rule as it ran before the burst guard on every call emitted it."""
+    from fsdp_runtime.tuning import (
+        StoppingRule,
+        decide,
+        get_burst_windows,
+        get_pair_schedule,
+        get_rule_interval,
+        is_faster,
+    )
+
+    rule = StoppingRule(max_blocks=2, noise_sd=0.03, noise_df=24)  # a quiet box's pooled spread
+    # the candidate leading (a warm reference): c0 r0 r1 c1, its two reference steps adjacent
+    windows = get_burst_windows(get_pair_schedule(2, first="candidate"))
+    burst = [0.80, 0.81]  # a tie whose two reference steps one 1.25x burst slowed
+    interval = get_rule_interval(rule, burst)
+    assert decide(rule, burst, windows) == "settled" and interval.high < 1.0
+    assert not is_faster("settled", interval, rule=rule, pair_ratios=burst, windows=windows)
+    # a second block, which that burst does not reach, agreeing: the call holds
+    four, windows = [0.80, 0.81, 0.80, 0.81], get_burst_windows(get_pair_schedule(4, first="candidate"))
+    assert is_faster("max_blocks", get_rule_interval(rule, four), rule=rule, pair_ratios=four, windows=windows)
 
 
 def _depth1() -> Move:
