@@ -4,9 +4,11 @@ A search ranks hundreds of configs from short trials; the emitted config is deci
 longer, second measurement of the ``num_finalists`` best distinct configs, each paired with
 the defaults on the same ranks ([Note: paired measurement]) with at most ``2 * num_confirm_pairs``
 pairs: each stops once its ratio is settled ([Note: sequential measurement]), a finalist
-clearly slower than the leader so far (its whole interval above the leader's ratio, from its
-second block on) is pruned there, and one unlikely to end below the leader stops before its
-last block ([Note: futility]). The finalist with the lowest median ratio is chosen; if even it is
+clearly slower than the leader so far is pruned there (from its second block on: the two-sample
+interval of its mean log ratio less the leader's, the leader's own error counted, wholly above 0),
+and one unlikely to end below the leader stops before its last block ([Note: futility], the
+leader's error counted too). Where a contested leader's second window moves it above a finalist
+pruned against its first, that finalist is measured again against the new leader and ranked. The finalist with the lowest median ratio is chosen; if even it is
 not faster than the defaults (median ratio >= 1), the defaults are emitted, and the record says why.
 The chosen one is emitted only where a window of its own, after the choice, calls it faster than
 the defaults, and the speedup reported is that window's ([Note: emitted on an interval] in
@@ -70,10 +72,13 @@ def get_finalists(rows: list[TrialRow], num_finalists: int) -> list[TrialRow]:
 
 
 def _measure_finalist(
-    ctx: SearchContext, row: TrialRow, *, window: int = 0, slower_than: float | None = None
+    ctx: SearchContext, row: TrialRow, *, window: int = 0, leader: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """``row``'s config against the defaults until its ratio is known ([Note: sequential
-    measurement]); pruned once it is clearly slower than ``slower_than`` (the leader's ratio)."""
+    measurement]); pruned once it is clearly slower than ``leader`` (the leader so far's figures):
+    the two-sample interval of its mean log ratio less the leader's, both errors counted, wholly
+    above 0 (``limit_pairs``), not its own interval above the leader's point estimate."""
+    slower_than = _get_leader_mean(leader)
     config = ctx.space.build_config(row.params)
     name = f"trial_{row.number:04d}" + (f"_window{window}" if window else "")
     num_pairs = 2 * ctx.settings.num_confirm_pairs
@@ -81,6 +86,7 @@ def _measure_finalist(
         ctx.get_stopping_rule(prune=False, faster_below=None, num_pairs=num_pairs),
         prune_above=slower_than,
         futile_above=slower_than,
+        limit_pairs=len(leader.get("pair_ratios") or []) if slower_than is not None else 0,
     )
     spec = ctx.trial_spec(config, ctx.write_dir / "final" / name, profile=False, num_pairs=num_pairs, stopping=rule)
     result = ctx.run(spec)
@@ -101,6 +107,15 @@ def _measure_finalist(
         **paired,
         **memory,
     }
+
+
+def _get_leader_mean(leader: dict[str, Any] | None) -> float | None:
+    """The leader's geometric mean pair ratio: the figure a two-sample comparison of means holds a
+    finalist to (its median ratio where it has no pairs)."""
+    if leader is None:
+        return None
+    logs = [math.log(r) for r in leader.get("pair_ratios") or [] if r > 0]
+    return math.exp(statistics.fmean(logs)) if logs else leader.get("ratio")
 
 
 def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeConfig, dict[str, Any] | None]:
@@ -195,9 +210,7 @@ def _measure_finalists(ctx: SearchContext, finalists: list[TrialRow]) -> tuple[l
     )
     measured: list[dict[str, Any]] = []
     for row in finalists:  # best first: a later finalist clearly slower than the leader so far is pruned
-        fits = [m for m in measured if m["status"] == "ok" and m.get("ratio") and not m.get("over_budget")]
-        leader = min((m["ratio"] for m in fits), default=None)
-        measured.append(_measure_finalist(ctx, row, slower_than=leader))
+        measured.append(_measure_finalist(ctx, row, leader=_get_leader(measured)))
     noise = ctx.noise.get()
     contested = get_contested(
         [m for m in measured if m["status"] == "ok"],
@@ -214,7 +227,38 @@ def _measure_finalists(ctx: SearchContext, finalists: list[TrialRow]) -> tuple[l
             pool_windows(m, _measure_finalist(ctx, by_number[m["trial"]], window=1)) if m["trial"] in contested else m
             for m in measured
         ]
+        measured = _rerank_pruned(ctx, measured, by_number)
     return measured, contested
+
+
+def _get_leader(measured: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The finalist with the lowest ratio among those measured that fit (None: none yet)."""
+    fits = [m for m in measured if m["status"] == "ok" and m.get("ratio") and not m.get("over_budget")]
+    return min(fits, key=lambda m: m["ratio"], default=None)
+
+
+def _rerank_pruned(
+    ctx: SearchContext, measured: list[dict[str, Any]], by_number: dict[int, TrialRow]
+) -> list[dict[str, Any]]:
+    """Finalists pruned against a leader the contested windows then moved: each whose own ratio lies
+    below the leader's new one is measured again (a second window, pooled with its first) against
+    the new leader, and ranked with the rest; the others stay pruned."""
+    leader = _get_leader(measured)
+    if leader is None:
+        return measured
+    again = [m for m in measured if m["status"] == "pruned" and m.get("ratio") and m["ratio"] < leader["ratio"]]
+    for m in again:
+        ctx.reporter.on_phase(
+            f"final round: trial {m['trial']} was pruned against a leader the second windows moved: measured again"
+        )
+    redone = {m["trial"]: _remeasure(ctx, m, by_number[m["trial"]], leader) for m in again}
+    return [redone.get(m["trial"], m) for m in measured]
+
+
+def _remeasure(ctx: SearchContext, first: dict[str, Any], row: TrialRow, leader: dict[str, Any]) -> dict[str, Any]:
+    second = _measure_finalist(ctx, row, window=1, leader=leader)
+    pooled = pool_windows(first, second)
+    return pooled | {"status": second["status"], "reranked": True}
 
 
 def get_contested(

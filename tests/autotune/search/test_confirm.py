@@ -3,6 +3,7 @@ how a second window's pairs are pooled. Pure functions: no ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from pathlib import Path
@@ -163,7 +164,7 @@ def test_a_finalist_over_the_memory_budget_in_the_final_round_is_not_emitted(mon
     peaks = {1: 110, 2: 90}  # trial 1 fit in the search but not now; trial 2 fits
     final_ratios = {1: [0.70, 0.71, 0.72, 0.70], 2: [0.80, 0.81, 0.82, 0.80]}
 
-    def measure(ctx, row, *, window=0, slower_than=None):
+    def measure(ctx, row, *, window=0, leader=None):
         memory = {
             "process_peak_bytes": peaks[row.number],
             "over_budget": peaks[row.number] > ctx.settings.memory_budget_bytes,
@@ -205,7 +206,7 @@ def test_defaults_over_the_memory_budget_are_never_the_fallback(monkeypatch):
     monkeypatch.setattr(
         confirm,
         "_measure_finalist",
-        lambda ctx, row, *, window=0, slower_than=None: _finalist(row.number, final_ratios[row.number]),
+        lambda ctx, row, *, window=0, leader=None: _finalist(row.number, final_ratios[row.number]),
     )
     # the window does not call a config slower than the defaults faster: it is emitted all the same
     monkeypatch.setattr(confirm, "_measure_verdict", lambda ctx, row, config: _window(row.number, [1.1] * 4, False))
@@ -230,7 +231,7 @@ def _rows_and_round(monkeypatch, final_ratios: dict[int, list[float]], window: d
     monkeypatch.setattr(
         confirm,
         "_measure_finalist",
-        lambda ctx, row, *, window=0, slower_than=None: _finalist(row.number, final_ratios[row.number]),
+        lambda ctx, row, *, window=0, leader=None: _finalist(row.number, final_ratios[row.number]),
     )
     windows = []
     monkeypatch.setattr(confirm, "_measure_verdict", lambda ctx, row, config: windows.append(row.number) or window)
@@ -345,8 +346,59 @@ def test_a_runner_up_unlikely_to_beat_the_leader_stops_early():
     ctx.trial_spec = lambda config, out_dir, **kw: SimpleNamespace(**kw)
     rules = {}
     for leader in (None, 0.8):
+        figures = None if leader is None else {"ratio": leader, "pair_ratios": [leader] * 6}
         with pytest.raises(Measured) as measured:
-            confirm._measure_finalist(ctx, complete_row(3, 80.0, ratio=0.8), slower_than=leader)
+            confirm._measure_finalist(ctx, complete_row(3, 80.0, ratio=0.8), leader=figures)
         rules[leader] = measured.value.args[0].stopping
     assert rules[None].prune_above is None and rules[None].futile_above is None
     assert rules[0.8].prune_above == 0.8 and rules[0.8].futile_above == 0.8 and rules[0.8].faster_below is None
+
+
+def test_a_finalist_pruned_against_a_leader_its_second_window_moved_is_measured_again_and_ranked(monkeypatch):
+    """The leader's first window at 0.70 prunes trial 2 at 0.76; the contested leader's second window
+    pools it to 0.81, above 0.76: trial 2 is measured again against the new leader, pooled, and
+    ranked first, where before it stayed pruned and trial 1 was chosen at 0.81."""
+    from autotune.search import confirm
+
+    rows = [
+        complete_row(0, 100.0, ratio=1.0, is_default=True),
+        complete_row(1, 70.0, ratio=0.70, params={"k": 1}),
+        complete_row(2, 76.0, ratio=0.76, params={"k": 2}),
+    ]
+    windows = {
+        (1, 0): [0.70, 0.62, 0.80, 0.69],
+        (1, 1): [0.92, 0.95, 0.90, 0.93],  # the leader measured again: its pooled median moves up
+        (2, 0): [0.76, 0.77, 0.75, 0.76],
+        (2, 1): [0.75, 0.77, 0.76, 0.76],
+    }
+    leaders = []
+
+    def measure(ctx, row, *, window=0, leader=None):
+        leaders.append((row.number, window, leader["ratio"] if leader else None))
+        figures = _finalist(row.number, windows[row.number, window])
+        pruned = row.number == 2 and window == 0  # pruned against the first window's leader
+        return figures | {"status": "pruned" if pruned else "ok"}
+
+    monkeypatch.setattr(confirm, "_measure_finalist", measure)
+    ctx = _final_round_ctx()
+    monkeypatch.setattr(confirm, "get_contested", lambda *args: [1])
+    measured, contested = confirm._measure_finalists(ctx, rows[1:])
+    by_trial = {m["trial"]: m for m in measured}
+    leader = by_trial[1]["ratio"]
+    assert contested == [1] and leader > 0.76
+    assert (2, 1, leader) in leaders  # measured again against the moved leader
+    assert by_trial[2]["status"] == "ok" and by_trial[2]["reranked"] and by_trial[2]["num_pairs"] == 8
+    assert min((m for m in measured if m["status"] == "ok"), key=lambda m: m["ratio"])["trial"] == 2
+
+
+def test_a_finalist_is_pruned_on_the_two_sample_interval_not_against_the_leader_s_point_estimate():
+    """A finalist whose own interval lies wholly above the leader's mean, yet within what the
+    leader's own error allows: pruned against the point estimate, not on the two-sample interval."""
+    from fsdp_runtime.tuning import StoppingRule, decide
+
+    ratios = [0.86, 0.87] * 3  # the leader's mean ratio 0.82, from the 2 pairs of its settled first block
+    point = StoppingRule(max_blocks=3, prune_above=0.82, min_blocks_to_prune=2, noise_sd=0.05, noise_df=24)
+    two_sample = dataclasses.replace(point, limit_pairs=2)
+    assert decide(point, ratios) == "slower"
+    assert decide(two_sample, ratios) == "settled"  # not pruned: kept, and ranked with its ratio
+    assert decide(two_sample, [0.95, 0.96] * 3) == "slower"  # clearly slower still is
