@@ -33,6 +33,7 @@ BENCHMARKS = {
     "search_time.py",
     "sharded_build.py",
     "sim_accuracy.py",
+    "store_polling.py",
     "trial_overhead.py",
 }
 """The product's benchmarks: a study (a one-off question behind a design decision) goes to ``studies/``, a
@@ -479,3 +480,21 @@ def test_in_job_tuner_quick_run_prints_each_run_and_the_ratios():
     for label in ("tuned total / untuned total", "tuned settled step / untuned step"):
         ratio = next(line for line in lines if line.startswith(label))
         assert 0.2 < float(ratio.split("median ")[1].split()[0]) < 5, ratio
+
+
+def test_the_decisions_study_quick_run_bounds_a_tie_emitted_or_adopted_with_bursts():
+    """``studies/decisions.py --quick``: each decision driven through its real rule (600 trials,
+    a burst anywhere, a quiet box's pair spread of 3%, where one block settles: the case the call
+    on one block's interval emitted a tie in 10% of windows; a fixed seed); a tie is not shown emitted or adopted in more
+    than 5% of windows, the interval's nominal rate (the Wilson 95% interval of its share reaches
+    5% or below: the Monte Carlo error counted), and a true 10% speedup is emitted more often
+    than a tie."""
+    sys.path.insert(0, str(ROOT / "studies"))
+    import decisions
+
+    table = decisions.main(["--quick", "--sigma", "0.03"])
+    for (decision, order, _), counts in table.items():
+        tie, ten = counts[0], counts[-1]
+        if decision in ("emit", "adopt"):
+            assert decisions.wilson(tie, 600)[0] <= 0.05, (decision, order, counts)
+            assert ten > tie, (decision, order, counts)

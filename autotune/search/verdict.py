@@ -13,11 +13,10 @@ choosing it, and is emitted over that baseline only where this window calls it f
   the final round; against torchtitan's recipe, the recipe round
   (:mod:`autotune.search.recipe`), which runs after the choice too;
 - the call: the 90% interval of the mean log pair ratio, pooled with the box's noise where there
-  is enough of it, lies wholly below 1 over the window's pairs, and still does with the pairs any
-  one burst over two adjacent steps of its schedule reached left out in turn
-  (:func:`fsdp_runtime.tuning.sequential.is_faster`, [Note: burst windows]): a window settled
-  after one block led by the candidate, whose two reference steps one burst slows alike, never
-  emits, however tight its interval;
+  is enough of it, lies wholly below 1 over the window's pairs, at least two blocks of them
+  (:func:`fsdp_runtime.tuning.sequential.is_faster`): the window runs two blocks before it may
+  settle, since one block led by the candidate, whose two reference steps one burst slows alike,
+  shows a tie with no spread and a settled interval ([Note: burst windows]);
 - the window runs every one of its pairs (``2 * num_confirm_pairs``, at least :data:`MIN_PAIRS`)
   unless the config proves clearly slower (no speedup to report) or its ratio settles within the
   precision; it never stops as clearly faster. A window stopped once it looked clearly faster
@@ -44,7 +43,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from autotune.trials import StoppingRule, TrialResult, get_rule_interval, median_or_none
-from fsdp_runtime.tuning import get_burst_windows, get_pair_schedule, is_faster
+from fsdp_runtime.tuning import is_faster
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -71,7 +70,7 @@ def get_verdict_rule(ctx: SearchContext, num_pairs: int) -> StoppingRule:
     precision; never stopped as clearly faster, nor for futility: the window's figure is the
     speedup reported, and a window stopped where its ratio looked fastest reports it fastest."""
     rule = ctx.get_stopping_rule(prune=True, faster_below=None, num_pairs=num_pairs, futility=False)
-    return dataclasses.replace(rule, prune_above=1.0)
+    return dataclasses.replace(rule, prune_above=1.0, min_blocks=2)  # one block never calls it: is_faster
 
 
 def measure_verdict(
@@ -107,15 +106,8 @@ def get_verdict_figures(result: TrialResult, rule: StoppingRule) -> dict[str, An
         "ratio_low": interval.low if interval else None,
         "ratio_high": interval.high if interval else None,
         "confidence": CONFIDENCE,
-        "faster": ok and _is_faster(result.metrics.stopped, interval, rule, paired),
+        "faster": ok and is_faster(result.metrics.stopped, interval, pair_ratios=paired.get("pair_ratios") or []),
     }
-
-
-def _is_faster(stopped: str | None, interval: Any, rule: StoppingRule, paired: dict[str, Any]) -> bool:
-    """The window's call, its burst guard over the schedule its pairs ran in (which side led)."""
-    ratios = paired.get("pair_ratios") or []
-    windows = get_burst_windows(get_pair_schedule(len(ratios), first=paired.get("first", "reference")))
-    return is_faster(stopped, interval, rule=rule, pair_ratios=ratios, windows=windows)
 
 
 def get_speedups(figures: dict[str, Any] | None) -> dict[str, Any]:

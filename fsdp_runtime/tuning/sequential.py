@@ -131,7 +131,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fsdp_runtime.tuning.pair_schedule import Window, get_burst_windows, get_pair_schedule
@@ -389,26 +389,23 @@ def _is_above(rule: StoppingRule, pair_ratios: list[float], interval: Interval) 
     return mean - t_95(df) * sd * math.sqrt(1 / n + 1 / rule.limit_pairs) > math.log(rule.prune_above)
 
 
-def is_faster(
-    stopped: str | None,
-    interval: Interval | None,
-    *,
-    rule: StoppingRule,
-    pair_ratios: list[float],
-    windows: list[Window] | None = None,
-) -> bool:
+MIN_CALL_PAIRS = 4
+"""The fewest pairs whose interval alone may call a config faster (:func:`is_faster`): two blocks."""
+
+
+def is_faster(stopped: str | None, interval: Interval | None, *, pair_ratios: list[float]) -> bool:
     """A measurement's last word that a config is faster than its baseline (the search's verdict
     window and recipe round, the in-job tuner): the rule stopped it as ``faster`` (its burst guard
-    held), or it ran every pair (or settled) and their interval lies wholly below 1 *and* no single
-    two-step burst of the schedule (``windows``, as :func:`decide` takes them) can have put it there
-    ([Note: burst windows]): a window of one block, which one burst over the reference's two steps
-    reaches whole, never emits ([Note: emitted on an interval] in ``autotune.search.verdict``)."""
+    held), or it ran every pair (or settled) and their interval lies wholly below 1 over at least
+    :data:`MIN_CALL_PAIRS` pairs. One block is never enough: where the candidate leads, one burst
+    over the reference's two adjacent steps slows both its pairs alike, a tie with no spread and a
+    settled interval ([Note: burst windows]). Holding the interval of every pair to the burst
+    guard instead cost most of the power (``studies/decisions.py``: docs/search.md)."""
     if stopped == "faster":
         return True
     if stopped not in ("max_blocks", "settled", None) or interval is None or interval.high >= 1.0:
         return False
-    guard = replace(rule, faster_below=1.0)
-    return _holds_without_bursts(guard, pair_ratios, _get_windows(pair_ratios, windows), slower=False)
+    return len(pair_ratios) >= MIN_CALL_PAIRS
 
 
 @dataclass

@@ -204,7 +204,7 @@ class TuningWalk:
             called = look(rule, candidate.ratios, windows, self.num_pairs)
             if called is not None:
                 interval = get_rule_interval(rule, candidate.ratios)
-                faster = is_faster(called, interval, rule=rule, pair_ratios=candidate.ratios, windows=windows)
+                faster = is_faster(called, interval, pair_ratios=candidate.ratios)
                 return self._end("adopted" if faster else called)
         if self.step - self.warmup_steps >= self.max_steps:
             return self._end("out of steps")

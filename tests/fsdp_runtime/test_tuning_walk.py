@@ -151,7 +151,7 @@ def test_a_measurement_ends_faster_on_an_early_call_or_on_the_interval_of_all_it
     assert below.high < 1.0
 
     def faster(stopped, interval):
-        return is_faster(stopped, interval, rule=rule, pair_ratios=ratios)
+        return is_faster(stopped, interval, pair_ratios=ratios)
 
     assert faster("faster", None)  # the rule's own call (burst guard included)
     assert faster("max_blocks", below) and faster("settled", below) and not faster("max_blocks", across)
@@ -162,7 +162,7 @@ def test_a_measurement_ends_faster_on_an_early_call_or_on_the_interval_of_all_it
 def test_a_window_of_one_block_never_emits_however_tight_and_far_below_one():
     """Two pairs, settled: one burst over the reference's two adjacent steps slows both alike, so
     the window shows no spread and a settled interval wholly below 1 for a tie ([Note: burst
-    windows]); the rule as it ran before the burst guard on every call emitted it."""
+    windows]); the call on the interval alone, as it was, emitted it."""
     from fsdp_runtime.tuning import (
         StoppingRule,
         decide,
@@ -178,10 +178,10 @@ def test_a_window_of_one_block_never_emits_however_tight_and_far_below_one():
     burst = [0.80, 0.81]  # a tie whose two reference steps one 1.25x burst slowed
     interval = get_rule_interval(rule, burst)
     assert decide(rule, burst, windows) == "settled" and interval.high < 1.0
-    assert not is_faster("settled", interval, rule=rule, pair_ratios=burst, windows=windows)
+    assert not is_faster("settled", interval, pair_ratios=burst)
     # a second block, which that burst does not reach, agreeing: the call holds
-    four, windows = [0.80, 0.81, 0.80, 0.81], get_burst_windows(get_pair_schedule(4, first="candidate"))
-    assert is_faster("max_blocks", get_rule_interval(rule, four), rule=rule, pair_ratios=four, windows=windows)
+    four = [0.80, 0.81, 0.80, 0.81]
+    assert is_faster("max_blocks", get_rule_interval(rule, four), pair_ratios=four)
 
 
 def _depth1() -> Move:

@@ -308,11 +308,15 @@ def test_the_verdict_window_runs_its_pairs_and_calls_faster_on_their_interval(tm
     ctx.run = ran([0.90, 0.84, 0.93, 0.88, 0.86, 0.91], "max_blocks")
     steady = measure_verdict(ctx, "config", tmp_path)
     assert steady["ratio_high"] < 1.0 and steady["faster"]
-    # an interval below 1 that one burst on the last pair's reference step can have made (the rest
-    # cross 1): not faster ([Note: burst windows]); before the guard held every call, this was emitted
+    # spread pairs, every one run, their interval below 1: faster, though no early call was made
     ctx.run = ran([0.93, 0.73, 1.0, 0.99, 0.75, 0.70], "max_blocks")
     spread = measure_verdict(ctx, "config", tmp_path)
-    assert spread["ratio_high"] < 1.0 and not spread["faster"]
+    assert spread["ratio_high"] < 1.0 and spread["faster"]
+    # one block, settled far below 1: never a call (one burst over its two reference steps can make it)
+    assert rule.min_blocks == 2
+    ctx.run = ran([0.80, 0.81], "settled")
+    one_block = measure_verdict(ctx, "config", tmp_path)
+    assert one_block["ratio_high"] < 1.0 and not one_block["faster"]
     # --confirm-pairs 1: still two blocks, the fewest in which the rule can call a config faster
     ctx.settings.num_confirm_pairs = 1
     measure_verdict(ctx, "config", tmp_path)
