@@ -132,8 +132,14 @@ def get_speedups(figures: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+INTERVAL_COVERS = "the noise of this window's pairs, not a run alone"
+"""What a printed interval covers: one paired window's noise, not the pairing's bias against the
+config run on its own (``benchmarks/realized_speedup.py`` measures that: docs/benchmarks.md)."""
+
+
 def describe_figure(figures: dict[str, Any], of: str = "") -> str:
-    """``1.148x{of} (90% interval 1.12-1.17x, 6 pairs)``: a window's speedup in a few words."""
+    """``1.148x{of} (90% interval 1.12-1.17x, 6 pairs: the noise of this window's pairs, not a run
+    alone)``: a window's speedup in a few words, and what its interval covers."""
     if figures.get("ratio") is None:
         return f"not measured ({figures.get('status')}: {(figures.get('reason') or '')[:160]})"
     speedups = get_speedups(figures)
@@ -142,7 +148,8 @@ def describe_figure(figures: dict[str, Any], of: str = "") -> str:
         if "speedup_low" in speedups
         else ""
     )
-    return f"{speedups['speedup_median']:.3f}x{of} ({interval}{figures.get('num_pairs', 0)} pairs)"
+    covers = f": {INTERVAL_COVERS}" if interval else ""
+    return f"{speedups['speedup_median']:.3f}x{of} ({interval}{figures.get('num_pairs', 0)} pairs{covers})"
 
 
 def describe_verdict(subject: str, baseline: str, figures: dict[str, Any]) -> str:

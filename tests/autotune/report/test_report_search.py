@@ -676,7 +676,7 @@ def test_the_terminal_gives_the_speedup_of_a_window_that_did_not_choose_the_conf
 
     emitted = lines(_v11_confirmation(faster=True))
     assert emitted == [
-        "emitted config vs defaults: 1.003x (90% interval 0.980-1.031x, 4 pairs) in a window that did not choose it "
+        "emitted config vs defaults: 1.003x (90% interval 0.980-1.031x, 4 pairs: the noise of this window's pairs, not a run alone) in a window that did not choose it "
         "(trial 3, the fastest of 2 finalists at 1.250x); emitted trial 3"
     ]
     tie = lines(_v11_confirmation(faster=False))
