@@ -68,6 +68,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -280,64 +281,29 @@ def format_environment(env: dict[str, Any]) -> list[str]:
 # -- processes -------------------------------------------------------------------------------
 
 
-def get_descendants(pid: int) -> set[int]:
-    """Every process under ``pid`` now, whatever its session or group (``/proc``; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir() if Path("/proc/self").exists() else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # gone meanwhile
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after the command name, which may hold spaces
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
+def load_killing() -> Any:
+    """``autotune/trials/killing.py`` (standard library only) loaded from its file: importing it as
+    ``autotune.trials.killing`` runs ``autotune.trials``'s ``__init__``, which imports torch and
+    packages a GPU box gets only from ``--wheels`` (its ``site`` is on the parts' path, not the suite's)."""
+    name = "autotune_trials_killing"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "autotune" / "trials" / "killing.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
-def is_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    return state not in ("Z", "X")  # a zombie holds no memory, GPU memory included
-
-
-def signal_all(pids: set[int], group: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(group, sig)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
+KILLING = load_killing()
+is_alive = KILLING.is_running
+"""Whether a process has not exited (a zombie has: it holds no memory, GPU memory included)."""
 
 
 def kill_part(proc: subprocess.Popen) -> None:
-    """The part, its process group and every process under it: SIGTERM, then SIGKILL after
-    :data:`GRACE_S`; returns once none is alive (so the next part finds the GPU's memory free)."""
-    # Found before any dies: a process whose parent died is reparented and no longer under the part.
-    pids = get_descendants(proc.pid)
-    signal_all(pids, proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=GRACE_S)
-    pids |= get_descendants(proc.pid) if proc.poll() is None else set()
-    signal_all(pids, proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 2 * GRACE_S
-    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for pid in pids:  # orphans reparented to this process (a child subreaper) are its to reap
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, os.WNOHANG)
+    """The part, its process group and every process under it ([Note: killing a process tree] in
+    ``autotune/trials/killing.py``): SIGTERM, then SIGKILL after :data:`GRACE_S`; returns once none
+    is alive, or after twice that (so the next part finds the GPU's memory free)."""
+    KILLING.kill_tree(proc, grace_s=GRACE_S, wait_s=2 * GRACE_S)
 
 
 def become_subreaper() -> None:

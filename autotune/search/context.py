@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autotune.search.cost import RoundLedger
 from autotune.search.timeouts import TrialTimeouts, builds_in_turn, count_builds, count_steps, may_build_in_turn
 from autotune.trials import (
     PairNoise,
+    Pool,
     StoppingRule,
     TrialResult,
     TrialSpec,
@@ -36,8 +37,9 @@ class SearchContext:
     settings: SearchSettings
     plan: ModelPlan
     reporter: SearchReporter
-    pool: Any = None
-    """A :class:`~autotune.trials.RankPool` shared by trials, confirmation and consolidation timing, or None."""
+    pool: Pool | None = None
+    """A :class:`~autotune.trials.Pool` (this host's :class:`~autotune.trials.RankPool`, or the nodes'
+    :class:`~autotune.trials.NodePool`) shared by trials, confirmation and consolidation timing, or None."""
     own_dir: Path | None = None
     """Where this worker writes warm-up, confirmation, emitted config, tables and report
     (``settings.out_dir`` unless another worker holds it; see ``study.claim_out_dir``)."""

@@ -9,11 +9,13 @@ Several nodes: :mod:`autotune.trials.torchrun`.
 """
 
 from autotune.trials.figures import TrialFigures
-from autotune.trials.launch import EXIT_USER_ERROR, RankRun, classify_failure, parse_oom, pid_alive, run_ranks
+from autotune.trials.killing import kill_tree, pid_alive
+from autotune.trials.launch import EXIT_USER_ERROR, RankRun, classify_failure, parse_oom, run_ranks
 from autotune.trials.linkemu import LinkEmulator, check_emulation_backend, get_emulated_cluster, get_link_name
 from autotune.trials.metrics import RankMetrics, TrialMetrics, TrialResult, TrialStatus, median_or_none
 from autotune.trials.nodes import NodePool, NodePoolError, get_pool_secret
 from autotune.trials.pool import RankPool
+from autotune.trials.pools import Pool
 from autotune.trials.precision import (
     DEFAULT_PRECISION,
     OVERLAP_ENV,
@@ -72,6 +74,7 @@ __all__ = [
     "INCOMPLETE_MARKER",
     "LinkEmulator",
     "RankMetrics",
+    "Pool",
     "RankPool",
     "RankRun",
     "PairNoise",
@@ -89,6 +92,7 @@ __all__ = [
     "get_link_name",
     "load_trial_config",
     "median_or_none",
+    "kill_tree",
     "pid_alive",
     "resolve_profile",
     "run_ranks",

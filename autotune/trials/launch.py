@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from autotune.trials.killing import kill_tree, pid_alive
 from autotune.trials.stores import LOOPBACK, listen_store
 from autotune.trials.wire import decode, encode
 
@@ -66,13 +67,6 @@ def read_tail(path: Path, num_lines: int = 20) -> str:
     except OSError:
         return ""
     return "\n".join(lines[-num_lines:])
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def read_oom_kills() -> int | None:
@@ -250,8 +244,7 @@ def run_ranks(
             timed_out, exit_order = _wait_all(procs, start + timeout_s)
         finally:  # Ctrl-C included: no rank outlives the call
             for proc in procs:
-                kill_tree(proc)
-                proc.wait()
+                kill_tree(proc)  # reaped, its returncode set
         # Ranks we killed report None: their SIGKILL is ours, not the OOM killer's.
         codes = [p.returncode if r in exit_order else None for r, p in enumerate(procs)]
         tails = [read_tail(tmpdir / f"stderr_{r}.txt") for r in range(world_size)]
@@ -279,17 +272,6 @@ def remove_stale_temp_dirs(root: str | Path | None = None) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def spawn_ranks(

@@ -4,16 +4,17 @@ and ``benchmarks/node_search.py`` start them (gloo; ``--cluster cpu-emulated-2no
 link between the "nodes" to a slow network's speed).
 
 torchrun starts each worker in a session of its own, so killing an agent's process group leaves
-its workers running: :func:`kill_tree` kills a process and everything under it.
+its workers running: :func:`kill_tree` (:mod:`autotune.trials.killing`, here for the callers that
+start the agents) kills a process and everything under it.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import sys
 from pathlib import Path
+
+from autotune.trials.killing import kill_tree
 
 __all__ = ["get_agent_command", "get_free_port", "kill_tree"]
 
@@ -60,28 +61,3 @@ def get_agent_command(
     if log_dir is not None:
         command += ["--log-dir", str(log_dir)]
     return [*command, "-m", "autotune.trials.worker", "--pool", pool]
-
-
-def _get_descendants(pid: int) -> list[int]:
-    """Every live process under ``pid`` (read from ``/proc``: Linux)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process under it, torchrun's workers in their own sessions included."""
-    for each in [*_get_descendants(pid), pid]:
-        try:
-            os.kill(each, signal.SIGKILL)
-        except ProcessLookupError:
-            pass

@@ -190,8 +190,8 @@ class TrialMetrics:
     """The body of ``metrics.json``."""
 
     KIND: ClassVar[str] = "trial_metrics"
-    SCHEMA_VERSION: ClassVar[int] = 12
-    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6, 7, 8, 9, 10, 11)}
+    SCHEMA_VERSION: ClassVar[int] = 13
+    MIGRATIONS: ClassVar[dict] = {1: _migrate_v1, **get_added_field_migrations(2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)}
     # v3, v4 added fields, all with defaults; v5 the settle steps (their ``paired`` figures
     # stay as measured: before v5 a ratio is the median pair, without ``estimator``); v6 embeds
     # trace summary v4 (pipeline figures; ``check_summary`` upgrades an older one); v7 adds the
@@ -200,7 +200,8 @@ class TrialMetrics:
     # v9 the host's path per block pass (None: not timed); v10 which side stepped first in the
     # even pairs (``RankMetrics.pairs_first``, ``paired["first"]``; before: the reference); v11
     # the candidate's warm-up steps per rank (``RankMetrics.candidate_warmup``; before: None); v12
-    # each sharded build's shard-cache counts per rank (``RankMetrics.shard_inits``; before: empty)
+    # each sharded build's shard-cache counts per rank (``RankMetrics.shard_inits``; before: empty); v13
+    # the traces left on their nodes (``kept_traces``; before: empty)
 
     status: TrialStatus
     reason: str = ""
@@ -232,6 +233,9 @@ class TrialMetrics:
     """The slowest rank's host path per block pass (v9; see :class:`RankMetrics`)."""
     ranks: list[RankMetrics] = field(default_factory=list)
     traces: list[str] = field(default_factory=list)
+    kept_traces: list[dict[str, Any]] = field(default_factory=list)
+    """Traces left on the ranks' nodes, over the cap of what a rank sends ([Note: node-local files] in
+    :mod:`autotune.trials.gather`): each one's rank, host, path and bytes (v13)."""
     wall_s: float = 0.0
     trace_metrics: dict[str, Any] | None = None
     """``autotune.analysis.summarize_traces`` of the traces (its own versioned schema)."""

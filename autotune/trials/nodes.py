@@ -16,10 +16,11 @@ rounds, the emitted config, every trial dir) through the same ``pool.run`` and
   fresh ones for the next trial;
 - *nodes*: torchrun (or srun running torchrun) starts them on every node
   (``autotune.trials.worker``), and restarts them: the driver cannot kill a process on another
-  node, so after a failure it *aborts the world*. It sets ``gen/{g}/abort``, every rank's
-  heartbeat thread sees it within a second and exits, and each torchrun agent, seeing its
-  workers gone, starts new ones (``--max-restarts``). The failed trial is recorded with its
-  reason, as locally, and the next runs on the next world.
+  node, so after a failure it *aborts the world*. It adds
+  :data:`~autotune.trials.worker.ABORT_BEATS` to every rank's beat counter, every rank's heartbeat
+  sees its count jump within a second and exits, and each torchrun agent, seeing its workers
+  gone, starts new ones (``--max-restarts``). The failed trial is recorded with its reason, as
+  locally, and the next runs on the next world.
 
 *Admission.* Each started worker takes a ticket from the driver's store and posts its rank
 (torchrun's ``RANK``), host, node and pid. Once every rank has a worker newer than the last
@@ -39,6 +40,20 @@ its agent lost), or the job's time limit (a hang). The driver lives outside the 
 restarting every worker, which would end a driver inside one with every failed trial. A world
 that does not form within ``join_timeout_s`` is one line naming the address and what joined.
 
+*Polling.* A job's wait costs the store a few requests a second whatever the world's size. Each
+rank counts its result in (``add`` on ``done/{n}``); the one whose count reaches the world size
+rings the job's doorbell (``add`` on ``wake/{n}``; a failure report, or a rank's word that it will
+not run the job, rings it at once). The driver waits for it with one blocking ``wait`` per job, on
+a client of its own, and once a :data:`_CHECK_S` reads the ticket counter (an ``add``) and every
+beat counter (a ``multi_get``); it reads results and reports once the doorbell rang (a count made
+twice across a reconnect rings early: it then checks each period). A heartbeat is one ``add`` a
+second, the abort riding on its answer. Measured (``benchmarks/store_polling.py``): the driver 3
+requests a second at 64 and at 256 ranks; the 50 ms poll of every rank it replaced, 2036 and 5090.
+
+*Hiccups.* A worker's heartbeat and job loop make their connection again after a drop ([Note: store
+hiccups] in :mod:`autotune.trials.reconnect`); one that had to ends its world between jobs, setting
+``dropped/{rank}`` first: the driver runs that job again on the next world (:data:`_RERUNS` times).
+
 *What travels.* The driver's store listens on the address ``--workers`` names only ([Note: store
 binding] in :mod:`autotune.trials.stores`); every job, result, ticket, admission, placement and
 failure report on it is a message signed with the search's secret ([Note: signed messages] in
@@ -50,21 +65,25 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from torch.distributed import PrefixStore
+from torch.distributed import DistError, PrefixStore, TCPStore
 
 from autotune.trials.launch import RankRun, classify_failure, is_peer_loss
 from autotune.trials.stores import listen_store
 from autotune.trials.wire import SECRET_ENV, WireError, load_secret, new_secret, open_sealed, seal
-from autotune.trials.worker import parse_address
+from autotune.trials.worker import ABORT_BEATS, parse_address
 from fsdp_runtime.errors import AutotuneError
 
 __all__ = ["SECRET_FILE", "NodePool", "NodePoolError", "get_pool_secret"]
 
-_POLL_S = 0.05
+_JOIN_POLL_S = 0.2  # how often the driver looks for tickets and registrations while a world forms
+_CHECK_S = 1.0  # while a job runs: the doorbell's wait between two checks of tickets and heartbeats
+_RERUNS = 3  # how many times a job a dropped connection kept from running runs again, each on a new world
 _FORM_S = 60.0  # how long admitted workers have to form their process group
 _REPORT_GRACE_S = 3.0  # after a rank's report, how long the others' reports and new workers' tickets may take
 
@@ -75,6 +94,16 @@ SECRET_FILE = "pool-secret"
 
 class NodePoolError(AutotuneError):
     """No world formed: the workers did not join, or torchrun's restarts are spent."""
+
+
+def _listen(bells: Any, key: str, deadline: float, bell: threading.Event) -> None:
+    """Set ``bell`` once the doorbell ``key`` rings: one blocking ``wait`` per job, not one per check
+    period (each that times out logs two warnings of torch's, measured on torch 2.13.0)."""
+    try:
+        bells.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.0) + 2 * _CHECK_S))
+        bell.set()
+    except DistError:  # the time limit passed: the wait's own loop has ended it
+        pass
 
 
 def get_pool_secret(out_dir: str | os.PathLike, say: Any = None) -> bytes:
@@ -99,6 +128,8 @@ class NodePool:
     """``world_size`` ranks started by a launcher on every node and joined to this driver's store
     at ``address`` ([Note: node pool]); runs jobs as :class:`~autotune.trials.pool.RankPool` does."""
 
+    remote = True
+
     def __init__(
         self,
         world_size: int,
@@ -120,6 +151,8 @@ class NodePool:
         self._secret = secret
         self._store = listen_store(host, port, timeout_s=30)
         self._keys = PrefixStore("nodepool/", self._store)
+        # The doorbells' own client: a blocking wait holds its client until it returns.
+        self._bell_keys, self._bells = PrefixStore("nodepool/", TCPStore(host, self._store.port, is_master=False)), None
         self.generation = 0
         """The world the next job runs on (0: none joined yet)."""
         self.placement: list[dict[str, Any]] = []
@@ -152,31 +185,37 @@ class NodePool:
         return list(seen.values())
 
     def run(self, target: str, kwargs: dict[str, Any] | None = None, *, timeout_s: float = 120.0) -> RankRun:
-        """Run ``target`` on every rank of the current world (waiting for one to form first)."""
-        start = time.monotonic()
-        if not self._live:
-            self._join()
-        n, prefix = self._next_job, f"gen/{self.generation}/"
-        self._next_job += 1
-        self._jobs.set(f"job/{n}", seal(self._secret, f"{prefix}job/{n}", {"target": target, "kwargs": kwargs or {}}))
-        keys = [f"result/{n}/{r}" for r in range(self.world_size)]
-        failure = self._wait(keys, prefix, start + timeout_s)
-        if failure is None:
-            try:
-                results = [self._open_result(prefix, n, r) for r in range(self.world_size)]
-            except WireError as e:
-                failure = {"refused": str(e)}
-        if failure is None:
-            return RankRun(
-                status="ok",
-                results=results,
-                returncodes=[None] * self.world_size,
-                wall_s=time.monotonic() - start,
-                pids=self.pids,
-                placement=self.placement,
+        """Run ``target`` on every rank of the current world (waiting for one to form first); a job a
+        rank did not run, its connection to this store dropped, runs again ([Note: node pool], "Hiccups")."""
+        for attempt in range(_RERUNS + 1):
+            start = time.monotonic()
+            if not self._live:
+                self._join()
+            n, prefix = self._next_job, f"gen/{self.generation}/"
+            self._next_job += 1
+            job = {"target": target, "kwargs": kwargs or {}}
+            self._jobs.set(f"job/{n}", seal(self._secret, f"{prefix}job/{n}", job))
+            failure = self._wait(n, prefix, start + timeout_s)
+            if failure is None:
+                try:
+                    results = self._open_results(prefix, n)
+                except WireError as e:
+                    failure = {"refused": str(e)}
+            if failure is None:
+                return RankRun(
+                    status="ok",
+                    results=results,
+                    returncodes=[None] * self.world_size,
+                    wall_s=time.monotonic() - start,
+                    pids=self.pids,
+                    placement=self.placement,
+                )
+            self._abort(prefix)
+            if "dropped" not in failure or attempt == _RERUNS:
+                return self._failed_run(failure, prefix, timeout_s, time.monotonic() - start)
+            self._say(
+                f"world {self.generation}: {self._describe_dropped(failure)}; the job runs again on the next world"
             )
-        self._abort(prefix)
-        return self._failed_run(failure, prefix, timeout_s, time.monotonic() - start)
 
     def close(self) -> None:
         """Tell the current world's ranks to exit (torchrun then ends, its workers done)."""
@@ -203,10 +242,10 @@ class NodePool:
                 self._newest = {}
             if admitted is not None:
                 prefix = f"gen/{self.generation}/"
-                if all(self._keys.check([f"{prefix}rank/{r}"]) for r in range(self.world_size)):
+                if self._keys.check([f"{prefix}rank/{r}" for r in range(self.world_size)]):  # all of them
                     break
                 if now - admitted_at > _FORM_S:  # a worker died before forming it: the next world
-                    self._keys.set(f"{prefix}abort", b"1")
+                    self._abort_world(prefix)
                     self._floor, admitted = max(admitted.values()), None
             if now > deadline:
                 raise NodePoolError(
@@ -215,7 +254,7 @@ class NodePool:
                     f"runs `-m autotune.trials.worker --pool {self.address}` on every node with --nnodes x "
                     f"--nproc-per-node = {self.world_size}, and that its --max-restarts are not spent"
                 )
-            time.sleep(_POLL_S * 4)
+            time.sleep(_JOIN_POLL_S)
         self._start_world(prefix, max(admitted.values()))
 
     def _scan_tickets(self) -> None:
@@ -257,41 +296,74 @@ class NodePool:
         self._floor, self._next_job, self._live = last_ticket, 0, True
         # the ranks' job loop reads a store nested in the generation's prefix (a PrefixStore joins with "/")
         self._jobs = PrefixStore(prefix, self._keys)
+        self._bells = PrefixStore(prefix, self._bell_keys)
         self.placement = [
             self._open(f"{prefix}rank/{r}", f"rank {r} of world {self.generation}") for r in range(self.world_size)
         ]
+        for r in range(self.world_size):  # every beat counter there for one multi_get, the first beat or not
+            self._keys.add(f"{prefix}beat/{r}", 0)
         self._beats = {r: (0, time.monotonic()) for r in range(self.world_size)}
         self.num_starts += 1
         self._say(
             f"world {self.generation}: {self.world_size} ranks on {len(self.nodes)} node(s): {', '.join(self.nodes)}"
         )
 
-    def _wait(self, keys: list[str], prefix: str, deadline: float) -> dict[str, Any] | None:
-        """None once every result is in; else what ended the wait (a report, a lost rank, the clock)."""
-        while True:
-            if self._jobs.check(keys):
-                return None
-            reported = [r for r in range(self.world_size) if self._keys.check([f"{prefix}failed/{r}"])]
-            if reported:
-                time.sleep(_REPORT_GRACE_S)  # the cause's own report, or its new worker's ticket, may follow
+    def _wait(self, n: int, prefix: str, deadline: float) -> dict[str, Any] | None:
+        """None once every result of job ``n`` is in; else what ended the wait (a dropped
+        connection, a report, a new worker, a lost rank, the clock). Waits for the job's doorbell,
+        and checks tickets and heartbeats once per :data:`_CHECK_S` ([Note: node pool], "Polling")."""
+        keys, bell = [f"result/{n}/{r}" for r in range(self.world_size)], threading.Event()
+        threading.Thread(target=_listen, args=(self._bells, f"wake/{n}", deadline, bell), daemon=True).start()
+        rung = False
+        try:
+            while True:
+                period = min(_CHECK_S, max(deadline - time.monotonic(), 0.01))
+                if rung:  # rung before every result was in (a count made twice across a reconnect)
+                    time.sleep(period)
+                else:
+                    rung = bell.wait(period)
+                if rung and self._jobs.check(keys):
+                    return None
+                failure = self._read_reports(prefix) if rung else None
+                if failure is not None:
+                    return failure
                 self._scan_tickets()
-                reported = [r for r in range(self.world_size) if self._keys.check([f"{prefix}failed/{r}"])]
-                return {"reported": reported, "replaced": sorted(self._newest)}
-            self._scan_tickets()
-            if self._newest:  # torchrun started a new worker for a rank of this world: its old one is gone
-                return {"replaced": sorted(self._newest)}
-            lost = self._find_lost(prefix)
-            if lost:
-                return {"lost": lost}
-            if time.monotonic() > deadline:
-                return {"timed_out": True}
-            time.sleep(_POLL_S)
+                if self._newest:  # torchrun started a new worker for a rank of this world: its old one is gone
+                    return {"replaced": sorted(self._newest)}
+                lost = self._find_lost(prefix)
+                if lost:
+                    return {"lost": lost}
+                if time.monotonic() > deadline:
+                    return {"timed_out": True}
+        finally:
+            if not bell.is_set():  # the listener let go
+                self._jobs.add(f"wake/{n}", 1)
+
+    def _read_reports(self, prefix: str) -> dict[str, Any] | None:
+        """What the ranks told once the doorbell rang: that they will not run the job (their
+        connection dropped: it runs again), or why it failed (the cause's report may follow)."""
+        try:
+            dropped = {r: self._open(f"{prefix}dropped/{r}", f"rank {r}") for r in self._find_keys(prefix, "dropped")}
+        except WireError as e:
+            return {"refused": str(e)}
+        if dropped:
+            return {"dropped": dropped}
+        if not self._find_keys(prefix, "failed"):
+            return None
+        time.sleep(_REPORT_GRACE_S)  # the cause's own report, or its new worker's ticket, may follow
+        self._scan_tickets()
+        return {"reported": self._find_keys(prefix, "failed"), "replaced": sorted(self._newest)}
+
+    def _find_keys(self, prefix: str, name: str) -> list[int]:
+        """The ranks whose ``{prefix}{name}/{rank}`` is set (one request each: only once the doorbell rang)."""
+        return [r for r in range(self.world_size) if self._keys.check([f"{prefix}{name}/{r}"])]
 
     def _find_lost(self, prefix: str) -> list[int]:
-        """Ranks whose heartbeat has not counted up for ``lost_after_s``."""
+        """Ranks whose heartbeat has not counted up for ``lost_after_s`` (every count in one request)."""
         now, lost = time.monotonic(), []
-        for rank, (count, since) in self._beats.items():
-            latest = self._keys.add(f"{prefix}beat/{rank}", 0)
+        counts = self._keys.multi_get([f"{prefix}beat/{r}" for r in range(self.world_size)])
+        for rank, latest in enumerate(int(count) for count in counts):
+            count, since = self._beats[rank]
             if latest != count:
                 self._beats[rank] = (latest, now)
             elif now - since > self.lost_after_s:
@@ -306,19 +378,29 @@ class NodePool:
         """The signed value of ``key`` ([Note: signed messages]); :class:`WireError` where refused."""
         return open_sealed(self._secret, f"nodepool/{key}", self._keys.get(key), sender=sender)
 
-    def _open_result(self, prefix: str, n: int, rank: int) -> Any:
-        """Rank ``rank``'s result of job ``n``, set under the world's jobs (their scope: ``prefix``)."""
-        data = self._jobs.get(f"result/{n}/{rank}")
-        return open_sealed(
-            self._secret, f"{prefix}result/{n}/{rank}", data, sender=f"rank {rank} on {self._host(rank)}"
-        )
+    def _open_results(self, prefix: str, n: int) -> list[Any]:
+        """Every rank's result of job ``n``, set under the world's jobs (their scope: ``prefix``), in one request."""
+        data = self._jobs.multi_get([f"result/{n}/{r}" for r in range(self.world_size)])
+        key, sender = f"{prefix}result/{n}/", lambda r: f"rank {r} on {self._host(r)}"
+        return [open_sealed(self._secret, f"{key}{r}", d, sender=sender(r)) for r, d in enumerate(data)]
 
     def _host(self, rank: int) -> str:
         return self.placement[rank]["host"] if rank < len(self.placement) else "an unknown host"
 
     def _abort(self, prefix: str) -> None:
-        self._keys.set(f"{prefix}abort", b"1")
+        self._abort_world(prefix)
         self._live = False
+
+    def _abort_world(self, prefix: str) -> None:
+        """End the world under ``prefix`` on every node: each rank's next heartbeat finds its count
+        past :data:`~autotune.trials.worker.ABORT_BEATS` and exits (one request per rank, once)."""
+        for r in range(self.world_size):
+            self._keys.add(f"{prefix}beat/{r}", ABORT_BEATS)
+
+    def _describe_dropped(self, failure: dict[str, Any]) -> str:
+        ranks = sorted(failure["dropped"].items())
+        where = ", ".join(f"rank {r} on {self._host(r)} ({info['down_s']:.1f} s)" for r, info in ranks)
+        return f"the connection of {where} to the driver dropped and was made again, which their process group's cannot"
 
     def _describe_silent(self, failure: dict[str, Any], reported: list[int], peers_only: bool) -> str:
         """Why a job failed where the rank that caused it said nothing. A restarted worker cannot
@@ -352,6 +434,8 @@ class NodePool:
             )
         if failure.get("refused"):
             status, reason = "crash", failure["refused"]
+        if failure.get("dropped"):
+            status, reason = "crash", f"{self._describe_dropped(failure)}, in {_RERUNS + 1} worlds in a row"
         if failure.get("timed_out"):
             reason = f"no result after {timeout_s:.0f}s (deadlock or too slow); the world was aborted on every node"
         return RankRun(

@@ -74,7 +74,7 @@ from fsdp_runtime import ROOT_UNIT, MixedPrecisionConfig, RuntimeConfig, config_
 from profiles import compute_loss
 
 if TYPE_CHECKING:
-    from autotune.trials.pool import RankPool
+    from autotune.trials.pools import Pool
 
 __all__ = [
     "BF16",
@@ -228,7 +228,7 @@ def get_default_config(model: Any, mixed_precision: MixedPrecisionConfig) -> Run
 
 
 def _launch(
-    target: str, kwargs: dict[str, Any], *, world_size: int, backend: str, pool: RankPool | None, timeout_s: float
+    target: str, kwargs: dict[str, Any], *, world_size: int, backend: str, pool: Pool | None, timeout_s: float
 ) -> RankRun:
     if pool is not None:
         return pool.run(target, kwargs, timeout_s=timeout_s)
@@ -241,7 +241,7 @@ def check_memorisation(
     world_size: int,
     backend: str = "gloo",
     task: MemoriseTask = MemoriseTask(),
-    pool: RankPool | None = None,
+    pool: Pool | None = None,
     timeout_s: float = 600.0,
     target: str = MEMORISE_TARGET,
 ) -> NumericsCheck:
@@ -270,7 +270,7 @@ def check_switch(
     world_size: int,
     backend: str = "gloo",
     task: MemoriseTask = MemoriseTask(num_steps=4),
-    pool: RankPool | None = None,
+    pool: Pool | None = None,
     timeout_s: float = 600.0,
     target: str = SWITCH_TARGET,
 ) -> NumericsCheck:

@@ -41,11 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from autotune.trials.killing import kill_tree
 from autotune.trials.launch import (
     TEMP_PREFIX,
     RankRun,
     failed_run,
-    kill_tree,
     read_oom_kills,
     read_tail,
     remove_stale_temp_dirs,
@@ -64,6 +64,8 @@ _SHUTDOWN_S = 5.0
 
 class RankPool:
     """``world_size`` long-lived ranks that run jobs ``fn(rank, world_size, **kwargs)``; see [Note: rank pool]."""
+
+    remote = False
 
     def __init__(
         self,
@@ -216,8 +218,7 @@ class RankPool:
     def _stop_all(self, exit_order: list[int]) -> tuple[list[int | None], list[str]]:
         """Kill every rank's process tree; returns their own exit codes (None if we killed them) and stderr tails."""
         for proc in self._procs:
-            kill_tree(proc)
-            proc.wait()
+            kill_tree(proc)  # reaped, its returncode set
         codes = [p.returncode if r in exit_order else None for r, p in enumerate(self._procs)]
         tails = (
             [read_tail(Path(self._tmp.name) / f"stderr_{r}.txt") for r in range(len(self._procs))] if self._tmp else []

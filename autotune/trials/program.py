@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.trials import kept as kept_models
+from autotune.trials.gather import get_node_dir, pack_trace
 from autotune.trials.kept import KeptModel
 from autotune.trials.metrics import median_or_none
 from autotune.trials.paired import (
@@ -204,10 +205,13 @@ def _is_below(sides: dict[str, Side], limit: float | None) -> bool:
 def run_trial_rank(rank: int, world_size: int, *, spec: dict[str, Any]) -> dict[str, Any]:
     """Rank program of a trial (``spec`` is :meth:`autotune.trials.spec.TrialSpec.to_dict`); returns this rank's measurements."""
     try:
-        return _run_trial_rank(rank, world_size, spec)
+        result = _run_trial_rank(rank, world_size, spec)
     except BaseException:
         kept_models.drop()  # a step may have stopped halfway: never step that model again
         raise
+    if result["trace"] is not None and spec.get("send_files"):  # [Note: node-local files]
+        result["sent_trace"] = pack_trace(get_node_dir(spec) / result["trace"])
+    return result
 
 
 def _build_and_measure(
@@ -298,7 +302,8 @@ def _profile(
     them; every step's loss joins the candidate's) and the trace's file name."""
     candidate = sides["candidate"]
     sides.pop("reference", None)  # its own model, unless kept, is freed before the window
-    trace_path = Path(spec["out_dir"]) / f"trace_rank{rank}.json.gz"
+    directory = get_node_dir(spec) if spec.get("send_files") else Path(spec["out_dir"])  # [Note: node-local files]
+    trace_path = directory / f"trace_rank{rank}.json.gz"
     if libc is not None:
         prefault_heap(libc, world_size=spec["world_size"])
     activate(candidate)  # one model: the reference's knobs, or the reference's build, may be what the ranks hold

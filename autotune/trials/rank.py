@@ -203,6 +203,8 @@ def serve_jobs(
     sender: str,
     on_fail: Callable[[int, str], None] | None = None,
     on_exit: Callable[[], None] | None = None,
+    on_job: Callable[[int], None] | None = None,
+    on_result: Callable[[int], None] | None = None,
 ) -> None:
     """Run the jobs set under ``jobs`` (a store) in order until told to exit: ``job/{n}`` in,
     ``result/{n}/{rank}`` out (both the local pool's ranks and the workers torchrun starts), each a
@@ -210,7 +212,11 @@ def serve_jobs(
     another world's is refused), a job's from ``sender`` ([Note: signed messages] in
     :mod:`autotune.trials.wire`). A job refused ends the rank as a failed one does, its one line
     told to ``on_fail``. ``on_exit`` runs when told to exit or the pool is gone, before the process
-    ends without unwinding."""
+    ends without unwinding. ``on_job(n)`` is told before job ``n`` runs and ``on_result(n)`` after
+    its result is set: a worker across nodes rings the driver's doorbell there, and ends its world
+    between jobs after a dropped connection ([Note: store hiccups] in :mod:`autotune.trials.reconnect`);
+    ``jobs`` is then a client that makes its connection again (the local pool's ranks keep the plain
+    store: their parent's death ends them at once)."""
     from autotune.trials.wire import WireError, check_target, open_sealed, seal
 
     for n in itertools.count():
@@ -223,6 +229,8 @@ def serve_jobs(
             # right after: skip process-group teardown and interpreter exit (seconds).
             sys.stderr.flush()
             os._exit(0)
+        if on_job is not None:
+            on_job(n)
         try:
             job = open_sealed(secret, f"{scope}job/{n}", job, sender=sender)
             check_target(job["target"])
@@ -232,6 +240,8 @@ def serve_jobs(
         result = call_target(job["target"], rank, world_size, job["kwargs"], on_fail)
         _release_job_groups(groups_before)
         jobs.set(f"result/{n}/{rank}", seal(secret, f"{scope}result/{n}/{rank}", result))
+        if on_result is not None:
+            on_result(n)
         gc.collect()
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autotune.trials.gather import receive_files
 from autotune.trials.metrics import TrialResult
 from autotune.trials.precision import (
     apply_precision_options,
@@ -36,7 +37,7 @@ from fsdp_runtime import RuntimeConfig
 from fsdp_runtime.errors import AutotuneError
 
 if TYPE_CHECKING:
-    from autotune.trials.pool import RankPool
+    from autotune.trials.pools import Pool
 
 
 def load_trial_config(config_path: str | Path | None, model: str | dict[str, Any]) -> RuntimeConfig:
@@ -90,7 +91,7 @@ def load_rank_program(target: str) -> Callable[..., dict[str, Any]]:
     return getattr(importlib.import_module(module_name), fn_name)
 
 
-def run_trial(spec: TrialSpec, *, pool: RankPool | None = None) -> TrialResult:
+def run_trial(spec: TrialSpec, *, pool: Pool | None = None) -> TrialResult:
     """Run one trial (fresh ranks, or ``pool``'s) and write its trial dir; never raises for what a rank does."""
     start = time.monotonic()
     if pool is not None and (pool.world_size != spec.world_size or pool.backend != spec.backend):
@@ -103,7 +104,8 @@ def run_trial(spec: TrialSpec, *, pool: RankPool | None = None) -> TrialResult:
         return write_trial_dir(
             spec, status="invalid_config", reason=str(e), rank_results=[], wall_s=time.monotonic() - start
         )
-    kwargs = {"spec": spec.to_dict()}
+    remote = pool is not None and pool.remote  # ranks that may share no filesystem with this process
+    kwargs = {"spec": spec.to_dict() | ({"send_files": True} if remote else {})}
     if pool is not None:
         run = pool.run(spec.rank_program, kwargs, timeout_s=spec.timeout_s)
     else:
@@ -114,8 +116,10 @@ def run_trial(spec: TrialSpec, *, pool: RankPool | None = None) -> TrialResult:
         )
     if run.ok:
         status = "pruned" if any(r["pruned"] for r in run.results) else "ok"
+        kept = receive_files(run.results, spec.out_dir) if remote else []  # [Note: node-local files]
+        wall_s = time.monotonic() - start
         result = write_trial_dir(
-            spec, status=status, reason="", rank_results=run.results, wall_s=time.monotonic() - start
+            spec, status=status, reason="", rank_results=run.results, wall_s=wall_s, kept_traces=kept
         )
     else:
         result = write_trial_dir(

@@ -111,9 +111,11 @@ def write_trial_dir(
     rank_results: list[dict[str, Any]],
     wall_s: float,
     placement: list[dict[str, Any]] | None = None,
+    kept_traces: list[dict[str, Any]] | None = None,
 ) -> TrialResult:
     """Write ``metrics.json`` and ``env.json`` for a finished (or failed) trial; returns its result.
-    ``placement``: where a launcher put the ranks of a trial that returned no results (env.json's ``ranks``)."""
+    ``placement``: where a launcher put the ranks of a trial that returned no results (env.json's ``ranks``);
+    ``kept_traces``: the traces left on their nodes ([Note: node-local files] in :mod:`autotune.trials.gather`)."""
     ranks = [to_rank_metrics(r) for r in rank_results]
     metrics = TrialMetrics.from_ranks(
         ranks,
@@ -131,6 +133,7 @@ def write_trial_dir(
         wall_s=wall_s,
         stopping=spec.stopping,
         stopped=rank_results[0].get("stopped") if rank_results else None,
+        kept_traces=kept_traces or [],
     )
     if metrics.traces and status == "ok":
         metrics.trace_metrics, metrics.analysis_error = _analyze(

@@ -15,8 +15,9 @@ one :class:`WireError` line naming the sender, a value that is not such a messag
 not match (tampered, or signed with another secret), that was sealed for another key (moved) or
 whose nonce this process has already seen (replayed). Keys are never reused under one secret
 (each names its world and job number), so a captured message cannot be set again where it would
-be read. Heartbeat counters are bare integers (``store.add``): forging one can only keep a rank
-looking alive until its job's time limit.
+be read. Heartbeat and job-count counters are bare integers (``store.add``): forging one can keep a
+rank looking alive until its job's time limit, abort a world, or wake the driver early (which
+then finds no signed result and waits on), never run code or forge a result.
 
 The body's encoding is JSON with a few tagged objects for what JSON lacks: tuples, bytes (base64),
 dicts with keys other than strings, sets, paths, and torch tensors (dtype, shape and their raw
