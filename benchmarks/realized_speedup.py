@@ -212,6 +212,35 @@ def print_row(row: dict) -> None:
         print(f"   failed: {row['error']}")
 
 
+def is_covered(row: dict) -> bool | None:
+    """Whether the figure realized alone lies inside the claim's printed 90% interval (None: a claim
+    not counted, or one without an interval): what that interval covers, measured."""
+    if get_ratio(row) is None or row.get("claimed_low") is None or row.get("claimed_high") is None:
+        return None
+    return row["claimed_low"] <= row["realized"] <= row["claimed_high"]
+
+
+def wilson(k: int, n: int, z: float = 1.645) -> tuple[float, float]:
+    """The binomial interval of ``k`` in ``n`` (Wilson's score interval; ``z`` 1.645: 90%)."""
+    p, d = k / n, 1 + z * z / n
+    centre, half = (p + z * z / (2 * n)) / d, z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / d
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def get_coverage(group: list[dict]) -> dict:
+    """How many counted claims with an interval held the figure realized alone, and that share's 90% interval."""
+    covered = [c for r in group if (c := is_covered(r)) is not None]
+    k, n = sum(covered), len(covered)
+    low, high = wilson(k, n) if n else (None, None)
+    return {
+        "covered": k,
+        "with_interval": n,
+        "coverage": k / n if n else None,
+        "coverage_low": low,
+        "coverage_high": high,
+    }
+
+
 def get_summary(rows: list[dict]) -> dict[str, dict]:
     """Per workload and ``all``: realized / claimed over the searches that claim a speedup over the
     defaults (median, worst, spread, whether the aim holds), and how many emitted the defaults or
@@ -231,6 +260,7 @@ def get_summary(rows: list[dict]) -> dict[str, dict]:
             "recipe": sum(r.get("emitted") == "recipe" for r in group),
             "failed": sum("error" in r for r in group),
             "aim": None if median is None else abs(median - 1) <= AIM_MEDIAN_PCT / 100 and min(ratios) >= AIM_WORST,
+            **get_coverage(group),
         }
     return summary
 
@@ -248,6 +278,11 @@ def print_summary(rows: list[dict]) -> None:
             f"defaults {s['defaults']}, recipe {s['recipe']}, failed {s['failed']}; aim {aim}"
         )
     print("(a search that emitted the defaults or the recipe claims nothing over the defaults to check)")
+    print("\nrealized alone inside the claim's printed 90% interval (it covers one window's noise, paired)")
+    for name, s in get_summary(rows).items():
+        if s["with_interval"]:
+            share = f"{100 * s['coverage']:.0f}% (90% interval {100 * s['coverage_low']:.0f}-{100 * s['coverage_high']:.0f}%)"
+            print(f"{name:<9} {s['covered']} of {s['with_interval']}: {share}")
 
 
 def main() -> None:

@@ -414,10 +414,19 @@ def test_realized_speedup_summary_counts_only_claims_over_the_defaults_and_judge
     assert (other["counted"], other["failed"]) == (3, 1)
     assert every["counted"] == 8 and abs(every["median"] - 1.015) < 1e-9 and abs(every["worst"] - 0.94) < 1e-9
     assert rs.get_summary([row("small", 1.2, 0.6, emitted="defaults")])["small"]["aim"] is None
+    # inside the claim's interval (claimed +-10% here): every counted one, wide1024's 1.41 of 1.50 too
+    assert (small["covered"], small["with_interval"], wide["covered"], every["covered"]) == (3, 3, 2, 8)
+    bare = rs.get_summary([row("small", 1.2, 1.5)])["small"]  # 1.5 beyond 1.32: realized outside it
+    assert (bare["covered"], bare["with_interval"], bare["coverage"]) == (0, 1, 0.0) and bare["coverage_high"] < 0.8
+    # Wilson's 90% interval: for none of n its upper end is z^2 / (n + z^2) in closed form
+    assert rs.wilson(0, 10) == (0.0, pytest.approx(1.645**2 / (10 + 1.645**2)))
+    low, high = rs.wilson(16, 20)  # worked by hand: centre 0.7642, half-width 0.1426
+    assert low == pytest.approx(0.6216, abs=2e-4) and high == pytest.approx(0.9068, abs=2e-4)
     rs.print_summary(rows)
     out = capsys.readouterr().out
     assert "small            5       3   1.000  0.980  0.980-1.020  defaults 1, recipe 1, failed 0; aim holds" in out
-    assert "aim MISSED" in out.splitlines()[-2]  # all
+    assert "aim MISSED" in next(line for line in out.splitlines() if line.startswith("all "))
+    assert "all       8 of 8: 100% (90% interval 75-100%)" in out  # what the claims' intervals held
     rs.print_row(row("small", 1.25, None, run=0, search_wall_s=10.0) | {"claimed_low": None, "claimed_high": None})
     assert "claimed 1.250x (interval unknown)" in capsys.readouterr().out
     conf = {"emitted": "best", "speedup_median": 1.3}  # a search that records no interval for its claim
