@@ -57,7 +57,8 @@ def test_the_fixtures_are_the_versions_they_are_named_after():
         ), name
     for name, kind, version in [
         ("metrics_v11.json", "trial_metrics", 11),
-        ("metrics_v12.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
+        ("metrics_v12.json", "trial_metrics", 12),
+        ("metrics_v13.json", "trial_metrics", TrialMetrics.SCHEMA_VERSION),
         ("search_v11.json", "search_summary", 11),
         ("search_v12.json", "search_summary", SearchRecord.SCHEMA_VERSION),
         ("trial_spec_v4.json", "trial_spec", TrialSpec.SCHEMA_VERSION),
@@ -123,6 +124,7 @@ def test_v1_metrics_migrate_to_exactly_what_today_writes():
         == TrialMetrics.read(ARTIFACTS / "metrics_v10.json")
         == TrialMetrics.read(ARTIFACTS / "metrics_v11.json")
         == TrialMetrics.read(ARTIFACTS / "metrics_v12.json")
+        == TrialMetrics.read(ARTIFACTS / "metrics_v13.json")
     )
 
 
@@ -178,8 +180,8 @@ def test_v3_trace_summaries_read_as_v4_without_pipeline_figures():
 
 
 def test_metrics_round_trip_is_lossless(tmp_path):
-    original = load_fixture("metrics_v12.json")
-    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v12.json")
+    original = load_fixture("metrics_v13.json")
+    metrics = TrialMetrics.read(ARTIFACTS / "metrics_v13.json")
     assert metrics.to_dict() == original
 
     written = metrics.write(tmp_path / "metrics.json")
@@ -189,7 +191,7 @@ def test_metrics_round_trip_is_lossless(tmp_path):
 
 def test_migrated_v1_metrics_are_written_back_as_today_s_version(tmp_path):
     written = TrialMetrics.read(ARTIFACTS / "metrics_v1.json").write(tmp_path / "metrics.json")
-    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v12.json")
+    assert json.loads(written.read_text(encoding="utf-8")) == load_fixture("metrics_v13.json")
 
 
 @pytest.mark.parametrize("name", [f"search_v{v}.json" for v in range(1, 12)])

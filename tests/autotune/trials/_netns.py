@@ -1,7 +1,7 @@
 """Two "hosts" on one machine: a network namespace each, with its own address on a bridge, its own
-hostname and its own ``/tmp`` (a mount namespace with a tmpfs there), so that its processes reach
-the driver by a real address, not loopback, and share no directory of ``/tmp`` with it or with each
-other. Needs CAP_NET_ADMIN and CAP_SYS_ADMIN (root); :func:`probe` says why not where they are missing.
+hostname and a mount namespace with a tmpfs over the driver's directory (its own ``TMPDIR`` in
+it), so that its processes reach the driver by a real address, not loopback, and see neither the
+driver's files nor each other's. Needs CAP_NET_ADMIN and CAP_SYS_ADMIN (root); :func:`probe` says why not where they are missing.
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ class Host:
     interface: str
     hostname: str
 
-    def wrap(self, command: list[str]) -> list[str]:
+    def wrap(self, command: list[str], hide: str) -> list[str]:
         """``command`` run on this host: in its network namespace, with its hostname (in an ``/etc/hosts``
-        of its own) and a ``/tmp`` of its own."""
+        of its own) and a tmpfs over ``hide`` (the driver's directory: this host cannot see it),
+        which holds this host's own ``TMPDIR``."""
         hosts = f"127.0.0.1 localhost\n{self.address} {self.hostname}\n"  # torchrun resolves its own hostname
-        inner = f"mount -t tmpfs tmpfs /tmp && printf {shlex.quote(hosts)} > /tmp/.hosts && "
-        inner += f"mount --bind /tmp/.hosts /etc/hosts && hostname {self.hostname} && exec {shlex.join(command)}"
+        own = shlex.quote(hide)
+        inner = f"mount -t tmpfs tmpfs {own} && mkdir -p {own}/tmp && printf {shlex.quote(hosts)} > {own}/hosts && "
+        inner += f"mount --bind {own}/hosts /etc/hosts && hostname {self.hostname} && "
+        inner += f"TMPDIR={own}/tmp exec {shlex.join(command)}"
         return ["ip", "netns", "exec", self.namespace, "unshare", "--mount", "--uts", "sh", "-c", inner]
 
 

@@ -3,9 +3,9 @@ files] in autotune/trials/gather.py): each rank writes into its own node's direc
 driver what it needs, so ``--out`` lives on the driver's disk alone.
 
 Two torchrun agents stand in for two hosts, each in a network namespace of its own with its own
-address on a bridge, its own hostname and its own ``/tmp`` (tests/autotune/trials/_netns.py): the
-workers reach the driver's store by a real address, not loopback, and cannot see the driver's
-``--out``. Where this process may not make namespaces (not root), the test is skipped with the
+address on a bridge, its own hostname and a tmpfs over the test's directory, where the driver's
+``--out`` is (tests/autotune/trials/_netns.py): the workers reach the driver's store by a real
+address, not loopback, and cannot see the driver's ``--out``. Where this process may not make namespaces (not root), the test is skipped with the
 reason; ``AUTOTUNE_REQUIRE_ALL`` does not require it (CI here runs as root, so it runs there).
 """
 
@@ -63,7 +63,7 @@ def test_a_search_across_two_hosts_that_share_no_directory_emits_and_its_report_
             )
             host_env = env | {"GLOO_SOCKET_IFNAME": host.interface}
             processes.append(
-                _start(host.wrap([*agent, "--join-timeout-s", "60"]), tmp_path / f"agent{i}.log", host_env)
+                _start(host.wrap([*agent, "--join-timeout-s", "60"], hide=str(tmp_path)), tmp_path / f"agent{i}.log", host_env)
             )
         deadline = time.monotonic() + LIMIT_S
         try:
