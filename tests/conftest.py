@@ -17,7 +17,8 @@ if _TESTS not in sys.path:
 
 TEST_TARGETS = (
     "_guard_programs,_harness,_model_programs,_numerics_programs,_search_programs,_torchtitan_programs,"
-    "_trial_programs,_truth_programs,_tuner_programs,test_linkemu,test_presearch,in_job_tuner"
+    "_trial_programs,_truth_programs,_tuner_programs,test_consolidate,test_linkemu,test_presearch,test_store_hiccup,"
+    "in_job_tuner"
 )
 """The tests' own rank programs, which every rank they start (the pools', torchrun's workers') may run."""
 os.environ[ALLOW_TARGETS_ENV] = TEST_TARGETS
