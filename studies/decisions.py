@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "studies"))
 
+from injob_walk import wilson  # noqa: E402
 from stopping_rule import BURST, fit_rho, recorded_series, step_noise  # noqa: E402
 
 from autotune.search.settings import SearchSettings  # noqa: E402
@@ -57,14 +58,6 @@ SPEEDUPS = (1.0, 0.98, 0.95, 0.90)
 """True candidate/baseline ratios: a tie, then 2%, 5% and 10% faster."""
 ORDERS = {"candidate first": CANDIDATE, "reference first": REFERENCE}
 WALK_PAIRS = 6
-
-
-def wilson(k: int, n: int) -> tuple[float, float]:
-    """The binomial 95% interval of ``k`` in ``n`` (Wilson's score interval)."""
-    z = 1.96
-    p, d = k / n, 1 + z * z / n
-    centre, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def run_window(rule: StoppingRule, first: str, true: float, rng: random.Random, noise: tuple[float, float], burst: bool) -> tuple[str, list[float]]:  # fmt: skip

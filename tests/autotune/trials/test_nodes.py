@@ -45,8 +45,11 @@ def _secret(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, SECRET.hex())
 
 
-def start_agents(pool_address: str, out: Path, *, max_restarts: int = 6, per_node: int = 1) -> list[subprocess.Popen]:
-    """Two torchrun agents (``--nnodes 2 --nproc-per-node per_node``) whose workers join ``pool_address``."""
+def start_agents(
+    pool_address: str, out: Path, *, max_restarts: int = 6, per_node: int = 1, worker_args: tuple[str, ...] = ()
+) -> list[subprocess.Popen]:
+    """Two torchrun agents (``--nnodes 2 --nproc-per-node per_node``) whose workers join ``pool_address``
+    (``worker_args``: more of the worker's options)."""
     rdzv = f"127.0.0.1:{get_free_port()}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
     agents = []
@@ -63,7 +66,7 @@ def start_agents(pool_address: str, out: Path, *, max_restarts: int = 6, per_nod
         with open(out / f"agent{node}.log", "w") as log:
             agents.append(
                 subprocess.Popen(
-                    [*command, "--join-timeout-s", "60"],
+                    [*command, "--join-timeout-s", "60", *worker_args],
                     cwd=REPO,
                     env=env,
                     stdout=log,

@@ -63,7 +63,11 @@ def test_a_search_across_two_hosts_that_share_no_directory_emits_and_its_report_
             )
             host_env = env | {"GLOO_SOCKET_IFNAME": host.interface}
             processes.append(
-                _start(host.wrap([*agent, "--join-timeout-s", "60"], hide=str(tmp_path)), tmp_path / f"agent{i}.log", host_env)
+                _start(
+                    host.wrap([*agent, "--join-timeout-s", "60"], hide=str(tmp_path)),
+                    tmp_path / f"agent{i}.log",
+                    host_env,
+                )
             )
         deadline = time.monotonic() + LIMIT_S
         try:

@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from test_nodes import start_agents
 from torch.distributed import DistStoreError, PrefixStore
 
-from autotune.trials.loopback import get_agent_command, get_free_port, kill_tree
+from autotune.trials.loopback import get_free_port, kill_tree
 from autotune.trials.nodes import NodePool
 from autotune.trials.reconnect import ReconnectingStore, StoreGone
 from autotune.trials.stores import listen_store
-from autotune.trials.wire import ALLOW_TARGETS_ENV, SECRET_ENV, new_secret
+from autotune.trials.wire import SECRET_ENV, new_secret
 
 pytestmark = pytest.mark.multirank
 
@@ -167,40 +166,12 @@ def sleep_by_rank(rank: int, world_size: int, *, seconds: list[float]) -> int:
     return os.getpid()
 
 
-def start_agents(pool_address: str, out: Path) -> list[subprocess.Popen]:
-    """Two torchrun agents of one worker each whose workers join ``pool_address`` (test_nodes.py's)."""
-    rdzv = f"127.0.0.1:{get_free_port()}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
-    env[ALLOW_TARGETS_ENV] = f"{os.environ.get(ALLOW_TARGETS_ENV, '')},test_store_hiccup:sleep_by_rank"
-    agents = []
-    for node in range(2):
-        command = get_agent_command(
-            pool_address,
-            rdzv=rdzv,
-            run_id="autotune-hiccup",
-            max_restarts=3,
-            log_dir=out / f"agent{node}",
-            more=("--monitor-interval", "0.2"),
-        )
-        with open(out / f"agent{node}.log", "w") as log:
-            agents.append(
-                subprocess.Popen(
-                    [*command, "--join-timeout-s", "60", "--driver-gone-s", str(GONE_S)],
-                    cwd=REPO,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    return agents
-
-
 def test_jobs_go_on_across_a_store_hiccup_on_a_re_formed_world_and_a_driver_gone_ends_torchrun(tmp_path):
     address, lines = f"127.0.0.1:{get_free_port()}", []
     pool = NodePool(2, address=address, secret=SECRET, join_timeout_s=60, lost_after_s=30, say=lines.append)
     proxy = StoreProxy(int(address.split(":")[1]))
-    agents = start_agents(f"127.0.0.1:{proxy.port}", tmp_path)
+    worker_args = ("--driver-gone-s", str(GONE_S))
+    agents = start_agents(f"127.0.0.1:{proxy.port}", tmp_path, max_restarts=3, worker_args=worker_args)
     logs = lambda: [(tmp_path / f"agent{n}.log").read_text()[-3000:] for n in range(2)]  # noqa: E731
     try:
         first = pool.run("_trial_programs:get_rank_pid", timeout_s=60)
