@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/realized_speedup.py --runs 2 --models small --trials 10
     .venv/bin/python benchmarks/realized_speedup.py --quick --out runs/realized_quick  # tiny, end to end, ~1-2 min
     .venv/bin/python benchmarks/realized_speedup.py --summarize runs/realized_speedup  # reprint, no run
+    .venv/bin/python benchmarks/realized_speedup.py --runs 20 --models small --out runs/cov --resume  # go on
 
 A search measures its configs paired with FSDP2's defaults on the same ranks; a user runs the
 emitted config alone. This runs ``--runs`` searches of each workload, alternating them (small,
@@ -23,7 +24,8 @@ emitted the defaults or torchtitan's recipe claims nothing over the defaults: it
 compared (a recipe's realized speedup is still measured and printed). At the end, per workload
 and over all: the median and the worst realized / claimed with their spread, those counts, and
 whether the aim holds (median within 3% of 1, none below 0.95). ``OUT/results.json`` is written
-after every search and compare, so an interrupted run keeps what it measured.
+after every search and compare, so an interrupted run keeps what it measured, and ``--resume``
+goes on from its last finished row; ``--summarize`` pools several runs' results.
 
 The compare runs on the model the search measured: for a search on a scale proxy (``wide1024``
 is one on a 2-core box, its step over the search's budget) that is the proxy, written as a
@@ -186,6 +188,31 @@ def write_results(out: Path, rows: list[dict], args: argparse.Namespace) -> None
     write_json_atomic(out / "results.json", body)
 
 
+def read_rows(source: Path) -> list[dict]:
+    """The rows of a results file, or of ``results.json`` in a run's directory."""
+    path = source / "results.json" if source.is_dir() else source
+    try:
+        return json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"realized_speedup: cannot read the rows of {path}: {e}") from None
+
+
+def get_resumed(out: Path, workloads: list[str]) -> list[dict]:
+    """The finished rows of an earlier run into ``out``, for ``--resume``: those of the same
+    workloads in the same turn (row i searched ``workloads[i % len]``), up to the first that did not
+    finish (it is searched again, in its directory, from scratch)."""
+    if not (out / "results.json").exists():
+        return []
+    rows = []
+    for i, row in enumerate(read_rows(out)):
+        if row.get("run") != i or row.get("workload") != workloads[i % len(workloads)]:
+            raise SystemExit(f"realized_speedup: {out}/results.json row {i} is not run {i} of {','.join(workloads)}")
+        if "error" not in row and row.get("emitted") != "defaults" and "realized" not in row:
+            break  # its compare was cut short
+        rows.append(row)
+    return rows
+
+
 def _fmt(value: float | None, low: float | None = None, high: float | None = None) -> str:
     if value is None:
         return "-"
@@ -296,10 +323,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="search i's seed is this + i")
     parser.add_argument("--out", type=Path, default=Path("runs/realized_speedup"))
     parser.add_argument("--quick", action="store_true", help="tiny, 2 trials, 1 run, 2 compare rounds")
-    parser.add_argument("--summarize", type=Path, metavar="OUT", help="print OUT/results.json's rows and summary")
+    parser.add_argument(
+        "--summarize",
+        type=Path,
+        nargs="+",
+        metavar="OUT",
+        help="print the rows and the summary of OUT/results.json (or of a results file), pooled over all given",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the rows already in OUT/results.json and run the rest of --runs"
+    )
     args = parser.parse_args()
     if args.summarize:
-        rows = json.loads((args.summarize / "results.json").read_text())["rows"]
+        rows = [row for source in args.summarize for row in read_rows(source)]
         for row in rows:
             print_row(row)
         print_summary(rows)
@@ -310,8 +346,10 @@ def main() -> None:
     if unknown := set(workloads) - set(WORKLOADS):
         parser.error(f"unknown workload(s) {', '.join(sorted(unknown))} (use {', '.join(WORKLOADS)})")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
-    for i in range(args.runs * len(workloads)):
+    rows: list[dict] = get_resumed(args.out, workloads) if args.resume else []
+    for row in rows:
+        print_row(row)
+    for i in range(len(rows), args.runs * len(workloads)):
         rows.append(
             run_one(i, workloads[i % len(workloads)], args, lambda row: write_results(args.out, [*rows, row], args))
         )
