@@ -473,6 +473,28 @@ def test_realized_speedup_quick_run_searches_compares_and_summarizes_from_its_re
     assert done.stdout.endswith(again.stdout)
 
 
+def test_realized_speedup_resumes_after_its_last_finished_row_and_pools_runs(tmp_path):
+    """``--resume`` keeps the rows of an earlier run up to the first whose compare was cut short
+    (searched again), refuses rows of another workload turn, and ``--summarize`` pools results files."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import realized_speedup as rs
+
+    def row(run: int, workload: str = "small", **fields) -> dict:
+        return {"run": run, "workload": workload, "emitted": "best", "claimed": 1.2, **fields}
+
+    done = [row(0, realized=1.25), row(1, emitted="defaults", claimed=None), row(2, error="its run failed")]
+    (tmp_path / "results.json").write_text(json.dumps({"rows": [*done, row(3), row(4, realized=1.1)]}))
+    assert rs.get_resumed(tmp_path, ["small"]) == done  # row 3 was not compared: it and what follows run again
+    assert rs.get_resumed(tmp_path / "nothing-yet", ["small"]) == []
+    with pytest.raises(SystemExit, match="row 1 is not run 1 of small,wide1024"):
+        rs.get_resumed(tmp_path, ["small", "wide1024"])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"rows": [row(0, realized=1.3, search_wall_s=1.0)]}))
+    assert len(rs.read_rows(tmp_path)) == 5 and rs.read_rows(other)[0]["realized"] == 1.3
+    with pytest.raises(SystemExit, match="cannot read the rows of"):
+        rs.read_rows(tmp_path / "missing.json")
+
+
 @pytest.mark.multirank
 def test_in_job_tuner_quick_run_prints_each_run_and_the_ratios():
     """``in_job_tuner.py --quick``: tiny, 30 steps, the untuned and the tuned run on one pool; each

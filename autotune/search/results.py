@@ -175,7 +175,9 @@ class SearchRecord:
     finalists re-measured against the defaults, the ``chosen`` one, its ``verdict_window`` (v11),
     ``emitted`` (``best``, ``defaults`` or ``search``), the ``verdict`` line where the defaults are
     emitted, and the speedup over the defaults (``speedup_*``; from ``speedup_from``: the window
-    that did not choose the config, ``verdict``, or before v11 the round that chose it, ``selection``)."""
+    that did not choose the config, ``verdict``, or before v11 the round that chose it, ``selection``),
+    with ``interval_covers`` beside its 90% interval (``speedup_low``-``speedup_high``): what that
+    interval covers, said in words (a record written before it says nothing, and covers the same)."""
     consolidation: dict[str, Any] | None = None
     """Seconds per consolidation method of the emitted config, and the chosen one."""
     best_config: str | None = None

@@ -110,6 +110,11 @@ def get_verdict_figures(result: TrialResult, rule: StoppingRule) -> dict[str, An
     }
 
 
+INTERVAL_COVERS = "the noise of this window's pairs, not a run alone"
+"""What a printed interval covers: one paired window's noise, not the pairing's bias against the
+config run on its own (``benchmarks/realized_speedup.py`` measures that: docs/benchmarks.md)."""
+
+
 def get_speedups(figures: dict[str, Any] | None) -> dict[str, Any]:
     """Speedup over the baseline (baseline / config time): the inverse of the ratios of
     ``figures`` (a window's or a finalist's; None: none), per block, with its quartiles, extremes
@@ -117,7 +122,11 @@ def get_speedups(figures: dict[str, Any] | None) -> dict[str, Any]:
     if not figures or figures.get("ratio") is None:
         return {"speedup_median": None, "speedup_min": None, "speedup_max": None, "speedups": []}
     interval = (
-        {"speedup_low": 1.0 / figures["ratio_high"], "speedup_high": 1.0 / figures["ratio_low"]}
+        {
+            "speedup_low": 1.0 / figures["ratio_high"],
+            "speedup_high": 1.0 / figures["ratio_low"],
+            "interval_covers": INTERVAL_COVERS,
+        }
         if figures.get("ratio_low")
         else {}
     )
@@ -130,11 +139,6 @@ def get_speedups(figures: dict[str, Any] | None) -> dict[str, Any]:
         **interval,
         "speedups": [1.0 / r for r in figures["block_ratios"]],
     }
-
-
-INTERVAL_COVERS = "the noise of this window's pairs, not a run alone"
-"""What a printed interval covers: one paired window's noise, not the pairing's bias against the
-config run on its own (``benchmarks/realized_speedup.py`` measures that: docs/benchmarks.md)."""
 
 
 def describe_figure(figures: dict[str, Any], of: str = "") -> str:

@@ -254,6 +254,7 @@ def test_a_tie_within_noise_is_not_emitted_over_the_defaults(monkeypatch):
     assert record["speedup_from"] == "verdict" and record["speedup_median"] == pytest.approx(1 / window["ratio"])
     assert record["selection_speedup"] == pytest.approx(1 / record["finalists"][0]["ratio"])
     assert record["speedup_low"] == pytest.approx(1 / 1.02) and record["speedup_high"] == pytest.approx(1 / 0.97)
+    assert record["interval_covers"] == "the noise of this window's pairs, not a run alone"  # search.json says it
 
 
 def test_a_config_the_window_calls_faster_is_emitted_with_the_window_s_speedup(monkeypatch):

@@ -76,6 +76,7 @@ def test_a_config_faster_than_the_recipe_is_emitted_with_its_speedup_over_it(mon
     assert config == "searched" and record["emitted"] == "search" and record["measured"]
     assert measure.calls[0][0] == "searched" and record["emit_rule"] == "interval" and "verdict" not in record
     assert (record["speedup_low"], record["speedup_high"]) == pytest.approx((1 / 0.86, 1 / 0.80))
+    assert record["interval_covers"] == "the noise of this window's pairs, not a run alone"
     assert record["speedup_median"] == pytest.approx(1 / record["ratio"]) and record["speedup_median"] > 1
     assert record["speedups"] == pytest.approx([1 / r for r in record["block_ratios"]])
     assert record["speedup_q25"] <= record["speedup_median"] <= record["speedup_q75"]
