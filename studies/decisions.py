@@ -9,10 +9,13 @@ The decisions, each as the search or the tuner runs it:
   rule (``get_verdict_rule``: every pair unless clearly slower or settled from its second block
   on, never stopped as faster, no futility) over ``get_verdict_pairs`` pairs of the search's
   defaults, then its call, :func:`fsdp_runtime.tuning.sequential.is_faster`;
-- **prune**: a finalist of the final round against a leader measured before it
+- **prune** (and **lose**, the same rule where the finalist is the faster: a better config
+  pruned): a finalist of the final round against a leader measured before it
   (``autotune/search/confirm.py``): the finalist's rule prunes above, and stops as futile below,
-  the leader's mean ratio over its own window, with the leader's pairs behind that figure
-  (``limit_pairs``: the two-sample comparison); ``--before``: the leader's figure taken as exact;
+  the leader's mean ratio over its own window as no single burst there can have lowered it, with
+  the leader's pairs behind that figure (``limit_pairs``: the two-sample comparison), two blocks
+  before either may settle or be pruned (``get_finalist_rule``); ``--before``: one block could
+  settle, and the leader's plain mean was taken as exact;
 - **adopt**: one move of the in-job tuner's walk (:class:`fsdp_runtime.tuning.walk.TuningWalk`'s
   rule and its candidate-first schedule, 6 pairs), adopted where ``is_faster`` says so.
   ``studies/injob_walk.py`` measures the whole walk (about 20 moves and its final window).
@@ -50,6 +53,7 @@ sys.path.insert(0, str(ROOT / "studies"))
 from injob_walk import wilson  # noqa: E402
 from stopping_rule import BURST, fit_rho, recorded_series, step_noise  # noqa: E402
 
+from autotune.search.confirm import get_finalist_rule  # noqa: E402
 from autotune.search.settings import SearchSettings  # noqa: E402
 from fsdp_runtime.tuning.pair_schedule import CANDIDATE, REFERENCE, get_burst_windows, get_pair_schedule  # noqa: E402
 from fsdp_runtime.tuning.sequential import StoppingRule, get_rule_interval, is_faster, look  # noqa: E402
@@ -131,10 +135,13 @@ def rate_prunes(gap: float, first: str, args: argparse.Namespace, burst: bool) -
     base = StoppingRule(max_blocks=(pairs + 1) // 2, precision=s.precision, noise_sd=args.sigma, noise_df=args.noise_df)
     rng, k = random.Random(args.seed), 0
     for _ in range(args.trials):
-        _, leader = run_window(base, first, 0.8, rng, (args.sigma, args.rho), burst)
-        mean = math.exp(statistics.fmean(math.log(r) for r in leader))
-        limit_pairs = 0 if args.before else len(leader)
-        rule = dataclasses.replace(base, prune_above=mean, futile_above=mean, limit_pairs=limit_pairs)
+        leading = base if args.before else get_finalist_rule(base, None)  # the first finalist: no leader yet
+        _, leader = run_window(leading, first, 0.8, rng, (args.sigma, args.rho), burst)
+        if args.before:  # one block may settle, the leader's plain mean taken as exact
+            mean = math.exp(statistics.fmean(math.log(r) for r in leader))
+            rule = dataclasses.replace(base, prune_above=mean, futile_above=mean)
+        else:
+            rule = get_finalist_rule(base, {"pair_ratios": leader, "first": first})
         stopped, _ = run_window(rule, first, 0.8 * gap, rng, (args.sigma, args.rho), burst)
         k += stopped == "slower"
     return k
@@ -145,8 +152,9 @@ def share(k: int, n: int) -> str:
     return f"{100 * k / n:5.1f}% ({100 * low:4.1f}-{100 * high:4.1f})"
 
 
-def measure(args: argparse.Namespace) -> dict[tuple[str, str, str], list[int]]:
-    """Per (decision, order, burst model): counts for the tie (or as fast) case, then 2, 5, 10%."""
+def measure(args: argparse.Namespace) -> dict[tuple[str, str, str], list[int | None]]:
+    """Per (decision, order, burst model): counts for the tie (or as fast) case, then 2, 5, 10%
+    (``lose``: no tie, then finalists that much faster than the leader, pruned)."""
     rules, table = get_rules(args.noise_df, args.sigma, args.before), {}
     for order, first in ORDERS.items():
         for burst in (False, True) if not args.quick else (True,):
@@ -157,10 +165,12 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, str, str], list[int]]:
             if not args.quick:
                 gaps = [1.0 / t for t in SPEEDUPS]  # as fast, then 2%, 5%, 10% slower than the leader
                 table["prune", order, model] = [rate_prunes(g, first, args, burst) for g in gaps]
+                # the harm a prune can do: a finalist 2%, 5%, 10% faster than the leader pruned (lost)
+                table["lose", order, model] = [None, *(rate_prunes(g, first, args, burst) for g in SPEEDUPS[1:])]
     return table
 
 
-def main(argv: list[str] | None = None) -> dict[tuple[str, str, str], list[int]]:
+def main(argv: list[str] | None = None) -> dict[tuple[str, str, str], list[int | None]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=0)
@@ -178,7 +188,10 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, str, str], list[int]]
     head = ("false (tie)", "power 2%", "power 5%", "power 10%")
     print(f"{'decision':<8} {'order':<16} {'burst':<6} " + " ".join(f"{h:>20}" for h in head))
     for (decision, order, model), counts in table.items():
-        print(f"{decision:<8} {order:<16} {model:<6} " + " ".join(f"{share(k, args.trials):>20}" for k in counts))
+        cells = (f"{'-' if k is None else share(k, args.trials):>20}" for k in counts)
+        print(f"{decision:<8} {order:<16} {model:<6} " + " ".join(cells))
+    if not args.quick:
+        print("lose: a finalist 2%, 5% or 10% FASTER than the leader pruned (the columns' speedups, the leader's way)")
     return table
 
 

@@ -50,6 +50,8 @@ from autotune.search.results import TrialRow, pick_best
 from autotune.search.verdict import describe_verdict, get_speedups, get_verdict_pairs, measure_verdict
 from autotune.trials import median_or_none
 from fsdp_runtime import RuntimeConfig
+from fsdp_runtime.tuning.pair_schedule import REFERENCE, get_burst_proof_mean
+from fsdp_runtime.tuning.sequential import StoppingRule
 
 Z_90 = 1.2816
 """The standard normal's 90th percentile: a one-sided 90% call that one finalist is faster."""
@@ -78,16 +80,10 @@ def _measure_finalist(
     measurement]); pruned once it is clearly slower than ``leader`` (the leader so far's figures):
     the two-sample interval of its mean log ratio less the leader's, both errors counted, wholly
     above 0 (``limit_pairs``), not its own interval above the leader's point estimate."""
-    slower_than = _get_leader_mean(leader)
     config = ctx.space.build_config(row.params)
     name = f"trial_{row.number:04d}" + (f"_window{window}" if window else "")
     num_pairs = 2 * ctx.settings.num_confirm_pairs
-    rule = dataclasses.replace(
-        ctx.get_stopping_rule(prune=False, faster_below=None, num_pairs=num_pairs),
-        prune_above=slower_than,
-        futile_above=slower_than,
-        limit_pairs=len(leader.get("pair_ratios") or []) if slower_than is not None else 0,
-    )
+    rule = get_finalist_rule(ctx.get_stopping_rule(prune=False, faster_below=None, num_pairs=num_pairs), leader)
     spec = ctx.trial_spec(config, ctx.write_dir / "final" / name, profile=False, num_pairs=num_pairs, stopping=rule)
     result = ctx.run(spec)
     paired = result.metrics.paired if result.metrics and result.status in ("ok", "pruned") else {}
@@ -109,13 +105,30 @@ def _measure_finalist(
     }
 
 
-def _get_leader_mean(leader: dict[str, Any] | None) -> float | None:
-    """The leader's geometric mean pair ratio: the figure a two-sample comparison of means holds a
-    finalist to (its median ratio where it has no pairs)."""
+def get_finalist_rule(rule: StoppingRule, leader: dict[str, Any] | None) -> StoppingRule:
+    """A finalist's rule (the search's, no faster call): two blocks before it may settle or be
+    pruned, as the verdict window (one burst over the two reference steps a candidate-first block
+    shares slows both its pairs alike: a tie that settles faster, then a leader no finalist can
+    beat; ``studies/decisions.py``'s ``lose`` rows), and pruned, or stopped as futile, against the
+    ``leader``'s figure (:func:`get_leader_mean`) with its pairs' error counted (``limit_pairs``)."""
+    slower_than = get_leader_mean(leader)
+    return dataclasses.replace(
+        rule,
+        min_blocks=2,
+        prune_above=slower_than,
+        futile_above=slower_than,
+        limit_pairs=len(leader.get("pair_ratios") or []) if slower_than is not None else 0,
+    )
+
+
+def get_leader_mean(leader: dict[str, Any] | None) -> float | None:
+    """The leader's geometric mean pair ratio, the figure a two-sample comparison of means holds a
+    finalist to, as no single burst in the leader's window can have lowered it
+    (:func:`fsdp_runtime.tuning.get_burst_proof_mean`; its median ratio where it has no pairs)."""
     if leader is None:
         return None
-    logs = [math.log(r) for r in leader.get("pair_ratios") or [] if r > 0]
-    return math.exp(statistics.fmean(logs)) if logs else leader.get("ratio")
+    ratios = [r for r in leader.get("pair_ratios") or [] if r > 0]
+    return get_burst_proof_mean(ratios, leader.get("first") or REFERENCE) if ratios else leader.get("ratio")
 
 
 def run_final_round(ctx: SearchContext, rows: list[TrialRow]) -> tuple[RuntimeConfig, dict[str, Any] | None]:

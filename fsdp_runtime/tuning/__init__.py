@@ -9,7 +9,12 @@ job measures exactly as the search does."""
 
 from fsdp_runtime.tuning.injob import TUNER_ENV, InJobTuner, PeerStepError, TunerError, is_tuner_enabled
 from fsdp_runtime.tuning.moves import Move, get_moves
-from fsdp_runtime.tuning.pair_schedule import get_burst_windows, get_pair_order, get_pair_schedule
+from fsdp_runtime.tuning.pair_schedule import (
+    get_burst_proof_mean,
+    get_burst_windows,
+    get_pair_order,
+    get_pair_schedule,
+)
 from fsdp_runtime.tuning.patterns import get_prefetch_lists, select_blocks
 from fsdp_runtime.tuning.sequential import (
     Interval,
@@ -38,6 +43,7 @@ __all__ = [
     "PairNoise",
     "StoppingRule",
     "decide",
+    "get_burst_proof_mean",
     "get_burst_windows",
     "get_interval",
     "get_pair_order",

@@ -26,6 +26,8 @@ the warm-ups come with the side's next step.
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import NamedTuple
 
 CANDIDATE, REFERENCE = "candidate", "reference"
@@ -120,3 +122,19 @@ def get_burst_windows(schedule: list[ScheduledStep]) -> list[Window]:
         if (window[0] or window[1]) and window not in windows:
             windows.append(window)
     return windows
+
+
+def get_burst_proof_mean(pair_ratios: list[float], first: str = REFERENCE) -> float:
+    """The geometric mean of ``pair_ratios`` (a window that ran ``first`` first in its even pairs)
+    that no single burst can have lowered: the highest of it over all the pairs and over those left
+    once each burst window's "faster" pairs (their reference step slowed) are left out in turn. A
+    leader's figure a finalist is pruned against: a burst over the leader's reference steps makes
+    it look faster, and a finalist faster than the true leader would be pruned against that
+    (``studies/decisions.py``'s ``lose`` rows: docs/search.md)."""
+    logs = [math.log(r) for r in pair_ratios]
+    means = [statistics.fmean(logs)]
+    for _, faster in get_burst_windows(get_pair_schedule(len(logs), first=first)):
+        kept = [x for i, x in enumerate(logs) if i not in faster]
+        if faster and kept:
+            means.append(statistics.fmean(kept))
+    return math.exp(max(means))

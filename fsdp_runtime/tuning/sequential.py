@@ -270,10 +270,12 @@ def _holds_without_bursts(rule: StoppingRule, pair_ratios: list[float], windows:
     """A call (``slower``, else faster) that no single two-step burst can have made ([Note: burst
     windows]): for every window of the schedule that slows the steps of the side the call leans
     on (the candidate's for slower, the reference's for faster), the pairs it did not reach still
-    lie wholly beyond the limit, their mean taken with the rule's spread of every pair."""
+    lie wholly beyond the limit, their mean taken with the rule's spread of every pair (and, for
+    slower, the limit's own error where it is another trial's mean: ``limit_pairs``)."""
     logs = [math.log(x) for x in pair_ratios]
     _, sd, df, _ = _log_spread(pair_ratios, *_get_rule_noise(rule, pair_ratios))
     limit = math.log(rule.prune_above if slower else rule.faster_below)
+    other = 1 / rule.limit_pairs if slower and rule.limit_pairs else 0.0
     for window in windows:
         reached = window[0 if slower else 1] & set(range(len(logs)))
         if not reached:
@@ -281,7 +283,7 @@ def _holds_without_bursts(rule: StoppingRule, pair_ratios: list[float], windows:
         rest = [x for i, x in enumerate(logs) if i not in reached]
         if not rest:
             return False
-        mean, half = statistics.fmean(rest), t_95(df) * sd / math.sqrt(len(rest))
+        mean, half = statistics.fmean(rest), t_95(df) * sd * math.sqrt(1 / len(rest) + other)
         if (mean - half <= limit) if slower else (mean + half >= limit):
             return False
     return True

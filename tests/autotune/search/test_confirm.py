@@ -407,3 +407,29 @@ def test_a_finalist_is_pruned_on_the_two_sample_interval_not_against_the_leader_
     assert decide(point, ratios) == "slower"
     assert decide(two_sample, ratios) == "settled"  # not pruned: kept, and ranked with its ratio
     assert decide(two_sample, [0.95, 0.96] * 3) == "slower"  # clearly slower still is
+
+
+def test_a_leader_a_burst_made_look_faster_prunes_no_faster_finalist():
+    """Candidate first, one burst over the two adjacent reference steps of pairs 0 and 1 makes
+    both pairs look 1.5x faster alike: the leader's first block settles at 0.53 where it is truly
+    0.80, and a finalist truly 10% faster (0.72) was pruned against it (``studies/decisions.py``'s
+    ``lose`` rows: about 7% of finalists with a burst). Now the leader cannot settle on that block,
+    and its figure is the one no single burst can have lowered."""
+    from autotune.search.confirm import get_finalist_rule, get_leader_mean
+    from fsdp_runtime.tuning import StoppingRule, decide, get_burst_windows, get_pair_schedule
+    from fsdp_runtime.tuning.pair_schedule import CANDIDATE
+
+    rule = StoppingRule(max_blocks=3, precision=0.05, noise_sd=0.03, noise_df=24)
+    burst_block = [0.533, 0.535]
+    windows = get_burst_windows(get_pair_schedule(6, first=CANDIDATE))
+    assert decide(rule, burst_block, windows) == "settled"  # as the first finalist's window did
+    assert decide(get_finalist_rule(rule, None), burst_block, windows) is None  # two blocks first
+    leader = {"pair_ratios": [*burst_block, 0.80, 0.79], "first": CANDIDATE, "ratio": 0.66}
+    assert get_leader_mean(leader) == pytest.approx(math.sqrt(0.80 * 0.79))  # pairs 0-1 left out
+    plain = math.exp(statistics.fmean(math.log(r) for r in leader["pair_ratios"]))
+    assert plain < 0.66
+    finalist = [0.72, 0.73, 0.71, 0.72]
+    against_plain = dataclasses.replace(rule, prune_above=plain, futile_above=plain, limit_pairs=4)
+    assert decide(against_plain, finalist, windows) == "slower"  # what the plain mean did: a better config lost
+    assert decide(get_finalist_rule(rule, leader), finalist, windows) != "slower"
+    assert get_leader_mean({"ratio": 0.9}) == 0.9 and get_leader_mean(None) is None
