@@ -7,7 +7,6 @@ The in-job tuner (:class:`InJobTuner`) is here too, and in :mod:`fsdp_runtime.tu
 """
 
 from fsdp_runtime._toml import dumps as dumps_toml
-from fsdp_runtime._torch_compat import get_unsupported_knobs
 from fsdp_runtime.accumulation import AccumulationError, GradAccumulator
 from fsdp_runtime.adopt import adopt_fsdp
 from fsdp_runtime.apply import AppliedFsdp, WorldSizeWarning, apply_fsdp, build_mesh, find_block_names, resolve_units
@@ -36,6 +35,7 @@ from fsdp_runtime.consolidate import (
 )
 from fsdp_runtime.errors import AutotuneError, ConfigError
 from fsdp_runtime.files import atomic_path, write_atomic, write_json_atomic
+from fsdp_runtime.knobs import KNOBS, Knob, SearchChoice, get_knob, get_method_knobs, get_unsupported_knobs
 from fsdp_runtime.pipeline import AppliedPipeline, StageSplit, apply_pipeline, split_stages
 from fsdp_runtime.recipes import RECIPES, get_torchtitan_config, get_torchtitan_units
 from fsdp_runtime.serialize import (
@@ -97,6 +97,11 @@ __all__ = [
     "find_block_names",
     "find_edge_modules",
     "get_unsupported_knobs",
+    "KNOBS",
+    "Knob",
+    "SearchChoice",
+    "get_knob",
+    "get_method_knobs",
     "load_config",
     "load_consolidated_checkpoint",
     "loads_config",

@@ -16,6 +16,8 @@ wheels; only what this project touches:
   Before it FSDP2 kept exactly one buffer, so a config asking for 1 is met on every release.
 - ``FSDPModule._set_unshard_async_op``: every release read (added in 2.6, pytorch #135523);
   private, so probed like a setter that may go.
+  (A knob's method, release and source are declared with the knob: ``method``, ``since`` and
+  ``source`` in :mod:`fsdp_runtime.knobs`, which probes them: [Note: the knob registry].)
 - ``FSDPParam.unsharded_accumulated_grad``: through 2.14 an attribute, the gradients accumulated
   in the reduce dtype when it is wider than the parameters' (set and cleared by FSDP2 and by
   eager concat); in 2.15 a read-only property returning the unsharded parameter's ``.grad``
@@ -37,11 +39,9 @@ layout takes its branch, and one with neither fails with one line naming the att
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 MIN_TORCH = "2.11"
 """The oldest torch whose FSDP2 layout this module covers (pyproject's floor)."""
@@ -49,46 +49,6 @@ TESTED_TORCH = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 """The releases CI runs the GPU run's paths under: the pinned CPU wheel's and ``.ci/run``'s matrix."""
 BELOW_TORCH = "2.16"
 """pyproject's ceiling: the first release no test has run under."""
-REDUCE_SCATTER_BUFFERS_SINCE = "2.13"
-"""``FSDPModule.set_reduce_scatter_max_input_buffers``: pytorch #186000, first released in 2.13."""
-UNSHARD_ASYNC_SINCE = "2.6"
-"""``FSDPModule._set_unshard_async_op``: pytorch #135523, first released in 2.6."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TorchKnob:
-    """A runtime-config field that only some torch releases can set."""
-
-    field: str
-    """The config field that asks for it."""
-    method: str
-    """The ``FSDPModule`` method that sets it: whether the class has it is the probe."""
-    since: str
-    """The first torch release with ``method``."""
-    source: str
-    """Where ``since`` comes from."""
-
-    def get_reason(self) -> str:
-        return f"needs torch >= {self.since} ({self.source}); torch {torch.__version__} has no FSDPModule.{self.method}"
-
-
-KNOBS = (
-    TorchKnob(
-        field="reduce_scatter_max_input_buffers",
-        method="set_reduce_scatter_max_input_buffers",
-        since=REDUCE_SCATTER_BUFFERS_SINCE,
-        source="pytorch #186000",
-    ),
-    TorchKnob(
-        field="unshard_async", method="_set_unshard_async_op", since=UNSHARD_ASYNC_SINCE, source="pytorch #135523"
-    ),
-)
-_KNOB_BY_FIELD = {knob.field: knob for knob in KNOBS}
-
-
-def get_unsupported_knobs(fsdp_module_class: type = FSDPModule) -> dict[str, str]:
-    """The config fields this torch cannot set, each with one line saying why (empty: all of them work)."""
-    return {knob.field: knob.get_reason() for knob in KNOBS if not hasattr(fsdp_module_class, knob.method)}
 
 
 def get_param_groups(state: Any) -> list[Any]:
@@ -119,28 +79,6 @@ def can_reset_iter_state(module: Any) -> bool:
     """Whether FSDP2 recovers a root from a forward or backward aborted mid-flight
     (``FSDPModule.reset_iter_state``, public since 2.13; 2.11 has none)."""
     return hasattr(module, "reset_iter_state")
-
-
-def set_unshard_async(module: Any, enabled: bool) -> None:
-    """``_set_unshard_async_op`` on ``module`` and its FSDP children; see [Note: async unshard on CPU]."""
-    _require(module, "unshard_async")
-    module._set_unshard_async_op(enabled)
-
-
-def set_reduce_scatter_max_input_buffers(module: Any, num_buffers: int) -> None:
-    """Cap this unit's reduce-scatter input buffers in flight (not its children's).
-
-    Without the setter (torch < 2.13) FSDP2 keeps one buffer, so ``1`` is met as it is."""
-    if num_buffers == 1 and not hasattr(module, _KNOB_BY_FIELD["reduce_scatter_max_input_buffers"].method):
-        return
-    _require(module, "reduce_scatter_max_input_buffers")
-    module.set_reduce_scatter_max_input_buffers(num_buffers, recurse=False)
-
-
-def _require(module: Any, field: str) -> None:
-    knob = _KNOB_BY_FIELD[field]
-    if not hasattr(module, knob.method):
-        raise RuntimeError(f"{knob.field}: {knob.get_reason()}")
 
 
 def get_default_store() -> Any | None:

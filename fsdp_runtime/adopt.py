@@ -42,7 +42,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_runtime._fsdp_private import get_dp_meshes, get_fsdp_state, get_mp_policy
-from fsdp_runtime._torch_compat import get_unsupported_knobs
 from fsdp_runtime.apply import AppliedFsdp, resolve_units, warn_if_other_world
 from fsdp_runtime.config import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, RuntimeConfig
 from fsdp_runtime.errors import ConfigError
@@ -72,8 +71,8 @@ def adopt_fsdp(model: nn.Module, config: RuntimeConfig, *, device_type: str | No
     if device_type is None:
         device_type = mesh.device_type
     applied = AppliedFsdp(model=model, config=config, mesh=mesh, units=units)
-    set_async = "unshard_async" not in get_unsupported_knobs()  # set off where it can be: FSDP2's default
-    set_knobs_in_place(applied, config, device_type=device_type, set_async=set_async)
+    # every method knob this torch can set, FSDP2's own value included: the other code may have set any
+    set_knobs_in_place(applied, config, device_type=device_type, every=True)
     return applied
 
 

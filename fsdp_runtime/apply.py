@@ -12,11 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdp_runtime._fsdp_private import EagerConcat
-from fsdp_runtime._torch_compat import get_unsupported_knobs, set_reduce_scatter_max_input_buffers, set_unshard_async
 from fsdp_runtime.blocks import find_block_names, find_parameters_outside, resolve_units
 from fsdp_runtime.checkpointing import CheckpointedForward, apply_checkpointing
 from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig
 from fsdp_runtime.errors import ConfigError
+from fsdp_runtime.knobs import check_torch_supports, set_method_knobs
 from fsdp_runtime.validation import validate_config, validate_for_world
 
 __all__ = [
@@ -81,7 +81,7 @@ def apply_fsdp(
     :class:`~fsdp_runtime.GradAccumulator` needs. Pass the whole model: a submodule whose
     parent has parameters outside it is refused, as is a config naming unknown units or
     covering fewer blocks than the model has ([Note: unit names] in :mod:`fsdp_runtime.blocks`),
-    and a knob the installed torch cannot set ([Note: torch versions] in :mod:`fsdp_runtime._torch_compat`).
+    and a knob the installed torch cannot set ([Note: the knob registry] in :mod:`fsdp_runtime.knobs`).
     ``device_type`` defaults to the mesh's, else to the parameters' device, else, for a model
     built on the meta device, to the default process group's (:func:`get_default_device_type`);
     such a model is then given memory (``to_empty``) and initialised after this call. A config
@@ -177,36 +177,14 @@ def _check_whole_model(model: nn.Module, config: RuntimeConfig) -> None:
         )
 
 
-def check_torch_supports(config: RuntimeConfig) -> None:
-    """Refuse a knob this torch cannot set, naming the field and the torch it needs (never a silent no-op)."""
-    asked = {
-        "reduce_scatter_max_input_buffers": config.reduce_scatter_max_input_buffers not in (None, 1),  # 1: every torch
-        "unshard_async": config.unshard_async == "on",
-    }
-    for name, reason in get_unsupported_knobs().items():
-        if asked[name]:
-            raise ConfigError(name, reason, fix="unset it, or upgrade torch")
-
-
-def use_unshard_async(config: RuntimeConfig, device_type: str) -> bool:
-    """Whether ``config`` issues all-gathers async on ``device_type``: "auto" asks for it on CPU
-    where this torch can (``check_torch_supports`` refused an explicit "on" it cannot)."""
-    can_async = "unshard_async" not in get_unsupported_knobs()
-    return config.unshard_async == "on" or (config.unshard_async == "auto" and device_type == "cpu" and can_async)
-
-
 def _apply_runtime_knobs(applied: AppliedFsdp, device_type: str) -> None:
     config = applied.config
-    unshard_async = use_unshard_async(config, device_type)
     for unit in config.units:
         module = applied.units[unit.name]
         if unit.forward_prefetch is not None:
             module.set_modules_to_forward_prefetch([applied.units[n] for n in unit.forward_prefetch])
         if unit.backward_prefetch is not None:
             module.set_modules_to_backward_prefetch([applied.units[n] for n in unit.backward_prefetch])
-        if unshard_async:  # off is FSDP2's default
-            set_unshard_async(module, True)
-        if config.reduce_scatter_max_input_buffers is not None:
-            set_reduce_scatter_max_input_buffers(module, config.reduce_scatter_max_input_buffers)
+        set_method_knobs(module, config, device_type)  # those not at FSDP2's own value ([Note: the knob registry])
         if not unit.defer_concat:
             applied.eager_concat[unit.name] = EagerConcat(module)

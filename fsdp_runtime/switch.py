@@ -22,7 +22,8 @@ in ``reshard_after_forward`` counts as structural; the others are in [Note: torc
   - ``defer_concat``: :class:`~fsdp_runtime._fsdp_private.EagerConcat` wraps the param groups'
     ``post_backward`` per instance; removing the wrapper restores FSDP2's own.
   - ``unshard_async`` (``_set_unshard_async_op``) and ``reduce_scatter_max_input_buffers``
-    (its setter; ``None`` is FSDP2's 1): plain setters.
+    (its setter; ``None`` is FSDP2's 1): plain setters, the registry's method knobs
+    ([Note: the knob registry] in :mod:`fsdp_runtime.knobs`).
 - *Structural* (a rebuild): the mesh and pipeline (other process groups and DTensor
   placements), the units and their ``modules`` (other ``fully_shard`` calls: other param
   groups and flat buffers), ``activation_checkpointing`` (wraps forwards before sharding),
@@ -44,9 +45,9 @@ import dataclasses
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_runtime._fsdp_private import EagerConcat
-from fsdp_runtime._torch_compat import set_reduce_scatter_max_input_buffers, set_unshard_async
-from fsdp_runtime.apply import AppliedFsdp, resolve_units, use_unshard_async
+from fsdp_runtime.apply import AppliedFsdp, resolve_units
 from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig
+from fsdp_runtime.knobs import KNOBS, set_method_knobs
 from fsdp_runtime.validation import validate_config
 
 __all__ = [
@@ -58,16 +59,11 @@ __all__ = [
     "switch_config",
 ]
 
-UNIT_KNOBS_IN_PLACE = (
-    "reshard_after_forward",  # bool or None; an int is structural
-    "forward_prefetch",
-    "backward_prefetch",
-    "sync",
-    "reshard_after_backward",
-    "defer_concat",
-)
-""":class:`~fsdp_runtime.UnitConfig` fields a sharded model switches in place ([Note: knobs switched in place])."""
-CONFIG_KNOBS_IN_PLACE = ("unshard_async", "reduce_scatter_max_input_buffers")
+UNIT_KNOBS_IN_PLACE = tuple(k.name for k in KNOBS if k.scope == "unit" and k.in_place)
+""":class:`~fsdp_runtime.UnitConfig` fields a sharded model switches in place ([Note: knobs switched in
+place]; read from the registry, [Note: the knob registry]); ``reshard_after_forward`` as a bool or
+None, an int is structural."""
+CONFIG_KNOBS_IN_PLACE = tuple(k.name for k in KNOBS if k.scope == "config" and k.in_place)
 """:class:`~fsdp_runtime.RuntimeConfig` fields a sharded model switches in place."""
 _CONFIG_NEITHER = ("units", "checkpoint", "provenance", "schema_version")
 
@@ -108,14 +104,14 @@ def switch_config(applied: AppliedFsdp, config: RuntimeConfig, *, device_type: s
     structural = get_structural_differences(applied.config, config)
     if structural:
         raise ValueError(f"cannot switch in place, these fields need a rebuild: {', '.join(structural)}")
-    # Off is FSDP2's default and needs no setter: a torch without it never turned it on.
-    set_async = use_unshard_async(config, device_type) or use_unshard_async(applied.config, device_type)
-    set_knobs_in_place(applied, config, device_type=device_type, set_async=set_async)
+    set_knobs_in_place(applied, config, device_type=device_type)
 
 
-def set_knobs_in_place(applied: AppliedFsdp, config: RuntimeConfig, *, device_type: str, set_async: bool) -> None:
+def set_knobs_in_place(applied: AppliedFsdp, config: RuntimeConfig, *, device_type: str, every: bool = False) -> None:
     """Set every in-place knob of ``config`` (resolved, same structure) on ``applied``'s units and make it
-    ``applied.config``; ``set_async``: call the async-unshard setter (a torch without it is never asked).
+    ``applied.config``. A method knob both configs leave at FSDP2's own value is not called (a torch
+    without its method never turned it on); ``every``: each one this torch can set is
+    (:func:`fsdp_runtime.knobs.set_method_knobs`).
 
     Unit by unit; where a setter raises, every unit set so far (and the one that raised) is set
     back to ``applied.config``'s knobs before the error is raised on, so a failed switch leaves the
@@ -125,29 +121,37 @@ def set_knobs_in_place(applied: AppliedFsdp, config: RuntimeConfig, *, device_ty
     try:
         for unit in config.units:
             done.append(unit.name)
-            _set_unit(applied, config, unit, device_type=device_type, set_async=set_async)
+            _set_unit(applied, config, unit, device_type=device_type, before=applied.config, every=every)
     except Exception as error:
-        _roll_back(applied, done, device_type=device_type, set_async=set_async, error=error)
+        _roll_back(applied, config, done, device_type=device_type, every=every, error=error)
         raise
     applied.config = config
 
 
-def _set_unit(applied: AppliedFsdp, config: RuntimeConfig, unit: UnitConfig, *, device_type: str, set_async: bool):
+def _set_unit(
+    applied: AppliedFsdp,
+    config: RuntimeConfig,
+    unit: UnitConfig,
+    *,
+    device_type: str,
+    before: RuntimeConfig,
+    every: bool,
+) -> None:
     module = applied.units[unit.name]
     _set_prefetch(applied, unit)
     module.set_reshard_after_forward(resolve_reshard_after_forward(unit), recurse=False)
-    if set_async:
-        set_unshard_async(module, use_unshard_async(config, device_type))
-    set_reduce_scatter_max_input_buffers(module, config.reduce_scatter_max_input_buffers or 1)
+    set_method_knobs(module, config, device_type, before=before, every=every)
     _set_eager_concat(applied, unit)
 
 
-def _roll_back(applied: AppliedFsdp, names: list[str], *, device_type: str, set_async: bool, error: Exception) -> None:
-    """Set the units ``names`` back to ``applied.config``'s knobs after a switch failed at the last of them."""
+def _roll_back(
+    applied: AppliedFsdp, target: RuntimeConfig, names: list[str], *, device_type: str, every: bool, error: Exception
+) -> None:
+    """Set the units ``names`` back to ``applied.config``'s knobs after a switch to ``target`` failed at the last of them."""
     before = {unit.name: unit for unit in applied.config.units}
     for name in names:
         try:
-            _set_unit(applied, applied.config, before[name], device_type=device_type, set_async=set_async)
+            _set_unit(applied, applied.config, before[name], device_type=device_type, before=target, every=every)
         except Exception as again:
             raise RuntimeError(
                 f"switching configs failed at unit {names[-1]} ({error}) and setting unit {name} back failed "

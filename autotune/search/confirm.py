@@ -50,8 +50,7 @@ from autotune.search.results import TrialRow, pick_best
 from autotune.search.verdict import describe_verdict, get_speedups, get_verdict_pairs, measure_verdict
 from autotune.trials import median_or_none
 from fsdp_runtime import RuntimeConfig
-from fsdp_runtime.tuning.pair_schedule import REFERENCE, get_burst_proof_mean
-from fsdp_runtime.tuning.sequential import StoppingRule
+from fsdp_runtime.tuning import REFERENCE, StoppingRule, get_burst_proof_mean
 
 Z_90 = 1.2816
 """The standard normal's 90th percentile: a one-sided 90% call that one finalist is faster."""

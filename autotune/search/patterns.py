@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_runtime import UnitConfig
+from fsdp_runtime import KNOBS, UnitConfig
 
 
 def get_mesh_key(pp: int) -> str:
@@ -49,24 +49,13 @@ def get_reshard_value(choice: str, index: int, num_blocks: int, shard: int) -> b
     return divisor
 
 
-_SHORT = {  # in the space's order (SearchSpace.suggest asks them in it); the mesh comes first, unnamed
+_OWN_SHORT = {  # the parameters of no registry knob (those of a knob are printed by its ``short``)
     "pp": "pp",
-    "forward_prefetch": "fwd",
-    "backward_prefetch": "bwd",
-    "reshard_after_forward": "raf",
-    "reduce_scatter_buffers": "rsbuf",
-    "reduce_dtype": "reduce",
-    "unshard_async": "async",
     "pp_schedule": "sched",
     "pp_virtual": "v",
-    "nosync_blocks": "nosync",
     "nosync_level_fsdp": "level",
     "nosync_level_hsdp": "level",
-    "keep_unsharded": "keep",
-    "defer_concat": "defer",
     "every_keep_unsharded": "everykeep",
-    "blocks_per_unit": "group",
-    "ac_units": "ac",
     "ac_kind": "ackind",
     "root_reshard_after_forward": "rootraf",
     "root_sync_fsdp": "rootsync",
@@ -74,6 +63,35 @@ _SHORT = {  # in the space's order (SearchSpace.suggest asks them in it); the me
     "root_keep_unsharded": "rootkeep",
     "root_split": "split",
 }
+_KNOB_SHORT = {param: knob.short for knob in KNOBS for param in knob.params}
+_PARAM_ORDER = (  # the space's order (SearchSpace.suggest asks them in it); the mesh comes first, unnamed
+    "pp",
+    "forward_prefetch",
+    "backward_prefetch",
+    "reshard_after_forward",
+    "reduce_scatter_buffers",
+    "reduce_dtype",
+    "unshard_async",
+    "pp_schedule",
+    "pp_virtual",
+    "nosync_blocks",
+    "nosync_level_fsdp",
+    "nosync_level_hsdp",
+    "keep_unsharded",
+    "defer_concat",
+    "every_keep_unsharded",
+    "blocks_per_unit",
+    "ac_units",
+    "ac_kind",
+    "root_reshard_after_forward",
+    "root_sync_fsdp",
+    "root_sync_hsdp",
+    "root_keep_unsharded",
+    "root_split",
+)
+_SHORT = {p: _KNOB_SHORT.get(p) or _OWN_SHORT[p] for p in _PARAM_ORDER} | {
+    p: short for p, short in _KNOB_SHORT.items() if p not in _PARAM_ORDER
+}  # a knob added to the registry is printed after the others, by its own short name
 _ORDER = {short: i for i, short in enumerate(["mesh", *dict.fromkeys(_SHORT.values())])}
 DEFAULTS_DESCRIPTION = "defaults"
 """What :func:`describe_params_diff` says of a point equal to the defaults."""

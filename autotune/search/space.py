@@ -88,6 +88,7 @@ from typing import Any
 
 import optuna
 
+from autotune.search.method_knobs import ask, get_default_answers, get_method_fields
 from autotune.search.patterns import (
     DEFAULTS_DESCRIPTION,
     describe_params,
@@ -98,7 +99,15 @@ from autotune.search.patterns import (
     group_unit,
     split_even,
 )
-from fsdp_runtime import ROOT_UNIT, MeshConfig, MixedPrecisionConfig, PipelineConfig, RuntimeConfig, UnitConfig
+from fsdp_runtime import (
+    ROOT_UNIT,
+    MeshConfig,
+    MixedPrecisionConfig,
+    PipelineConfig,
+    RuntimeConfig,
+    UnitConfig,
+    get_knob,
+)
 from fsdp_runtime.tuning import get_prefetch_lists, select_blocks
 
 __all__ = ["DEFAULTS_DESCRIPTION", "SearchSpace", "describe_params", "describe_params_diff"]
@@ -163,9 +172,9 @@ class SearchSpace:
         """One line per knob left out of the space."""
         return [f"{name} not searched: {why}" for name, why in self.unsupported_knobs]
 
-    def _asks(self, param: str) -> bool:
-        unsupported = {name for name, _ in self.unsupported_knobs}
-        return _FIELD_OF_PARAM.get(param) not in unsupported
+    @property
+    def _unsupported(self) -> set[str]:
+        return {name for name, _ in self.unsupported_knobs}
 
     def get_pp_choices(self) -> list[int]:
         """Pipeline degrees offered: dividing the world size and the blocks (1 always divides)."""
@@ -207,14 +216,13 @@ class SearchSpace:
             get_mesh_key(pp): "fsdp" if "fsdp" in meshes else meshes[0],
             "forward_prefetch": "implicit",
             "backward_prefetch": "implicit",
-            **({"reduce_scatter_buffers": 1} if self._asks("reduce_scatter_buffers") else {}),
+            **get_default_answers(_RS_BUFFERS, self.device_type, self._unsupported),
         }
         mesh = params[get_mesh_key(pp)]
         params[self._get_reshard_key(self._get_shard_size(mesh, pp))] = "true"
         if self.search_reduce_dtype:
             params["reduce_dtype"] = self._get_default_reduce_dtype()
-        if self.device_type == "cpu" and self._asks("unshard_async"):
-            params["unshard_async"] = "off"
+        params.update(get_default_answers(_ASYNC, self.device_type, self._unsupported))
         if self.num_microbatches > 1:
             params.update(nosync_blocks="none")
         if self.grouping:
@@ -264,12 +272,10 @@ class SearchSpace:
                 self._get_reshard_key(shard), self._get_reshard_choices(shard)
             ),
         }
-        if self._asks("reduce_scatter_buffers"):
-            params["reduce_scatter_buffers"] = trial.suggest_categorical("reduce_scatter_buffers", [1, 2])
+        params.update(ask(trial, _RS_BUFFERS, self.device_type, self._unsupported))
         if self.search_reduce_dtype:
             params["reduce_dtype"] = trial.suggest_categorical("reduce_dtype", REDUCE_DTYPES)
-        if self.device_type == "cpu" and self._asks("unshard_async"):
-            params["unshard_async"] = trial.suggest_categorical("unshard_async", ["off", "on"])
+        params.update(ask(trial, _ASYNC, self.device_type, self._unsupported))
         if pp > 1:
             params[f"pp{pp}_schedule"] = trial.suggest_categorical(f"pp{pp}_schedule", self.get_schedule_choices(pp))
         if self.num_microbatches > 1:
@@ -363,14 +369,12 @@ class SearchSpace:
             bwd.update(get_prefetch_lists(list(reversed(order)), params["backward_prefetch"]))
         units = _build_block_units(params, stage_groups, names, fwd, bwd, reshard, shard)
         units += self._build_root_units(params, edges, fwd, bwd)
-        buffers = params.get("reduce_scatter_buffers", 1)
         return RuntimeConfig(
             mesh=mesh_config,
             pipeline=PipelineConfig(schedule=schedule, virtual_stages=virtual) if pp > 1 else PipelineConfig(),
             units=units,
             num_microbatches=self.num_microbatches,
-            unshard_async=params.get("unshard_async", "auto"),
-            reduce_scatter_max_input_buffers=None if buffers == 1 else buffers,
+            **get_method_fields(params),
             mixed_precision=dataclasses.replace(
                 self.mixed_precision, reduce_dtype=params.get("reduce_dtype", self.mixed_precision.reduce_dtype)
             ),
@@ -400,8 +404,7 @@ class SearchSpace:
         return out
 
 
-_FIELD_OF_PARAM = {"reduce_scatter_buffers": "reduce_scatter_max_input_buffers", "unshard_async": "unshard_async"}
-"""The config field each torch-dependent parameter sets (``fsdp_runtime.get_unsupported_knobs`` names fields)."""
+_RS_BUFFERS, _ASYNC = (get_knob(name) for name in ("reduce_scatter_max_input_buffers", "unshard_async"))
 
 
 def _build_block_units(

@@ -10,6 +10,8 @@ job measures exactly as the search does."""
 from fsdp_runtime.tuning.injob import TUNER_ENV, InJobTuner, PeerStepError, TunerError, is_tuner_enabled
 from fsdp_runtime.tuning.moves import Move, get_moves
 from fsdp_runtime.tuning.pair_schedule import (
+    CANDIDATE,
+    REFERENCE,
     get_burst_proof_mean,
     get_burst_windows,
     get_pair_order,
@@ -29,6 +31,8 @@ from fsdp_runtime.tuning.sequential import (
 from fsdp_runtime.tuning.walk import Decision, TuningWalk
 
 __all__ = [
+    "CANDIDATE",
+    "REFERENCE",
     "TUNER_ENV",
     "Decision",
     "InJobTuner",

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig
+from fsdp_runtime.knobs import get_method_knobs
 from fsdp_runtime.tuning.patterns import get_prefetch_lists, select_blocks
 
 PREFETCH_CHOICES = ("implicit", "depth1", "depth2")
@@ -83,7 +84,8 @@ def _config_field(field: str, value: object) -> Move:
 def get_moves(config: RuntimeConfig, *, device_type: str) -> list[Move]:
     """The moves the tuner tries, in order ([Note: in-job moves]): prefetch forward and backward,
     reshard after forward, then under accumulation the sync level, reshard after backward and
-    concat deferral; async unshard on CUDA; the reduce-scatter buffers."""
+    concat deferral; then the method knobs the registry lists, each on the devices it names (async
+    unshard on CUDA, the reduce-scatter buffers)."""
     moves = [_prefetch(direction, c) for direction in ("forward", "backward") for c in PREFETCH_CHOICES]
     moves += [_on_blocks("reshard_after_forward", p, False, None) for p in PATTERNS]
     if config.num_microbatches > 1:
@@ -91,7 +93,7 @@ def get_moves(config: RuntimeConfig, *, device_type: str) -> list[Move]:
         moves += [_on_blocks("sync", p, level, "every") for level in levels for p in PATTERNS]
         moves += [_on_blocks("reshard_after_backward", p, False, True) for p in PATTERNS]
         moves += [_when_some_sync_last(_on_blocks("defer_concat", p, False, True)) for p in ("all", "none")]
-    if device_type == "cuda":
-        moves += [_config_field("unshard_async", value) for value in ("on", "off")]
-    moves += [_config_field("reduce_scatter_max_input_buffers", value) for value in (2, None)]
+    for knob in get_method_knobs():  # the registry's, in its order ([Note: the knob registry])
+        if device_type in knob.move_devices:
+            moves += [_config_field(knob.name, value) for value in knob.moves]
     return moves

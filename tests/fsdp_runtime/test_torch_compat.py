@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_runtime import ConfigError, RuntimeConfig, apply_fsdp
+from fsdp_runtime import ConfigError, RuntimeConfig, apply_fsdp, knobs
 from fsdp_runtime import _torch_compat as compat
 from fsdp_runtime._fsdp_private import get_param_groups
 from profiles import build_model, load_model_profile
@@ -88,37 +88,37 @@ def test_param_groups_of_an_unknown_layout_fail_in_one_line():
 
 
 def test_unsupported_knobs_are_probed_on_the_class():
-    assert compat.get_unsupported_knobs(_Module213) == {}
-    (only,) = compat.get_unsupported_knobs(_Module211).items()
+    assert knobs.get_unsupported_knobs(_Module213) == {}
+    (only,) = knobs.get_unsupported_knobs(_Module211).items()
     assert only == (
         "reduce_scatter_max_input_buffers",
         f"needs torch >= 2.13 (pytorch #186000); torch {torch.__version__} has no "
         "FSDPModule.set_reduce_scatter_max_input_buffers",
     )
-    assert set(compat.get_unsupported_knobs(_ModuleWithoutSetters)) == {
+    assert set(knobs.get_unsupported_knobs(_ModuleWithoutSetters)) == {
         "reduce_scatter_max_input_buffers",
         "unshard_async",
     }
-    assert "torch >= 2.6 (pytorch #135523)" in compat.get_unsupported_knobs(_ModuleWithoutSetters)["unshard_async"]
+    assert "torch >= 2.6 (pytorch #135523)" in knobs.get_unsupported_knobs(_ModuleWithoutSetters)["unshard_async"]
 
 
 def test_reduce_scatter_buffers_setter_with_and_without_it():
     module = _Module213()
-    compat.set_reduce_scatter_max_input_buffers(module, 2)
+    knobs.set_reduce_scatter_max_input_buffers(module, 2)
     assert module.calls == [("rs_buffers", 2, False)]  # this unit only: each unit sets its own
     old = _Module211()
-    compat.set_reduce_scatter_max_input_buffers(old, 1)  # one buffer is what FSDP2 did before the setter
+    knobs.set_reduce_scatter_max_input_buffers(old, 1)  # one buffer is what FSDP2 did before the setter
     assert old.calls == []
     with pytest.raises(RuntimeError, match=r"^reduce_scatter_max_input_buffers: needs torch >= 2\.13 "):
-        compat.set_reduce_scatter_max_input_buffers(old, 2)
+        knobs.set_reduce_scatter_max_input_buffers(old, 2)
 
 
 def test_unshard_async_setter_with_and_without_it():
     module = _Module211()
-    compat.set_unshard_async(module, True)
+    knobs.set_unshard_async(module, True)
     assert module.calls == [("unshard_async", True)]
     with pytest.raises(RuntimeError, match=r"^unshard_async: needs torch >= 2\.6 "):
-        compat.set_unshard_async(_ModuleWithoutSetters(), True)
+        knobs.set_unshard_async(_ModuleWithoutSetters(), True)
 
 
 def test_the_package_floor_is_the_oldest_layout_covered():

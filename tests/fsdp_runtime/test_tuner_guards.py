@@ -59,7 +59,6 @@ def test_a_move_the_installed_torch_cannot_set_is_never_offered(applied):
 
 
 def test_a_switch_that_fails_half_way_is_rolled_back_unit_by_unit(applied, monkeypatch):
-    from fsdp_runtime import switch
 
     target = _moved(applied, "forward_prefetch=depth1")
     target = dataclasses.replace(
@@ -67,14 +66,13 @@ def test_a_switch_that_fails_half_way_is_rolled_back_unit_by_unit(applied, monke
     )
     before = applied.config
     failing = applied.units[BLOCKS[2]]
-    real = switch.set_reduce_scatter_max_input_buffers
+    real = type(failing).set_reshard_after_forward
 
-    def fail_on_the_third_block(module, n):
-        if module is failing:
-            raise RuntimeError("planted: a setter failed")
-        real(module, n)
+    def fail_once(module, *args, **kwargs):  # the third block's setter fails the first time it is called
+        monkeypatch.setattr(failing, "set_reshard_after_forward", real.__get__(failing))
+        raise RuntimeError("planted: a setter failed")
 
-    monkeypatch.setattr(switch, "set_reduce_scatter_max_input_buffers", fail_on_the_third_block)
+    monkeypatch.setattr(failing, "set_reshard_after_forward", fail_once.__get__(failing))
     with pytest.raises(RuntimeError, match="planted"):
         switch_config(applied, target, device_type="cpu")
     assert applied.config is before
@@ -82,7 +80,6 @@ def test_a_switch_that_fails_half_way_is_rolled_back_unit_by_unit(applied, monke
         state = applied.units[name]._get_fsdp_state()
         assert state._states_to_forward_prefetch == [], name
     assert applied.eager_concat == {}  # no eager-concat wrapper left installed
-    monkeypatch.setattr(switch, "set_reduce_scatter_max_input_buffers", real)
     switch_config(applied, target, device_type="cpu")  # the same switch, once the setter works
     assert applied.config.units[0].forward_prefetch == [BLOCKS[1]] and set(applied.eager_concat) == {*BLOCKS, "root"}
 

@@ -416,8 +416,7 @@ def test_a_leader_a_burst_made_look_faster_prunes_no_faster_finalist():
     ``lose`` rows: about 7% of finalists with a burst). Now the leader cannot settle on that block,
     and its figure is the one no single burst can have lowered."""
     from autotune.search.confirm import get_finalist_rule, get_leader_mean
-    from fsdp_runtime.tuning import StoppingRule, decide, get_burst_windows, get_pair_schedule
-    from fsdp_runtime.tuning.pair_schedule import CANDIDATE
+    from fsdp_runtime.tuning import CANDIDATE, StoppingRule, decide, get_burst_windows, get_pair_schedule
 
     rule = StoppingRule(max_blocks=3, precision=0.05, noise_sd=0.03, noise_df=24)
     burst_block = [0.533, 0.535]

@@ -1,0 +1,39 @@
+"""The search's questions of the registry's method knobs ([Note: the knob registry] in :mod:`fsdp_runtime.knobs`).
+
+A method knob (one ``FSDPModule`` method sets it on every unit) carries its own question: the
+Optuna parameter, its choices, the defaults trial's answer, the devices it is asked on and the
+config value each answer sets. The space asks it where this torch can set it (``unsupported``: the
+fields ``fsdp_runtime.get_unsupported_knobs`` names); ``SearchSpace.notes`` says which were not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optuna
+
+from fsdp_runtime import KNOBS, Knob
+
+__all__ = ["ask", "get_default_answers", "get_method_fields", "is_asked"]
+
+
+def is_asked(knob: Knob, device_type: str, unsupported: set[str]) -> bool:
+    """``knob``'s question is asked: it has one, on this device, and this torch can set it."""
+    return knob.search is not None and device_type in knob.search.devices and knob.name not in unsupported
+
+
+def get_default_answers(knob: Knob, device_type: str, unsupported: set[str]) -> dict[str, Any]:
+    """The defaults trial's answer to ``knob``'s question, where it is asked (FSDP2's default)."""
+    return {knob.search.param: knob.search.default} if is_asked(knob, device_type, unsupported) else {}
+
+
+def ask(trial: optuna.Trial, knob: Knob, device_type: str, unsupported: set[str]) -> dict[str, Any]:
+    """``knob``'s answer in ``trial``, where it is asked."""
+    if not is_asked(knob, device_type, unsupported):
+        return {}
+    return {knob.search.param: trial.suggest_categorical(knob.search.param, list(knob.search.choices))}
+
+
+def get_method_fields(params: dict[str, Any]) -> dict[str, Any]:
+    """The config fields the method knobs' answers in ``params`` set (one not asked keeps the config's default)."""
+    return {k.name: k.search.to_field(params[k.search.param]) for k in KNOBS if k.search and k.search.param in params}

@@ -1,0 +1,374 @@
+"""The knob registry: one declaration per runtime knob, from which the rest of the project reads it.
+
+[Note: the knob registry]
+Each :class:`Knob` says once what a knob is: the config field (:mod:`fsdp_runtime.config`), its
+scope (one value per unit, or one for the whole config), its values and FSDP2's default, the
+FSDP2 method or ``fully_shard`` argument that sets it, whether a sharded model switches it in
+place, the first torch release that has its method (probed on ``FSDPModule``, never parsed from a
+version string), whether it keeps the order of floating-point sums (losses bitwise on CPU), the
+terminal's short name for its search parameters, and, for a knob set by a plain ``FSDPModule``
+method on every unit, how to set it and what the search and the in-job tuner try.
+
+Read from it:
+
+- the torch probes and refusals (:func:`get_unsupported_knobs`, :func:`check_torch_supports`:
+  a config that asks for a knob this torch lacks is refused in one line naming the release);
+- which knobs switch in place (``fsdp_runtime.switch``'s ``UNIT_KNOBS_IN_PLACE`` and
+  ``CONFIG_KNOBS_IN_PLACE``), and the setters ``apply_fsdp`` and ``switch_config`` call for the
+  method knobs (:func:`set_method_knobs`);
+- the in-job tuner's moves of the method knobs (``fsdp_runtime.tuning.moves``);
+- the search's questions of the method knobs, their defaults-trial answers and the fields they
+  set (``autotune.search.space``), and the short names the terminal prints
+  (``autotune.search.patterns``);
+- the simulator's price of a method knob, through the hook the knob names (``sim``: the name of
+  a field of ``autotune.sim.knobs.Knobs``, resolved there by :func:`get_sim_value`).
+
+The unit knobs FSDP2 sets per unit from lists, gradient-sync state or wrappers (prefetch, reshard
+after forward and backward, the sync level, concat deferral) and the structural ones (mesh, units,
+checkpointing, precision) are declared here for what they are; their code stays where their
+mechanics are (:mod:`fsdp_runtime.apply`, :mod:`fsdp_runtime.accumulation`,
+:mod:`fsdp_runtime.switch`), since each is set its own way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_runtime.config import RuntimeConfig
+from fsdp_runtime.errors import ConfigError
+
+__all__ = [
+    "KNOBS",
+    "Knob",
+    "SearchChoice",
+    "check_torch_supports",
+    "get_knob",
+    "get_method_knobs",
+    "get_sim_value",
+    "get_unsupported_knobs",
+    "require_method",
+    "set_method_knobs",
+    "set_reduce_scatter_max_input_buffers",
+    "set_unshard_async",
+    "use_unshard_async",
+]
+
+Scope = Literal["unit", "config"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchChoice:
+    """What the search asks of a method knob: the Optuna parameter, its choices, the defaults
+    trial's answer and the config value each answer sets."""
+
+    param: str
+    """The Optuna parameter (its name in studies already written: kept as it was)."""
+    choices: tuple[Any, ...]
+    default: Any
+    """The defaults trial's answer: FSDP2's default."""
+    to_field: Callable[[Any], Any] = lambda value: value
+    """The config field's value for an answer."""
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    """The device types on which the search asks it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knob:
+    """One runtime knob ([Note: the knob registry])."""
+
+    name: str
+    """The config field (``RuntimeConfig`` for scope ``config``, ``UnitConfig`` for ``unit``)."""
+    scope: Scope
+    values: str
+    """Its values, in words (what ``autotune validate`` and the docs say)."""
+    default: Any
+    """The config's default, which leaves FSDP2's own behaviour."""
+    sets: str
+    """The FSDP2 method or ``fully_shard`` argument that sets it."""
+    in_place: bool
+    """A sharded model switches it between optimizer steps ([Note: knobs switched in place])."""
+    keeps_sum_order: bool
+    """It changes when and where sums run, not their order: losses bitwise on CPU."""
+    short: str
+    """The terminal's name for it."""
+    params: tuple[str, ...] = ()
+    """The search parameters that ask it (each printed as ``short``)."""
+    method: str | None = None
+    """The ``FSDPModule`` method only some torch releases have: whether the class has it is the probe."""
+    since: str | None = None
+    """The first torch release with ``method``."""
+    source: str | None = None
+    """Where ``since`` comes from."""
+    asks: Callable[[RuntimeConfig], bool] | None = None
+    """Whether a config asks for what only ``method`` gives (else this torch meets it as it is)."""
+    value: Callable[[RuntimeConfig, str], Any] | None = None
+    """A method knob: the value set on every unit, from the config and the device type."""
+    fsdp_default: Any = None
+    """A method knob: FSDP2's own value, which needs no call (a torch without the method has it)."""
+    setter: Callable[[Any, Any], None] | None = None
+    """A method knob: set ``value`` on one unit's module (not its children)."""
+    moves: tuple[Any, ...] = ()
+    """The field values the in-job tuner tries, in order."""
+    move_devices: tuple[str, ...] = ("cpu", "cuda")
+    """The device types on which the in-job tuner tries them."""
+    search: SearchChoice | None = None
+    sim: str | None = None
+    """The simulator's field this knob is priced through (``autotune.sim.knobs.Knobs``)."""
+    notes: tuple[str, ...] = field(default=())
+
+    def get_reason(self) -> str:
+        """Why this torch cannot set it (for a knob with ``method``)."""
+        return f"needs torch >= {self.since} ({self.source}); torch {torch.__version__} has no FSDPModule.{self.method}"
+
+
+def set_unshard_async(module: Any, enabled: bool) -> None:
+    """``_set_unshard_async_op`` on ``module`` and its FSDP children; see [Note: async unshard on CPU]."""
+    require_method(module, "unshard_async")
+    module._set_unshard_async_op(enabled)
+
+
+def set_reduce_scatter_max_input_buffers(module: Any, num_buffers: int) -> None:
+    """Cap this unit's reduce-scatter input buffers in flight (not its children's).
+
+    Without the setter (torch < 2.13) FSDP2 keeps one buffer, so ``1`` is met as it is."""
+    if num_buffers == 1 and not hasattr(module, _BY_NAME["reduce_scatter_max_input_buffers"].method):
+        return  # before the setter FSDP2 kept exactly one buffer
+    require_method(module, "reduce_scatter_max_input_buffers")
+    module.set_reduce_scatter_max_input_buffers(num_buffers, recurse=False)
+
+
+def use_unshard_async(config: RuntimeConfig, device_type: str) -> bool:
+    """Whether ``config`` issues all-gathers async on ``device_type``: "auto" is on for CPU where this torch has the setter ([Note: async unshard on CPU])."""
+    can_async = hasattr(FSDPModule, _BY_NAME["unshard_async"].method)
+    return config.unshard_async == "on" or (config.unshard_async == "auto" and device_type == "cpu" and can_async)
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob(
+        name="reshard_after_forward",
+        scope="unit",
+        values="true, false, an int (a group of that many ranks), or none (auto)",
+        default=None,
+        sets="fully_shard(reshard_after_forward=...); FSDPModule.set_reshard_after_forward",
+        in_place=True,  # as a bool or None; an int is structural
+        keeps_sum_order=True,
+        short="raf",
+        params=("reshard_after_forward",),
+        sim="reshard_after_forward",
+    ),
+    Knob(
+        name="forward_prefetch",
+        scope="unit",
+        values="unit names, or none for FSDP2's own",
+        default=None,
+        sets="FSDPModule.set_modules_to_forward_prefetch",
+        in_place=True,
+        keeps_sum_order=True,
+        short="fwd",
+        params=("forward_prefetch",),
+        sim="forward_prefetch",
+    ),
+    Knob(
+        name="backward_prefetch",
+        scope="unit",
+        values="unit names, or none for FSDP2's own",
+        default=None,
+        sets="FSDPModule.set_modules_to_backward_prefetch",
+        in_place=True,
+        keeps_sum_order=True,
+        short="bwd",
+        params=("backward_prefetch",),
+        sim="backward_prefetch",
+    ),
+    Knob(
+        name="unshard_async",
+        scope="config",
+        values="auto (on for CPU), on, off",
+        default="auto",
+        sets="FSDPModule._set_unshard_async_op",
+        in_place=True,
+        keeps_sum_order=True,
+        short="async",
+        params=("unshard_async",),
+        method="_set_unshard_async_op",
+        since="2.6",
+        source="pytorch #135523",
+        asks=lambda config: config.unshard_async == "on",
+        value=use_unshard_async,
+        fsdp_default=False,
+        setter=set_unshard_async,
+        moves=("on", "off"),
+        move_devices=("cuda",),
+        search=SearchChoice(param="unshard_async", choices=("off", "on"), default="off", devices=("cpu",)),
+        sim="unshard_async",
+    ),
+    Knob(
+        name="reduce_scatter_max_input_buffers",
+        scope="config",
+        values="an int >= 1, or none (FSDP2's 1)",
+        default=None,
+        sets="FSDPModule.set_reduce_scatter_max_input_buffers",
+        in_place=True,
+        keeps_sum_order=True,
+        short="rsbuf",
+        params=("reduce_scatter_buffers",),
+        method="set_reduce_scatter_max_input_buffers",
+        since="2.13",
+        source="pytorch #186000",
+        asks=lambda config: config.reduce_scatter_max_input_buffers not in (None, 1),  # 1: every torch
+        value=lambda config, device_type: config.reduce_scatter_max_input_buffers or 1,
+        fsdp_default=1,
+        setter=set_reduce_scatter_max_input_buffers,
+        moves=(2, None),
+        search=SearchChoice(
+            param="reduce_scatter_buffers",
+            choices=(1, 2),
+            default=1,
+            to_field=lambda buffers: None if buffers == 1 else buffers,
+        ),
+        sim="max_rs_buffers",
+    ),
+    Knob(
+        name="mixed_precision.reduce_dtype",
+        scope="config",
+        values="float32, bfloat16, float16, float64, or none (the params' dtype)",
+        default=None,
+        sets="fully_shard(mp_policy=MixedPrecisionPolicy(reduce_dtype=...))",
+        in_place=False,
+        keeps_sum_order=False,
+        short="reduce",
+        params=("reduce_dtype",),
+        sim="reduce_dtype",
+    ),
+    Knob(
+        name="sync",
+        scope="unit",
+        values="every, replica_last (HSDP), last",
+        default="every",
+        sets="FSDPModule.set_requires_gradient_sync / set_requires_all_reduce, per microbatch",
+        in_place=True,
+        keeps_sum_order=False,  # a gradient summed over microbatches before its reduce-scatter
+        short="nosync",
+        params=("nosync_blocks",),
+        sim="sync",
+    ),
+    Knob(
+        name="reshard_after_backward",
+        scope="unit",
+        values="true, false (keep the unsharded parameters between microbatches)",
+        default=True,
+        sets="FSDPModule.set_reshard_after_backward, per microbatch",
+        in_place=True,
+        keeps_sum_order=True,
+        short="keep",
+        params=("keep_unsharded",),
+        sim="reshard_after_backward",
+    ),
+    Knob(
+        name="defer_concat",
+        scope="unit",
+        values="true (FSDP2's), false (concat each microbatch's gradients eagerly)",
+        default=True,
+        sets="fsdp_runtime's EagerConcat around the param groups' post_backward",
+        in_place=True,
+        keeps_sum_order=True,
+        short="defer",
+        params=("defer_concat",),
+        sim="defer_concat",
+    ),
+    Knob(
+        name="modules",
+        scope="unit",
+        values="the blocks one fully_shard call holds",
+        default=None,
+        sets="fully_shard([modules])",
+        in_place=False,
+        keeps_sum_order=True,
+        short="group",
+        params=("blocks_per_unit",),
+        sim="unit_blocks",
+    ),
+    Knob(
+        name="activation_checkpointing",
+        scope="unit",
+        values="none, selective, full",
+        default="none",
+        sets="torch.utils.checkpoint around the unit's modules, before fully_shard",
+        in_place=False,
+        keeps_sum_order=True,
+        short="ac",
+        params=("ac_units",),
+        sim="checkpointing",
+    ),
+    Knob(
+        name="mesh",
+        scope="config",
+        values="fsdp, or hsdp with replicate x shard",
+        default="fsdp",
+        sets="fully_shard(mesh=init_device_mesh(...))",
+        in_place=False,
+        keeps_sum_order=False,  # other reduction groups
+        short="mesh",
+        sim="hsdp",
+    ),
+)
+"""Every knob; the method knobs in the order the in-job tuner tries their moves (the search asks
+the parameters of those it had before the registry where it always has: studies already written
+keep their sequences)."""
+_BY_NAME = {knob.name: knob for knob in KNOBS}
+
+
+def get_knob(name: str) -> Knob:
+    """The knob of config field ``name`` (``KeyError`` where none)."""
+    return _BY_NAME[name]
+
+
+def get_method_knobs() -> list[Knob]:
+    """The knobs a plain ``FSDPModule`` method sets on every unit (with ``setter``), in order."""
+    return [knob for knob in KNOBS if knob.setter is not None]
+
+
+def get_unsupported_knobs(fsdp_module_class: type = FSDPModule) -> dict[str, str]:
+    """The config fields this torch cannot set, each with one line saying why (empty: all of them work)."""
+    return {k.name: k.get_reason() for k in KNOBS if k.method is not None and not hasattr(fsdp_module_class, k.method)}
+
+
+def check_torch_supports(config: RuntimeConfig) -> None:
+    """Refuse a knob this torch cannot set, naming the field and the torch it needs (never a silent no-op)."""
+    for name, reason in get_unsupported_knobs().items():
+        knob = _BY_NAME[name]
+        if knob.asks is not None and knob.asks(config):
+            raise ConfigError(name, reason, fix="unset it, or upgrade torch")
+
+
+def require_method(module: Any, name: str) -> None:
+    """``RuntimeError`` naming the field and the release it needs where ``module`` lacks knob ``name``'s method."""
+    knob = _BY_NAME[name]
+    if not hasattr(module, knob.method):
+        raise RuntimeError(f"{knob.name}: {knob.get_reason()}")
+
+
+def set_method_knobs(
+    module: Any, config: RuntimeConfig, device_type: str, *, before: RuntimeConfig | None = None, every: bool = False
+) -> None:
+    """Set every method knob of ``config`` on one unit's ``module``: those not at FSDP2's own value
+    (``apply_fsdp``); switching from ``before``, those either config sets (``switch_config``: a knob
+    both leave at FSDP2's value is never called, so a torch without its method is never asked);
+    ``every``, each one this torch can set, FSDP2's value included (``adopt_fsdp``: a model other
+    code sharded may have any)."""
+    for knob in get_method_knobs():
+        value = knob.value(config, device_type)
+        was = knob.fsdp_default if before is None else knob.value(before, device_type)
+        can = knob.method is None or hasattr(module, knob.method)
+        if value != knob.fsdp_default or was != knob.fsdp_default or (every and can):
+            knob.setter(module, value)
+
+
+def get_sim_value(knob: Knob, config: RuntimeConfig, device_type: str) -> Any:
+    """A method knob's value as the simulator prices it (the value set on every unit)."""
+    return knob.value(config, device_type)

@@ -1,0 +1,115 @@
+"""The knob registry (``fsdp_runtime.knobs``) against what it describes: the config's fields and
+defaults, the installed torch's ``FSDPModule``, and the consumers that read it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_runtime import (
+    CONFIG_KNOBS_IN_PLACE,
+    KNOBS,
+    UNIT_KNOBS_IN_PLACE,
+    RuntimeConfig,
+    UnitConfig,
+    get_knob,
+    get_method_knobs,
+    get_unsupported_knobs,
+)
+from fsdp_runtime.knobs import set_method_knobs
+from fsdp_runtime.tuning.moves import get_moves
+
+pytestmark = pytest.mark.torch_matrix
+
+
+def _field_default(knob):
+    """The dataclass default of the knob's field (the mesh's: its kind)."""
+    owner = UnitConfig(name="x") if knob.scope == "unit" else RuntimeConfig()
+    for part in knob.name.split("."):
+        owner = getattr(owner, part)
+    return owner.kind if knob.name == "mesh" else owner
+
+
+def test_every_knob_names_a_config_field_of_its_scope_with_its_default():
+    for knob in KNOBS:
+        assert knob.scope in ("unit", "config"), knob.name
+        assert _field_default(knob) == knob.default, knob.name
+    assert len({k.name for k in KNOBS}) == len(KNOBS)
+    shorts = [k.short for k in KNOBS]
+    assert len(set(shorts)) == len(shorts), "two knobs print alike"
+
+
+def test_the_in_place_fields_are_the_registry_s():
+    assert set(UNIT_KNOBS_IN_PLACE) == {k.name for k in KNOBS if k.scope == "unit" and k.in_place}
+    assert set(CONFIG_KNOBS_IN_PLACE) == {k.name for k in KNOBS if k.scope == "config" and k.in_place}
+    assert {f.name for f in dataclasses.fields(UnitConfig)} >= set(UNIT_KNOBS_IN_PLACE)
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_a_method_is_on_the_installed_torch_exactly_from_the_release_the_registry_names():
+    """Run under every torch of the matrix: a knob's ``since`` is where its method appears."""
+    for knob in KNOBS:
+        if knob.method is None:
+            continue
+        has = hasattr(FSDPModule, knob.method)
+        assert has == (_release(torch.__version__) >= _release(knob.since)), (knob.name, knob.since)
+        assert (knob.name in get_unsupported_knobs()) == (not has)
+
+
+def test_a_method_knob_s_defaults_trial_answer_leaves_fsdp2_s_default():
+    for knob in get_method_knobs():
+        assert knob.value(RuntimeConfig(), "cuda") == knob.fsdp_default, knob.name
+        if knob.search is not None:  # the defaults trial's answer sets FSDP2's value on each device it is asked on
+            answered = dataclasses.replace(RuntimeConfig(), **{knob.name: knob.search.to_field(knob.search.default)})
+            for device_type in knob.search.devices:
+                assert knob.value(answered, device_type) == knob.fsdp_default, (knob.name, device_type)
+            assert knob.search.default in knob.search.choices
+        for move in knob.moves:  # every move is a value the config takes
+            dataclasses.replace(RuntimeConfig(), **{knob.name: move})
+
+
+class _Module:
+    """A unit with every method knob's method, recording what is set."""
+
+    def __init__(self):
+        self.calls = []
+
+    def set_reduce_scatter_max_input_buffers(self, n, *, recurse=True):
+        self.calls.append(("rs", n))
+
+    def _set_unshard_async_op(self, enabled):
+        self.calls.append(("async", enabled))
+
+
+def test_apply_sets_only_what_leaves_fsdp2_s_value_a_switch_what_either_side_sets_adopt_every_one():
+    module, plain, tuned = _Module(), RuntimeConfig(), RuntimeConfig(reduce_scatter_max_input_buffers=2)
+    set_method_knobs(module, plain, "cuda")
+    assert module.calls == []  # FSDP2's own values need no call
+    set_method_knobs(module, tuned, "cuda")
+    assert module.calls == [("rs", 2)]
+    module.calls.clear()
+    set_method_knobs(module, plain, "cuda", before=tuned)  # back: the knob the old side set is reset
+    assert module.calls == [("rs", 1)]
+    module.calls.clear()
+    set_method_knobs(module, plain, "cuda", before=plain, every=True)
+    assert sorted(module.calls) == [("async", False), ("rs", 1)]
+    module.calls.clear()
+    set_method_knobs(module, plain, "cpu")  # auto: async on for CPU where this torch has the setter
+    assert module.calls == ([("async", True)] if hasattr(FSDPModule, "_set_unshard_async_op") else [])
+
+
+def test_the_tuner_s_moves_of_the_method_knobs_come_from_the_registry_on_their_devices():
+    config = RuntimeConfig(units=[UnitConfig(name="b0"), UnitConfig(name="root")])
+    for device_type in ("cpu", "cuda"):
+        names = [m.name for m in get_moves(config, device_type=device_type)]
+        for knob in get_method_knobs():
+            expected = [f"{knob.name}={v}" for v in knob.moves] if device_type in knob.move_devices else []
+            assert [n for n in names if n.startswith(f"{knob.name}=")] == expected
+    assert get_knob("unshard_async").move_devices == ("cuda",)
