@@ -35,7 +35,16 @@ from fsdp_runtime.consolidate import (
 )
 from fsdp_runtime.errors import AutotuneError, ConfigError
 from fsdp_runtime.files import atomic_path, write_atomic, write_json_atomic
-from fsdp_runtime.knobs import KNOBS, Knob, SearchChoice, get_knob, get_method_knobs, get_unsupported_knobs
+from fsdp_runtime.knobs import (
+    KNOBS,
+    Knob,
+    SearchChoice,
+    get_added_knobs,
+    get_knob,
+    get_method_knobs,
+    get_sim_values,
+    get_unsupported_knobs,
+)
 from fsdp_runtime.pipeline import AppliedPipeline, StageSplit, apply_pipeline, split_stages
 from fsdp_runtime.recipes import RECIPES, get_torchtitan_config, get_torchtitan_units
 from fsdp_runtime.serialize import (
@@ -100,8 +109,10 @@ __all__ = [
     "KNOBS",
     "Knob",
     "SearchChoice",
+    "get_added_knobs",
     "get_knob",
     "get_method_knobs",
+    "get_sim_values",
     "load_config",
     "load_consolidated_checkpoint",
     "loads_config",

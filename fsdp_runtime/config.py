@@ -12,9 +12,11 @@ model happen in ``apply_fsdp``. Every error names the exact field path, e.g.
 
 Schema history: version 2 added ``units[].modules`` (several blocks in one unit) and
 ``units[].activation_checkpointing``; version 3 added pipeline stages (``mesh.pp`` and the
-``pipeline`` table: a ``pp x replicate x shard`` mesh, FSDP2 inside each stage). An older
-file reads as the current version with the new fields at their defaults
-(:mod:`fsdp_runtime.serialize` migrates it).
+``pipeline`` table: a ``pp x replicate x shard`` mesh, FSDP2 inside each stage); version 4 the
+method knobs of FSDP2's newer releases, each declared in :mod:`fsdp_runtime.knobs` with the
+release that has it. An older file reads as the current version with the new fields at their
+defaults (:mod:`fsdp_runtime.serialize` migrates it); a config that sets none of a version's new
+fields is written in the version before it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The schema version this release writes and reads; an older file is migrated, a newer one refused."""
 ROOT_UNIT = "root"
 """Name of the unit that is the model itself (``fully_shard(model)``)."""

@@ -21,7 +21,13 @@ Read from it:
   set (``autotune.search.space``), and the short names the terminal prints
   (``autotune.search.patterns``);
 - the simulator's price of a method knob, through the hook the knob names (``sim``: the name of
-  a field of ``autotune.sim.knobs.Knobs``, resolved there by :func:`get_sim_value`).
+  a field of ``autotune.sim.knobs.Knobs``), or for one added since schema 4 its value by name
+  (:func:`get_sim_values`), which the simulator's schedule reads;
+- the config schema: the fields schema 4 added are written only when set (``schema``), so a
+  config that uses none of them stays in the version before, byte for byte.
+
+Adding a method knob: its field in :mod:`fsdp_runtime.config`, its declaration here (with its
+setter, its question and its moves), and its price in ``autotune/sim/schedule.py``.
 
 The unit knobs FSDP2 sets per unit from lists, gradient-sync state or wrappers (prefetch, reshard
 after forward and backward, the sync level, concat deferral) and the structural ones (mesh, units,
@@ -47,9 +53,10 @@ __all__ = [
     "Knob",
     "SearchChoice",
     "check_torch_supports",
+    "get_added_knobs",
     "get_knob",
     "get_method_knobs",
-    "get_sim_value",
+    "get_sim_values",
     "get_unsupported_knobs",
     "require_method",
     "set_method_knobs",
@@ -118,7 +125,11 @@ class Knob:
     """The device types on which the in-job tuner tries them."""
     search: SearchChoice | None = None
     sim: str | None = None
-    """The simulator's field this knob is priced through (``autotune.sim.knobs.Knobs``)."""
+    """The simulator's field this knob is priced through (``autotune.sim.knobs.Knobs``); None for a
+    method knob of schema 4 on: the simulator reads its value by name (``Knobs.method_values``)."""
+    schema: int = 3
+    """The config schema version that added the field; a config leaving every field of a later
+    version at its default is written in the earlier one ([Note: the knob registry])."""
     notes: tuple[str, ...] = field(default=())
 
     def get_reason(self) -> str:
@@ -333,6 +344,16 @@ def get_method_knobs() -> list[Knob]:
     return [knob for knob in KNOBS if knob.setter is not None]
 
 
+def get_added_knobs(version: int) -> list[Knob]:
+    """The knobs whose fields schema ``version`` added."""
+    return [knob for knob in KNOBS if knob.schema == version]
+
+
+def get_sim_values(config: RuntimeConfig, device_type: str) -> tuple[tuple[str, Any], ...]:
+    """The values of the method knobs the simulator reads by name (those with no field of their own there)."""
+    return tuple((k.name, k.value(config, device_type)) for k in get_method_knobs() if k.sim is None)
+
+
 def get_unsupported_knobs(fsdp_module_class: type = FSDPModule) -> dict[str, str]:
     """The config fields this torch cannot set, each with one line saying why (empty: all of them work)."""
     return {k.name: k.get_reason() for k in KNOBS if k.method is not None and not hasattr(fsdp_module_class, k.method)}
@@ -367,8 +388,3 @@ def set_method_knobs(
         can = knob.method is None or hasattr(module, knob.method)
         if value != knob.fsdp_default or was != knob.fsdp_default or (every and can):
             knob.setter(module, value)
-
-
-def get_sim_value(knob: Knob, config: RuntimeConfig, device_type: str) -> Any:
-    """A method knob's value as the simulator prices it (the value set on every unit)."""
-    return knob.value(config, device_type)

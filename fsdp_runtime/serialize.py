@@ -25,6 +25,7 @@ from fsdp_runtime._toml import dumps as dumps_toml
 from fsdp_runtime.config import SCHEMA_VERSION, PipelineConfig, RuntimeConfig
 from fsdp_runtime.errors import ConfigError
 from fsdp_runtime.files import write_atomic
+from fsdp_runtime.knobs import get_added_knobs, get_knob
 from fsdp_runtime.validation import validate_config
 
 Format = Literal["toml", "json"]
@@ -37,13 +38,20 @@ def config_to_dict(config: RuntimeConfig) -> dict[str, Any]:
     """The config as plain data, in the oldest schema version that holds it: a config that
     uses no schema-2 field (``units[].modules``, ``units[].activation_checkpointing``) is
     written as version 1, and one without pipeline stages (``mesh.pp`` 1) as at most version
-    2, so configs (and the artifacts embedding them) that do not use the new knobs stay
+    2, and one without the method knobs schema 4 added (all at FSDP2's defaults) as at most
+    version 3, so configs (and the artifacts embedding them) that do not use the new knobs stay
     byte-identical and readable by older releases; one that does carries the version that
     holds it, which an older reader refuses with its "newer than this fsdp-autotune" error."""
     data = dataclasses.asdict(config)
     # Added to schema 1 with a default: written only when set, for the same reason.
     if data["unlisted_blocks"] == "error":
         del data["unlisted_blocks"]
+    added = [knob.name for knob in get_added_knobs(4)]  # the method knobs schema 4 added, all config-scope
+    if any(data[name] != get_knob(name).default for name in added):
+        return data
+    for name in added:
+        del data[name]
+    data["schema_version"] = 3
     if config.mesh.pp != 1 or config.pipeline != PipelineConfig():
         return data
     del data["pipeline"], data["mesh"]["pp"]
@@ -98,7 +106,12 @@ def _migrate_v2(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-_MIGRATIONS = {1: _migrate_v1, 2: _migrate_v2}
+def _migrate_v3(data: dict[str, Any]) -> dict[str, Any]:
+    """v3 -> v4: v4 only added method knobs (``fsdp_runtime.knobs``, ``schema`` 4), each with FSDP2's default."""
+    return data
+
+
+_MIGRATIONS = {1: _migrate_v1, 2: _migrate_v2, 3: _migrate_v3}
 """``{version: upgrade of a dict of that version to the next}``: every released version stays readable."""
 
 

@@ -43,9 +43,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from autotune.search.method_knobs import get_method_fields
 from autotune.search.space import SearchSpace, describe_params
 from autotune.sim import Knobs, Simulator, StepPrediction, resolve_knobs
-from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig
+from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, get_sim_values
 
 _FORWARD_KEYS = (
     "mesh",
@@ -198,8 +199,10 @@ class KnobFactory:
             ("ac", *ukey, *sorted((k, str(v)) for k, v in ac_params.items())), {**base, **ac_params}
         ).checkpointing
         asynchronous = params.get("unshard_async", "auto")
+        methods = dataclasses.replace(RuntimeConfig(), **get_method_fields(params))  # the registry's method knobs
         return dataclasses.replace(
             meshed,
+            method_values=get_sim_values(methods, self.device),
             unshard_async=asynchronous == "on" or (asynchronous == "auto" and self.device == "cpu"),
             max_rs_buffers=params.get("reduce_scatter_buffers", 1),
             forward_prefetch=fwd.forward_prefetch,

@@ -106,6 +106,7 @@ from fsdp_runtime import (
     PipelineConfig,
     RuntimeConfig,
     UnitConfig,
+    get_added_knobs,
     get_knob,
 )
 from fsdp_runtime.tuning import get_prefetch_lists, select_blocks
@@ -237,6 +238,8 @@ class SearchSpace:
                 params[f"root_sync_{self.get_sync_suffix(mesh, pp)}"] = "every"
             if self.can_split:
                 params["root_split"] = "none"
+        for knob in get_added_knobs(4):
+            params.update(get_default_answers(knob, self.device_type, self._unsupported))
         return params
 
     def __post_init__(self) -> None:
@@ -289,6 +292,8 @@ class SearchSpace:
                 if params["nosync_level"] == "last":
                     params["defer_concat"] = trial.suggest_categorical("defer_concat", [True, False])
         params.update(self._suggest_memory_knobs(trial, mesh, pp))
+        for knob in get_added_knobs(4):  # schema-4 method knobs, after every older question (same sequences)
+            params.update(ask(trial, knob, self.device_type, self._unsupported))
         return self.build_config(params)
 
     def _suggest_memory_knobs(self, trial: optuna.Trial, mesh: str, pp: int = 1) -> dict[str, Any]:

@@ -11,8 +11,17 @@ resolves them: ``reshard_after_forward = None`` is True for a block and False fo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from fsdp_runtime import ROOT_UNIT, RuntimeConfig, UnitConfig, validate_config, validate_for_world
+from fsdp_runtime import (
+    ROOT_UNIT,
+    RuntimeConfig,
+    UnitConfig,
+    get_knob,
+    get_sim_values,
+    validate_config,
+    validate_for_world,
+)
 from fsdp_runtime.errors import ConfigError
 
 
@@ -36,6 +45,13 @@ class Knobs:
     """Per non-root unit, the indices of the blocks it shards together; None: one block per unit."""
     checkpointing: tuple[str, ...] | None = None
     """Per unit (root included), its activation checkpointing: ``none``, ``selective``, ``full``; None: none."""
+    method_values: tuple[tuple[str, Any], ...] = ()
+    """The values of the registry's method knobs with no field here, by config field
+    (``fsdp_runtime.knobs.get_sim_values``: [Note: the knob registry]); read with :meth:`get_method`."""
+
+    def get_method(self, name: str) -> Any:
+        """A method knob's value (``method_values``); ``KeyError`` where the registry has no such knob."""
+        return dict(self.method_values)[name] if self.method_values else get_knob(name).fsdp_default
 
 
 def _get_units(config: RuntimeConfig, block_names: tuple[str, ...]) -> tuple[list[UnitConfig], list[tuple[int, ...]]]:
@@ -113,6 +129,7 @@ def resolve_knobs(config: RuntimeConfig, block_names: tuple[str, ...], *, world_
         shard=shard,
         unshard_async=config.unshard_async == "on" or (config.unshard_async == "auto" and device == "cpu"),
         max_rs_buffers=config.reduce_scatter_max_input_buffers or 1,
+        method_values=get_sim_values(config, device),
         param_dtype=param_dtype,
         reduce_dtype=mp.reduce_dtype or param_dtype,
         reshard_after_forward=tuple(

@@ -104,7 +104,7 @@ def test_version_1_fixtures_still_load():
     toml_v1 = load_config(DATA / "v1_example.toml")
     json_v1 = load_config(DATA / "v1_example.json")
     assert toml_v1 == json_v1
-    assert SCHEMA_VERSION == 3 and toml_v1.schema_version == SCHEMA_VERSION
+    assert SCHEMA_VERSION == 4 and toml_v1.schema_version == SCHEMA_VERSION
     assert toml_v1.get_unit("layers.0").forward_prefetch == ["layers.1"]
     assert toml_v1.get_unit("layers.1").sync == "last"
     assert all(u.modules is None and u.activation_checkpointing == "none" for u in toml_v1.units)
@@ -276,10 +276,10 @@ def test_version_2_fixtures_load():
         # What a v2 file gets from a v1 reader (the same check, one version up).
         (
             lambda d: d.update(schema_version=SCHEMA_VERSION + 1),
-            r"schema_version: 4 is newer than this fsdp-autotune understands \(3\) \(upgrade fsdp-autotune\)",
+            r"schema_version: 5 is newer than this fsdp-autotune understands \(4\) \(upgrade fsdp-autotune\)",
         ),
         (lambda d: d.update(schema_version=0), r"schema_version: 0 was never a schema version"),
-        (lambda d: d.pop("schema_version"), r"schema_version: is missing \(add schema_version = 3\)"),
+        (lambda d: d.pop("schema_version"), r"schema_version: is missing \(add schema_version = 4\)"),
         (
             lambda d: d["units"][2].update(activation_checkpointing="partial"),
             r"units\[2\]\.activation_checkpointing: 'partial' is not one of 'none', 'selective', 'full'",
