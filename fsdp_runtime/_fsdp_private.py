@@ -214,3 +214,32 @@ def get_unsharded_sizes(module: FSDPModule) -> list[tuple[int, torch.dtype, torc
             param_dtype = policy.param_dtype or param.dtype
             sizes.append((param.numel(), param_dtype, policy.reduce_dtype or param_dtype))
     return sizes
+
+
+_RS_GROUPS: dict[str, Any] = {"world": None, "groups": {}}
+"""The reduce-scatter process groups this process made (:func:`set_separate_reduce_scatter_group`),
+by shard ranks, for the default process group they were made in (held, so that a new world is
+told apart from the old one: its groups are made again)."""
+
+
+def set_separate_reduce_scatter_group(module: FSDPModule, enable: bool) -> None:
+    """Give this unit's reduce-scatter a process group of its own (or back the shared one).
+
+    FSDP2's setter (``set_separate_reduce_scatter_group``, torch 2.13) keeps the groups it makes
+    only for the length of one call, so every enable after a disable, and every unit set on its
+    own, makes another ``dist.new_group``; a warm pool that builds and switches models for hours
+    would make one per build and switch. Here each param group's
+    ``_set_separate_reduce_scatter_group`` is handed one cache per world instead: one group per
+    set of shard ranks in this process, reused by every unit, build and switch."""
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._get_default_group()
+    if _RS_GROUPS["world"] is not world:
+        _RS_GROUPS.update(world=world, groups={})
+    for group in get_param_groups(module):
+        group._set_separate_reduce_scatter_group(enable, _RS_GROUPS["groups"])
+
+
+def count_separate_reduce_scatter_groups() -> int:
+    """How many reduce-scatter groups this process has made in its world (tests and benchmarks)."""
+    return len(_RS_GROUPS["groups"])

@@ -211,6 +211,10 @@ class RuntimeConfig:
     reduce_scatter_max_input_buffers: int | None = None
     """Reduce-scatter input buffers in flight (FSDP2 experimental setter, torch >= 2.13: ``apply_fsdp``
     refuses more than 1 on an older torch); ``None``: default (1)."""
+    separate_reduce_scatter_group: bool = False
+    """Run the gradient reduce-scatter on a process group of its own (the same shard ranks), so it
+    can overlap the next all-gather in backward instead of queueing behind it on one communicator
+    (``FSDPModule.set_separate_reduce_scatter_group``, torch >= 2.13, experimental). (Schema 4.)"""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """How a full checkpoint is consolidated (does not touch training)."""
     provenance: Provenance = field(default_factory=Provenance)

@@ -45,6 +45,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_runtime import _fsdp_private
 from fsdp_runtime.config import RuntimeConfig
 from fsdp_runtime.errors import ConfigError
 
@@ -243,6 +244,27 @@ KNOBS: tuple[Knob, ...] = (
             to_field=lambda buffers: None if buffers == 1 else buffers,
         ),
         sim="max_rs_buffers",
+    ),
+    Knob(
+        name="separate_reduce_scatter_group",
+        scope="config",
+        values="true, false (FSDP2's: the all-gather's group)",
+        default=False,
+        sets="FSDPModule.set_separate_reduce_scatter_group",
+        in_place=True,
+        keeps_sum_order=True,  # the same reduce-scatter over the same ranks, on another communicator
+        short="rsgroup",
+        params=("separate_reduce_scatter_group",),
+        method="set_separate_reduce_scatter_group",
+        since="2.13",
+        source="pytorch #186335",
+        asks=lambda config: config.separate_reduce_scatter_group,
+        value=lambda config, device_type: config.separate_reduce_scatter_group,
+        fsdp_default=False,
+        setter=_fsdp_private.set_separate_reduce_scatter_group,
+        moves=(True, False),
+        search=SearchChoice(param="separate_reduce_scatter_group", choices=(False, True), default=False),
+        schema=4,
     ),
     Knob(
         name="mixed_precision.reduce_dtype",

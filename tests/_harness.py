@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.trials.training import LEARNING_RATE, Training, build_training, make_microbatch, resolve_profile
+from fsdp_runtime._fsdp_private import count_separate_reduce_scatter_groups
 from profiles import build_model
 from profiles.factory import compute_loss
 
@@ -228,7 +229,7 @@ def train_switched(
         training = build_training(rank, world_size, model=model, config=run["build"], seed=seed)
         if "adopt" in run:  # the model as sharded by other code: adopt_fsdp sets run["adopt"]'s knobs on it
             training = _adopted(training, run["adopt"])
-        active, losses, collectives, eager = run.get("adopt", run["build"]), [], [], []
+        active, losses, collectives, eager, rs_groups = run.get("adopt", run["build"]), [], [], [], []
         for s, config in enumerate(run["steps"]):
             if config != active:
                 training.use_config(config)
@@ -238,9 +239,29 @@ def train_switched(
                 losses.append(training.step(s))
             collectives.append(dict(counts))
             eager.append(sum(e.num_eager_concats for e in training.applied.eager_concat.values()) - before)
-        results.append({"losses": losses, "collectives": collectives, "eager_concats": eager})
+            rs_groups.append(count_units_on_own_rs_group(training))
+        results.append(
+            {
+                "losses": losses,
+                "collectives": collectives,
+                "eager_concats": eager,
+                "rs_groups": rs_groups,
+                "rs_groups_made": count_separate_reduce_scatter_groups(),
+            }
+        )
         del training
     return results
+
+
+def count_units_on_own_rs_group(training: Training) -> int:
+    """How many of the model's units reduce-scatter on a process group of their own (``separate_reduce_scatter_group``)."""
+    from fsdp_runtime._fsdp_private import get_param_groups
+
+    units = training.applied.units.values()
+    return sum(
+        any(getattr(g.mesh_info, "reduce_scatter_process_group", None) is not None for g in get_param_groups(u))
+        for u in units
+    )
 
 
 def _adopted(training: Training, config: dict[str, Any]) -> Training:

@@ -85,7 +85,7 @@ from autotune.sim.timeline import (
     Timeline,
 )
 
-SHARD_LINK, REPLICATE_LINK = "shard", "replicate"
+SHARD_LINK, REPLICATE_LINK, RS_LINK = "shard", "replicate", "shard_rs"
 SHARDED, UNSHARDED_STATE, POST_FORWARD_STATE = 0, 1, 2
 
 
@@ -371,7 +371,9 @@ class StepSchedule:
     def _reduce(self, u: int, is_last: bool) -> None:
         k, c, t, live = self.k, self.c, self.t, self.mem.live
         copied = t.streams[COMPUTE]  # the reduce-scatter stream waits for the copy-in
-        rs = t.collective(COMPUTE if self.cpu else "reduce_scatter", c.reduce_scatter_s[u], SHARD_LINK, u, after=copied)
+        # its own process group: queued on a communicator of its own, not behind the all-gathers
+        link = RS_LINK if k.get_method("separate_reduce_scatter_group") else SHARD_LINK
+        rs = t.collective(COMPUTE if self.cpu else "reduce_scatter", c.reduce_scatter_s[u], link, u, after=copied)
         post, post_stream = rs, "reduce_scatter"
         if k.hsdp and not is_last and self.skip_all_reduce[u]:  # set_requires_all_reduce(False)
             if not self.partial[u]:

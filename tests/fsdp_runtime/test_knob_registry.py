@@ -113,3 +113,29 @@ def test_the_tuner_s_moves_of_the_method_knobs_come_from_the_registry_on_their_d
             expected = [f"{knob.name}={v}" for v in knob.moves] if device_type in knob.move_devices else []
             assert [n for n in names if n.startswith(f"{knob.name}=")] == expected
     assert get_knob("unshard_async").move_devices == ("cuda",)
+
+
+def test_a_schema_4_field_is_written_only_when_set_and_then_as_version_4():
+    from fsdp_runtime import config_from_dict, config_to_dict, default_config, get_added_knobs
+
+    assert [k.name for k in get_added_knobs(4)] == ["separate_reduce_scatter_group"]
+    plain = default_config(["layers.0"], num_microbatches=2)
+    data = config_to_dict(plain)
+    assert data["schema_version"] == 1 and "separate_reduce_scatter_group" not in data  # as before, byte for byte
+    tuned = dataclasses.replace(plain, separate_reduce_scatter_group=True)
+    data = config_to_dict(tuned)
+    assert data["schema_version"] == 4 and data["separate_reduce_scatter_group"] is True
+    assert config_from_dict(data) == tuned
+    assert config_from_dict({**config_to_dict(plain), "schema_version": 3}).separate_reduce_scatter_group is False
+
+
+def test_a_config_asking_for_a_knob_this_torch_lacks_is_refused_in_one_line_naming_the_release(monkeypatch):
+    from fsdp_runtime import ConfigError
+    from fsdp_runtime.knobs import check_torch_supports
+
+    monkeypatch.delattr(FSDPModule, "set_separate_reduce_scatter_group", raising=False)  # as torch 2.11 is
+    with pytest.raises(ConfigError) as e:
+        check_torch_supports(RuntimeConfig(separate_reduce_scatter_group=True))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("separate_reduce_scatter_group: needs torch >= 2.13 (pytorch")
+    check_torch_supports(RuntimeConfig())  # FSDP2's own value: met on every release

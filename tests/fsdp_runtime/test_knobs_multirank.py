@@ -2,7 +2,7 @@
 
 Bitwise-equal losses where a knob does not change the order of floating-point sums
 (prefetch, async unshard, reshard after forward/backward, concat deferral, reduce-scatter
-buffers). A stated tolerance where it does:
+buffers, reduce-scatter on a process group of its own: the same sum over the same ranks). A stated tolerance where it does:
 - ``sync = "last"`` reduces the sum of the microbatch gradients instead of summing the
   reduced gradients of each microbatch (different summation order across ranks);
 - HSDP reduces in two levels (reduce-scatter in the shard group, then all-reduce across
@@ -43,6 +43,8 @@ NUM_MICROBATCHES = 2
 BLOCKS = [f"layers.{i}" for i in range(load_model_profile("tiny").shape.num_layers)]
 RS_BUFFERS = "reduce_scatter_max_input_buffers" not in get_unsupported_knobs()
 """The installed torch can set the reduce-scatter buffer cap (2.13 on: [Note: torch versions])."""
+RS_GROUP = "separate_reduce_scatter_group" not in get_unsupported_knobs()
+"""The installed torch can give reduce-scatter its own process group (2.13 on)."""
 # Relative tolerance for knobs that reorder sums: float32 sums of a few terms differ in the
 # last bits (~1e-7 relative); after 3 AdamW steps at lr 1e-3 the loss moves < 1e-5.
 REORDER_RTOL = 1e-5
@@ -142,6 +144,7 @@ def world2(pool2) -> dict[str, list[dict]]:
         "no_reshard_after_forward": _with_units(base, reshard_after_forward=False),
         "no_reshard_after_backward": _with_units(base, reshard_after_backward=False),
         "rs_buffers2": dataclasses.replace(base, reduce_scatter_max_input_buffers=2),
+        "rs_group": dataclasses.replace(base, separate_reduce_scatter_group=True),
         "sync_last": last,
         "sync_last_eager_concat": _with_units(last, defer_concat=False),
         "sync_last_no_reshard_eager": _prefetch(_with_units(last, reshard_after_backward=False, defer_concat=False), 1),
@@ -168,6 +171,8 @@ def world2(pool2) -> dict[str, list[dict]]:
     }
     if not RS_BUFFERS:  # apply_fsdp refuses it there: one refused config would fail the whole run
         del configs["rs_buffers2"]
+    if not RS_GROUP:
+        del configs["rs_group"]
     return _run(pool2, configs)
 
 
@@ -182,6 +187,7 @@ def world2(pool2) -> dict[str, list[dict]]:
         "no_reshard_after_forward",
         "no_reshard_after_backward",
         pytest.param("rs_buffers2", marks=pytest.mark.skipif(not RS_BUFFERS, reason="torch < 2.13: refused")),
+        pytest.param("rs_group", marks=pytest.mark.skipif(not RS_GROUP, reason="torch < 2.13: refused")),
     ],
 )
 def test_order_preserving_knobs_are_bitwise_equal_to_defaults(world2, knob):

@@ -30,6 +30,8 @@ pytestmark = pytest.mark.torch_matrix
 
 BLOCKS = [f"layers.{i}" for i in range(load_model_profile("tiny").shape.num_layers)]
 RS_BUFFERS = "reduce_scatter_max_input_buffers" not in get_unsupported_knobs()
+RS_GROUP = "separate_reduce_scatter_group" not in get_unsupported_knobs()
+"""The installed torch can give reduce-scatter its own process group (2.13 on)."""
 
 
 def _config(**overrides) -> RuntimeConfig:
@@ -54,7 +56,11 @@ DEFAULTS = _config()
 # Every order-keeping knob away from its default at once.
 KEEPING = _depth1(
     _with_blocks(
-        _config(unshard_async="off", reduce_scatter_max_input_buffers=2 if RS_BUFFERS else None),
+        _config(
+            unshard_async="off",
+            reduce_scatter_max_input_buffers=2 if RS_BUFFERS else None,
+            separate_reduce_scatter_group=RS_GROUP,
+        ),
         reshard_after_forward=False,
         reshard_after_backward=False,
     )
@@ -113,6 +119,19 @@ def test_each_switch_takes_effect(runs):
     ]
     assert switched_n["eager_concats"][:2] == fresh_n["eager_concats"][:2] and fresh_n["eager_concats"][0] > 0
     assert switched_n["eager_concats"][2] == 0  # switched back: FSDP2's own post-backward again
+
+
+@pytest.mark.skipif(not RS_GROUP, reason="torch < 2.13: no set_separate_reduce_scatter_group")
+def test_the_own_reduce_scatter_group_switches_in_place_and_the_groups_made_do_not_grow(runs):
+    """Every unit reduce-scatters on its own group exactly on the steps whose config says so, and
+    the runs' builds, switches on and off, and adoption made one group per process in all."""
+    units = len(BLOCKS) + 1
+    assert _field(runs, "switched_keeping", "rs_groups") == [[0, units, units, 0]] * 2
+    assert _field(runs, "fresh_keeping", "rs_groups") == [[units] * 4] * 2
+    assert _field(runs, "adopted_keeping", "rs_groups") == [[units] * 4] * 2
+    assert _field(runs, "fresh_defaults", "rs_groups") == [[0] * 4] * 2
+    made = [count for name in runs for count in _field(runs, name, "rs_groups_made")]
+    assert max(made) == 1 and set(made) <= {0, 1}  # 0: a run before any group was made
 
 
 def test_a_model_sharded_elsewhere_and_adopted_trains_as_a_fresh_build_of_the_config(runs):

@@ -53,10 +53,13 @@ class _Module211:
 
 
 class _Module213(_Module211):
-    """An FSDPModule of 2.13+: both setters."""
+    """An FSDPModule of 2.13+: every setter."""
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers, *, recurse=True):
         self.calls.append(("rs_buffers", max_input_buffers, recurse))
+
+    def set_separate_reduce_scatter_group(self, enable=True, *, recurse=True):
+        self.calls.append(("rs_group", enable, recurse))
 
 
 class _ModuleWithoutSetters:
@@ -89,14 +92,16 @@ def test_param_groups_of_an_unknown_layout_fail_in_one_line():
 
 def test_unsupported_knobs_are_probed_on_the_class():
     assert knobs.get_unsupported_knobs(_Module213) == {}
-    (only,) = knobs.get_unsupported_knobs(_Module211).items()
-    assert only == (
-        "reduce_scatter_max_input_buffers",
+    missing = knobs.get_unsupported_knobs(_Module211)
+    assert set(missing) == {"reduce_scatter_max_input_buffers", "separate_reduce_scatter_group"}
+    assert missing["reduce_scatter_max_input_buffers"] == (
         f"needs torch >= 2.13 (pytorch #186000); torch {torch.__version__} has no "
-        "FSDPModule.set_reduce_scatter_max_input_buffers",
+        "FSDPModule.set_reduce_scatter_max_input_buffers"
     )
+    assert missing["separate_reduce_scatter_group"].startswith("needs torch >= 2.13 (pytorch #186335)")
     assert set(knobs.get_unsupported_knobs(_ModuleWithoutSetters)) == {
         "reduce_scatter_max_input_buffers",
+        "separate_reduce_scatter_group",
         "unshard_async",
     }
     assert "torch >= 2.6 (pytorch #135523)" in knobs.get_unsupported_knobs(_ModuleWithoutSetters)["unshard_async"]

@@ -6,6 +6,7 @@ import dataclasses
 
 import optuna
 import pytest
+from torch.distributed.fsdp import FSDPModule
 
 from autotune.search import SearchSpace, describe_params, describe_params_diff
 from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, default_config, validate_config, validate_for_world
@@ -33,8 +34,10 @@ def test_a_trial_s_knobs_are_described_as_the_change_from_the_defaults():
     as changed."""
     space = _space(grouping=True, root_knobs=True)
     defaults = space.get_default_params()
+    rsgroup = " rsgroup=false" if hasattr(FSDPModule, "set_separate_reduce_scatter_group") else ""  # torch >= 2.13
     assert describe_params(defaults) == (
         "fsdp fwd=implicit bwd=implicit raf=true rsbuf=1 async=off nosync=none group=1 rootraf=false rootsync=every"
+        + rsgroup
     )
     trial = {
         "root_reshard_after_forward": "true",
