@@ -144,8 +144,12 @@ def test_gpu_torchtitan_dry_run_builds_0_3_0_s_model_its_recipe_and_the_trial_sp
         "search: 4 trials of torchtitan-llama3-1B on 1 GPU(s), bfloat16/float32",
     ]
     assert "model: Llama3Model, 1.236B params, blocks layers.0..layers.15" in lines
-    assert "space: 9 knobs; defaults: 17 units" in lines  # 16 blocks and the root
-    assert lines[lines.index("space: 9 knobs; defaults: 17 units") + 1].startswith(
+    from torch.distributed.fsdp import FSDPModule
+
+    knobs = 10 if hasattr(FSDPModule, "set_separate_reduce_scatter_group") else 9  # its own reduce-scatter group
+    space = f"space: {knobs} knobs; defaults: 17 units"
+    assert space in lines  # 16 blocks and the root
+    assert lines[lines.index(space) + 1].startswith(
         "recipe: 18 units; beside the blocks: tok_embeddings+norm+lm_head (reshard after forward: False), root"
     )  # 1B ties its head to its embeddings
     assert "trial vs_recipe: model.toml, 17 units vs 18 units, nccl" in lines
