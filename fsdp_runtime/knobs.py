@@ -83,6 +83,10 @@ class SearchChoice:
     """The config field's value for an answer."""
     devices: tuple[str, ...] = ("cpu", "cuda")
     """The device types on which the search asks it."""
+    when: Callable[[dict[str, Any]], bool] | None = None
+    """Asked only where the trial's earlier answers make it matter (None: always), e.g. a knob of the
+    split-off embeddings unit only where ``root_split`` splits it: no trial answers a question its
+    config would ignore."""
 
 
 @dataclass(frozen=True, kw_only=True)

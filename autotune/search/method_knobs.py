@@ -17,19 +17,24 @@ from fsdp_runtime import KNOBS, Knob
 __all__ = ["ask", "get_default_answers", "get_method_fields", "is_asked"]
 
 
-def is_asked(knob: Knob, device_type: str, unsupported: set[str]) -> bool:
-    """``knob``'s question is asked: it has one, on this device, and this torch can set it."""
-    return knob.search is not None and device_type in knob.search.devices and knob.name not in unsupported
+def is_asked(knob: Knob, device_type: str, unsupported: set[str], params: dict[str, Any] | None = None) -> bool:
+    """``knob``'s question is asked: it has one, on this device, this torch can set it, and the
+    trial's earlier answers ``params`` make it matter (``SearchChoice.when``; None: not checked)."""
+    if knob.search is None or device_type not in knob.search.devices or knob.name in unsupported:
+        return False
+    return params is None or knob.search.when is None or knob.search.when(params)
 
 
-def get_default_answers(knob: Knob, device_type: str, unsupported: set[str]) -> dict[str, Any]:
+def get_default_answers(knob: Knob, device_type: str, unsupported: set[str], params: dict[str, Any]) -> dict[str, Any]:
     """The defaults trial's answer to ``knob``'s question, where it is asked (FSDP2's default)."""
-    return {knob.search.param: knob.search.default} if is_asked(knob, device_type, unsupported) else {}
+    return {knob.search.param: knob.search.default} if is_asked(knob, device_type, unsupported, params) else {}
 
 
-def ask(trial: optuna.Trial, knob: Knob, device_type: str, unsupported: set[str]) -> dict[str, Any]:
-    """``knob``'s answer in ``trial``, where it is asked."""
-    if not is_asked(knob, device_type, unsupported):
+def ask(
+    trial: optuna.Trial, knob: Knob, device_type: str, unsupported: set[str], params: dict[str, Any]
+) -> dict[str, Any]:
+    """``knob``'s answer in ``trial``, where it is asked after the answers ``params``."""
+    if not is_asked(knob, device_type, unsupported, params):
         return {}
     return {knob.search.param: trial.suggest_categorical(knob.search.param, list(knob.search.choices))}
 

@@ -217,13 +217,13 @@ class SearchSpace:
             get_mesh_key(pp): "fsdp" if "fsdp" in meshes else meshes[0],
             "forward_prefetch": "implicit",
             "backward_prefetch": "implicit",
-            **get_default_answers(_RS_BUFFERS, self.device_type, self._unsupported),
+            **get_default_answers(_RS_BUFFERS, self.device_type, self._unsupported, {}),
         }
         mesh = params[get_mesh_key(pp)]
         params[self._get_reshard_key(self._get_shard_size(mesh, pp))] = "true"
         if self.search_reduce_dtype:
             params["reduce_dtype"] = self._get_default_reduce_dtype()
-        params.update(get_default_answers(_ASYNC, self.device_type, self._unsupported))
+        params.update(get_default_answers(_ASYNC, self.device_type, self._unsupported, params))
         if self.num_microbatches > 1:
             params.update(nosync_blocks="none")
         if self.grouping:
@@ -239,7 +239,7 @@ class SearchSpace:
             if self.can_split:
                 params["root_split"] = "none"
         for knob in get_added_knobs(4):
-            params.update(get_default_answers(knob, self.device_type, self._unsupported))
+            params.update(get_default_answers(knob, self.device_type, self._unsupported, params))
         return params
 
     def __post_init__(self) -> None:
@@ -275,10 +275,10 @@ class SearchSpace:
                 self._get_reshard_key(shard), self._get_reshard_choices(shard)
             ),
         }
-        params.update(ask(trial, _RS_BUFFERS, self.device_type, self._unsupported))
+        params.update(ask(trial, _RS_BUFFERS, self.device_type, self._unsupported, params))
         if self.search_reduce_dtype:
             params["reduce_dtype"] = trial.suggest_categorical("reduce_dtype", REDUCE_DTYPES)
-        params.update(ask(trial, _ASYNC, self.device_type, self._unsupported))
+        params.update(ask(trial, _ASYNC, self.device_type, self._unsupported, params))
         if pp > 1:
             params[f"pp{pp}_schedule"] = trial.suggest_categorical(f"pp{pp}_schedule", self.get_schedule_choices(pp))
         if self.num_microbatches > 1:
@@ -293,7 +293,7 @@ class SearchSpace:
                     params["defer_concat"] = trial.suggest_categorical("defer_concat", [True, False])
         params.update(self._suggest_memory_knobs(trial, mesh, pp))
         for knob in get_added_knobs(4):  # schema-4 method knobs, after every older question (same sequences)
-            params.update(ask(trial, knob, self.device_type, self._unsupported))
+            params.update(ask(trial, knob, self.device_type, self._unsupported, params))
         return self.build_config(params)
 
     def _suggest_memory_knobs(self, trial: optuna.Trial, mesh: str, pp: int = 1) -> dict[str, Any]:
