@@ -243,3 +243,20 @@ def set_separate_reduce_scatter_group(module: FSDPModule, enable: bool) -> None:
 def count_separate_reduce_scatter_groups() -> int:
     """How many reduce-scatter groups this process has made in its world (tests and benchmarks)."""
     return len(_RS_GROUPS["groups"])
+
+
+def holds_only_untied_embeddings(module: FSDPModule) -> bool:
+    """Every parameter of this unit (not its children) belongs to an ``nn.Embedding`` and to no
+    other module: backward never reads them, so the unit need not all-gather them in backward
+    (a weight tied to a head is read by the head's backward)."""
+    params = [p for group in get_param_groups(module) for p in group.fsdp_params]
+    return bool(params) and all(
+        isinstance(p._module_info.module, nn.Embedding) and not p._module_info.shared_modules for p in params
+    )
+
+
+def set_unshard_in_backward(module: FSDPModule, enable: bool) -> None:
+    """``FSDPModule.set_unshard_in_backward(enable)`` on a unit that holds only untied embeddings
+    (:func:`holds_only_untied_embeddings`); every other unit is left as it is (FSDP2's True)."""
+    if holds_only_untied_embeddings(module):
+        module.set_unshard_in_backward(enable)

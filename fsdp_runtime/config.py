@@ -215,6 +215,13 @@ class RuntimeConfig:
     """Run the gradient reduce-scatter on a process group of its own (the same shard ranks), so it
     can overlap the next all-gather in backward instead of queueing behind it on one communicator
     (``FSDPModule.set_separate_reduce_scatter_group``, torch >= 2.13, experimental). (Schema 4.)"""
+    unshard_in_backward: bool = True
+    """False: a unit that holds only untied ``nn.Embedding`` modules skips its all-gather in backward
+    (``FSDPModule.set_unshard_in_backward(False)``): an embedding's weight gradient needs the
+    indices and the output gradient, never the weight. Every other unit all-gathers as FSDP2 does;
+    a unit is told apart by what its parameters belong to, so this is one switch per config. It
+    matters where the embeddings are a unit of their own, resharded after forward (the search's
+    ``root_split``, torchtitan's recipe). (Schema 4.)"""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """How a full checkpoint is consolidated (does not touch training)."""
     provenance: Provenance = field(default_factory=Provenance)

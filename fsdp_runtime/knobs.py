@@ -271,6 +271,36 @@ KNOBS: tuple[Knob, ...] = (
         schema=4,
     ),
     Knob(
+        name="unshard_in_backward",
+        scope="config",
+        values="true (FSDP2's), false: units holding only untied embeddings skip their backward all-gather",
+        default=True,
+        sets="FSDPModule.set_unshard_in_backward, on the units holding only untied nn.Embedding modules",
+        in_place=True,
+        keeps_sum_order=True,  # the same gradient from the same indices; only the all-gather goes
+        short="embag",
+        params=("unshard_in_backward",),
+        method="set_unshard_in_backward",
+        since="2.6",
+        source="pytorch #137922",
+        asks=lambda config: not config.unshard_in_backward,
+        value=lambda config, device_type: config.unshard_in_backward,
+        fsdp_default=True,
+        setter=_fsdp_private.set_unshard_in_backward,
+        search=SearchChoice(
+            param="unshard_in_backward",
+            choices=(True, False),
+            default=True,
+            when=lambda params: params.get("root_split") == "split",  # else no unit holds only embeddings
+        ),
+        schema=4,
+        notes=(
+            "the in-job tuner does not move it: a model whose embeddings share a unit with other modules would "
+            "spend a candidate on a move that changes nothing",
+            "the simulator does not price it: it models units of blocks and the root, not split-off embeddings",
+        ),
+    ),
+    Knob(
         name="mixed_precision.reduce_dtype",
         scope="config",
         values="float32, bfloat16, float16, float64, or none (the params' dtype)",

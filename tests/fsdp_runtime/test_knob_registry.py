@@ -118,7 +118,7 @@ def test_the_tuner_s_moves_of_the_method_knobs_come_from_the_registry_on_their_d
 def test_a_schema_4_field_is_written_only_when_set_and_then_as_version_4():
     from fsdp_runtime import config_from_dict, config_to_dict, default_config, get_added_knobs
 
-    assert [k.name for k in get_added_knobs(4)] == ["separate_reduce_scatter_group"]
+    assert [k.name for k in get_added_knobs(4)] == ["separate_reduce_scatter_group", "unshard_in_backward"]
     plain = default_config(["layers.0"], num_microbatches=2)
     data = config_to_dict(plain)
     assert data["schema_version"] == 1 and "separate_reduce_scatter_group" not in data  # as before, byte for byte
@@ -139,3 +139,45 @@ def test_a_config_asking_for_a_knob_this_torch_lacks_is_refused_in_one_line_nami
     message = str(e.value)
     assert "\n" not in message and message.startswith("separate_reduce_scatter_group: needs torch >= 2.13 (pytorch")
     check_torch_supports(RuntimeConfig())  # FSDP2's own value: met on every release
+
+
+class _Edges(torch.nn.Module):
+    """An untied embedding, a tied one (its weight also the head's) and an embedding sharing a unit with a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.untied, self.tied = torch.nn.Embedding(8, 4), torch.nn.Embedding(8, 4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.tied.weight
+        self.emb, self.proj = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_unshard_in_backward_is_set_only_on_units_holding_only_untied_embeddings():
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_runtime._fsdp_private import get_param_groups
+
+    model = _Edges()
+    fully_shard(model.untied)
+    fully_shard([model.emb, model.proj])  # an embedding in a unit with a linear
+    fully_shard([model.tied, model.head])  # the tied pair in one unit
+    units = {"untied": model.untied, "mixed": model.emb, "tied": model.tied}  # each unit's first module holds its state
+    fully_shard(model)
+    knob = get_knob("unshard_in_backward")
+    for module in units.values():
+        set_method_knobs(module, RuntimeConfig(unshard_in_backward=False), "cpu")
+    flags = {name: [g.unshard_in_backward for g in get_param_groups(m)] for name, m in units.items()}
+    assert flags == {"untied": [False], "mixed": [True], "tied": [True]}
+    knob.setter(units["untied"], True)  # and back
+    assert [g.unshard_in_backward for g in get_param_groups(units["untied"])] == [True]
+
+
+def test_unshard_in_backward_is_asked_only_where_the_embeddings_are_a_unit_of_their_own():
+    from autotune.search.method_knobs import is_asked
+
+    knob = get_knob("unshard_in_backward")
+    assert not is_asked(knob, "cpu", set(), {"root_split": "none"})
+    assert not is_asked(knob, "cpu", set(), {})
+    assert is_asked(knob, "cpu", set(), {"root_split": "split"})
+    assert not is_asked(knob, "cpu", {"unshard_in_backward"}, {"root_split": "split"})  # this torch lacks it

@@ -162,6 +162,8 @@ def world2(pool2) -> dict[str, list[dict]]:
         "grouped2": _point(blocks_per_unit=2),
         "grouped4": _point(blocks_per_unit=4),
         "split_edges": _point(root_split="split"),
+        "split_edges_embeddings_no_backward_gather": _point(root_split="split", unshard_in_backward=False),
+        "no_split_unshard_in_backward_off": dataclasses.replace(_point(), unshard_in_backward=False),
         "root_last": _point(root_sync_fsdp="last", root_keep_unsharded=True, root_reshard_after_forward="true"),
         "all_last": _point(**ALL_LAST),
         "all_last_grouped_ac": _point(
@@ -325,6 +327,21 @@ def test_grouped_units_and_split_edges_are_bitwise_with_fewer_collectives(world2
         (2 * len(BLOCKS) + 2 + 1) * per_step,
         (len(BLOCKS) + 2) * per_step,
     )
+
+
+@pytest.mark.multirank
+def test_unshard_in_backward_off_skips_only_the_embeddings_units_backward_gather(world2):
+    # The embeddings' weight gradient needs the indices and the output gradient, not the weight:
+    # the same gradients, bitwise, with one all-gather fewer per microbatch (the embeddings unit's
+    # in backward). Where no unit holds only embeddings (the root holds them), nothing changes.
+    split, off = "split_edges", "split_edges_embeddings_no_backward_gather"
+    assert _losses(world2[off]) == _losses(world2[split]) == _losses(world2["default"])
+    ag, rs = _counts(world2, "all_gather"), _counts(world2, "reduce_scatter")
+    per_step = NUM_MICROBATCHES * NUM_STEPS
+    assert (ag[off], rs[off]) == (ag[split] - per_step, rs[split])
+    unsplit = "no_split_unshard_in_backward_off"
+    assert _losses(world2[unsplit]) == _losses(world2["default"])
+    assert (ag[unsplit], rs[unsplit]) == (ag["space_default"], rs["space_default"])
 
 
 @pytest.mark.multirank
