@@ -49,9 +49,10 @@ def validate(
     model: options.ValidateModel = None,
 ) -> None:
     """Check a runtime config; print a one-line error naming the field if it is invalid."""
-    from fsdp_runtime import load_config, validate_for_world
+    from fsdp_runtime import check_torch_supports, load_config, validate_for_world
 
     cfg, notes = load_config(config), []
+    check_torch_supports(cfg, source=str(config))  # a knob this torch lacks: the release that has it
     if world_size is not None:
         validate_for_world(cfg, world_size, source=str(config))
     if model is not None:

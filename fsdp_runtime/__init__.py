@@ -35,6 +35,7 @@ from fsdp_runtime.consolidate import (
 )
 from fsdp_runtime.errors import AutotuneError, ConfigError
 from fsdp_runtime.files import atomic_path, write_atomic, write_json_atomic
+from fsdp_runtime.knob_checks import check_device_supports, check_torch_supports
 from fsdp_runtime.knobs import (
     KNOBS,
     Knob,
@@ -106,6 +107,8 @@ __all__ = [
     "find_block_names",
     "find_edge_modules",
     "get_unsupported_knobs",
+    "check_device_supports",
+    "check_torch_supports",
     "KNOBS",
     "Knob",
     "SearchChoice",

@@ -16,7 +16,8 @@ from fsdp_runtime.blocks import find_block_names, find_parameters_outside, resol
 from fsdp_runtime.checkpointing import CheckpointedForward, apply_checkpointing
 from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig
 from fsdp_runtime.errors import ConfigError
-from fsdp_runtime.knobs import check_torch_supports, set_method_knobs
+from fsdp_runtime.knob_checks import check_device_supports, check_torch_supports
+from fsdp_runtime.knobs import set_method_knobs
 from fsdp_runtime.validation import validate_config, validate_for_world
 
 __all__ = [
@@ -93,6 +94,7 @@ def apply_fsdp(
     _check_whole_model(model, config)
     if device_type is None:
         device_type = mesh.device_type if mesh is not None else _get_params_device_type(model)
+    check_device_supports(config, device_type)
     if mesh is None:
         mesh = build_mesh(config, device_type)
     else:

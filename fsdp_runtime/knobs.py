@@ -2,7 +2,7 @@
 
 [Note: the knob registry]
 Each :class:`Knob` says once what a knob is: the config field (:mod:`fsdp_runtime.config`), its
-scope (one value per unit, or one for the whole config), its values and FSDP2's default, the
+scope (per unit, per config, or per world: one that needs the process group set up for it), its values and FSDP2's default, the
 FSDP2 method or ``fully_shard`` argument that sets it, whether a sharded model switches it in
 place, the first torch release that has its method (probed on ``FSDPModule``, never parsed from a
 version string), whether it keeps the order of floating-point sums (losses bitwise on CPU), the
@@ -11,8 +11,9 @@ method on every unit, how to set it and what the search and the in-job tuner try
 
 Read from it:
 
-- the torch probes and refusals (:func:`get_unsupported_knobs`, :func:`check_torch_supports`:
-  a config that asks for a knob this torch lacks is refused in one line naming the release);
+- the refusals, each in one line: a knob this torch lacks, naming the release that has it
+  (:func:`get_unsupported_knobs`; ``fsdp_runtime.knob_checks``, ``autotune validate`` too), and
+  one this device cannot have or two FSDP2 refuses together (``fsdp_runtime.knob_checks``);
 - which knobs switch in place (``fsdp_runtime.switch``'s ``UNIT_KNOBS_IN_PLACE`` and
   ``CONFIG_KNOBS_IN_PLACE``), and the setters ``apply_fsdp`` and ``switch_config`` call for the
   method knobs (:func:`set_method_knobs`);
@@ -27,7 +28,8 @@ Read from it:
   config that uses none of them stays in the version before, byte for byte.
 
 Adding a method knob: its field in :mod:`fsdp_runtime.config`, its declaration here (with its
-setter, its question and its moves), and its price in ``autotune/sim/schedule.py``.
+setter, its question and its moves), and its price in ``autotune/sim/schedule.py``; what the
+simulator or the tuner leaves out goes in its ``notes``.
 
 The unit knobs FSDP2 sets per unit from lists, gradient-sync state or wrappers (prefetch, reshard
 after forward and backward, the sync level, concat deferral) and the structural ones (mesh, units,
@@ -38,22 +40,18 @@ mechanics are (:mod:`fsdp_runtime.apply`, :mod:`fsdp_runtime.accumulation`,
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-import torch
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_runtime import _fsdp_private
 from fsdp_runtime.config import RuntimeConfig
-from fsdp_runtime.errors import ConfigError
+from fsdp_runtime.knob_types import Knob, SearchChoice
 
 __all__ = [
     "KNOBS",
     "Knob",
     "SearchChoice",
-    "check_torch_supports",
     "get_added_knobs",
     "get_knob",
     "get_method_knobs",
@@ -65,81 +63,6 @@ __all__ = [
     "set_unshard_async",
     "use_unshard_async",
 ]
-
-Scope = Literal["unit", "config"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class SearchChoice:
-    """What the search asks of a method knob: the Optuna parameter, its choices, the defaults
-    trial's answer and the config value each answer sets."""
-
-    param: str
-    """The Optuna parameter (its name in studies already written: kept as it was)."""
-    choices: tuple[Any, ...]
-    default: Any
-    """The defaults trial's answer: FSDP2's default."""
-    to_field: Callable[[Any], Any] = lambda value: value
-    """The config field's value for an answer."""
-    devices: tuple[str, ...] = ("cpu", "cuda")
-    """The device types on which the search asks it."""
-    when: Callable[[dict[str, Any]], bool] | None = None
-    """Asked only where the trial's earlier answers make it matter (None: always), e.g. a knob of the
-    split-off embeddings unit only where ``root_split`` splits it: no trial answers a question its
-    config would ignore."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Knob:
-    """One runtime knob ([Note: the knob registry])."""
-
-    name: str
-    """The config field (``RuntimeConfig`` for scope ``config``, ``UnitConfig`` for ``unit``)."""
-    scope: Scope
-    values: str
-    """Its values, in words (what ``autotune validate`` and the docs say)."""
-    default: Any
-    """The config's default, which leaves FSDP2's own behaviour."""
-    sets: str
-    """The FSDP2 method or ``fully_shard`` argument that sets it."""
-    in_place: bool
-    """A sharded model switches it between optimizer steps ([Note: knobs switched in place])."""
-    keeps_sum_order: bool
-    """It changes when and where sums run, not their order: losses bitwise on CPU."""
-    short: str
-    """The terminal's name for it."""
-    params: tuple[str, ...] = ()
-    """The search parameters that ask it (each printed as ``short``)."""
-    method: str | None = None
-    """The ``FSDPModule`` method only some torch releases have: whether the class has it is the probe."""
-    since: str | None = None
-    """The first torch release with ``method``."""
-    source: str | None = None
-    """Where ``since`` comes from."""
-    asks: Callable[[RuntimeConfig], bool] | None = None
-    """Whether a config asks for what only ``method`` gives (else this torch meets it as it is)."""
-    value: Callable[[RuntimeConfig, str], Any] | None = None
-    """A method knob: the value set on every unit, from the config and the device type."""
-    fsdp_default: Any = None
-    """A method knob: FSDP2's own value, which needs no call (a torch without the method has it)."""
-    setter: Callable[[Any, Any], None] | None = None
-    """A method knob: set ``value`` on one unit's module (not its children)."""
-    moves: tuple[Any, ...] = ()
-    """The field values the in-job tuner tries, in order."""
-    move_devices: tuple[str, ...] = ("cpu", "cuda")
-    """The device types on which the in-job tuner tries them."""
-    search: SearchChoice | None = None
-    sim: str | None = None
-    """The simulator's field this knob is priced through (``autotune.sim.knobs.Knobs``); None for a
-    method knob of schema 4 on: the simulator reads its value by name (``Knobs.method_values``)."""
-    schema: int = 3
-    """The config schema version that added the field; a config leaving every field of a later
-    version at its default is written in the earlier one ([Note: the knob registry])."""
-    notes: tuple[str, ...] = field(default=())
-
-    def get_reason(self) -> str:
-        """Why this torch cannot set it (for a knob with ``method``)."""
-        return f"needs torch >= {self.since} ({self.source}); torch {torch.__version__} has no FSDPModule.{self.method}"
 
 
 def set_unshard_async(module: Any, enabled: bool) -> None:
@@ -294,11 +217,7 @@ KNOBS: tuple[Knob, ...] = (
             when=lambda params: params.get("root_split") == "split",  # else no unit holds only embeddings
         ),
         schema=4,
-        notes=(
-            "the in-job tuner does not move it: a model whose embeddings share a unit with other modules would "
-            "spend a candidate on a move that changes nothing",
-            "the simulator does not price it: it models units of blocks and the root, not split-off embeddings",
-        ),
+        notes=("not moved by the in-job tuner, not priced by the simulator (it models no split-off embeddings)",),
     ),
     Knob(
         name="mixed_precision.reduce_dtype",
@@ -415,19 +334,9 @@ def get_unsupported_knobs(fsdp_module_class: type = FSDPModule) -> dict[str, str
     return {k.name: k.get_reason() for k in KNOBS if k.method is not None and not hasattr(fsdp_module_class, k.method)}
 
 
-def check_torch_supports(config: RuntimeConfig) -> None:
-    """Refuse a knob this torch cannot set, naming the field and the torch it needs (never a silent no-op)."""
-    for name, reason in get_unsupported_knobs().items():
-        knob = _BY_NAME[name]
-        if knob.asks is not None and knob.asks(config):
-            raise ConfigError(name, reason, fix="unset it, or upgrade torch")
-
-
 def require_method(module: Any, name: str) -> None:
     """``RuntimeError`` naming the field and the release it needs where ``module`` lacks knob ``name``'s method."""
-    knob = _BY_NAME[name]
-    if not hasattr(module, knob.method):
-        raise RuntimeError(f"{knob.name}: {knob.get_reason()}")
+    _BY_NAME[name].require(module)
 
 
 def set_method_knobs(

@@ -35,7 +35,7 @@ from fsdp_runtime._fsdp_private import get_unsharded_sizes
 from fsdp_runtime.apply import AppliedFsdp
 from fsdp_runtime.config import ROOT_UNIT, RuntimeConfig, UnitConfig
 from fsdp_runtime.errors import ConfigError
-from fsdp_runtime.knobs import check_torch_supports
+from fsdp_runtime.knob_checks import check_torch_supports
 from fsdp_runtime.switch import get_structural_differences, resolve_reshard_after_forward
 from fsdp_runtime.tuning.moves import Move
 
