@@ -222,6 +222,19 @@ class RuntimeConfig:
     a unit is told apart by what its parameters belong to, so this is one switch per config. It
     matters where the embeddings are a unit of their own, resharded after forward (the search's
     ``root_split``, torchtitan's recipe). (Schema 4.)"""
+    process_group_comm_buffers: bool = False
+    """Allocate the collectives' staging buffers from the process group's own allocator (NCCL:
+    zero-copy transfers over NVLink and InfiniBand SHARP), with sum-only reductions, which NCCL's
+    zero-copy needs (``FSDPModule.set_allocate_memory_from_process_group_for_comm`` and
+    ``set_force_sum_reduction_for_comms``). CUDA and NCCL only; a world-level choice, never switched
+    in place; the gradient's divide moves out of the collective: not bitwise. (Schema 4.)"""
+    symmetric_memory: bool = False
+    """Allocate the staging buffers in NCCL symmetric memory (``FSDPModule.set_symm_mem_for_comm``),
+    with sum-only reductions so the reduce-scatter uses it too: with the zero-CTA policy
+    (``NCCL_CTA_POLICY=2``, or ``cta_policy`` in the process group's options at init) the
+    all-gather runs on copy engines and takes no SMs from compute. CUDA and NCCL only; FSDP2 has no
+    off switch, and it excludes ``process_group_comm_buffers``; a world-level choice, never switched
+    in place; not bitwise (sum-only reductions). (Schema 4.)"""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """How a full checkpoint is consolidated (does not touch training)."""
     provenance: Provenance = field(default_factory=Provenance)

@@ -81,6 +81,25 @@ def set_reduce_scatter_max_input_buffers(module: Any, num_buffers: int) -> None:
     module.set_reduce_scatter_max_input_buffers(num_buffers, recurse=False)
 
 
+def set_process_group_comm_buffers(module: Any, enable: bool) -> None:
+    """Staging buffers from the process group's allocator on this unit, with sum-only reductions
+    (NCCL's zero-copy needs them), or both back to FSDP2's."""
+    require_method(module, "process_group_comm_buffers")
+    module.set_force_sum_reduction_for_comms(enable)
+    module.set_allocate_memory_from_process_group_for_comm(enable)
+
+
+def set_symmetric_memory(module: Any, enable: bool) -> None:
+    """Staging buffers in NCCL symmetric memory on this unit, sum-only reductions first so that its
+    reduce-scatter uses them too (FSDP2 picks the symmetric reduce-scatter only for sums). FSDP2
+    has no off switch: ``False`` is FSDP2's own state and needs no call."""
+    if not enable:
+        return
+    require_method(module, "symmetric_memory")
+    module.set_force_sum_reduction_for_comms(True)
+    module.set_symm_mem_for_comm("NCCL")
+
+
 def use_unshard_async(config: RuntimeConfig, device_type: str) -> bool:
     """Whether ``config`` issues all-gathers async on ``device_type``: "auto" is on for CPU where this torch has the setter ([Note: async unshard on CPU])."""
     can_async = hasattr(FSDPModule, _BY_NAME["unshard_async"].method)
@@ -218,6 +237,58 @@ KNOBS: tuple[Knob, ...] = (
         ),
         schema=4,
         notes=("not moved by the in-job tuner, not priced by the simulator (it models no split-off embeddings)",),
+    ),
+    Knob(
+        name="process_group_comm_buffers",
+        scope="world",
+        values="true, false (FSDP2's: buffers from the caching allocator)",
+        default=False,
+        sets="FSDPModule.set_allocate_memory_from_process_group_for_comm + set_force_sum_reduction_for_comms",
+        in_place=False,
+        keeps_sum_order=False,  # sum-only: the gradient's divide runs outside the collective
+        short="pgmem",
+        params=("process_group_comm_buffers",),
+        method="set_allocate_memory_from_process_group_for_comm",
+        since="2.8",
+        source="pytorch #150564",
+        asks=lambda config: config.process_group_comm_buffers,
+        value=lambda config, device_type: config.process_group_comm_buffers,
+        fsdp_default=False,
+        setter=set_process_group_comm_buffers,
+        search=SearchChoice(
+            param="process_group_comm_buffers", choices=(False, True), default=False, devices=("cuda",)
+        ),
+        devices=("cuda",),
+        excludes=("symmetric_memory",),
+        schema=4,
+    ),
+    Knob(
+        name="symmetric_memory",
+        scope="world",
+        values="true, false (FSDP2's; no off switch once set)",
+        default=False,
+        sets="FSDPModule.set_symm_mem_for_comm + set_force_sum_reduction_for_comms",
+        in_place=False,
+        keeps_sum_order=False,  # sum-only reductions
+        short="symm",
+        params=("symmetric_memory",),
+        method="set_symm_mem_for_comm",
+        since="2.12",
+        source="pytorch #176613",
+        asks=lambda config: config.symmetric_memory,
+        value=lambda config, device_type: config.symmetric_memory,
+        fsdp_default=False,
+        setter=set_symmetric_memory,
+        search=SearchChoice(
+            param="symmetric_memory",
+            choices=(False, True),
+            default=False,
+            devices=("cuda",),
+            when=lambda params: not params.get("process_group_comm_buffers"),  # FSDP2 refuses the pair
+        ),
+        devices=("cuda",),
+        excludes=("process_group_comm_buffers",),
+        schema=4,
     ),
     Knob(
         name="mixed_precision.reduce_dtype",

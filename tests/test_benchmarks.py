@@ -146,7 +146,10 @@ def test_gpu_torchtitan_dry_run_builds_0_3_0_s_model_its_recipe_and_the_trial_sp
     assert "model: Llama3Model, 1.236B params, blocks layers.0..layers.15" in lines
     from torch.distributed.fsdp import FSDPModule
 
-    knobs = 10 if hasattr(FSDPModule, "set_separate_reduce_scatter_group") else 9  # its own reduce-scatter group
+    # 9 asked everywhere, and the CUDA-only process-group buffers (2.8 on); its own reduce-scatter
+    # group (2.13 on) and symmetric memory (2.12 on) where this torch has them
+    has = [hasattr(FSDPModule, m) for m in ("set_separate_reduce_scatter_group", "set_symm_mem_for_comm")]
+    knobs = 10 + sum(has)
     space = f"space: {knobs} knobs; defaults: 17 units"
     assert space in lines  # 16 blocks and the root
     assert lines[lines.index(space) + 1].startswith(

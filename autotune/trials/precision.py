@@ -190,6 +190,7 @@ OVERLAP_ENV: dict[str, str] = {
     "NCCL_ALGO": "ring/tree choice: the collectives' time",
     "NCCL_PROTO": "LL/LL128/Simple: the collectives' time and SM use",
     "TORCH_NCCL_HIGH_PRIORITY": "NCCL streams at high priority: collectives scheduled ahead of compute kernels",
+    "NCCL_CTA_POLICY": "2 (zero-CTA): all-gathers on symmetric memory run on copy engines, taking no SMs from compute",
 }
 """Environment variables that change how communication overlaps compute, and why; each trial's
 ``env.json`` records their values (None where unset)."""

@@ -35,7 +35,8 @@ def _field_default(knob):
 
 def test_every_knob_names_a_config_field_of_its_scope_with_its_default():
     for knob in KNOBS:
-        assert knob.scope in ("unit", "config"), knob.name
+        assert knob.scope in ("unit", "config", "world"), knob.name
+        assert knob.scope != "world" or not knob.in_place, knob.name  # a world is never switched in place
         assert _field_default(knob) == knob.default, knob.name
     assert len({k.name for k in KNOBS}) == len(KNOBS)
     shorts = [k.short for k in KNOBS]
@@ -118,7 +119,12 @@ def test_the_tuner_s_moves_of_the_method_knobs_come_from_the_registry_on_their_d
 def test_a_schema_4_field_is_written_only_when_set_and_then_as_version_4():
     from fsdp_runtime import config_from_dict, config_to_dict, default_config, get_added_knobs
 
-    assert [k.name for k in get_added_knobs(4)] == ["separate_reduce_scatter_group", "unshard_in_backward"]
+    assert [k.name for k in get_added_knobs(4)] == [
+        "separate_reduce_scatter_group",
+        "unshard_in_backward",
+        "process_group_comm_buffers",
+        "symmetric_memory",
+    ]
     plain = default_config(["layers.0"], num_microbatches=2)
     data = config_to_dict(plain)
     assert data["schema_version"] == 1 and "separate_reduce_scatter_group" not in data  # as before, byte for byte
@@ -131,7 +137,7 @@ def test_a_schema_4_field_is_written_only_when_set_and_then_as_version_4():
 
 def test_a_config_asking_for_a_knob_this_torch_lacks_is_refused_in_one_line_naming_the_release(monkeypatch):
     from fsdp_runtime import ConfigError
-    from fsdp_runtime.knobs import check_torch_supports
+    from fsdp_runtime.knob_checks import check_torch_supports
 
     monkeypatch.delattr(FSDPModule, "set_separate_reduce_scatter_group", raising=False)  # as torch 2.11 is
     with pytest.raises(ConfigError) as e:
@@ -181,3 +187,82 @@ def test_unshard_in_backward_is_asked_only_where_the_embeddings_are_a_unit_of_th
     assert not is_asked(knob, "cpu", set(), {})
     assert is_asked(knob, "cpu", set(), {"root_split": "split"})
     assert not is_asked(knob, "cpu", {"unshard_in_backward"}, {"root_split": "split"})  # this torch lacks it
+
+
+class _CommModule:
+    """A unit with the communication-buffer methods, recording their calls in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def set_force_sum_reduction_for_comms(self, enable):
+        self.calls.append(("force_sum", enable))
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable):
+        self.calls.append(("pg_alloc", enable))
+
+    def set_symm_mem_for_comm(self, backend="NCCL"):
+        self.calls.append(("symm_mem", backend))
+
+
+def test_the_communication_buffer_knobs_set_sum_only_reductions_first_and_symmetric_memory_has_no_off():
+    module = _CommModule()
+    set_method_knobs(module, RuntimeConfig(process_group_comm_buffers=True), "cuda")
+    assert module.calls == [("force_sum", True), ("pg_alloc", True)]
+    module.calls.clear()
+    set_method_knobs(module, RuntimeConfig(symmetric_memory=True), "cuda")
+    # force-sum before symm mem: FSDP2 picks the symmetric reduce-scatter only for sum reductions
+    assert module.calls == [("force_sum", True), ("symm_mem", "NCCL")]
+    module.calls.clear()
+    get_knob("symmetric_memory").setter(module, False)  # FSDP2's own state: no call (there is no off switch)
+    assert module.calls == []
+
+
+def test_a_cuda_only_knob_on_cpu_and_the_refused_pair_are_each_one_line_naming_the_field():
+    from fsdp_runtime import ConfigError, check_device_supports
+
+    for name in ("process_group_comm_buffers", "symmetric_memory"):
+        with pytest.raises(ConfigError) as e:
+            check_device_supports(RuntimeConfig(**{name: True}), "cpu")
+        assert str(e.value).startswith(f"{name}: FSDPModule.set_") and "needs a cuda device" in str(e.value)
+        assert "\n" not in str(e.value)
+        check_device_supports(RuntimeConfig(**{name: True}), "cuda")
+    with pytest.raises(ConfigError, match=r"^process_group_comm_buffers: cannot be set together with symmetric_memory"):
+        check_device_supports(RuntimeConfig(process_group_comm_buffers=True, symmetric_memory=True), "cuda")
+    check_device_supports(RuntimeConfig(), "cpu")
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_apply_fsdp_refuses_a_cuda_only_knob_on_gloo_before_sharding_anything():
+    from fsdp_runtime import ConfigError, apply_fsdp, default_config
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    config = dataclasses.replace(default_config([]), symmetric_memory=True)
+    with pytest.raises(ConfigError, match=r"^symmetric_memory: .*needs a cuda device; this model is on cpu"):
+        apply_fsdp(model, config)
+    assert not isinstance(model, FSDPModule)
+
+
+def test_the_cuda_only_knobs_are_asked_on_cuda_only_and_never_both():
+    from autotune.search.method_knobs import is_asked
+
+    pg, symm = get_knob("process_group_comm_buffers"), get_knob("symmetric_memory")
+    assert not is_asked(pg, "cpu", set(), {}) and not is_asked(symm, "cpu", set(), {})
+    assert is_asked(pg, "cuda", set(), {}) and is_asked(symm, "cuda", set(), {"process_group_comm_buffers": False})
+    assert not is_asked(symm, "cuda", set(), {"process_group_comm_buffers": True})
+
+
+def test_autotune_validate_refuses_a_knob_this_torch_lacks_in_one_line(tmp_path, monkeypatch, cli_main):
+    from fsdp_runtime import config_to_dict, default_config
+
+    monkeypatch.delattr(FSDPModule, "set_separate_reduce_scatter_group", raising=False)  # as torch 2.11 is
+    path = tmp_path / "rs.json"
+    path.write_text(
+        __import__("json").dumps(
+            config_to_dict(dataclasses.replace(default_config([]), separate_reduce_scatter_group=True))
+        )
+    )
+    result = cli_main("validate", str(path))
+    assert result.returncode != 0
+    line = result.stderr.strip()
+    assert "\n" not in line and f"{path}: separate_reduce_scatter_group: needs torch >= 2.13" in line

@@ -43,13 +43,20 @@ class _State212:
 
 
 class _Module211:
-    """An FSDPModule of 2.11 or 2.12: the async setter, no reduce-scatter buffer setter."""
+    """An FSDPModule of 2.11: the async setter and the older public ones, no reduce-scatter buffer
+    setter, no separate reduce-scatter group, no symmetric memory."""
 
     def __init__(self):
         self.calls = []
 
     def _set_unshard_async_op(self, async_op):
         self.calls.append(("unshard_async", async_op))
+
+    def set_unshard_in_backward(self, unshard_in_backward):
+        self.calls.append(("unshard_in_backward", unshard_in_backward))
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable):
+        self.calls.append(("pg_alloc", enable))
 
 
 class _Module213(_Module211):
@@ -60,6 +67,9 @@ class _Module213(_Module211):
 
     def set_separate_reduce_scatter_group(self, enable=True, *, recurse=True):
         self.calls.append(("rs_group", enable, recurse))
+
+    def set_symm_mem_for_comm(self, backend="NCCL"):
+        self.calls.append(("symm_mem", backend))
 
 
 class _ModuleWithoutSetters:
@@ -93,16 +103,20 @@ def test_param_groups_of_an_unknown_layout_fail_in_one_line():
 def test_unsupported_knobs_are_probed_on_the_class():
     assert knobs.get_unsupported_knobs(_Module213) == {}
     missing = knobs.get_unsupported_knobs(_Module211)
-    assert set(missing) == {"reduce_scatter_max_input_buffers", "separate_reduce_scatter_group"}
+    assert set(missing) == {"reduce_scatter_max_input_buffers", "separate_reduce_scatter_group", "symmetric_memory"}
     assert missing["reduce_scatter_max_input_buffers"] == (
         f"needs torch >= 2.13 (pytorch #186000); torch {torch.__version__} has no "
         "FSDPModule.set_reduce_scatter_max_input_buffers"
     )
     assert missing["separate_reduce_scatter_group"].startswith("needs torch >= 2.13 (pytorch #186335)")
+    assert missing["symmetric_memory"].startswith("needs torch >= 2.12 (pytorch #176613)")
     assert set(knobs.get_unsupported_knobs(_ModuleWithoutSetters)) == {
         "reduce_scatter_max_input_buffers",
         "separate_reduce_scatter_group",
         "unshard_async",
+        "unshard_in_backward",
+        "process_group_comm_buffers",
+        "symmetric_memory",
     }
     assert "torch >= 2.6 (pytorch #135523)" in knobs.get_unsupported_knobs(_ModuleWithoutSetters)["unshard_async"]
 
