@@ -81,13 +81,20 @@ def report(
     """Summarize a trial or a search: terminal tables, a self-contained HTML report and PNG plots."""
     import json
 
-    from autotune.report import get_gpu_tables, get_pipeline_tables, get_tables, load_report, write_report
+    from autotune.report import (
+        get_gpu_tables,
+        get_host_tables,
+        get_pipeline_tables,
+        get_tables,
+        load_report,
+        write_report,
+    )
 
     result = load_report(directory)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
         return
-    print_tables([*get_tables(result), *get_pipeline_tables(result), *get_gpu_tables(result)])
+    print_tables([*get_tables(result), *get_pipeline_tables(result), *get_gpu_tables(result), *get_host_tables(result)])
     for path in write_report(result, out if out is not None else directory / "report"):
         console.print(f"wrote {path}")
 

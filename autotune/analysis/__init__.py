@@ -4,7 +4,7 @@
     summary = summarize_traces([Path("trial/trace_rank0.json.gz"), Path("trial/trace_rank1.json.gz")])
 
 :class:`FsdpTraceAnalysis` is the facade (HTA style): it loads the traces once and hands
-each analysis to one analyzer (``_step_analysis``, ``_unit_analysis``,
+each analysis to one analyzer (``_step_analysis``, ``_unit_analysis``, ``_host_analysis``,
 ``_timeline_analysis``, ``_hta_overlap``); results are DataFrames with explicit columns.
 :func:`summarize_traces` turns them into the JSON summary documented in ``_summary``.
 
@@ -159,12 +159,14 @@ in the stage holding parameters (embeddings or head).
 
 from autotune.analysis._errors import TraceError
 from autotune.analysis._facade import FsdpTraceAnalysis
+from autotune.analysis._host_analysis import HOST_BOUND_SHARE
 from autotune.analysis._hta_overlap import open_hta_analysis
 from autotune.analysis._kernels import KERNEL_CLASSES, get_kernel_class
 from autotune.analysis._pipeline import PipelineLayout
 from autotune.analysis._summary import SUMMARY_SCHEMA_VERSION, check_summary
 
 __all__ = [
+    "HOST_BOUND_SHARE",
     "KERNEL_CLASSES",
     "SUMMARY_SCHEMA_VERSION",
     "FsdpTraceAnalysis",

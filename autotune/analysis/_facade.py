@@ -9,6 +9,7 @@ import pandas as pd
 
 from autotune.analysis._errors import TraceError
 from autotune.analysis._events import RankEvents, classify_events
+from autotune.analysis._host_analysis import HostAnalyzer
 from autotune.analysis._hta_overlap import HtaOverlapAnalyzer
 from autotune.analysis._load import RankTrace, load_trace
 from autotune.analysis._pipeline import PipelineLayout, assign_stages
@@ -81,6 +82,12 @@ class FsdpTraceAnalysis:
     def get_unit_metrics(self) -> pd.DataFrame:
         """One row per (rank, profiled step, FSDP unit); columns ``_unit_analysis.UNIT_COLUMNS``."""
         return pd.concat([UnitAnalyzer.get_unit_metrics(e) for e in self.events.values()], ignore_index=True)
+
+    def get_host_metrics(self) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """FSDP2's own host work ([Note: host-bound steps] in ``_host_analysis``): one row per (rank,
+        profiled step), columns ``HOST_COLUMNS``, and one per (rank, step, FSDP unit), ``UNIT_HOST_COLUMNS``."""
+        pairs = [HostAnalyzer.get_host_metrics(e) for e in self.events.values()]
+        return pd.concat([p[0] for p in pairs], ignore_index=True), pd.concat([p[1] for p in pairs], ignore_index=True)
 
     def get_stage_metrics(self) -> pd.DataFrame:
         """One row per (rank, profiled step, pipeline stage the rank holds); columns

@@ -5,6 +5,7 @@
     get_tables(report)                       # plain rows for a terminal (cli.py renders them)
     get_pipeline_tables(report)              # a pipeline trial: its stages
     get_gpu_tables(report)                   # a GPU trial: where the step's device time goes
+    get_host_tables(report)                  # FSDP's own host time per unit; a host-bound step named
     write_report(report, "runs/t0/report")   # report.html (self-contained) + PNGs
 
 Modules: :mod:`~autotune.report.attribution` (a GPU step's device time by kernel class and
@@ -23,6 +24,7 @@ part: [Note: GPU step attribution]) <- :mod:`~autotune.report.model` (the data) 
 from autotune.report.attribution import StepAttribution
 from autotune.report.formatting import fmt
 from autotune.report.gpu_tables import get_gpu_tables
+from autotune.report.host import get_host_tables
 from autotune.report.load import load_report, load_trial
 from autotune.report.model import REPORT_SCHEMA_VERSION, TRACE_GLOB, Report, ReportError, ReportTable, TrialSummary
 from autotune.report.pipeline_tables import get_pipeline_tables
@@ -49,6 +51,7 @@ __all__ = [
     "get_rounds_table",
     "get_final_round_table",
     "get_gpu_tables",
+    "get_host_tables",
     "get_pipeline_tables",
     "get_prediction_table",
     "get_rank_table",

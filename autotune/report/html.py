@@ -19,6 +19,7 @@ from autotune.report.frames import (
     get_unit_frame,
 )
 from autotune.report.gpu_step import GPU_FIGURES, get_gpu_step_section
+from autotune.report.host import get_host_tables
 from autotune.report.hta import HTA_FIGURES, get_hta_section
 from autotune.report.model import Report, ReportTable
 from autotune.report.pipeline_tables import get_pipeline_tables
@@ -201,7 +202,9 @@ def write_html(report: Report, path: Path) -> Path:
         page.parts.append(
             f"<p class='lead'>{html.escape(report.comparison.note[0].upper() + report.comparison.note[1:])}.</p>"
         )
-    page.parts += [_table_html(t) for t in [*get_tables(report), *get_pipeline_tables(report)]]
+    page.parts += [
+        _table_html(t) for t in [*get_tables(report), *get_pipeline_tables(report), *get_host_tables(report)]
+    ]
     if report.kind == "search":
         for section in get_search_sections(report):
             page.add_section(section)

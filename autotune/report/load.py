@@ -19,6 +19,7 @@ from pathlib import Path
 from autotune.analysis import FsdpTraceAnalysis, PipelineLayout, TraceError
 from autotune.artifacts import ArtifactError
 from autotune.report.attribution import get_step_attribution
+from autotune.report.host_time import get_host_time
 from autotune.report.model import TRACE_GLOB, Comparison, Report, ReportError, TrialSummary, TrialTraces
 from autotune.search import SearchRecord, TrialRow, pick_best, read_results
 from autotune.trials import INCOMPLETE_MARKER, TrialMetrics
@@ -256,6 +257,7 @@ def load_trial_traces(trial: TrialSummary) -> TrialTraces:
             device=analysis.device,
             timeline=analysis.get_timeline(),
             attribution=get_step_attribution(analysis, shard_size=trial.shard_size),
+            host=get_host_time(analysis),
         )
     except TraceError as e:
         return TrialTraces(paths=paths, error=str(e))

@@ -12,6 +12,7 @@ import pandas as pd
 
 from autotune.analysis import FsdpTraceAnalysis, PipelineLayout, TraceError
 from autotune.report.attribution import StepAttribution, get_step_attribution
+from autotune.report.host_time import HostTime
 from autotune.search import SearchRecord, TrialRow
 from autotune.trials import TrialFigures
 from fsdp_runtime.errors import AutotuneError
@@ -231,6 +232,8 @@ class TrialTraces:
     timeline: pd.DataFrame | None = None
     attribution: StepAttribution | None = None
     """GPU traces: where the step's device time goes ([Note: GPU step attribution]); None on CPU."""
+    host: HostTime | None = None
+    """FSDP2's own host time ([Note: host-bound steps]); None without FSDP labels."""
     error: str | None = None
 
 

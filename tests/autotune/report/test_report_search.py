@@ -795,3 +795,14 @@ def test_a_search_s_terminal_output_fits_100_columns(monkeypatch):
     (progress_line,) = err.export_text().splitlines()
     assert len(progress_line) <= 100 and progress_line.startswith("trial   2: pruned - slower than 1.3x")
     assert progress_line.endswith("…")
+
+
+def test_the_host_table_sets_the_emitted_config_beside_the_defaults(cpu_search, cpu_page):
+    from autotune.report import get_host_tables
+
+    (table,) = get_host_tables(load_report(cpu_search))
+    assert table.columns == ["trial", "step", "FSDP's own host work", "share", "verdict"]
+    # both trial dirs hold the same CPU tiny traces: one figure, not host-bound (10-21% < 20%)
+    assert [r[0] for r in table.rows] == ["best: trial 2 (emitted)", "defaults: trial 0"]
+    assert table.rows[0][1:] == table.rows[1][1:] and table.rows[0][-1] == "not host-bound"
+    assert "FSDP hooks on the host, emitted vs defaults" in cpu_page.read_text()
