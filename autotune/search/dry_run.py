@@ -31,6 +31,7 @@ def dry_run_search(settings: SearchSettings) -> list[str]:
         f"search: {settings.num_trials} trials on {settings.world_size} ranks",
         f"space: {len(space.get_default_params())} knobs; meshes: {', '.join(space.get_mesh_choices())}",
         *space.notes,
+        *space.device_notes,
         *get_node_notes(settings, space),
     ]
     if settings.workers is not None:

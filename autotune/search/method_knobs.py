@@ -14,7 +14,7 @@ import optuna
 
 from fsdp_runtime import KNOBS, Knob
 
-__all__ = ["ask", "get_default_answers", "get_method_fields", "is_asked"]
+__all__ = ["ask", "get_default_answers", "get_method_fields", "get_notes", "is_asked"]
 
 
 def is_asked(knob: Knob, device_type: str, unsupported: set[str], params: dict[str, Any] | None = None) -> bool:
@@ -42,3 +42,17 @@ def ask(
 def get_method_fields(params: dict[str, Any]) -> dict[str, Any]:
     """The config fields the method knobs' answers in ``params`` set (one not asked keeps the config's default)."""
     return {k.name: k.search.to_field(params[k.search.param]) for k in KNOBS if k.search and k.search.param in params}
+
+
+def get_notes(device_type: str, unsupported: set[str]) -> list[str]:
+    """One line per knob asked on other devices than ``device_type`` only, then the registry's notes
+    of those asked on it (``unsupported``: the fields this torch cannot set, said elsewhere)."""
+    lines = []
+    for knob in KNOBS:
+        if knob.search is None or knob.name in unsupported:
+            continue
+        if device_type not in knob.search.devices:
+            lines.append(f"{knob.name} not searched: asked on {' and '.join(knob.search.devices)} only")
+        else:
+            lines += [f"{knob.name}: {note}" for note in knob.notes]
+    return lines

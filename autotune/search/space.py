@@ -88,7 +88,7 @@ from typing import Any
 
 import optuna
 
-from autotune.search.method_knobs import ask, get_default_answers, get_method_fields
+from autotune.search.method_knobs import ask, get_default_answers, get_method_fields, get_notes
 from autotune.search.patterns import (
     DEFAULTS_DESCRIPTION,
     describe_params,
@@ -170,8 +170,11 @@ class SearchSpace:
 
     @property
     def notes(self) -> list[str]:
-        """One line per knob left out of the space."""
+        """One line per knob left out of the space because this torch cannot set it."""
         return [f"{name} not searched: {why}" for name, why in self.unsupported_knobs]
+
+    device_notes = property(lambda self: get_notes(self.device_type, self._unsupported))
+    """The knobs asked on another device only, and the registry's notes of those asked here (the dry run)."""
 
     @property
     def _unsupported(self) -> set[str]:

@@ -9,7 +9,14 @@ import pytest
 from torch.distributed.fsdp import FSDPModule
 
 from autotune.search import SearchSpace, describe_params, describe_params_diff
-from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, default_config, validate_config, validate_for_world
+from fsdp_runtime import (
+    MixedPrecisionConfig,
+    RuntimeConfig,
+    default_config,
+    get_knob,
+    validate_config,
+    validate_for_world,
+)
 
 BLOCKS = tuple(f"layers.{i}" for i in range(4))
 
@@ -457,3 +464,15 @@ def test_the_simulator_s_knobs_follow_a_searched_reduce_dtype():
         knobs = factory.get_knobs(params)
         assert knobs.reduce_dtype == reduce
         assert knobs == resolve_knobs(factory.build_config(params), space.block_names, world_size=4, device="cuda")
+
+
+def test_the_space_says_which_knobs_it_leaves_to_another_device_and_the_registry_s_notes():
+    cpu, cuda = _space(), _space(device_type="cuda")
+    assert "symmetric_memory not searched: asked on cuda only" in cpu.device_notes
+    assert "process_group_comm_buffers not searched: asked on cuda only" in cpu.device_notes
+    assert "unshard_async not searched: asked on cpu only" in cuda.device_notes
+    assert not any(n.startswith(("symmetric_memory", "process_group_comm_buffers")) for n in cuda.device_notes)
+    note = get_knob("unshard_in_backward").notes[0]
+    assert f"unshard_in_backward: {note}" in cpu.device_notes and f"unshard_in_backward: {note}" in cuda.device_notes
+    lacking = _space(unsupported_knobs=(("symmetric_memory", "needs torch >= 2.12"),), device_type="cuda")
+    assert not any(n.startswith("symmetric_memory") for n in lacking.device_notes)  # said once, in notes
