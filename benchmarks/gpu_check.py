@@ -68,14 +68,19 @@ from autotune.search import SearchSettings  # noqa: E402
 from autotune.trials import TrialMetrics  # noqa: E402
 from autotune.trials.numerics import (  # noqa: E402
     BF16,
+    COMM_BUFFER_KNOBS,
     FP32,
     ONE_RANK,
+    ONE_RANK_BUFFERS,
     MemoriseTask,
+    check_comm_buffers,
     check_memorisation,
     check_switch,
+    get_comm_buffer_configs,
     get_default_config,
     keep_and_prefetch,
 )
+from autotune.trials.numerics_criteria import GRAD_RTOL  # noqa: E402
 
 BASE_MODEL = "llama8b"
 NEEDED = {"optuna": "optuna", "hta": "traceinsight"}
@@ -187,7 +192,21 @@ def numerics_plan(nproc: int) -> list[str]:
         f"{BF16.reduce_dtype}, {m.num_steps} steps at lr {m.lr:g} on {m.rows}x{m.length} tokens per rank",
         f"numerics switch: {switch_model} on {ranks}, fp32, {SWITCH.num_steps} steps: {len(fp32.units)} units"
         " switched in place after a step to no reshard after forward + prefetch one block ahead, vs a fresh build",
+        get_comm_buffers_plan(nproc),
     ]
+
+
+def get_comm_buffers_plan(nproc: int) -> str:
+    """The CUDA-only communication-buffer knobs' check: what it runs, or why not (one GPU, or a torch without them)."""
+    knobs = [k for k in get_comm_buffer_configs(NUMERICS_MODEL) if k != "defaults"]
+    left = [k for k in COMM_BUFFER_KNOBS if k not in knobs]
+    lacking = f"; not {', '.join(left)}: this torch lacks the method" if left else ""
+    if nproc < 2:
+        return f"numerics comm_buffers: not run on 1 GPU ({ONE_RANK_BUFFERS})"
+    return (
+        f"numerics comm_buffers: {NUMERICS_MODEL} on {nproc} NCCL ranks, fp32, {MEMORISE.num_steps} steps: FSDP2's "
+        f"defaults vs {', '.join(knobs) or 'none'} (sum-only reductions: first gradient within {GRAD_RTOL:g}){lacking}"
+    )
 
 
 def run_numerics(nproc: int) -> dict[str, Any]:
@@ -200,8 +219,12 @@ def run_numerics(nproc: int) -> dict[str, Any]:
     else:
         switch = check_switch(ONE_GPU_SWITCH_MODEL, world_size=2, task=SWITCH, timeout_s=600)
         where = f"2 gloo ranks on CPU, {ONE_GPU_SWITCH_MODEL} (one GPU: {ONE_RANK})"
+    checks = [(memorisation, f"{nproc} NCCL ranks"), (switch, where)]
+    if nproc >= 2:  # one rank issues no collectives: get_comm_buffers_plan says so
+        buffers = check_comm_buffers(NUMERICS_MODEL, world_size=nproc, task=MEMORISE, timeout_s=600)
+        checks.append((buffers, f"{nproc} NCCL ranks"))
     results = {}
-    for check, ranks in ((memorisation, f"{nproc} NCCL ranks"), (switch, where)):
+    for check, ranks in checks:
         print(check.describe(), flush=True)
         results[check.name] = {**check.to_dict(), "ranks": ranks}
     return results

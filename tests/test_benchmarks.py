@@ -120,7 +120,12 @@ def test_gpu_check_dry_run_plans_the_run_and_tabulates_a_recorded_trial(tmp_path
         line.startswith("search: 6 trials of llama8b-") and line.endswith("blocks on 1 GPU(s), bfloat16/float32")
         for line in lines
     )
-    assert sum(line.startswith("numerics ") for line in lines) == 2
+    assert sum(line.startswith("numerics ") for line in lines) == 3
+    # one GPU: the communication-buffer knobs are not run, and it says why (one rank issues no collectives)
+    assert (
+        "numerics comm_buffers: not run on 1 GPU (FSDP2 issues no collectives on one rank, so their buffers are never used: it needs 2 ranks or more)"
+        in lines
+    )
     row = lines[lines.index(next(line for line in lines if line.strip().startswith("trial"))) + 1].split()
     assert row[:2] == ["recorded", "ok"] and lines[-1] == "dry run: no trial ran"
     assert not list((tmp_path / "out").rglob("metrics.json"))  # nothing ran

@@ -65,12 +65,21 @@ from autotune.trials.collective_count import CollectiveCounter
 from autotune.trials.launch import RankRun, run_ranks
 from autotune.trials.numerics_criteria import (
     NumericsCheck,
+    evaluate_comm_buffers,
     evaluate_memorisation,
     evaluate_switch,
     get_context_free_floor,
 )
 from autotune.trials.training import Training, build_training, resolve_profile
-from fsdp_runtime import ROOT_UNIT, MixedPrecisionConfig, RuntimeConfig, config_to_dict, default_config
+from fsdp_runtime import (
+    ROOT_UNIT,
+    MixedPrecisionConfig,
+    RuntimeConfig,
+    config_to_dict,
+    default_config,
+    get_knob,
+    get_unsupported_knobs,
+)
 from profiles import compute_loss
 
 if TYPE_CHECKING:
@@ -80,8 +89,12 @@ __all__ = [
     "BF16",
     "FP32",
     "ONE_RANK",
+    "ONE_RANK_BUFFERS",
+    "COMM_BUFFER_KNOBS",
     "MemoriseTask",
+    "check_comm_buffers",
     "check_memorisation",
+    "get_comm_buffer_configs",
     "check_switch",
     "get_default_config",
     "keep_and_prefetch",
@@ -93,6 +106,7 @@ __all__ = [
 BF16 = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32")
 FP32 = MixedPrecisionConfig()
 ONE_RANK = "FSDP2 issues no collectives on one rank, so the switch check cannot count them: it needs 2 ranks or more"
+ONE_RANK_BUFFERS = "FSDP2 issues no collectives on one rank, so their buffers are never used: it needs 2 ranks or more"
 MEMORISE_TARGET = "autotune.trials.numerics:memorise_ranks"
 SWITCH_TARGET = "autotune.trials.numerics:switch_ranks"
 
@@ -140,9 +154,12 @@ def _build(rank: int, world_size: int, model: Any, config: dict, task: MemoriseT
     return training
 
 
-def _train_step(training: Training, tokens: torch.Tensor, *, count: bool = False) -> tuple[float, dict[str, int]]:
-    """One optimizer step on ``tokens`` (split over the microbatches); this rank's loss and, when
-    ``count``, the collectives the step issued by kind (a dispatch mode slows every op: off otherwise)."""
+def _train_step(
+    training: Training, tokens: torch.Tensor, *, count: bool = False
+) -> tuple[float, dict[str, int], float]:
+    """One optimizer step on ``tokens`` (split over the microbatches); this rank's loss, when
+    ``count`` the collectives the step issued by kind (a dispatch mode slows every op: off
+    otherwise), and the squared norm of this rank's gradient shards before the update."""
     num = training.accumulator.num_microbatches
     total = torch.zeros((), device=training.device)
     counter = CollectiveCounter()
@@ -152,9 +169,11 @@ def _train_step(training: Training, tokens: torch.Tensor, *, count: bool = False
                 loss = compute_loss(training.model, chunk) / num
                 loss.backward()
             total += loss.detach()
+        grads = [p.grad for p in training.model.parameters() if p.grad is not None]
+        grad_sq = sum(float(g.to_local().double().square().sum()) if hasattr(g, "to_local") else 0.0 for g in grads)
         training.optimizer.step()
         training.optimizer.zero_grad(set_to_none=True)
-    return total.item(), dict(counter.counts)
+    return total.item(), dict(counter.counts), grad_sq
 
 
 def memorise_ranks(
@@ -165,8 +184,12 @@ def memorise_ranks(
     training = _build(rank, world_size, model, config, memorise, backend)
     tokens = make_alternating_batch(training.profile.vocab_size, memorise, dp_rank=training.dp_rank)
     batch = tokens.to(training.device)
-    losses = [_train_step(training, batch)[0] for _ in range(memorise.num_steps)]
-    return {"losses": losses, "floor": get_context_free_floor(tokens)}
+    steps = [_train_step(training, batch) for _ in range(memorise.num_steps)]
+    return {
+        "losses": [loss for loss, _, _ in steps],
+        "grad_sq": [grad_sq for _, _, grad_sq in steps],
+        "floor": get_context_free_floor(tokens),
+    }
 
 
 def switch_ranks(
@@ -200,7 +223,7 @@ def _run_switched(
     for step in range(task.num_steps):
         if step == 1:
             training.use_config(target)
-        loss, count = _train_step(training, batch, count=True)
+        loss, count, _ = _train_step(training, batch, count=True)
         losses.append(loss)
         counts.append(count)
     return {"losses": losses, "collectives": counts}
@@ -291,3 +314,51 @@ def check_switch(
     if not run.ok:
         return NumericsCheck(name="switch", failure=f"{run.status}: {run.reason}")
     return evaluate_switch(run.results)
+
+
+COMM_BUFFER_KNOBS = ("process_group_comm_buffers", "symmetric_memory")
+"""The CUDA/NCCL-only knobs the GPU suite's numerics run (``fsdp_runtime.knobs``; not bitwise: sums only)."""
+
+
+def get_comm_buffer_configs(model: Any) -> dict[str, RuntimeConfig]:
+    """FSDP2's defaults in fp32, and each of :data:`COMM_BUFFER_KNOBS` this torch can set on them."""
+    base = get_default_config(model, FP32)
+    missing = get_unsupported_knobs()
+    return {"defaults": base} | {
+        k: dataclasses.replace(base, **{k: True}) for k in COMM_BUFFER_KNOBS if k not in missing
+    }
+
+
+def check_comm_buffers(
+    model: Any,
+    *,
+    world_size: int,
+    backend: str = "nccl",
+    task: MemoriseTask = MemoriseTask(),
+    pool: Pool | None = None,
+    timeout_s: float = 600.0,
+    target: str = MEMORISE_TARGET,
+) -> NumericsCheck:
+    """The memorisation task under FSDP2's defaults and under each communication-buffer knob, fp32,
+    on ``world_size`` NCCL ranks (2 or more: :data:`ONE_RANK_BUFFERS`); criteria in
+    :func:`~autotune.trials.numerics_criteria.evaluate_comm_buffers`."""
+    devices = get_knob(COMM_BUFFER_KNOBS[0]).devices
+    if backend != "nccl":
+        return NumericsCheck(
+            name="comm_buffers", failure=f"backend {backend}: these knobs need {'/'.join(devices)} and NCCL"
+        )
+    if world_size < 2:
+        return NumericsCheck(name="comm_buffers", failure=f"world size {world_size}: {ONE_RANK_BUFFERS}")
+    runs = {}
+    for name, config in get_comm_buffer_configs(model).items():
+        kwargs = {
+            "model": model,
+            "config": config_to_dict(config),
+            "task": dataclasses.asdict(task),
+            "backend": backend,
+        }
+        run = _launch(target, kwargs, world_size=world_size, backend=backend, pool=pool, timeout_s=timeout_s)
+        if not run.ok:
+            return NumericsCheck(name="comm_buffers", failure=f"{name}: {run.status}: {run.reason}")
+        runs[name] = run.results
+    return evaluate_comm_buffers(runs, len(config.units) - 1)

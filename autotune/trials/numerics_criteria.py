@@ -18,6 +18,8 @@ __all__ = [
     "TOLERANCE_FACTOR",
     "Criterion",
     "NumericsCheck",
+    "GRAD_RTOL",
+    "evaluate_comm_buffers",
     "evaluate_memorisation",
     "evaluate_switch",
     "get_bf16_tolerance",
@@ -195,3 +197,54 @@ def evaluate_switch(ranks: list[dict[str, Any]]) -> NumericsCheck:
     ]
     figures = {"fresh": fresh, "switched": switched}
     return NumericsCheck(name="switch", criteria=criteria, figures=figures)
+
+
+GRAD_RTOL = 1e-4
+"""How far the first step's squared gradient norm (of a rank's shard) may be from the defaults'
+with sum-only reductions (the divide by the world size outside the collective changes each reduced
+value in its last fp32 bits): a missing or doubled divide is off by the world size squared."""
+
+
+def _first_gradient(knob: str, base: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> Criterion:
+    diffs = [abs(r["grad_sq"][0] - b["grad_sq"][0]) / b["grad_sq"][0] for b, r in zip(base, ranks, strict=True)]
+    worst = max(range(len(diffs)), key=diffs.__getitem__)
+    return Criterion(
+        name=f"{knob}_first_gradient",
+        passed=all(d <= GRAD_RTOL for d in diffs),
+        value=diffs[worst],
+        limit=GRAD_RTOL,
+        detail=f"rank {worst}: the first step's squared gradient norm, relative to the defaults'",
+    )
+
+
+def evaluate_comm_buffers(runs: dict[str, list[dict[str, Any]]], num_blocks: int) -> NumericsCheck:
+    """The communication-buffer knobs against FSDP2's defaults, all in fp32 (``runs``: ``defaults``
+    and one run per knob, each its ranks' :func:`~autotune.trials.numerics.memorise_ranks` results):
+    each knob's run learns the batch, its first gradient is the defaults' (:data:`GRAD_RTOL`; AdamW
+    is blind to a gradient's scale, so the losses alone would not see a divide gone wrong), and its
+    losses stay within the bf16 tolerance of the defaults' at every step (a loose bound: one fp32
+    rounding per reduced value is 2**16 times smaller than bf16's, room for chaotic growth)."""
+    check = NumericsCheck(name="comm_buffers")
+    base = runs["defaults"]
+    for knob, ranks in runs.items():
+        if knob == "defaults":
+            continue
+        check.criteria += [*_learned(knob, ranks), _first_gradient(knob, base, ranks)]
+        worst = (0.0, 0, 0, 0.0, 0.0)
+        for rank, (a, b) in enumerate(zip(base, ranks, strict=True)):
+            tolerance = get_bf16_tolerance(a["losses"], num_blocks)
+            for step, (x, y, tol) in enumerate(zip(a["losses"], b["losses"], tolerance, strict=True)):
+                share = abs(y - x) / tol if tol > 0 else math.inf
+                if not math.isfinite(share) or share > worst[0]:
+                    worst = (share if math.isfinite(share) else math.inf, rank, step, abs(y - x), tol)
+        check.criteria.append(
+            Criterion(
+                name=f"{knob}_tracks_defaults",
+                passed=worst[0] <= 1.0,
+                value=worst[3],
+                limit=worst[4],
+                detail=f"rank {worst[1]} step {worst[2]}: |{knob} - defaults| vs the bf16 tolerance",
+            )
+        )
+    check.figures = {name: [r["losses"] for r in ranks] for name, ranks in runs.items()}
+    return check

@@ -37,3 +37,23 @@ def switch_doing_nothing(rank: int, world_size: int, **kwargs: Any) -> dict[str,
         return numerics.switch_ranks(rank, world_size, **kwargs)
     finally:
         training.switch_config = original
+
+
+def memorise_with_summed_gradients(rank: int, world_size: int, **kwargs: Any) -> dict[str, Any]:
+    """:func:`~autotune.trials.numerics.memorise_ranks` with every unit's gradients summed over the
+    ranks instead of averaged (sum-only reductions with ``set_gradient_divide_factor(1.0)``): the
+    divide a sum-only reduction must still apply, gone."""
+    original = numerics._build
+
+    def build(*args: Any, **kw: Any) -> training.Training:
+        built = original(*args, **kw)
+        for module in built.applied.units.values():
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no premultiplied sum
+            module.set_gradient_divide_factor(1.0)
+        return built
+
+    numerics._build = build
+    try:
+        return numerics.memorise_ranks(rank, world_size, **kwargs)
+    finally:
+        numerics._build = original

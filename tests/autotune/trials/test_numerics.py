@@ -9,15 +9,26 @@ the tolerance and the criteria on made-up curves.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from autotune.trials.numerics import MemoriseTask, check_memorisation, check_switch, make_alternating_batch
+from autotune.trials.numerics import (
+    FP32,
+    MemoriseTask,
+    check_comm_buffers,
+    check_memorisation,
+    check_switch,
+    get_default_config,
+    make_alternating_batch,
+)
 from autotune.trials.numerics_criteria import (
     BF16_UNIT_ROUNDOFF,
+    GRAD_RTOL,
     TOLERANCE_FACTOR,
+    evaluate_comm_buffers,
     evaluate_memorisation,
     get_bf16_tolerance,
     get_context_free_floor,
@@ -110,3 +121,39 @@ def test_switch_passes_and_catches_a_switch_that_does_nothing(pool2):
         "collectives_after_switch_equal": False,
         "configs_differ_in_collectives": True,
     }
+
+
+def test_the_comm_buffer_check_is_refused_off_nccl_and_on_one_rank_in_one_line():
+    gloo = check_comm_buffers(MODEL, world_size=2, backend="gloo")
+    assert not gloo.passed and gloo.failure == "backend gloo: these knobs need cuda and NCCL"
+    one = check_comm_buffers(MODEL, world_size=1)
+    assert not one.passed and one.failure.startswith("world size 1: FSDP2 issues no collectives on one rank")
+
+
+def test_the_comm_buffer_criteria_catch_a_lost_divide_that_the_losses_do_not_show(pool2):
+    # The knobs are CUDA/NCCL only; on gloo the criteria are run on what they must catch: every
+    # gradient summed over the ranks instead of averaged. AdamW does not see a gradient's scale
+    # (its losses track the defaults'), the first gradient does (off by the world size squared).
+    from fsdp_runtime import config_to_dict
+
+    task = MemoriseTask(num_steps=8)
+    kwargs = {
+        "model": MODEL,
+        "config": config_to_dict(get_default_config(MODEL, FP32)),
+        "task": dataclasses.asdict(task),
+    }
+    runs = {
+        "defaults": pool2.run("autotune.trials.numerics:memorise_ranks", kwargs, timeout_s=LIMIT_S),
+        "same": pool2.run("autotune.trials.numerics:memorise_ranks", kwargs, timeout_s=LIMIT_S),
+        "summed": pool2.run("_numerics_programs:memorise_with_summed_gradients", kwargs, timeout_s=LIMIT_S),
+    }
+    assert all(run.ok for run in runs.values()), {k: run.reason for k, run in runs.items()}
+    check = evaluate_comm_buffers({k: run.results for k, run in runs.items()}, num_blocks=2)
+    criteria = {c.name: c for c in check.criteria}
+    assert criteria["same_first_gradient"].passed and criteria["same_first_gradient"].value == 0.0
+    assert criteria["same_tracks_defaults"].passed
+    assert not criteria["summed_first_gradient"].passed
+    assert criteria["summed_first_gradient"].value == pytest.approx(2**2 - 1, rel=1e-3)  # world 2: x4
+    assert criteria["summed_first_gradient"].limit == GRAD_RTOL
+    assert criteria["summed_tracks_defaults"].passed  # the losses alone would have let it through
+    assert not check.passed
