@@ -6,7 +6,9 @@ One launch of ranks; for each knob, A (baseline) and B (knob) are built and time
 alternation, ``--pairs`` times, each over ``--steps`` unprofiled steps after one warm-up
 step. Prints per knob the median step time of A and B and the median of the per-pair B/A
 ratios (< 1 means the knob is faster). The concat-deferral row compares eager concat
-against FSDP2's deferred concat, both with ``sync = "last"``. ``--cluster`` enables link
+against FSDP2's deferred concat, both with ``sync = "last"``; the embeddings' row compares the
+embeddings split off as a unit of their own with and without their backward all-gather, and the
+separate reduce-scatter group's row runs where this torch has it (2.13 on). ``--cluster`` enables link
 emulation so overlap knobs can be judged as
 on a cluster whose links wait rather than compute.
 """
@@ -23,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import run_rank0  # noqa: E402
 
+from autotune.search import SearchSpace  # noqa: E402
 from autotune.trials import build_training  # noqa: E402
-from fsdp_runtime import MeshConfig, RuntimeConfig, config_to_dict, default_config  # noqa: E402
+from fsdp_runtime import MeshConfig, RuntimeConfig, config_to_dict, default_config, get_unsupported_knobs  # noqa: E402
 from profiles import load_model_profile  # noqa: E402
 
 
@@ -68,7 +71,33 @@ def get_cases(
         "eager concat (vs deferred, sync last)": (last, _units(last, defer_concat=False)),
         "reduce_scatter buffers 2": (base, dataclasses.replace(base, reduce_scatter_max_input_buffers=2)),
         "replica_last (vs last, HSDP Nx1)": (_units(replicated, sync="last"), _units(replicated, sync="replica_last")),
+        **_method_cases(blocks, num_microbatches, world_size),
     }
+
+
+def _method_cases(blocks: list[str], num_microbatches: int, world_size: int) -> dict[str, tuple[RuntimeConfig, ...]]:
+    """The registry's newer FSDP2 methods this torch has: a separate reduce-scatter group against FSDP2's
+    defaults, and the embeddings' backward all-gather skipped against the same split-off embeddings."""
+    base = default_config(blocks, num_microbatches=num_microbatches)
+    space = SearchSpace(
+        block_names=tuple(blocks),
+        world_size=world_size,
+        num_microbatches=num_microbatches,
+        root_knobs=True,
+        embedding_names=("tok_embeddings",),
+        head_names=("norm", "output"),
+    )
+    split = space.build_config({**space.get_default_params(), "root_split": "split"})
+    cases = {
+        "separate reduce-scatter group": (base, dataclasses.replace(base, separate_reduce_scatter_group=True)),
+        "unshard_in_backward false (embeddings split off)": (
+            split,
+            dataclasses.replace(split, unshard_in_backward=False),
+        ),
+    }
+    if "separate_reduce_scatter_group" in get_unsupported_knobs():  # before torch 2.13
+        del cases["separate reduce-scatter group"]
+    return cases
 
 
 def time_config(rank: int, world_size: int, *, model: str, config: dict, num_steps: int, cluster: str | None) -> float:
