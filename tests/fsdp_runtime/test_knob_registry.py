@@ -175,8 +175,12 @@ def test_unshard_in_backward_is_set_only_on_units_holding_only_untied_embeddings
         set_method_knobs(module, RuntimeConfig(unshard_in_backward=False), "cpu")
     flags = {name: [g.unshard_in_backward for g in get_param_groups(m)] for name, m in units.items()}
     assert flags == {"untied": [False], "mixed": [True], "tied": [True]}
-    knob.setter(units["untied"], True)  # and back
+    off, on = RuntimeConfig(unshard_in_backward=False), RuntimeConfig()
+    set_method_knobs(units["untied"], on, "cpu", before=off)  # a switch in place back to FSDP2's value
     assert [g.unshard_in_backward for g in get_param_groups(units["untied"])] == [True]
+    set_method_knobs(units["untied"], off, "cpu", before=on)  # and on again
+    assert [g.unshard_in_backward for g in get_param_groups(units["untied"])] == [False]
+    assert knob.in_place and "unshard_in_backward" in CONFIG_KNOBS_IN_PLACE
 
 
 def test_unshard_in_backward_is_asked_only_where_the_embeddings_are_a_unit_of_their_own():
