@@ -285,6 +285,8 @@ def get_summary(rows: list[dict]) -> dict[str, dict]:
             "best": max(ratios, default=None),
             "defaults": sum(r.get("emitted") == "defaults" for r in group),
             "recipe": sum(r.get("emitted") == "recipe" for r in group),
+            "recipe_realized": [r["realized"] for r in group if r.get("emitted") == "recipe" and r.get("realized")],
+            "recipe_slower": sum(r.get("emitted") == "recipe" and (r.get("realized_high") or 2.0) < 1.0 for r in group),
             "failed": sum("error" in r for r in group),
             "aim": None if median is None else abs(median - 1) <= AIM_MEDIAN_PCT / 100 and min(ratios) >= AIM_WORST,
             **get_coverage(group),
@@ -305,6 +307,13 @@ def print_summary(rows: list[dict]) -> None:
             f"defaults {s['defaults']}, recipe {s['recipe']}, failed {s['failed']}; aim {aim}"
         )
     print("(a search that emitted the defaults or the recipe claims nothing over the defaults to check)")
+    for name, s in get_summary(rows).items():  # what a user on FSDP2's defaults gets from an emitted recipe
+        if s["recipe_realized"]:
+            alone = ", ".join(f"{x:.3f}x" for x in s["recipe_realized"])
+            print(
+                f"{name:<9} emitted torchtitan's recipe {s['recipe']} times; alone against the defaults: {alone}"
+                f" ({s['recipe_slower']} wholly slower at 90%)"
+            )
     print("\nrealized alone inside the claim's printed 90% interval (it covers one window's noise, paired)")
     for name, s in get_summary(rows).items():
         if s["with_interval"]:

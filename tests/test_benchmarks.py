@@ -439,6 +439,14 @@ def test_realized_speedup_summary_counts_only_claims_over_the_defaults_and_judge
     assert "small            5       3   1.000  0.980  0.980-1.020  defaults 1, recipe 1, failed 0; aim holds" in out
     assert "aim MISSED" in next(line for line in out.splitlines() if line.startswith("all "))
     assert "all       8 of 8: 100% (90% interval 75-100%)" in out  # what the claims' intervals held
+    # an emitted recipe claims nothing over the defaults, but what it did alone against them is said
+    assert (small["recipe_realized"], small["recipe_slower"]) == ([1.30], 0)
+    slower = rs.get_summary([row("small", None, 0.9, emitted="recipe", realized_high=0.95)])["small"]
+    assert (slower["recipe_realized"], slower["recipe_slower"]) == ([0.9], 1)
+    assert (
+        "small     emitted torchtitan's recipe 1 times; alone against the defaults: 1.300x (0 wholly slower at 90%)"
+        in out
+    )
     rs.print_row(row("small", 1.25, None, run=0, search_wall_s=10.0) | {"claimed_low": None, "claimed_high": None})
     assert "claimed 1.250x (interval unknown)" in capsys.readouterr().out
     conf = {"emitted": "best", "speedup_median": 1.3}  # a search that records no interval for its claim
