@@ -94,22 +94,19 @@ from autotune.search.patterns import (
     describe_params,
     describe_params_diff,
     get_mesh_key,
-    get_reshard_value,
     group_blocks,
-    group_unit,
     split_even,
 )
+from autotune.search.space_units import build_block_units, build_root_units, get_edge_units
 from fsdp_runtime import (
-    ROOT_UNIT,
     MeshConfig,
     MixedPrecisionConfig,
     PipelineConfig,
     RuntimeConfig,
-    UnitConfig,
     get_added_knobs,
     get_knob,
 )
-from fsdp_runtime.tuning import get_prefetch_lists, select_blocks
+from fsdp_runtime.tuning import get_prefetch_lists
 
 __all__ = ["DEFAULTS_DESCRIPTION", "SearchSpace", "describe_params", "describe_params_diff"]
 
@@ -364,7 +361,8 @@ class SearchSpace:
         stage_groups = [group_blocks(blocks, per_unit) for blocks in stages]
         groups = [g for stage in stage_groups for g in stage]
         names = [name for name, _ in groups]
-        edges = self._get_edge_units() if params.get("root_split", "none") == "split" else []
+        split = params.get("root_split", "none") == "split"
+        edges = get_edge_units(self.embedding_names, self.head_names) if split else []
         fwd: dict[str, list[str]] = {}
         bwd: dict[str, list[str]] = {}
         for k, stage in enumerate(stage_groups):  # prefetch within each stage, in its execution order
@@ -375,8 +373,8 @@ class SearchSpace:
             ]
             fwd.update(get_prefetch_lists(order, params["forward_prefetch"]))
             bwd.update(get_prefetch_lists(list(reversed(order)), params["backward_prefetch"]))
-        units = _build_block_units(params, stage_groups, names, fwd, bwd, reshard, shard)
-        units += self._build_root_units(params, edges, fwd, bwd)
+        units = build_block_units(params, stage_groups, names, fwd, bwd, reshard, shard)
+        units += build_root_units(params, edges, fwd, bwd)
         return RuntimeConfig(
             mesh=mesh_config,
             pipeline=PipelineConfig(schedule=schedule, virtual_stages=virtual) if pp > 1 else PipelineConfig(),
@@ -388,62 +386,5 @@ class SearchSpace:
             ),
         )
 
-    def _get_edge_units(self) -> list[UnitConfig]:
-        """The embeddings unit and the head unit (kept after forward: its backward runs first)."""
-        embeddings = group_unit(list(self.embedding_names))
-        head = group_unit(list(self.head_names))
-        return [embeddings, dataclasses.replace(head, reshard_after_forward=False)]
-
-    def _build_root_units(
-        self, params: dict[str, Any], edges: list[UnitConfig], fwd: dict[str, list[str]], bwd: dict[str, list[str]]
-    ) -> list[UnitConfig]:
-        """The split-off edge units (if any) and the root, with the root's sync level and reshard."""
-        sync = params.get("root_sync_fsdp", params.get("root_sync_hsdp", "every"))
-        keep = sync != "every" and params.get("root_keep_unsharded", False)
-        state = {"sync": sync, "reshard_after_backward": not keep}
-        out = [
-            dataclasses.replace(u, forward_prefetch=fwd.get(u.name), backward_prefetch=bwd.get(u.name), **state)
-            for u in edges
-        ]
-        root_reshard = (
-            True if params.get("root_reshard_after_forward", "false") == "true" else None
-        )  # None: FSDP2's root default (False)
-        out.append(UnitConfig(name=ROOT_UNIT, reshard_after_forward=root_reshard, **state))
-        return out
-
 
 _RS_BUFFERS, _ASYNC = (get_knob(name) for name in ("reduce_scatter_max_input_buffers", "unshard_async"))
-
-
-def _build_block_units(
-    params: dict[str, Any],
-    stage_groups: list[list[tuple[str, list[str] | None]]],
-    names: list[str],
-    fwd: dict[str, list[str]],
-    bwd: dict[str, list[str]],
-    reshard: str,
-    shard: int,
-) -> list[UnitConfig]:
-    """The block units of each stage (one stage without a pipeline), every pattern expanded."""
-    nosync = select_blocks(names, params.get("nosync_blocks", "none"))
-    checkpointed = select_blocks(names, params.get("ac_units", "none"))
-    units = []
-    for stage in stage_groups:
-        for i, (name, modules) in enumerate(stage):
-            unit = UnitConfig(
-                name=name,
-                modules=modules,
-                reshard_after_forward=get_reshard_value(reshard, i, len(stage), shard),
-                forward_prefetch=fwd.get(name),
-                backward_prefetch=bwd.get(name),
-                activation_checkpointing=params["ac_kind"] if name in checkpointed else "none",
-            )
-            if name in nosync:
-                unit = dataclasses.replace(
-                    unit,
-                    sync=params["nosync_level"],
-                    reshard_after_backward=not params.get("keep_unsharded", False),
-                    defer_concat=params.get("defer_concat", True),
-                )
-            units.append(unit)
-    return units

@@ -476,3 +476,18 @@ def test_the_space_says_which_knobs_it_leaves_to_another_device_and_the_registry
     assert f"unshard_in_backward: {note}" in cpu.device_notes and f"unshard_in_backward: {note}" in cuda.device_notes
     lacking = _space(unsupported_knobs=(("symmetric_memory", "needs torch >= 2.12"),), device_type="cuda")
     assert not any(n.startswith("symmetric_memory") for n in lacking.device_notes)  # said once, in notes
+
+
+def test_no_point_of_the_space_reshards_the_head_after_forward():
+    # accelerate PR #4015: the head's backward runs first, so resharding it after forward only gathers it again
+    space = _space(root_knobs=True, grouping=True, checkpointing=True, **EDGES)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    split = 0
+    for _ in range(60):
+        trial = study.ask()
+        config = space.suggest(trial)
+        heads = [u for u in config.units if u.name == "norm+output"]
+        split += bool(heads)
+        assert all(u.reshard_after_forward is False for u in heads)
+        study.tell(trial, 1.0)
+    assert split >= 10  # the split was sampled often enough to mean something
