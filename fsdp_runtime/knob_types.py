@@ -87,6 +87,9 @@ class Knob:
     sim: str | None = None
     """The simulator's field this knob is priced through (``autotune.sim.knobs.Knobs``); None for a
     method knob of schema 4 on: the simulator reads its value by name (``Knobs.method_values``)."""
+    priced: bool = True
+    """The simulator prices it (through ``sim`` or by name): ``autotune plan`` and the presearch walk its
+    choices; where not, they leave it at FSDP2's default and only the measured search asks it."""
     schema: int = 3
     """The config schema version that added the field; a config leaving every field of a later
     version at its default is written in the earlier one ([Note: the knob registry])."""

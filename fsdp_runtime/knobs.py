@@ -236,6 +236,7 @@ KNOBS: tuple[Knob, ...] = (
             when=lambda params: params.get("root_split") == "split",  # else no unit holds only embeddings
         ),
         schema=4,
+        priced=False,
         notes=("not moved by the in-job tuner, not priced by the simulator (it models no split-off embeddings)",),
     ),
     Knob(
@@ -260,6 +261,7 @@ KNOBS: tuple[Knob, ...] = (
         ),
         devices=("cuda",),
         excludes=("symmetric_memory",),
+        priced=False,  # the simulator has no model of NCCL's buffers
         schema=4,
     ),
     Knob(
@@ -288,6 +290,7 @@ KNOBS: tuple[Knob, ...] = (
         ),
         devices=("cuda",),
         excludes=("process_group_comm_buffers",),
+        priced=False,  # the simulator has no model of NCCL's buffers
         schema=4,
     ),
     Knob(

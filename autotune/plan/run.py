@@ -178,6 +178,7 @@ def _get_space(
         root_knobs=settings.memory_knobs,
         checkpointing=searched_ac,
         mixed_precision=mp,
+        ranks_per_node=per_node if (per_node := hardware.cluster.ranks_per_node) < hardware.world_size else None,
     )
 
 

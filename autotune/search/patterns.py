@@ -36,6 +36,27 @@ def group_blocks(blocks: list[str], per_unit: int) -> list[tuple[str, list[str] 
     return [(u.name, u.modules) for u in units]
 
 
+def get_reshard_choices(shard: int, ranks_per_node: int | None = None) -> list[str]:
+    """Reshard after forward: true, false, all but the last block, and an int group. On one node every
+    proper divisor of the shard size; where the shard group spans nodes (``ranks_per_node`` below the
+    shard size and dividing it) the node's size only: an int group of consecutive shard ranks is one
+    node there, so the backward all-gathers of a unit resharded to it stay on the node's links."""
+    ints = [d for d in range(2, shard) if shard % d == 0]
+    if ranks_per_node is not None and 1 < ranks_per_node < shard and shard % ranks_per_node == 0:
+        ints = [ranks_per_node]
+    return ["true", "false", "last_block_false", *(f"int:{d}" for d in ints)]
+
+
+def get_reshard_key(shard: int, ranks_per_node: int | None = None) -> str:
+    """One parameter name per choice list ([Note: search-space parametrization]): a study keeps one
+    list per name, so a shard group across nodes has its own."""
+    choices = get_reshard_choices(shard, ranks_per_node)
+    if len(choices) == 3:
+        return "reshard_after_forward"
+    node = ranks_per_node is not None and choices != get_reshard_choices(shard)
+    return f"reshard_after_forward_shard{shard}" + (f"_node{ranks_per_node}" if node else "")
+
+
 def get_reshard_value(choice: str, index: int, num_blocks: int, shard: int) -> bool | int | None:
     if choice == "true":
         return None  # FSDP2's default for inner units (True); keeps the defaults trial exact

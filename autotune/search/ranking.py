@@ -43,10 +43,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.search.method_knobs import get_method_fields
+from autotune.search.method_knobs import get_default_answers, get_method_fields
 from autotune.search.space import SearchSpace, describe_params
 from autotune.sim import Knobs, Simulator, StepPrediction, resolve_knobs
-from fsdp_runtime import MixedPrecisionConfig, RuntimeConfig, get_sim_values
+from fsdp_runtime import KNOBS, MixedPrecisionConfig, RuntimeConfig, get_sim_values
 
 _FORWARD_KEYS = (
     "mesh",
@@ -87,14 +87,19 @@ class _Questions(SearchSpace):
     def build_config(self, params: dict[str, Any]) -> Any:
         return None
 
+    @property
+    def _unsupported(self) -> set[str]:
+        """Besides what this torch lacks, the knobs the simulator does not price: walking their
+        choices would repeat every prediction ([Note: the knob registry]'s ``priced``)."""
+        return {name for name, _ in self.unsupported_knobs} | {k.name for k in KNOBS if not k.priced}
+
     @functools.cache  # noqa: B019 (one _Questions per walk, short-lived: the cache holding it is intended)
     def get_mesh_choices(self, pp: int = 1) -> list[str]:
         return SearchSpace.get_mesh_choices(self, pp)
 
-    @staticmethod
-    @functools.cache
-    def _get_reshard_choices(shard: int) -> list[str]:
-        return SearchSpace._get_reshard_choices(shard)
+    @functools.cache  # noqa: B019 (as above)
+    def _get_reshard_choices(self, shard: int) -> list[str]:
+        return SearchSpace._get_reshard_choices(self, shard)
 
 
 def _walk(ask: Callable[[_ReplayTrial], Any]) -> Iterator[dict[str, Any]]:
@@ -115,8 +120,14 @@ def _questions(space: SearchSpace) -> _Questions:
 
 
 def iter_space_params(space: SearchSpace) -> Iterator[dict[str, Any]]:
-    """Every point of ``space`` as its Optuna params (see [Note: enumerating the search space])."""
-    yield from _walk(_questions(space).suggest)  # type: ignore[arg-type]
+    """Every point of ``space`` as its Optuna params (see [Note: enumerating the search space]), the
+    knobs the simulator does not price answered with FSDP2's default where the space asks them."""
+    lacking = {name for name, _ in space.unsupported_knobs}
+    unpriced = [k for k in KNOBS if not k.priced]
+    for params in _walk(_questions(space).suggest):  # type: ignore[arg-type]
+        for knob in unpriced:
+            params.update(get_default_answers(knob, space.device_type, lacking, params))
+        yield params
 
 
 def iter_memory_variants(space: SearchSpace, mesh: str) -> Iterator[dict[str, Any]]:

@@ -149,13 +149,23 @@ def get_node_notes(settings: SearchSettings, space: SearchSpace) -> list[str]:
     if settings.cluster is None:
         return []
     from autotune.search.nodes import describe_mesh_nodes, describe_world
-    from profiles import load_cluster_profile
 
-    per_node = load_cluster_profile(settings.cluster).ranks_per_node
-    if per_node >= settings.world_size:
+    per_node = get_ranks_per_node(settings)
+    if per_node is None:
         return []
     meshes = "; ".join(describe_mesh_nodes(m, settings.world_size, per_node) for m in space.get_mesh_choices())
     return [f"{describe_world(settings.world_size, per_node)}: {meshes}"]
+
+
+def get_ranks_per_node(settings: SearchSettings) -> int | None:
+    """The ranks of one node where the world spans nodes (the cluster profile's ``ranks_per_node``
+    below the world size); None on one node or without a cluster profile."""
+    if settings.cluster is None:
+        return None
+    from profiles import load_cluster_profile
+
+    per_node = load_cluster_profile(settings.cluster).ranks_per_node
+    return per_node if per_node < settings.world_size else None
 
 
 def check_machine(settings: SearchSettings, plan: SearchPlan) -> None:
@@ -197,6 +207,7 @@ def make_space(settings: SearchSettings, search_plan: SearchPlan) -> SearchSpace
         root_knobs=settings.root_knobs,
         embedding_names=embeddings,
         head_names=head,
+        ranks_per_node=get_ranks_per_node(settings),
         unsupported_knobs=tuple(get_unsupported_knobs().items()),
         mixed_precision=search_plan.precision,
         search_reduce_dtype=settings.search_reduce_dtype,

@@ -94,6 +94,8 @@ from autotune.search.patterns import (
     describe_params,
     describe_params_diff,
     get_mesh_key,
+    get_reshard_choices,
+    get_reshard_key,
     group_blocks,
     split_even,
 )
@@ -150,6 +152,9 @@ class SearchSpace:
     """Search ``reduce_dtype`` (``REDUCE_DTYPES``); the defaults keep :attr:`mixed_precision`'s."""
     pipeline_degrees: tuple[int, ...] = (1,)
     """Pipeline degrees to search (``pp``); those dividing the world size and the blocks are offered."""
+    ranks_per_node: int | None = None
+    """The ranks of one node where the world spans nodes (the cluster profile's); None: one node.
+    The int reshard after forward is then the node's size (``patterns.get_reshard_choices``)."""
     unsupported_knobs: tuple[tuple[str, str], ...] = ()
     """``(config field, why)`` for each knob the installed torch cannot set (``fsdp_runtime.get_unsupported_knobs``):
     its parameter is never asked, so the config keeps FSDP2's default for it."""
@@ -326,18 +331,11 @@ class SearchSpace:
             return self.world_size // pp
         return int(mesh.split(":")[1].split("x")[1])
 
-    @staticmethod
-    def _get_reshard_choices(shard: int) -> list[str]:
-        return ["true", "false", "last_block_false", *(f"int:{d}" for d in range(2, shard) if shard % d == 0)]
+    def _get_reshard_choices(self, shard: int) -> list[str]:
+        return get_reshard_choices(shard, self.ranks_per_node)
 
-    @classmethod
-    def _get_reshard_key(cls, shard: int) -> str:
-        """One parameter name per choice list (see [Note: search-space parametrization])."""
-        return (
-            "reshard_after_forward"
-            if len(cls._get_reshard_choices(shard)) == 3
-            else f"reshard_after_forward_shard{shard}"
-        )
+    def _get_reshard_key(self, shard: int) -> str:
+        return get_reshard_key(shard, self.ranks_per_node)
 
     def build_config(self, params: dict[str, Any]) -> RuntimeConfig:
         """Expand pattern parameters into an explicit per-unit config."""

@@ -491,3 +491,31 @@ def test_no_point_of_the_space_reshards_the_head_after_forward():
         assert all(u.reshard_after_forward is False for u in heads)
         study.tell(trial, 1.0)
     assert split >= 10  # the split was sampled often enough to mean something
+
+
+def test_across_nodes_the_int_reshard_is_the_node_s_size_under_a_name_of_its_own():
+    from autotune.search.patterns import get_reshard_choices, get_reshard_key
+
+    assert get_reshard_choices(16)[3:] == ["int:2", "int:4", "int:8"]
+    assert get_reshard_choices(16, 8)[3:] == ["int:8"]  # 16 ranks over 2 nodes: reshard to one node
+    assert get_reshard_choices(8, 8) == get_reshard_choices(8)  # a shard group inside one node: every divisor
+    assert get_reshard_choices(12, 8) == get_reshard_choices(12)  # a node that does not divide the group
+    assert (get_reshard_key(16), get_reshard_key(16, 8)) == (
+        "reshard_after_forward_shard16",
+        "reshard_after_forward_shard16_node8",
+    )
+    assert get_reshard_key(8, 8) == "reshard_after_forward_shard8"  # the same list, the same name
+    space = _space(world_size=16, ranks_per_node=8)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(80):
+        trial = study.ask()
+        config = space.suggest(trial)
+        if config.mesh.kind == "fsdp":
+            seen |= {
+                u.reshard_after_forward
+                for u in config.units
+                if isinstance(u.reshard_after_forward, int) and not isinstance(u.reshard_after_forward, bool)
+            }
+        study.tell(trial, 1.0)
+    assert seen == {8}
