@@ -45,9 +45,11 @@ def get_method_fields(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def get_notes(device_type: str, unsupported: set[str]) -> list[str]:
-    """One line per knob asked on other devices than ``device_type`` only, then the registry's notes
-    of those asked on it (``unsupported``: the fields this torch cannot set, said elsewhere)."""
-    lines = []
+    """The FSDP2 methods the space asks on ``device_type``, then one line per knob asked on other
+    devices only, then the registry's notes of those asked on it (``unsupported``: the fields this
+    torch cannot set, said elsewhere)."""
+    asked = [k.name for k in KNOBS if k.method and is_asked(k, device_type, unsupported)]
+    lines = [f"FSDP2 methods searched: {', '.join(asked) or 'none'}"]
     for knob in KNOBS:
         if knob.search is None or knob.name in unsupported:
             continue

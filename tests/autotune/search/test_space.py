@@ -474,7 +474,12 @@ def test_the_space_says_which_knobs_it_leaves_to_another_device_and_the_registry
     assert not any(n.startswith(("symmetric_memory", "process_group_comm_buffers")) for n in cuda.device_notes)
     note = get_knob("unshard_in_backward").notes[0]
     assert f"unshard_in_backward: {note}" in cpu.device_notes and f"unshard_in_backward: {note}" in cuda.device_notes
+    assert cpu.device_notes[0] == (
+        "FSDP2 methods searched: unshard_async, reduce_scatter_max_input_buffers, separate_reduce_scatter_group, "
+        "unshard_in_backward"
+    )
     lacking = _space(unsupported_knobs=(("symmetric_memory", "needs torch >= 2.12"),), device_type="cuda")
+    assert "symmetric_memory" not in lacking.device_notes[0] and "process_group_comm_buffers" in lacking.device_notes[0]
     assert not any(n.startswith("symmetric_memory") for n in lacking.device_notes)  # said once, in notes
 
 
