@@ -83,10 +83,14 @@ def set_reduce_scatter_max_input_buffers(module: Any, num_buffers: int) -> None:
 
 def set_process_group_comm_buffers(module: Any, enable: bool) -> None:
     """Staging buffers from the process group's allocator on this unit, with sum-only reductions
-    (NCCL's zero-copy needs them), or both back to FSDP2's."""
+    (NCCL's zero-copy needs them). ``False`` needs no call: the knob is never switched in place,
+    and a model other code sharded (``adopt_fsdp`` sets every knob) keeps its own reductions and
+    comms (torchtitan turns sum-only reductions on itself, which gloo needs for its divide factor)."""
+    if not enable:
+        return
     require_method(module, "process_group_comm_buffers")
-    module.set_force_sum_reduction_for_comms(enable)
-    module.set_allocate_memory_from_process_group_for_comm(enable)
+    module.set_force_sum_reduction_for_comms(True)
+    module.set_allocate_memory_from_process_group_for_comm(True)
 
 
 def set_symmetric_memory(module: Any, enable: bool) -> None:

@@ -219,7 +219,10 @@ def test_the_communication_buffer_knobs_set_sum_only_reductions_first_and_symmet
     assert module.calls == [("force_sum", True), ("symm_mem", "NCCL")]
     module.calls.clear()
     get_knob("symmetric_memory").setter(module, False)  # FSDP2's own state: no call (there is no off switch)
+    get_knob("process_group_comm_buffers").setter(module, False)  # nor here: a model's own sum-only setting stays
     assert module.calls == []
+    set_method_knobs(module, RuntimeConfig(), "cuda", before=RuntimeConfig(), every=True)  # adopt_fsdp's way
+    assert module.calls == []  # torchtitan's own force-sum (which gloo needs) is never undone
 
 
 def test_a_cuda_only_knob_on_cpu_and_the_refused_pair_are_each_one_line_naming_the_field():
