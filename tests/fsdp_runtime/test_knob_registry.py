@@ -244,8 +244,9 @@ def test_apply_fsdp_refuses_a_cuda_only_knob_on_gloo_before_sharding_anything():
     from fsdp_runtime import ConfigError, apply_fsdp, default_config
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    config = dataclasses.replace(default_config([]), symmetric_memory=True)
-    with pytest.raises(ConfigError, match=r"^symmetric_memory: .*needs a cuda device; this model is on cpu"):
+    # process-group buffers: every torch of the matrix has the method (2.8 on), so the device is what refuses it
+    config = dataclasses.replace(default_config([]), process_group_comm_buffers=True)
+    with pytest.raises(ConfigError, match=r"^process_group_comm_buffers: .*needs a cuda device; this model is on cpu"):
         apply_fsdp(model, config)
     assert not isinstance(model, FSDPModule)
 
