@@ -270,9 +270,28 @@ def check_memorisation(
 ) -> NumericsCheck:
     """fp32, then bf16 params with fp32 reduce, on the fixed batch on ``world_size`` ranks (``pool``'s,
     else fresh ones); ``target`` is the rank program (:func:`memorise_ranks`, or a test's stand-in)."""
+    configs = {name: get_default_config(model, mp) for name, mp in (("fp32", FP32), ("bf16", BF16))}
+    runs = _memorise_each("memorisation", configs, model, task, backend, world_size, pool, timeout_s, target)
+    if isinstance(runs, NumericsCheck):
+        return runs
+    return evaluate_memorisation(runs["fp32"], runs["bf16"], len(configs["fp32"].units) - 1)
+
+
+def _memorise_each(
+    check: str,
+    configs: dict[str, RuntimeConfig],
+    model: Any,
+    task: MemoriseTask,
+    backend: str,
+    world_size: int,
+    pool: Pool | None,
+    timeout_s: float,
+    target: str,
+) -> dict[str, list[dict[str, Any]]] | NumericsCheck:
+    """The memorisation task under each of ``configs`` in turn: each one's rank results, or the failed
+    check ``check`` naming the first config whose ranks failed."""
     runs = {}
-    for name, mixed_precision in (("fp32", FP32), ("bf16", BF16)):
-        config = get_default_config(model, mixed_precision)
+    for name, config in configs.items():
         kwargs = {
             "model": model,
             "config": config_to_dict(config),
@@ -281,10 +300,9 @@ def check_memorisation(
         }
         run = _launch(target, kwargs, world_size=world_size, backend=backend, pool=pool, timeout_s=timeout_s)
         if not run.ok:
-            return NumericsCheck(name="memorisation", failure=f"{name}: {run.status}: {run.reason}")
+            return NumericsCheck(name=check, failure=f"{name}: {run.status}: {run.reason}")
         runs[name] = run.results
-    num_blocks = len(config.units) - 1
-    return evaluate_memorisation(runs["fp32"], runs["bf16"], num_blocks)
+    return runs
 
 
 def check_switch(
@@ -349,16 +367,8 @@ def check_comm_buffers(
         )
     if world_size < 2:
         return NumericsCheck(name="comm_buffers", failure=f"world size {world_size}: {ONE_RANK_BUFFERS}")
-    runs = {}
-    for name, config in get_comm_buffer_configs(model).items():
-        kwargs = {
-            "model": model,
-            "config": config_to_dict(config),
-            "task": dataclasses.asdict(task),
-            "backend": backend,
-        }
-        run = _launch(target, kwargs, world_size=world_size, backend=backend, pool=pool, timeout_s=timeout_s)
-        if not run.ok:
-            return NumericsCheck(name="comm_buffers", failure=f"{name}: {run.status}: {run.reason}")
-        runs[name] = run.results
-    return evaluate_comm_buffers(runs, len(config.units) - 1)
+    configs = get_comm_buffer_configs(model)
+    runs = _memorise_each("comm_buffers", configs, model, task, backend, world_size, pool, timeout_s, target)
+    if isinstance(runs, NumericsCheck):
+        return runs
+    return evaluate_comm_buffers(runs, len(configs["defaults"].units) - 1)
