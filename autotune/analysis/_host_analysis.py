@@ -61,23 +61,24 @@ class HostAnalyzer:
     """One row per (rank, profiled step), and one per (rank, profiled step, FSDP unit)."""
 
     @staticmethod
-    def _host_spans(events: RankEvents, labels: pd.DataFrame, s) -> np.ndarray:
+    def _host_spans(device_busy: np.ndarray | None, labels: pd.DataFrame, s) -> np.ndarray:
+        """The hooks ``labels`` in step ``s`` while the device is idle (GPU: ``device_busy``), or
+        while the training thread computes (CPU: ``device_busy`` None)."""
         hooks = iv.clip(iv.union(labels[["start", "end"]].to_numpy(dtype=float)), s.start, s.end)
-        if events.device == "gpu":
-            return iv.subtract(hooks, iv.union(events.device_ops[["start", "end"]].to_numpy(dtype=float)))
-        return iv.intersect(hooks, s.compute)
+        return iv.subtract(hooks, device_busy) if device_busy is not None else iv.intersect(hooks, s.compute)
 
     @classmethod
     def get_host_metrics(cls, events: RankEvents) -> tuple[pd.DataFrame, pd.DataFrame]:
         """``(steps, units)``: columns :data:`HOST_COLUMNS` and :data:`UNIT_HOST_COLUMNS`, ms."""
         labels = get_top_labels(events.labels)
         backward = labels["phase"].map(is_backward_phase).astype(bool) if len(labels) else pd.Series([], dtype=bool)
+        busy = iv.union(events.device_ops[["start", "end"]].to_numpy(dtype=float)) if events.device == "gpu" else None
         steps, units = [], []
         for s in get_step_slices(events):
             hooks = iv.clip(iv.union(labels[["start", "end"]].to_numpy(dtype=float)), s.start, s.end)
-            fwd = iv.total(cls._host_spans(events, labels[~backward], s)) / US_PER_MS
-            bwd = iv.total(cls._host_spans(events, labels[backward], s)) / US_PER_MS
-            host = iv.total(cls._host_spans(events, labels, s)) / US_PER_MS
+            fwd = iv.total(cls._host_spans(busy, labels[~backward], s)) / US_PER_MS
+            bwd = iv.total(cls._host_spans(busy, labels[backward], s)) / US_PER_MS
+            host = iv.total(cls._host_spans(busy, labels, s)) / US_PER_MS
             step = (s.end - s.start) / US_PER_MS
             steps.append([events.rank, s.step, step, iv.total(hooks) / US_PER_MS, host, fwd, bwd])
             for unit in events.units:
@@ -87,8 +88,8 @@ class HostAnalyzer:
                         events.rank,
                         s.step,
                         unit,
-                        iv.total(cls._host_spans(events, labels[mine & ~backward.to_numpy()], s)) / US_PER_MS,
-                        iv.total(cls._host_spans(events, labels[mine & backward.to_numpy()], s)) / US_PER_MS,
+                        iv.total(cls._host_spans(busy, labels[mine & ~backward.to_numpy()], s)) / US_PER_MS,
+                        iv.total(cls._host_spans(busy, labels[mine & backward.to_numpy()], s)) / US_PER_MS,
                     ]
                 )
         return pd.DataFrame(steps, columns=HOST_COLUMNS), pd.DataFrame(units, columns=UNIT_HOST_COLUMNS)
